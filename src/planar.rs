@@ -24,7 +24,12 @@ impl Planar {
     }
 
     pub fn zeros(channels: usize, height: usize, width: usize) -> Self {
-        Self::new(channels, height, width, vec![0.0; channels * height * width])
+        Self::new(
+            channels,
+            height,
+            width,
+            vec![0.0; channels * height * width],
+        )
     }
 
     pub fn plane(&self, c: usize) -> &[f32] {

@@ -1,0 +1,208 @@
+//! Device and precision choice, model loading and running images through the network.
+//!
+//! This is the only module that decides where and in what dtype the model runs; everything
+//! above it hands in host images and gets host images back.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Module, Tensor};
+
+use crate::model::{Checkpoint, Model, ModelError, Source};
+use crate::planar::Planar;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    Auto,
+    Cpu,
+    /// One or more CUDA ordinals.
+    Cuda(Vec<usize>),
+}
+
+pub fn parse_device(s: &str) -> Result<DeviceChoice, String> {
+    let s = s.trim().to_ascii_lowercase();
+    match s.as_str() {
+        "auto" => Ok(DeviceChoice::Auto),
+        "cpu" => Ok(DeviceChoice::Cpu),
+        "cuda" | "gpu" => Ok(DeviceChoice::Cuda(vec![0])),
+        _ => {
+            let list = s.strip_prefix("cuda:").ok_or_else(|| {
+                format!("unknown device '{s}' (expected auto, cpu, cuda or cuda:N[,M...])")
+            })?;
+            let ids = list
+                .split(',')
+                .map(|p| p.trim().parse::<usize>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| {
+                    format!("bad CUDA device list '{list}' (expected e.g. cuda:0 or cuda:0,1)")
+                })?;
+            if ids.is_empty() {
+                return Err(format!("bad CUDA device list '{list}'"));
+            }
+            Ok(DeviceChoice::Cuda(ids))
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    Auto,
+    Fp32,
+    Fp16,
+    Bf16,
+}
+
+pub fn parse_precision(s: &str) -> Result<Precision, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "auto" => Ok(Precision::Auto),
+        "fp32" | "f32" | "float32" => Ok(Precision::Fp32),
+        "fp16" | "f16" | "half" => Ok(Precision::Fp16),
+        "bf16" | "bfloat16" => Ok(Precision::Bf16),
+        _ => Err(format!(
+            "unknown precision '{s}' (expected auto, fp32, fp16 or bf16)"
+        )),
+    }
+}
+
+/// Open the requested device. `auto` takes the first GPU when this build has CUDA and one
+/// answers, else the CPU.
+pub fn open_device(choice: &DeviceChoice, warn: &mut dyn FnMut(String)) -> anyhow::Result<Device> {
+    match choice {
+        DeviceChoice::Cpu => Ok(Device::Cpu),
+        DeviceChoice::Auto => {
+            if candle_core::utils::cuda_is_available() {
+                match Device::new_cuda(0) {
+                    Ok(d) => return Ok(d),
+                    Err(e) => warn(format!("no usable CUDA device ({e}); running on the CPU")),
+                }
+            }
+            Ok(Device::Cpu)
+        }
+        DeviceChoice::Cuda(ids) => {
+            if !candle_core::utils::cuda_is_available() {
+                anyhow::bail!(
+                    "--device cuda: this binary was built without CUDA support (build with --features cuda)"
+                );
+            }
+            if ids.len() > 1 {
+                warn(format!(
+                    "several GPUs requested; this build runs on cuda:{} only",
+                    ids[0]
+                ));
+            }
+            Device::new_cuda(ids[0]).map_err(|e| anyhow::anyhow!("cuda:{}: {e}", ids[0]))
+        }
+    }
+}
+
+/// The dtype the model runs in. The CPU path is f32: candle's CPU backend has no bf16
+/// convolution and its f16 kernels are slower than f32, so a half-precision request there
+/// falls back with a warning.
+pub fn choose_dtype(p: Precision, device: &Device, warn: &mut dyn FnMut(String)) -> DType {
+    match (p, device.is_cpu()) {
+        (Precision::Fp32, _) | (Precision::Auto, true) => DType::F32,
+        (Precision::Fp16 | Precision::Bf16, true) => {
+            let name = if p == Precision::Fp16 { "fp16" } else { "bf16" };
+            warn(format!(
+                "--precision {name} is not available on the CPU; using fp32"
+            ));
+            DType::F32
+        }
+        (Precision::Auto | Precision::Bf16, false) => DType::BF16,
+        (Precision::Fp16, false) => DType::F16,
+    }
+}
+
+/// The weights compiled into the binary, when built with the `embedded-model` feature.
+pub fn embedded_model() -> Option<(&'static str, &'static [u8])> {
+    #[cfg(feature = "embedded-model")]
+    {
+        Some((
+            "upscale-default-x4",
+            include_bytes!("../../models/default_x4.safetensors"),
+        ))
+    }
+    #[cfg(not(feature = "embedded-model"))]
+    {
+        None
+    }
+}
+
+/// Read a checkpoint from `path`, or the embedded model when no path is given.
+pub fn read_checkpoint(path: Option<&Path>) -> Result<Checkpoint, ModelError> {
+    match path {
+        Some(p) => Checkpoint::load(p),
+        None => match embedded_model() {
+            Some((name, bytes)) => {
+                Checkpoint::from_safetensors_bytes(bytes, Source::Embedded(name))
+            }
+            None => Err(ModelError::File {
+                origin: "(no model)".into(),
+                msg: "this build has no embedded model: pass one with -m MODEL".into(),
+            }),
+        },
+    }
+}
+
+pub struct Engine {
+    pub model: Model,
+    pub device: Device,
+    pub dtype: DType,
+}
+
+impl Engine {
+    pub fn new(ck: Checkpoint, device: Device, dtype: DType) -> Result<Self, ModelError> {
+        let model = Model::from_checkpoint(ck, dtype, &device)?;
+        Ok(Self {
+            model,
+            device,
+            dtype,
+        })
+    }
+
+    pub fn scale(&self) -> usize {
+        self.model.config().scale
+    }
+
+    /// Run the whole image through the network at once.
+    pub fn upscale_whole(&self, img: &Planar) -> candle_core::Result<Planar> {
+        let x = Tensor::from_slice(
+            &img.data,
+            (1, img.channels, img.height, img.width),
+            &self.device,
+        )?;
+        let y = self.model.net.forward(&x)?.to_dtype(DType::F32)?;
+        let (_, c, h, w) = y.dims4()?;
+        let data = y.flatten_all()?.to_vec1::<f32>()?;
+        Ok(Planar::new(c, h, w, data))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_strings() {
+        assert_eq!(parse_device("auto"), Ok(DeviceChoice::Auto));
+        assert_eq!(parse_device("CPU"), Ok(DeviceChoice::Cpu));
+        assert_eq!(parse_device("cuda"), Ok(DeviceChoice::Cuda(vec![0])));
+        assert_eq!(parse_device("cuda:1,3"), Ok(DeviceChoice::Cuda(vec![1, 3])));
+        assert!(
+            parse_device("cuda:x").unwrap_err().contains("cuda:x")
+                || parse_device("cuda:x").is_err()
+        );
+        assert!(parse_device("tpu").unwrap_err().contains("tpu"));
+    }
+
+    #[test]
+    fn cpu_falls_back_to_fp32_with_a_warning() {
+        let mut warnings = Vec::new();
+        let d = choose_dtype(Precision::Bf16, &Device::Cpu, &mut |w| warnings.push(w));
+        assert_eq!(d, DType::F32);
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].contains("bf16"));
+        let d = choose_dtype(Precision::Auto, &Device::Cpu, &mut |w| warnings.push(w));
+        assert_eq!(d, DType::F32);
+        assert_eq!(warnings.len(), 1);
+    }
+}

@@ -1,0 +1,179 @@
+//! Derived attention inputs, computed once instead of per forward.
+//!
+//! The relative-position bias depends only on a block's table, so it is gathered at load. The
+//! shift mask depends only on the padded feature size; the official code rebuilds it on the
+//! host in every shifted block for every size but the training size. Here it is built once per
+//! (H, W), shared by every shifted block, tile and batch, and safe to use from several threads.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// Mask value for token pairs from different regions of the rolled image, as the official
+/// code uses (not -inf: the softmax result is the same, and it keeps fp16 finite).
+const MASK_VALUE: f32 = -100.0;
+
+/// Index into the `(2ws-1)^2` bias table for every (query, key) pair of a window, row-major.
+pub fn relative_position_index(ws: usize) -> Vec<u32> {
+    let n = ws * ws;
+    let side = 2 * ws - 1;
+    let mut idx = Vec::with_capacity(n * n);
+    for i in 0..n {
+        let (yi, xi) = (i / ws, i % ws);
+        for j in 0..n {
+            let (yj, xj) = (j / ws, j % ws);
+            idx.push(((yi + ws - 1 - yj) * side + (xi + ws - 1 - xj)) as u32);
+        }
+    }
+    idx
+}
+
+/// Gather a `[(2ws-1)^2, heads]` table into the `(heads, N, N)` bias added to the scores.
+pub fn relative_position_bias(table: &Tensor, ws: usize) -> Result<Tensor> {
+    let n = ws * ws;
+    let heads = table.dim(1)?;
+    let idx = Tensor::from_vec(relative_position_index(ws), n * n, table.device())?;
+    table
+        .index_select(&idx, 0)?
+        .reshape((n, n, heads))?
+        .permute((2, 0, 1))?
+        .contiguous()
+}
+
+/// The shifted-window mask for a padded feature map of `h x w` (multiples of `ws`), as
+/// `(nW, N, N)` with windows row-major.
+pub fn shift_mask(h: usize, w: usize, ws: usize) -> Vec<f32> {
+    let shift = ws / 2;
+    // Regions of the rolled image: the body, the band that wrapped from the start, and the
+    // band that stayed; tokens attend only within their region.
+    let region = |p: usize, size: usize| -> usize {
+        if p + ws < size {
+            0
+        } else if p + shift < size {
+            1
+        } else {
+            2
+        }
+    };
+    let (nh, nw) = (h / ws, w / ws);
+    let n = ws * ws;
+    let mut mask = vec![0f32; nh * nw * n * n];
+    let mut labels = vec![0usize; n];
+    for wy in 0..nh {
+        for wx in 0..nw {
+            for (t, label) in labels.iter_mut().enumerate() {
+                let y = wy * ws + t / ws;
+                let x = wx * ws + t % ws;
+                *label = 3 * region(y, h) + region(x, w);
+            }
+            let base = (wy * nw + wx) * n * n;
+            for i in 0..n {
+                for j in 0..n {
+                    if labels[i] != labels[j] {
+                        mask[base + i * n + j] = MASK_VALUE;
+                    }
+                }
+            }
+        }
+    }
+    mask
+}
+
+/// Shift masks keyed by padded size, on the model's device and in its dtype.
+#[derive(Clone)]
+pub struct MaskCache {
+    window: usize,
+    dtype: DType,
+    device: Device,
+    masks: Arc<Mutex<HashMap<(usize, usize), Tensor>>>,
+}
+
+impl MaskCache {
+    pub fn new(window: usize, dtype: DType, device: &Device) -> Self {
+        Self {
+            window,
+            dtype,
+            device: device.clone(),
+            masks: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    pub fn get(&self, h: usize, w: usize) -> Result<Tensor> {
+        // A poisoned lock only means another thread panicked mid-insert of a complete value;
+        // the map itself is still consistent.
+        let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = masks.get(&(h, w)) {
+            return Ok(m.clone());
+        }
+        let ws = self.window;
+        let n = ws * ws;
+        let m = Tensor::from_vec(
+            shift_mask(h, w, ws),
+            ((h / ws) * (w / ws), n, n),
+            &Device::Cpu,
+        )?
+        .to_dtype(self.dtype)?
+        .to_device(&self.device)?;
+        masks.insert((h, w), m.clone());
+        Ok(m)
+    }
+
+    pub fn len(&self) -> usize {
+        self.masks.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_matches_definition_at_corners() {
+        let ws = 4;
+        let idx = relative_position_index(ws);
+        let n = ws * ws;
+        // Same token: zero offset, the centre of the table.
+        assert_eq!(idx[0], ((ws - 1) * (2 * ws - 1) + ws - 1) as u32);
+        // Query at the last token, key at the first: the largest offset.
+        assert_eq!(idx[(n - 1) * n], ((2 * ws - 1) * (2 * ws - 1) - 1) as u32);
+        // Query first, key last: the smallest.
+        assert_eq!(idx[n - 1], 0);
+        // Query (0,1), key (0,0): dx = +1, dy = 0 -> row ws-1, column ws.
+        assert_eq!(idx[n], ((ws - 1) * (2 * ws - 1) + ws) as u32);
+    }
+
+    #[test]
+    fn only_last_row_and_column_of_windows_are_masked() {
+        let (h, w, ws) = (24, 32, 8);
+        let m = shift_mask(h, w, ws);
+        let n = ws * ws;
+        let nw = w / ws;
+        for win in 0..(h / ws) * nw {
+            let (wy, wx) = (win / nw, win % nw);
+            let any = m[win * n * n..(win + 1) * n * n].iter().any(|&v| v != 0.0);
+            assert_eq!(any, wy == h / ws - 1 || wx == nw - 1, "window {wy},{wx}");
+        }
+        // In the bottom-right window, the top-left token (region 1,1) and the bottom-right
+        // token (region 2,2) must not see each other; a token always sees itself.
+        let last = (h / ws) * nw - 1;
+        assert_eq!(m[last * n * n + n - 1], MASK_VALUE);
+        assert_eq!(m[last * n * n + (n - 1) * n + n - 1], 0.0);
+    }
+
+    #[test]
+    fn cache_reuses_masks() -> Result<()> {
+        let c = MaskCache::new(4, DType::F32, &Device::Cpu);
+        let a = c.get(8, 12)?;
+        let _ = c.get(8, 12)?;
+        assert_eq!(c.len(), 1);
+        assert_eq!(a.dims(), &[6, 16, 16]);
+        c.get(12, 8)?;
+        assert_eq!(c.len(), 2);
+        Ok(())
+    }
+}

@@ -1,0 +1,190 @@
+//! Reading DRCT weights from `.safetensors` and PyTorch `.pth` files.
+//!
+//! The file format is told by content, not extension: safetensors starts with a little-endian
+//! header length, a modern `.pth` is a zip archive. Key names are normalised (wrappers,
+//! `module.` prefix), the official buffers are dropped (they are recomputed exactly at load),
+//! and every tensor is checked for NaN/Inf before the model sees it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::config::DrctConfig;
+use super::ModelError;
+
+/// Where the weights came from, for messages and `upscale info`.
+#[derive(Clone, Debug)]
+pub enum Source {
+    File(std::path::PathBuf),
+    Embedded(&'static str),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::File(p) => write!(f, "{}", p.display()),
+            Source::Embedded(name) => write!(f, "{name} (embedded)"),
+        }
+    }
+}
+
+/// A validated DRCT state dict: f32 tensors on the CPU, official key names, no buffers.
+pub struct Checkpoint {
+    pub source: Source,
+    pub config: DrctConfig,
+    pub tensors: HashMap<String, Tensor>,
+    /// safetensors metadata, when the file had any.
+    pub metadata: BTreeMap<String, String>,
+    /// The wrapper key the state dict came from in a `.pth` (e.g. `params_ema`).
+    pub wrapper: Option<String>,
+}
+
+/// Wrapper keys in order of preference: EMA weights are what the authors evaluate.
+const PTH_KEYS: [&str; 5] = ["params_ema", "params", "state_dict", "model", "net"];
+
+impl Checkpoint {
+    pub fn load(path: &Path) -> Result<Self, ModelError> {
+        let source = Source::File(path.to_path_buf());
+        let bytes = std::fs::read(path).map_err(|e| ModelError::Io {
+            path: path.display().to_string(),
+            msg: e.to_string(),
+        })?;
+        if bytes.is_empty() {
+            return Err(ModelError::file(&source, "the file is empty"));
+        }
+        if bytes.starts_with(b"PK\x03\x04") {
+            Self::from_pth(path, source)
+        } else if looks_like_safetensors(&bytes) {
+            Self::from_safetensors_bytes(&bytes, source)
+        } else if bytes.first() == Some(&0x80) {
+            Err(ModelError::file(
+                &source,
+                "legacy (pre-zip) PyTorch pickle: re-save it with torch.save in a current PyTorch",
+            ))
+        } else {
+            Err(ModelError::file(
+                &source,
+                "neither a safetensors file nor a PyTorch .pth archive",
+            ))
+        }
+    }
+
+    pub fn from_safetensors_bytes(bytes: &[u8], source: Source) -> Result<Self, ModelError> {
+        let st = safetensors::SafeTensors::deserialize(bytes)
+            .map_err(|e| ModelError::file(&source, &format!("unreadable safetensors: {e}")))?;
+        let metadata = safetensors::SafeTensors::read_metadata(bytes)
+            .ok()
+            .and_then(|(_, m)| m.metadata().clone())
+            .map(|m| m.into_iter().collect())
+            .unwrap_or_default();
+        let mut raw = Vec::new();
+        for (name, view) in st.tensors() {
+            let t = candle_core::safetensors::Load::load(&view, &Device::Cpu)
+                .map_err(|e| ModelError::tensor(&source, &name, &e.to_string()))?;
+            raw.push((name, t));
+        }
+        let mut ck = Self::from_raw(raw, source, None)?;
+        ck.metadata = metadata;
+        Ok(ck)
+    }
+
+    fn from_pth(path: &Path, source: Source) -> Result<Self, ModelError> {
+        for key in PTH_KEYS.iter().map(|k| Some(*k)).chain([None]) {
+            let pth = match candle_core::pickle::PthTensors::new(path, key) {
+                Ok(p) => p,
+                // A missing wrapper key is the expected miss; anything else is a broken file.
+                Err(e)
+                    if key
+                        .is_some_and(|k| e.to_string().contains(&format!("key {k} not found"))) =>
+                {
+                    continue
+                }
+                Err(e) => {
+                    return Err(ModelError::file(
+                        &source,
+                        &format!("unreadable PyTorch archive: {e}"),
+                    ))
+                }
+            };
+            if pth.tensor_infos().is_empty() {
+                continue;
+            }
+            let mut raw = Vec::new();
+            let mut names: Vec<&String> = pth.tensor_infos().keys().collect();
+            names.sort();
+            for name in names {
+                if is_buffer(name) {
+                    continue;
+                }
+                let t = pth
+                    .get(name)
+                    .map_err(|e| ModelError::tensor(&source, name, &e.to_string()))?
+                    .ok_or_else(|| ModelError::tensor(&source, name, "tensor data missing"))?;
+                raw.push((name.clone(), t));
+            }
+            return Self::from_raw(raw, source, key.map(str::to_string));
+        }
+        Err(ModelError::file(
+            &source,
+            "no state dict found (looked for params_ema, params, state_dict, model, net and a bare dict)",
+        ))
+    }
+
+    fn from_raw(
+        raw: Vec<(String, Tensor)>,
+        source: Source,
+        wrapper: Option<String>,
+    ) -> Result<Self, ModelError> {
+        let mut tensors = HashMap::new();
+        for (name, t) in raw {
+            let name = name.strip_prefix("module.").unwrap_or(&name).to_string();
+            if is_buffer(&name) {
+                continue;
+            }
+            let t = t
+                .to_dtype(DType::F32)
+                .map_err(|e| ModelError::tensor(&source, &name, &e.to_string()))?;
+            check_finite(&t).map_err(|msg| ModelError::tensor(&source, &name, &msg))?;
+            tensors.insert(name, t);
+        }
+        if tensors.is_empty() {
+            return Err(ModelError::file(&source, "the file holds no tensors"));
+        }
+        let shapes: BTreeMap<String, Vec<usize>> = tensors
+            .iter()
+            .map(|(k, v)| (k.clone(), v.dims().to_vec()))
+            .collect();
+        let config = DrctConfig::infer(&shapes).map_err(|msg| ModelError::file(&source, &msg))?;
+        Ok(Self {
+            source,
+            config,
+            tensors,
+            metadata: BTreeMap::new(),
+            wrapper,
+        })
+    }
+}
+
+/// Buffers the official model registers: derived data that we recompute, never weights.
+fn is_buffer(name: &str) -> bool {
+    name.ends_with("relative_position_index") || name.ends_with("attn_mask")
+}
+
+fn looks_like_safetensors(bytes: &[u8]) -> bool {
+    bytes.len() >= 9 && bytes[8] == b'{'
+}
+
+fn check_finite(t: &Tensor) -> Result<(), String> {
+    let v = t
+        .flatten_all()
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(|e| e.to_string())?;
+    match v.iter().position(|x| !x.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "holds a non-finite value ({}) at flat index {i}",
+            v[i]
+        )),
+    }
+}

@@ -1,0 +1,369 @@
+//! DRCT hyper-parameters, inferred from the shapes of a state dict and validated.
+//!
+//! Nothing here is read from a side file: released checkpoints carry no config, so every
+//! number comes from a tensor shape, and every shape the network will use is checked before
+//! a single layer is built. That way a wrong or foreign file fails here, with the tensor's
+//! name, instead of deep inside a matmul.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+/// Blocks per residual dense group: the official RDG hard-codes five, whatever `depths` says.
+pub const BLOCKS_PER_GROUP: usize = 5;
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DrctConfig {
+    pub embed_dim: usize,
+    pub groups: usize,
+    pub window: usize,
+    /// Heads of swin1..swin5 for each group (the official code takes one head count per
+    /// group and derives the wider blocks' counts from it).
+    pub heads: Vec<[usize; BLOCKS_PER_GROUP]>,
+    pub growth: usize,
+    /// Hidden width of each block's MLP (blocks 4 and 5 use ratio 1 in the official code).
+    pub mlp_hidden: [usize; BLOCKS_PER_GROUP],
+    pub num_feat: usize,
+    pub scale: usize,
+    pub patch_norm: bool,
+    /// `conv_after_body` present ("1conv"); absent means the identity residual.
+    pub conv_after_body: bool,
+}
+
+impl DrctConfig {
+    /// Channel width of block `k` (0-based) inside a group.
+    pub fn block_dim(&self, k: usize) -> usize {
+        self.embed_dim + k * self.growth
+    }
+
+    pub fn head_dim(&self, g: usize, k: usize) -> usize {
+        self.block_dim(k) / self.heads[g][k]
+    }
+
+    /// Every tensor the network needs, with its shape. The single source of truth for both
+    /// validation and the parameter count.
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let e = self.embed_dim;
+        let ws = self.window;
+        let f = self.num_feat;
+        let mut t: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut push = |name: String, shape: Vec<usize>| t.push((name, shape));
+        push("conv_first.weight".into(), vec![e, 3, 3, 3]);
+        push("conv_first.bias".into(), vec![e]);
+        if self.patch_norm {
+            push("patch_embed.norm.weight".into(), vec![e]);
+            push("patch_embed.norm.bias".into(), vec![e]);
+        }
+        for g in 0..self.groups {
+            for k in 0..BLOCKS_PER_GROUP {
+                let d = self.block_dim(k);
+                let h = self.mlp_hidden[k];
+                let p = format!("layers.{g}.swin{}", k + 1);
+                push(format!("{p}.norm1.weight"), vec![d]);
+                push(format!("{p}.norm1.bias"), vec![d]);
+                push(
+                    format!("{p}.attn.relative_position_bias_table"),
+                    vec![(2 * ws - 1) * (2 * ws - 1), self.heads[g][k]],
+                );
+                push(format!("{p}.attn.qkv.weight"), vec![3 * d, d]);
+                push(format!("{p}.attn.qkv.bias"), vec![3 * d]);
+                push(format!("{p}.attn.proj.weight"), vec![d, d]);
+                push(format!("{p}.attn.proj.bias"), vec![d]);
+                push(format!("{p}.norm2.weight"), vec![d]);
+                push(format!("{p}.norm2.bias"), vec![d]);
+                push(format!("{p}.mlp.fc1.weight"), vec![h, d]);
+                push(format!("{p}.mlp.fc1.bias"), vec![h]);
+                push(format!("{p}.mlp.fc2.weight"), vec![d, h]);
+                push(format!("{p}.mlp.fc2.bias"), vec![d]);
+                let out = if k + 1 == BLOCKS_PER_GROUP {
+                    e
+                } else {
+                    self.growth
+                };
+                let a = format!("layers.{g}.adjust{}", k + 1);
+                push(format!("{a}.weight"), vec![out, d, 1, 1]);
+                push(format!("{a}.bias"), vec![out]);
+            }
+        }
+        push("norm.weight".into(), vec![e]);
+        push("norm.bias".into(), vec![e]);
+        if self.conv_after_body {
+            push("conv_after_body.weight".into(), vec![e, e, 3, 3]);
+            push("conv_after_body.bias".into(), vec![e]);
+        }
+        push("conv_before_upsample.0.weight".into(), vec![f, e, 3, 3]);
+        push("conv_before_upsample.0.bias".into(), vec![f]);
+        for (i, r) in self.upsample_stages().iter().enumerate() {
+            push(
+                format!("upsample.{}.weight", 2 * i),
+                vec![r * r * f, f, 3, 3],
+            );
+            push(format!("upsample.{}.bias", 2 * i), vec![r * r * f]);
+        }
+        push("conv_last.weight".into(), vec![3, f, 3, 3]);
+        push("conv_last.bias".into(), vec![3]);
+        t
+    }
+
+    /// Pixel-shuffle factor of each upsampler stage: x3 is one stage of 3, powers of two are
+    /// stages of 2.
+    pub fn upsample_stages(&self) -> Vec<usize> {
+        if self.scale == 3 {
+            vec![3]
+        } else {
+            vec![2; self.scale.trailing_zeros() as usize]
+        }
+    }
+
+    pub fn parameter_count(&self) -> usize {
+        self.expected_tensors()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// Infer the config from tensor names and shapes, then check every tensor against it.
+    /// Errors are plain sentences naming the tensor; the caller adds the file name.
+    pub fn infer(shapes: &BTreeMap<String, Vec<usize>>) -> Result<Self, String> {
+        let get = |name: &str| -> Result<&Vec<usize>, String> {
+            shapes
+                .get(name)
+                .ok_or_else(|| format!("missing tensor {name} (not a DRCT checkpoint?)"))
+        };
+        let cf = get("conv_first.weight")?;
+        if cf.len() != 4 || cf[1] != 3 || cf[2] != 3 || cf[3] != 3 {
+            return Err(format!(
+                "tensor conv_first.weight has shape {cf:?}; a DRCT RGB model has [E, 3, 3, 3]"
+            ));
+        }
+        let embed_dim = cf[0];
+        if shapes.contains_key("absolute_pos_embed") {
+            return Err("absolute position embedding (ape=True) is not supported".into());
+        }
+        if shapes.keys().any(|k| k.starts_with("conv_after_body.0.")) {
+            return Err("the '3conv' residual connection is not supported".into());
+        }
+
+        let mut groups = 0;
+        for key in shapes.keys() {
+            if let Some(rest) = key.strip_prefix("layers.") {
+                let idx = rest.split('.').next().unwrap_or("");
+                let i: usize = idx
+                    .parse()
+                    .map_err(|_| format!("unexpected tensor {key}"))?;
+                groups = groups.max(i + 1);
+            }
+        }
+        if groups == 0 {
+            return Err("no residual groups (layers.N.*) found: not a DRCT checkpoint".into());
+        }
+
+        let table = get("layers.0.swin1.attn.relative_position_bias_table")?;
+        if table.len() != 2 {
+            return Err(format!(
+                "tensor layers.0.swin1.attn.relative_position_bias_table has shape {table:?}; expected 2 dims"
+            ));
+        }
+        let side = isqrt(table[0]);
+        if side * side != table[0] || side % 2 == 0 {
+            return Err(format!(
+                "tensor layers.0.swin1.attn.relative_position_bias_table has {} rows; expected (2*window-1)^2",
+                table[0]
+            ));
+        }
+        let window = side.div_ceil(2);
+
+        let growth = get("layers.0.adjust1.weight")?[0];
+        let mut heads = vec![[0; BLOCKS_PER_GROUP]; groups];
+        let mut mlp_hidden = [0; BLOCKS_PER_GROUP];
+        for (g, group_heads) in heads.iter_mut().enumerate() {
+            for (k, h) in group_heads.iter_mut().enumerate() {
+                let p = format!("layers.{g}.swin{}", k + 1);
+                let t = get(&format!("{p}.attn.relative_position_bias_table"))?;
+                *h = *t.get(1).ok_or_else(|| {
+                    format!("tensor {p}.attn.relative_position_bias_table has shape {t:?}")
+                })?;
+                let d = embed_dim + k * growth;
+                if *h == 0 || d % *h != 0 {
+                    return Err(format!(
+                        "block {p} has width {d} and {h} heads: the width must divide evenly"
+                    ));
+                }
+            }
+        }
+        for (k, hidden) in mlp_hidden.iter_mut().enumerate() {
+            *hidden = get(&format!("layers.0.swin{}.mlp.fc1.weight", k + 1))?[0];
+        }
+
+        let cbu = get("conv_before_upsample.0.weight")?;
+        let num_feat = cbu[0];
+        let mut scale = 1;
+        let mut stage = 0;
+        while let Some(w) = shapes.get(&format!("upsample.{}.weight", 2 * stage)) {
+            let r2 = w[0] / num_feat.max(1);
+            let r = isqrt(r2);
+            if r * r * num_feat != w[0] || !(r == 2 || r == 3) {
+                return Err(format!(
+                    "tensor upsample.{}.weight has shape {w:?}: not a pixel-shuffle stage of 2 or 3 over {num_feat} channels",
+                    2 * stage
+                ));
+            }
+            scale *= r;
+            stage += 1;
+        }
+        if stage == 0 {
+            return Err(
+                "missing tensor upsample.0.weight (only the pixel-shuffle upsampler is supported)"
+                    .into(),
+            );
+        }
+        if !(scale == 3 || (scale.is_power_of_two() && scale >= 2)) || (scale % 3 == 0 && stage > 1)
+        {
+            return Err(format!(
+                "unsupported upsampler: scale {scale} from {stage} stages"
+            ));
+        }
+
+        let cfg = DrctConfig {
+            embed_dim,
+            groups,
+            window,
+            heads,
+            growth,
+            mlp_hidden,
+            num_feat,
+            scale,
+            patch_norm: shapes.contains_key("patch_embed.norm.weight"),
+            conv_after_body: shapes.contains_key("conv_after_body.weight"),
+        };
+        cfg.check_shapes(shapes)?;
+        Ok(cfg)
+    }
+
+    /// Every expected tensor present with its exact shape, and nothing unexplained left over.
+    fn check_shapes(&self, shapes: &BTreeMap<String, Vec<usize>>) -> Result<(), String> {
+        let expected = self.expected_tensors();
+        for (name, shape) in &expected {
+            match shapes.get(name) {
+                None => return Err(format!("missing tensor {name}")),
+                Some(found) if found != shape => {
+                    return Err(format!(
+                        "tensor {name} has shape {found:?} but the inferred config needs {shape:?}"
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        if expected.len() != shapes.len() {
+            let known: std::collections::HashSet<&str> =
+                expected.iter().map(|(n, _)| n.as_str()).collect();
+            if let Some(extra) = shapes.keys().find(|k| !known.contains(k.as_str())) {
+                return Err(format!(
+                    "unexpected tensor {extra} (an unsupported DRCT variant or another architecture)"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn isqrt(n: usize) -> usize {
+    let mut r = (n as f64).sqrt() as usize;
+    while r * r > n {
+        r -= 1;
+    }
+    while (r + 1) * (r + 1) <= n {
+        r += 1;
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The released DRCT x4 shape: the parameter count in the paper's repository.
+    fn drct_x4() -> DrctConfig {
+        DrctConfig {
+            embed_dim: 180,
+            groups: 6,
+            window: 16,
+            heads: vec![[6, 4, 2, 6, 4]; 6],
+            growth: 32,
+            mlp_hidden: [360, 424, 488, 276, 308],
+            num_feat: 64,
+            scale: 4,
+            patch_norm: true,
+            conv_after_body: true,
+        }
+    }
+
+    fn shapes_of(cfg: &DrctConfig) -> BTreeMap<String, Vec<usize>> {
+        cfg.expected_tensors().into_iter().collect()
+    }
+
+    #[test]
+    fn released_parameter_counts() {
+        assert_eq!(drct_x4().parameter_count(), 14_139_579);
+        let large = DrctConfig {
+            groups: 12,
+            heads: vec![[6, 4, 2, 6, 4]; 12],
+            ..drct_x4()
+        };
+        assert_eq!(large.parameter_count(), 27_580_719);
+    }
+
+    #[test]
+    fn infer_round_trips_every_variant() {
+        for scale in [2, 3, 4, 8] {
+            for (patch_norm, conv_after_body) in [(true, true), (false, false)] {
+                let cfg = DrctConfig {
+                    scale,
+                    patch_norm,
+                    conv_after_body,
+                    ..drct_x4()
+                };
+                assert_eq!(DrctConfig::infer(&shapes_of(&cfg)).unwrap(), cfg);
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_missing_wrong_and_extra_tensors() {
+        let cfg = drct_x4();
+        let mut s = shapes_of(&cfg);
+        s.remove("layers.3.swin2.mlp.fc2.bias");
+        let e = DrctConfig::infer(&s).unwrap_err();
+        assert!(e.contains("layers.3.swin2.mlp.fc2.bias"), "{e}");
+
+        let mut s = shapes_of(&cfg);
+        s.insert("layers.1.swin4.norm2.weight".into(), vec![275]);
+        let e = DrctConfig::infer(&s).unwrap_err();
+        assert!(e.contains("layers.1.swin4.norm2.weight"), "{e}");
+
+        let mut s = shapes_of(&cfg);
+        s.insert("layers.0.swin1.attn.extra".into(), vec![1]);
+        let e = DrctConfig::infer(&s).unwrap_err();
+        assert!(e.contains("layers.0.swin1.attn.extra"), "{e}");
+
+        let mut s = shapes_of(&cfg);
+        s.insert("upsample.0.weight".into(), vec![5 * 64, 64, 3, 3]);
+        assert!(DrctConfig::infer(&s)
+            .unwrap_err()
+            .contains("upsample.0.weight"));
+    }
+
+    #[test]
+    fn foreign_state_dict_is_not_drct() {
+        let mut s = BTreeMap::new();
+        s.insert("conv_first.weight".to_string(), vec![64, 3, 3, 3]);
+        s.insert(
+            "layers.0.residual_group.blocks.0.norm1.weight".to_string(),
+            vec![64],
+        );
+        assert!(DrctConfig::infer(&s).is_err());
+        assert!(DrctConfig::infer(&BTreeMap::new())
+            .unwrap_err()
+            .contains("conv_first.weight"));
+    }
+}

@@ -1,0 +1,406 @@
+//! The DRCT network (Dense-Residual-Connected Transformer), inference only.
+//!
+//! One struct per layer of the official model, each built from a VarBuilder whose path is the
+//! state-dict key. Features between layers are kept channels-last, `(B, H, W, C)`, so every
+//! token-wise layer is one matmul over contiguous memory and the dense concatenations are
+//! plain copies along the last axis.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{Conv2d, Conv2dConfig, LayerNorm, Linear, VarBuilder};
+
+use super::cache::{relative_position_bias, MaskCache};
+use super::config::{DrctConfig, BLOCKS_PER_GROUP};
+
+/// The RGB mean the official model subtracts (img_range 1.0); not stored in checkpoints.
+const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
+/// LayerNorm epsilon of torch's default, which the official model uses.
+const LN_EPS: f64 = 1e-5;
+/// Slope of the LeakyReLU inside residual dense groups.
+const RDG_SLOPE: f64 = 0.2;
+/// `nn.LeakyReLU()`'s default slope, used after `conv_before_upsample`.
+const UPSAMPLE_SLOPE: f64 = 0.01;
+/// Residual scaling of a group's output.
+const RDG_RESIDUAL: f64 = 0.2;
+
+fn layer_norm(dim: usize, vb: VarBuilder) -> Result<LayerNorm> {
+    candle_nn::layer_norm(dim, LN_EPS, vb)
+}
+
+fn conv3x3(cin: usize, cout: usize, vb: VarBuilder) -> Result<Conv2d> {
+    let cfg = Conv2dConfig {
+        padding: 1,
+        ..Default::default()
+    };
+    candle_nn::conv2d(cin, cout, 3, cfg, vb)
+}
+
+/// A 1x1 convolution applied to channels-last tokens is a linear layer.
+fn pointwise(cin: usize, cout: usize, vb: VarBuilder) -> Result<Linear> {
+    let w = vb.get((cout, cin, 1, 1), "weight")?.reshape((cout, cin))?;
+    let b = vb.get(cout, "bias")?;
+    Ok(Linear::new(w, Some(b)))
+}
+
+pub struct Mlp {
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Mlp {
+    pub fn new(dim: usize, hidden: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            fc1: candle_nn::linear(dim, hidden, vb.pp("fc1"))?,
+            fc2: candle_nn::linear(hidden, dim, vb.pp("fc2"))?,
+        })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // The official model uses nn.GELU(): the exact erf form, not the tanh approximation.
+        self.fc2.forward(&self.fc1.forward(x)?.gelu_erf()?)
+    }
+}
+
+pub struct WindowAttention {
+    qkv: Linear,
+    proj: Linear,
+    heads: usize,
+    head_dim: usize,
+    /// `(heads, N, N)`, gathered from the table once at load.
+    bias: Tensor,
+}
+
+impl WindowAttention {
+    pub fn new(dim: usize, heads: usize, ws: usize, vb: VarBuilder) -> Result<Self> {
+        let head_dim = dim / heads;
+        // Fold head_dim^-0.5 into the query rows of qkv: one multiply at load instead of a
+        // pass over q in every forward.
+        let scale = (head_dim as f64).powf(-0.5);
+        let w = vb.pp("qkv").get((3 * dim, dim), "weight")?;
+        let b = vb.pp("qkv").get(3 * dim, "bias")?;
+        let w = Tensor::cat(
+            &[(w.narrow(0, 0, dim)? * scale)?, w.narrow(0, dim, 2 * dim)?],
+            0,
+        )?;
+        let b = Tensor::cat(
+            &[(b.narrow(0, 0, dim)? * scale)?, b.narrow(0, dim, 2 * dim)?],
+            0,
+        )?;
+        let table = vb.get(
+            ((2 * ws - 1) * (2 * ws - 1), heads),
+            "relative_position_bias_table",
+        )?;
+        Ok(Self {
+            qkv: Linear::new(w, Some(b)),
+            proj: candle_nn::linear(dim, dim, vb.pp("proj"))?,
+            heads,
+            head_dim,
+            bias: relative_position_bias(&table, ws)?,
+        })
+    }
+
+    /// `x`: windows `(B*nW, N, C)`; `mask`: `(nW, N, N)` for shifted blocks.
+    pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        let (bw, n, c) = x.dims3()?;
+        let qkv = self
+            .qkv
+            .forward(x)?
+            .reshape((bw, n, 3, self.heads, self.head_dim))?
+            .permute((2, 0, 3, 1, 4))?;
+        let q = qkv.get(0)?.contiguous()?;
+        let k = qkv.get(1)?.contiguous()?;
+        let v = qkv.get(2)?.contiguous()?;
+        let mut attn = q.matmul(&k.t()?)?.broadcast_add(&self.bias)?;
+        if let Some(mask) = mask {
+            let nw = mask.dim(0)?;
+            attn = attn
+                .reshape((bw / nw, nw, self.heads, n, n))?
+                .broadcast_add(&mask.unsqueeze(1)?)?
+                .reshape((bw, self.heads, n, n))?;
+        }
+        let attn = candle_nn::ops::softmax_last_dim(&attn)?;
+        let out = attn.matmul(&v)?.transpose(1, 2)?.reshape((bw, n, c))?;
+        self.proj.forward(&out)
+    }
+}
+
+pub struct SwinBlock {
+    norm1: LayerNorm,
+    attn: WindowAttention,
+    norm2: LayerNorm,
+    mlp: Mlp,
+    window: usize,
+    shifted: bool,
+    masks: MaskCache,
+}
+
+impl SwinBlock {
+    pub fn new(
+        cfg: &DrctConfig,
+        g: usize,
+        k: usize,
+        masks: &MaskCache,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let dim = cfg.block_dim(k);
+        Ok(Self {
+            norm1: layer_norm(dim, vb.pp("norm1"))?,
+            attn: WindowAttention::new(dim, cfg.heads[g][k], cfg.window, vb.pp("attn"))?,
+            norm2: layer_norm(dim, vb.pp("norm2"))?,
+            mlp: Mlp::new(dim, cfg.mlp_hidden[k], vb.pp("mlp"))?,
+            window: cfg.window,
+            // swin2 and swin4 (odd positions) use shifted windows.
+            shifted: k % 2 == 1,
+            masks: masks.clone(),
+        })
+    }
+}
+
+impl Module for SwinBlock {
+    /// `x`: `(B, H, W, C)` with H and W multiples of the window.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, h, w, c) = x.dims4()?;
+        let ws = self.window;
+        let shift = (ws / 2) as i32;
+        let y = self.norm1.forward(x)?;
+        let y = if self.shifted {
+            y.roll(-shift, 1)?.roll(-shift, 2)?
+        } else {
+            y
+        };
+        let (nh, nw) = (h / ws, w / ws);
+        let windows = y
+            .reshape((b, nh, ws, nw, ws, c))?
+            .permute((0, 1, 3, 2, 4, 5))?
+            .contiguous()?
+            .reshape((b * nh * nw, ws * ws, c))?;
+        let mask = if self.shifted {
+            Some(self.masks.get(h, w)?)
+        } else {
+            None
+        };
+        let y = self
+            .attn
+            .forward(&windows, mask.as_ref())?
+            .reshape((b, nh, nw, ws, ws, c))?
+            .permute((0, 1, 3, 2, 4, 5))?
+            .contiguous()?
+            .reshape((b, h, w, c))?;
+        let y = if self.shifted {
+            y.roll(shift, 1)?.roll(shift, 2)?
+        } else {
+            y
+        };
+        let x = (x + y)?;
+        &x + self.mlp.forward(&self.norm2.forward(&x)?)?
+    }
+}
+
+/// Residual dense group: five Swin blocks, each reading the concatenation of the group's
+/// input and every earlier block's (adjusted) output.
+pub struct Rdg {
+    blocks: Vec<SwinBlock>,
+    adjust: Vec<Linear>,
+}
+
+impl Rdg {
+    pub fn new(cfg: &DrctConfig, g: usize, masks: &MaskCache, vb: VarBuilder) -> Result<Self> {
+        let mut blocks = Vec::with_capacity(BLOCKS_PER_GROUP);
+        let mut adjust = Vec::with_capacity(BLOCKS_PER_GROUP);
+        for k in 0..BLOCKS_PER_GROUP {
+            blocks.push(SwinBlock::new(
+                cfg,
+                g,
+                k,
+                masks,
+                vb.pp(format!("swin{}", k + 1)),
+            )?);
+            let out = if k + 1 == BLOCKS_PER_GROUP {
+                cfg.embed_dim
+            } else {
+                cfg.growth
+            };
+            adjust.push(pointwise(
+                cfg.block_dim(k),
+                out,
+                vb.pp(format!("adjust{}", k + 1)),
+            )?);
+        }
+        Ok(Self { blocks, adjust })
+    }
+}
+
+impl Module for Rdg {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut dense = x.clone();
+        let last = BLOCKS_PER_GROUP - 1;
+        for (k, (block, adjust)) in self.blocks.iter().zip(&self.adjust).enumerate() {
+            let y = adjust.forward(&block.forward(&dense)?)?;
+            if k == last {
+                // The last block has no activation; the group output is scaled and added.
+                return (y * RDG_RESIDUAL)? + x;
+            }
+            let y = candle_nn::ops::leaky_relu(&y, RDG_SLOPE)?;
+            dense = Tensor::cat(&[&dense, &y], D::Minus1)?;
+        }
+        unreachable!("a group always has {BLOCKS_PER_GROUP} blocks")
+    }
+}
+
+pub struct Drct {
+    conv_first: Conv2d,
+    patch_norm: Option<LayerNorm>,
+    layers: Vec<Rdg>,
+    norm: LayerNorm,
+    conv_after_body: Option<Conv2d>,
+    conv_before_upsample: Conv2d,
+    upsample: Vec<(Conv2d, usize)>,
+    conv_last: Conv2d,
+    mean: Tensor,
+    config: DrctConfig,
+    masks: MaskCache,
+    dtype: DType,
+    device: Device,
+}
+
+impl Drct {
+    pub fn new(cfg: &DrctConfig, vb: VarBuilder) -> Result<Self> {
+        let e = cfg.embed_dim;
+        let f = cfg.num_feat;
+        let masks = MaskCache::new(cfg.window, vb.dtype(), vb.device());
+        let layers = (0..cfg.groups)
+            .map(|g| Rdg::new(cfg, g, &masks, vb.pp(format!("layers.{g}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let upsample = cfg
+            .upsample_stages()
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                Ok((
+                    conv3x3(f, r * r * f, vb.pp(format!("upsample.{}", 2 * i)))?,
+                    r,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mean =
+            Tensor::from_vec(RGB_MEAN.to_vec(), (1, 3, 1, 1), vb.device())?.to_dtype(vb.dtype())?;
+        Ok(Self {
+            conv_first: conv3x3(3, e, vb.pp("conv_first"))?,
+            patch_norm: if cfg.patch_norm {
+                Some(layer_norm(e, vb.pp("patch_embed.norm"))?)
+            } else {
+                None
+            },
+            layers,
+            norm: layer_norm(e, vb.pp("norm"))?,
+            conv_after_body: if cfg.conv_after_body {
+                Some(conv3x3(e, e, vb.pp("conv_after_body"))?)
+            } else {
+                None
+            },
+            conv_before_upsample: conv3x3(e, f, vb.pp("conv_before_upsample.0"))?,
+            upsample,
+            conv_last: conv3x3(f, 3, vb.pp("conv_last"))?,
+            mean,
+            config: cfg.clone(),
+            masks,
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+        })
+    }
+
+    pub fn config(&self) -> &DrctConfig {
+        &self.config
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Number of distinct padded sizes whose shift mask is cached.
+    pub fn cached_masks(&self) -> usize {
+        self.masks.len()
+    }
+}
+
+impl Module for Drct {
+    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)` in the model's
+    /// dtype, unclamped. Pads bottom/right to a window multiple as the official test pipeline
+    /// does, and crops the padding's output away.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (_, _, h, w) = x.dims4()?;
+        let ws = self.config.window;
+        let s = self.config.scale;
+        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, ws)?;
+        let x = x.broadcast_sub(&self.mean)?;
+        let f0 = self.conv_first.forward(&x)?;
+        let mut t = f0.permute((0, 2, 3, 1))?.contiguous()?;
+        if let Some(norm) = &self.patch_norm {
+            t = norm.forward(&t)?;
+        }
+        for layer in &self.layers {
+            t = layer.forward(&t)?;
+        }
+        let body = self.norm.forward(&t)?.permute((0, 3, 1, 2))?.contiguous()?;
+        let body = match &self.conv_after_body {
+            Some(conv) => conv.forward(&body)?,
+            None => body,
+        };
+        let mut y = candle_nn::ops::leaky_relu(
+            &self.conv_before_upsample.forward(&(body + f0)?)?,
+            UPSAMPLE_SLOPE,
+        )?;
+        for (conv, r) in &self.upsample {
+            y = candle_nn::ops::pixel_shuffle(&conv.forward(&y)?, *r)?;
+        }
+        let y = self.conv_last.forward(&y)?.broadcast_add(&self.mean)?;
+        y.narrow(2, 0, h * s)?.narrow(3, 0, w * s)
+    }
+}
+
+/// Reflect-101 indices (edge not repeated) for extending `size` samples to `padded`. Sizes
+/// smaller than the padding fold back and forth, so even a 1-pixel input gets a defined pad.
+pub fn reflect_indices(size: usize, padded: usize) -> Vec<u32> {
+    (0..padded)
+        .map(|i| {
+            if size == 1 {
+                return 0;
+            }
+            let period = 2 * (size - 1);
+            let m = i % period;
+            (if m < size { m } else { period - m }) as u32
+        })
+        .collect()
+}
+
+fn reflect_pad_bottom_right(x: &Tensor, ws: usize) -> Result<Tensor> {
+    let (_, _, h, w) = x.dims4()?;
+    let (hp, wp) = (h.div_ceil(ws) * ws, w.div_ceil(ws) * ws);
+    let mut x = x.clone();
+    if hp != h {
+        let idx = Tensor::from_vec(reflect_indices(h, hp), hp, x.device())?;
+        x = x.index_select(&idx, 2)?;
+    }
+    if wp != w {
+        let idx = Tensor::from_vec(reflect_indices(w, wp), wp, x.device())?;
+        x = x.index_select(&idx, 3)?;
+    }
+    Ok(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reflect_101_does_not_repeat_the_edge() {
+        assert_eq!(reflect_indices(4, 7), vec![0, 1, 2, 3, 2, 1, 0]);
+        assert_eq!(reflect_indices(3, 8), vec![0, 1, 2, 1, 0, 1, 2, 1]);
+        assert_eq!(reflect_indices(1, 3), vec![0, 0, 0]);
+    }
+}

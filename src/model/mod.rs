@@ -1,0 +1,85 @@
+//! The DRCT model: config inference, checkpoint reading, the network and its caches.
+
+pub mod cache;
+pub mod checkpoint;
+pub mod config;
+pub mod drct;
+
+use std::path::Path;
+
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+
+pub use checkpoint::{Checkpoint, Source};
+pub use config::DrctConfig;
+pub use drct::Drct;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {msg}")]
+    Io { path: String, msg: String },
+    #[error("{origin}: {msg}")]
+    File { origin: String, msg: String },
+    #[error("{origin}: tensor {name}: {msg}")]
+    Tensor {
+        origin: String,
+        name: String,
+        msg: String,
+    },
+    #[error("{origin}: building the network: {msg}")]
+    Build { origin: String, msg: String },
+}
+
+impl ModelError {
+    pub(crate) fn file(source: &Source, msg: &str) -> Self {
+        Self::File {
+            origin: source.to_string(),
+            msg: msg.to_string(),
+        }
+    }
+
+    pub(crate) fn tensor(source: &Source, name: &str, msg: &str) -> Self {
+        Self::Tensor {
+            origin: source.to_string(),
+            name: name.to_string(),
+            msg: msg.to_string(),
+        }
+    }
+}
+
+/// A network ready to run, with what it was built from.
+pub struct Model {
+    pub net: Drct,
+    pub source: Source,
+    pub metadata: std::collections::BTreeMap<String, String>,
+    pub wrapper: Option<String>,
+}
+
+impl Model {
+    /// Build the network from a validated checkpoint, converting weights to `dtype` on `device`.
+    pub fn from_checkpoint(
+        ck: Checkpoint,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let vb = VarBuilder::from_tensors(ck.tensors, dtype, device);
+        let net = Drct::new(&ck.config, vb).map_err(|e| ModelError::Build {
+            origin: ck.source.to_string(),
+            msg: e.to_string(),
+        })?;
+        Ok(Self {
+            net,
+            source: ck.source,
+            metadata: ck.metadata,
+            wrapper: ck.wrapper,
+        })
+    }
+
+    pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<Self, ModelError> {
+        Self::from_checkpoint(Checkpoint::load(path)?, dtype, device)
+    }
+
+    pub fn config(&self) -> &DrctConfig {
+        self.net.config()
+    }
+}
