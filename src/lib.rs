@@ -6,3 +6,4 @@
 //! and the MATLAB-style bicubic resize used by `upscale eval`.
 
 pub mod planar;
+pub mod tile;
