@@ -9,3 +9,4 @@ pub mod cli;
 pub mod engine;
 pub mod model;
 pub mod planar;
+pub mod tile;

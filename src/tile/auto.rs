@@ -1,0 +1,150 @@
+//! Picks tile and batch sizes from the memory that is free. The per-pixel cost comes from
+//! the caller, who measures it on the loaded model; this module only does the budgeting.
+
+/// Share of free memory the plan may use. The rest absorbs allocator slack, other users of
+/// the device and error in the measured per-pixel cost.
+const BUDGET_FRACTION: f64 = 0.5;
+
+/// More tiles per batch than this buys no throughput and delays the first back-off.
+const MAX_BATCH: usize = 16;
+
+/// Returns `(tile, batch)`; tile 0 means the whole image in one piece. Tiles are multiples
+/// of `window` and at least `2 * overlap + window`, so each keeps a core no neighbour
+/// overlaps; when not even that fits, the smallest such tile is returned with batch 1.
+pub fn choose(
+    free_bytes: u64,
+    bytes_per_input_pixel: f64,
+    image_h: usize,
+    image_w: usize,
+    overlap: usize,
+    window: usize,
+) -> (usize, usize) {
+    let budget = free_bytes as f64 * BUDGET_FRACTION;
+    let cost = |h: usize, w: usize| (h * w) as f64 * bytes_per_input_pixel;
+    // An unknown (NaN) or zero cost gives no reason to tile.
+    let known = bytes_per_input_pixel.is_finite() && bytes_per_input_pixel > 0.0;
+    if !known || cost(image_h, image_w) <= budget {
+        return (0, 1);
+    }
+    let window = window.max(1);
+    let min_tile = (2 * overlap + window).div_ceil(window) * window;
+    let longest = image_h.max(image_w).div_ceil(window);
+    let tile = (1..=longest)
+        .rev()
+        .map(|k| k * window)
+        .take_while(|&t| t >= min_tile)
+        .find(|&t| cost(t.min(image_h), t.min(image_w)) <= budget);
+    let Some(tile) = tile else {
+        return (min_tile, 1);
+    };
+    let tile = balance(tile, image_h, image_w, overlap, window).max(min_tile);
+    let per_tile = cost(tile.min(image_h), tile.min(image_w));
+    let tiles = count_tiles(image_h, tile, overlap) * count_tiles(image_w, tile, overlap);
+    let batch = ((budget / per_tile) as usize)
+        .clamp(1, MAX_BATCH)
+        .min(tiles);
+    (tile, batch)
+}
+
+/// The smallest window multiple that needs no more tiles than `tile` does. The largest
+/// tile that fits can leave a sliver for the last tile, which the end-aligned plan then
+/// overlaps almost entirely; evening the tiles out saves that work and frees memory for
+/// batching.
+fn balance(tile: usize, image_h: usize, image_w: usize, overlap: usize, window: usize) -> usize {
+    // n tiles of size t cover len when len + (n - 1) * overlap <= n * t.
+    let needed = |len: usize| {
+        let n = count_tiles(len, tile, overlap);
+        (len + (n - 1) * overlap).div_ceil(n)
+    };
+    let t = needed(image_h).max(needed(image_w));
+    (t.div_ceil(window) * window).min(tile)
+}
+
+fn count_tiles(len: usize, tile: usize, overlap: usize) -> usize {
+    if tile >= len {
+        1
+    } else {
+        1 + (len - tile).div_ceil(tile - overlap)
+    }
+}
+
+/// Memory the kernel reports as available for new allocations, in bytes (Linux only).
+pub fn available_ram() -> Option<u64> {
+    if cfg!(target_os = "linux") {
+        parse_mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
+    } else {
+        None
+    }
+}
+
+fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?;
+    let mut parts = line.split_whitespace();
+    let value: u64 = parts.next()?.parse().ok()?;
+    match parts.next() {
+        Some("kB") => value.checked_mul(1024),
+        None => Some(value),
+        Some(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tile::plan::plan;
+
+    #[test]
+    fn whole_image_when_it_fits_with_margin() {
+        // 100x100 at 10 B/pixel is 100 kB.
+        assert_eq!(choose(1_000_000, 10.0, 100, 100, 32, 16), (0, 1));
+        assert_eq!(choose(200_000, 10.0, 100, 100, 32, 16), (0, 1));
+        assert_ne!(choose(199_000, 10.0, 100, 100, 32, 16).0, 0);
+    }
+
+    #[test]
+    fn largest_window_multiple_that_fits() {
+        let free = 2 * 256 * 256 * 100;
+        assert_eq!(choose(free, 100.0, 2000, 3000, 32, 16), (256, 1));
+        let (tile, batch) = choose(free, 100.0, 2000, 3000, 32, 7);
+        assert_eq!((tile % 7, batch), (0, 1));
+        assert!(tile <= 256);
+        let tiles = |t| plan(2000, 3000, t, 32).unwrap().tiles.len();
+        assert_eq!(tiles(tile), tiles(252));
+    }
+
+    #[test]
+    fn evens_out_tiles_and_batches_them() {
+        // 1024-pixel tiles fit, but a 1100-pixel image needs two per axis either way;
+        // 576 is enough for that, and three of them fit at once.
+        let free = 2 * 1024 * 1024;
+        let (tile, batch) = choose(free, 1.0, 1100, 1100, 32, 16);
+        assert_eq!((tile, batch), (576, 3));
+        assert_eq!(plan(1100, 1100, tile, 32).unwrap().tiles.len(), 4);
+    }
+
+    #[test]
+    fn never_below_the_minimum_tile() {
+        assert_eq!(choose(10, 100.0, 1000, 1000, 32, 16), (80, 1));
+        assert_eq!(choose(10, 100.0, 1000, 1000, 0, 0), (1, 1));
+        assert_eq!(choose(10, f64::NAN, 1000, 1000, 32, 16), (0, 1));
+    }
+
+    #[test]
+    fn wide_images_use_the_short_side() {
+        // Tiles are clipped to the image's 50 rows, so a longer tile fits.
+        let free = 2 * 50 * 400;
+        assert_eq!(choose(free, 1.0, 50, 5000, 16, 16).0, 400);
+    }
+
+    #[test]
+    fn reads_mem_available() {
+        let text = "MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n";
+        assert_eq!(parse_mem_available(text), Some(8_000_000 * 1024));
+        assert_eq!(parse_mem_available("MemFree: 1 kB\n"), None);
+        if cfg!(target_os = "linux") {
+            assert!(available_ram().is_some_and(|b| b > 0));
+        }
+    }
+}
