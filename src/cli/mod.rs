@@ -4,6 +4,7 @@
 //! Every multi-word flag is spelled with an underscore, as the official scripts do, and also
 //! accepted with dashes.
 
+pub mod bench;
 pub mod convert;
 pub mod info;
 
@@ -46,6 +47,40 @@ pub enum Command {
         #[arg(long, default_value = "f32", value_parser = convert::parse_dtype)]
         dtype: candle_core::DType,
     },
+    /// Measure latency, throughput, memory and FLOP rate of one configuration.
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub infer: InferArgs,
+    /// Input size HxW of the synthetic test pattern.
+    #[arg(long, default_value = "64x64", value_parser = parse_size)]
+    pub size: (usize, usize),
+    /// Untimed runs first (allocations, caches).
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Timed runs.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub reps: u32,
+    /// The device's peak rate in TFLOP/s, to report model FLOP utilisation.
+    #[arg(long = "peak_tflops", alias = "peak-tflops")]
+    pub peak_tflops: Option<f64>,
+    /// One JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_size(s: &str) -> Result<(usize, usize), String> {
+    let (h, w) = s
+        .split_once(['x', 'X'])
+        .ok_or_else(|| format!("size '{s}' must look like 64x64"))?;
+    let p = |v: &str| v.trim().parse::<usize>().ok().filter(|&n| n > 0);
+    match (p(h), p(w)) {
+        (Some(h), Some(w)) => Ok((h, w)),
+        _ => Err(format!("size '{s}' must be two positive integers like 64x64")),
+    }
 }
 
 /// Options that choose and run the model; shared by upscaling, eval and bench.

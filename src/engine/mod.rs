@@ -177,6 +177,20 @@ impl Engine {
     }
 }
 
+impl crate::tile::TileModel for Engine {
+    fn scale(&self) -> usize {
+        self.scale()
+    }
+
+    fn forward_batch(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.model.net.forward(&x.to_dtype(self.dtype)?)
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
