@@ -5,4 +5,5 @@
 //! result through a temporary file and a rename. `metrics` holds the BasicSR-exact PSNR/SSIM
 //! and the MATLAB-style bicubic resize used by `upscale eval`.
 
+pub mod io;
 pub mod planar;
