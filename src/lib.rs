@@ -7,6 +7,7 @@
 
 pub mod cli;
 pub mod engine;
+pub mod io;
 pub mod metrics;
 pub mod model;
 pub mod planar;

@@ -15,13 +15,12 @@ pub fn pattern(height: usize, width: usize) -> Planar {
     for c in 0..3 {
         for y in 0..height {
             for x in 0..width {
-                let h = (x as u32)
-                    .wrapping_mul(73_856_093)
+                let h = (x as u32).wrapping_mul(73_856_093)
                     ^ (y as u32).wrapping_mul(19_349_663)
                     ^ (c as u32).wrapping_mul(83_492_791);
                 let noise = (h % 1000) as f32 / 1000.0;
-                let smooth = 0.5
-                    + 0.4 * ((x as f32 * 0.05 + c as f32).sin() * (y as f32 * 0.031).cos());
+                let smooth =
+                    0.5 + 0.4 * ((x as f32 * 0.05 + c as f32).sin() * (y as f32 * 0.031).cos());
                 data.push((0.8 * smooth + 0.2 * noise).clamp(0.0, 1.0));
             }
         }

@@ -79,7 +79,9 @@ fn parse_size(s: &str) -> Result<(usize, usize), String> {
     let p = |v: &str| v.trim().parse::<usize>().ok().filter(|&n| n > 0);
     match (p(h), p(w)) {
         (Some(h), Some(w)) => Ok((h, w)),
-        _ => Err(format!("size '{s}' must be two positive integers like 64x64")),
+        _ => Err(format!(
+            "size '{s}' must be two positive integers like 64x64"
+        )),
     }
 }
 

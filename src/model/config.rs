@@ -128,7 +128,11 @@ impl DrctConfig {
             for k in 0..BLOCKS_PER_GROUP {
                 let d = self.block_dim(k) as f64;
                 let hid = self.mlp_hidden[k] as f64;
-                let out = if k + 1 == BLOCKS_PER_GROUP { e } else { self.growth as f64 };
+                let out = if k + 1 == BLOCKS_PER_GROUP {
+                    e
+                } else {
+                    self.growth as f64
+                };
                 total += 2.0 * l * (3.0 * d * d + d * d + 2.0 * d * hid + d * out);
                 total += 2.0 * 2.0 * l * n * d; // q.k^T and attn.v
             }

@@ -1,0 +1,117 @@
+//! The one error type of the io module. Every message starts with the file it is about and
+//! fits on one line, so the CLI can print it as is.
+
+use std::path::{Path, PathBuf};
+
+use super::Format;
+
+#[derive(Debug, thiserror::Error)]
+pub enum IoError {
+    #[error("{}: no such file or folder", .path.display())]
+    NotFound { path: PathBuf },
+
+    #[error("{}: empty file", .path.display())]
+    Empty { path: PathBuf },
+
+    #[error("{}: not an image (upscale reads PNG, JPEG, WebP and TIFF)", .path.display())]
+    NotAnImage { path: PathBuf },
+
+    /// A known image format that this build does not read, e.g. GIF.
+    #[error("{}: {kind} images are not supported (upscale reads PNG, JPEG, WebP and TIFF)", .path.display())]
+    UnsupportedFormat { path: PathBuf, kind: String },
+
+    /// A format we read, using a feature its decoder does not have.
+    #[error("{}: unsupported {format} file: {detail}", .path.display())]
+    Unsupported {
+        path: PathBuf,
+        format: Format,
+        detail: String,
+    },
+
+    #[error("{}: truncated {format} file", .path.display())]
+    Truncated { path: PathBuf, format: Format },
+
+    #[error("{}: corrupt {format} file: {detail}", .path.display())]
+    Corrupt {
+        path: PathBuf,
+        format: Format,
+        detail: String,
+    },
+
+    #[error("{}: image too large: {detail}", .path.display())]
+    TooLarge { path: PathBuf, detail: String },
+
+    #[error("{}: cannot write {format}: {detail}", .path.display())]
+    Encode {
+        path: PathBuf,
+        format: Format,
+        detail: String,
+    },
+
+    /// An output path that cannot be used: its folder is a file, it would replace its input,
+    /// two inputs map to it, and the like.
+    #[error("{}: {detail}", .path.display())]
+    BadOutput { path: PathBuf, detail: String },
+
+    #[error("{}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl IoError {
+    /// The file or folder the error is about.
+    pub fn path(&self) -> &Path {
+        match self {
+            IoError::NotFound { path }
+            | IoError::Empty { path }
+            | IoError::NotAnImage { path }
+            | IoError::UnsupportedFormat { path, .. }
+            | IoError::Unsupported { path, .. }
+            | IoError::Truncated { path, .. }
+            | IoError::Corrupt { path, .. }
+            | IoError::TooLarge { path, .. }
+            | IoError::Encode { path, .. }
+            | IoError::BadOutput { path, .. }
+            | IoError::Io { path, .. } => path,
+        }
+    }
+
+    /// Maps an OS error on `path`, keeping "not found" distinct because it is the common
+    /// user mistake.
+    pub(crate) fn os(path: &Path, source: std::io::Error) -> IoError {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            IoError::NotFound {
+                path: path.to_path_buf(),
+            }
+        } else {
+            IoError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
+        }
+    }
+
+    pub(crate) fn bad_output(path: &Path, detail: impl Into<String>) -> IoError {
+        IoError::BadOutput {
+            path: path.to_path_buf(),
+            detail: detail.into(),
+        }
+    }
+}
+
+/// Codec messages sometimes span lines; ours must not.
+pub(crate) fn one_line(message: &str) -> String {
+    message.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// image wraps the codec's error in "Format error decoding Png: ..."; the codec's own
+/// message is the useful part.
+pub(crate) fn innermost_message(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut cur = err;
+    while let Some(next) = cur.source() {
+        cur = next;
+    }
+    one_line(&cur.to_string())
+}

@@ -1,0 +1,28 @@
+//! Files in and out: decoding to [`Planar`](crate::planar::Planar), encoding back, writes
+//! that never leave partial files, expanding INPUT arguments, naming outputs and sharding.
+
+mod atomic;
+mod decode;
+mod encode;
+mod error;
+mod format;
+mod naming;
+mod shard;
+mod walk;
+
+pub use atomic::{
+    find_temporaries, is_temporary, remove_stale_temporaries, write_atomic, TEMP_TAG,
+};
+pub use decode::{decode, decode_with_limits, DecodeLimits, Decoded};
+pub use encode::{
+    encode, to_image, write_image, EncodeOptions, DEFAULT_JPEG_QUALITY, DEFAULT_PNG_COMPRESSION,
+    DEFAULT_PNG_FILTER,
+};
+pub use error::IoError;
+pub use format::{is_image_path, Format, IMAGE_EXTENSIONS};
+pub use naming::{check_output_parent, create_output_parent, plan_outputs, Job, NamingOptions};
+pub use shard::{parse_shard, select_shard, Shard, ShardError};
+pub use walk::{walk, InputFile};
+
+#[cfg(test)]
+mod tests;
