@@ -3,7 +3,20 @@ use std::process::ExitCode;
 use clap::Parser;
 use upscale::cli::Cli;
 
+/// Keep freed activation buffers in the process instead of returning them to the kernel:
+/// every layer allocates fresh tensors of the same few sizes, and glibc's default of mapping
+/// each large block anew costs page faults on every one of them.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only adjusts allocator tunables; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
 fn main() -> ExitCode {
+    keep_freed_memory();
     let cli = Cli::parse();
     match upscale::cli::run(cli) {
         Ok(code) => code,

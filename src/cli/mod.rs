@@ -7,6 +7,7 @@
 pub mod bench;
 pub mod convert;
 pub mod info;
+pub mod run;
 
 use std::path::PathBuf;
 
@@ -151,6 +152,9 @@ pub struct RunArgs {
     /// One JSON line per image and a summary line on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Decode and encode on worker threads while the model runs; 0 does everything inline.
+    #[arg(long = "io_threads", alias = "io-threads", default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub io_threads: u8,
     /// Only errors on stderr.
     #[arg(short = 'q', long, conflicts_with = "verbose")]
     pub quiet: bool,
@@ -165,6 +169,83 @@ fn parse_bit_depth(s: &str) -> Result<u8, String> {
         "16" => Ok(16),
         _ => Err(format!("bit depth must be 8 or 16, not '{s}'")),
     }
+}
+
+/// Messages on stderr, one line each, filtered by -q / -v.
+pub struct Logger {
+    pub quiet: bool,
+    pub verbose: bool,
+}
+
+impl Logger {
+    pub fn warn(&self, msg: impl std::fmt::Display) {
+        if !self.quiet {
+            eprintln!("warning: {msg}");
+        }
+    }
+
+    pub fn info(&self, msg: impl std::fmt::Display) {
+        if !self.quiet {
+            eprintln!("{msg}");
+        }
+    }
+
+    pub fn verbose(&self, msg: impl std::fmt::Display) {
+        if self.verbose && !self.quiet {
+            eprintln!("{msg}");
+        }
+    }
+
+    pub fn error(&self, msg: impl std::fmt::Display) {
+        eprintln!("error: {msg}");
+    }
+}
+
+/// Device, precision, model and tile settings from the shared inference flags.
+pub fn setup(
+    args: &InferArgs,
+    log: &Logger,
+) -> anyhow::Result<(crate::engine::Engine, crate::engine::image::TileSettings)> {
+    use crate::engine::image::{TileChoice, TileSettings};
+    let blend = if args.hann_blend {
+        crate::tile::BlendMode::Hann
+    } else {
+        args.blend
+            .parse::<crate::tile::BlendMode>()
+            .map_err(|e| anyhow::anyhow!("--blend: {e}"))?
+    };
+    let mut warn = |m: String| log.warn(m);
+    let device = crate::engine::open_device(&args.device, &mut warn)?;
+    let dtype = crate::engine::choose_dtype(args.precision, &device, &mut warn);
+    if args.streams > 1 && device.is_cpu() {
+        log.warn(format!(
+            "--streams {} applies to CUDA devices; the CPU runs one stream",
+            args.streams
+        ));
+    }
+    let ck = crate::engine::read_checkpoint(args.model.as_deref())?;
+    let engine = crate::engine::Engine::new(ck, device, dtype)?;
+    let choice = match (args.tile, args.tile_auto) {
+        (Some(_), true) => anyhow::bail!("--tile and --tile_auto exclude each other"),
+        (Some(t), false) => TileChoice::Fixed(t),
+        (None, _) => TileChoice::Auto,
+    };
+    if let TileChoice::Fixed(t) = choice {
+        if t != 0 && t <= args.tile_overlap {
+            anyhow::bail!(
+                "--tile {t} must be larger than --tile_overlap {}",
+                args.tile_overlap
+            );
+        }
+    }
+    let settings = TileSettings {
+        choice,
+        overlap: args.tile_overlap,
+        batch: args.tile_batch_size.map(|b| b as usize),
+        blend,
+        quiet: log.quiet,
+    };
+    Ok((engine, settings))
 }
 
 /// Exit codes: 0 all done, 1 some inputs failed, 2 usage or model error (clap uses 2 too).
@@ -189,6 +270,35 @@ pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             convert::convert(&input, &output, dtype)?;
             Ok(ExitCode::SUCCESS)
         }
-        None => anyhow::bail!("upscaling images is not wired up yet"),
+        Some(Command::Bench(b)) => {
+            let log = Logger {
+                quiet: b.json,
+                verbose: false,
+            };
+            let (engine, settings) = setup(&b.infer, &log)?;
+            let image = bench::pattern(b.size.0, b.size.1);
+            let opts = engine.tile_options(&settings, b.size.0, b.size.1);
+            let r = bench::run(
+                &engine,
+                &image,
+                &opts,
+                b.warmup,
+                b.reps as usize,
+                b.peak_tflops,
+            )?;
+            if b.json {
+                println!("{}", r.json);
+            } else {
+                println!("{}", serde_json::to_string_pretty(&r.json)?);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        None => {
+            let log = Logger {
+                quiet: cli.run.quiet,
+                verbose: cli.run.verbose,
+            };
+            run::run(cli.run, &log)
+        }
     }
 }

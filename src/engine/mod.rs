@@ -3,7 +3,10 @@
 //! This is the only module that decides where and in what dtype the model runs; everything
 //! above it hands in host images and gets host images back.
 
+pub mod image;
+
 use std::path::Path;
+use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Module, Tensor};
 
@@ -147,6 +150,7 @@ pub struct Engine {
     pub model: Model,
     pub device: Device,
     pub dtype: DType,
+    cost: OnceLock<f64>,
 }
 
 impl Engine {
@@ -156,7 +160,61 @@ impl Engine {
             model,
             device,
             dtype,
+            cost: OnceLock::new(),
         })
+    }
+
+    /// Memory free for activations on the engine's device.
+    pub fn free_memory(&self) -> u64 {
+        // Without a reading, assume a modest 4 GiB rather than everything.
+        const UNKNOWN: u64 = 4 << 30;
+        if self.device.is_cpu() {
+            crate::tile::auto::available_ram().unwrap_or(UNKNOWN)
+        } else {
+            cuda_free_memory(&self.device).unwrap_or(UNKNOWN)
+        }
+    }
+
+    /// Peak activation bytes per input pixel of one forward pass, measured once on a probe
+    /// input (activations grow linearly with pixels: attention is windowed). The measured value
+    /// never goes below an analytic floor, so allocator reuse cannot make it look free.
+    pub fn bytes_per_pixel(&self) -> f64 {
+        *self.cost.get_or_init(|| {
+            let floor = self.analytic_bytes_per_pixel();
+            self.measure_bytes_per_pixel()
+                .map_or(floor, |m| m.max(floor))
+        })
+    }
+
+    /// The largest live set of one Swin block, per token: the attention scores and their
+    /// softmax (heads x N each), the dense concatenation, qkv and the MLP hidden layer, plus the
+    /// upsampler's high-resolution maps, at the engine's dtype.
+    fn analytic_bytes_per_pixel(&self) -> f64 {
+        let c = self.model.config();
+        let n = (c.window * c.window) as f64;
+        let k = crate::model::config::BLOCKS_PER_GROUP - 1;
+        let d = c.block_dim(k) as f64;
+        let heads = c.heads.iter().flatten().copied().max().unwrap_or(1) as f64;
+        let tokens =
+            3.0 * heads * n + 6.0 * d + c.mlp_hidden.iter().copied().max().unwrap_or(0) as f64;
+        let s2 = (c.scale * c.scale) as f64;
+        let upsampler = 3.0 * c.num_feat as f64 * s2;
+        (tokens + upsampler) * self.dtype.size_in_bytes() as f64
+    }
+
+    fn measure_bytes_per_pixel(&self) -> Option<f64> {
+        if !self.device.is_cpu() {
+            return None;
+        }
+        let ws = self.model.config().window;
+        let side = 4 * ws;
+        // Reset the kernel's peak-RSS mark so the probe's own peak is what we read.
+        std::fs::write("/proc/self/clear_refs", "5").ok()?;
+        let before = crate::cli::bench::peak_rss_bytes()?;
+        let probe = crate::cli::bench::pattern(side, side);
+        self.upscale_whole(&probe).ok()?;
+        let after = crate::cli::bench::peak_rss_bytes()?;
+        Some(after.saturating_sub(before) as f64 / (side * side) as f64)
     }
 
     pub fn scale(&self) -> usize {
@@ -175,6 +233,21 @@ impl Engine {
         let data = y.flatten_all()?.to_vec1::<f32>()?;
         Ok(Planar::new(c, h, w, data))
     }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_free_memory(device: &Device) -> Option<u64> {
+    let Device::Cuda(dev) = device else {
+        return None;
+    };
+    dev.cuda_stream().context().bind_to_thread().ok()?;
+    let (free, _total) = cudarc::driver::result::mem_get_info().ok()?;
+    Some(free as u64)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_free_memory(_device: &Device) -> Option<u64> {
+    None
 }
 
 impl crate::tile::TileModel for Engine {

@@ -1,0 +1,307 @@
+//! `upscale INPUT...`: files and folders through one loaded model, with decoding and
+//! encoding on worker threads so the model never waits for the disk.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::time::Instant;
+
+use anyhow::Result;
+use serde_json::json;
+
+use super::{Logger, RunArgs};
+use crate::engine::image::{TileSettings, Upscaled};
+use crate::engine::Engine;
+use crate::io::{self, Decoded, EncodeOptions, Format, Job};
+
+/// Images waiting between stages: enough to hide a slow file, few enough to bound memory.
+const QUEUE_DEPTH: usize = 2;
+
+/// What happened to one input.
+struct Outcome {
+    input: PathBuf,
+    output: PathBuf,
+    result: Result<Done, String>,
+}
+
+struct Done {
+    in_size: (usize, usize),
+    out_size: (usize, usize),
+    seconds: f64,
+    tiles: usize,
+}
+
+pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
+    let files = io::walk(&args.inputs, args.recursive)?;
+    let format = args
+        .format
+        .as_deref()
+        .map(|f| f.parse::<Format>())
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--format: {e}"))?;
+    let shard = args
+        .shard
+        .as_deref()
+        .map(io::parse_shard)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--shard: {e}"))?;
+
+    let (engine, settings) = super::setup(&args.infer, log)?;
+    let naming = io::NamingOptions {
+        output: args.output.clone(),
+        scale: engine.scale() as u32,
+        format,
+        overwrite: args.overwrite,
+    };
+    let mut jobs = io::plan_outputs(&files, &naming)?;
+    if let Some(shard) = shard {
+        // Split before dropping finished jobs, so every shard sees the same partition.
+        jobs = io::select_shard(jobs, shard);
+    }
+    let skipped = jobs.iter().filter(|j| j.skip).count();
+    let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.skip).collect();
+    if files.is_empty() {
+        anyhow::bail!("no images found in {}", display_list(&args.inputs));
+    }
+    if skipped > 0 {
+        log.info(format!(
+            "{skipped} output(s) exist already and are skipped (--overwrite to redo)"
+        ));
+    }
+
+    let encode = EncodeChoice {
+        bit_depth: args.bit_depth,
+        quality: args.quality,
+    };
+    let progress = progress_bar(jobs.len(), log, args.json);
+    let start = Instant::now();
+    let outcomes = if args.io_threads == 0 {
+        run_inline(&engine, &settings, &encode, jobs, &mut |o| {
+            report(&o, &args, log, &progress);
+            o
+        })
+    } else {
+        run_pipelined(&engine, &settings, &encode, jobs, &args, log, &progress)
+    };
+    progress.finish_and_clear();
+    let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
+    let done = outcomes.len() - failed;
+    let secs = start.elapsed().as_secs_f64();
+    if args.json {
+        println!(
+            "{}",
+            json!({"summary": true, "done": done, "failed": failed, "skipped": skipped,
+                   "seconds": secs, "images_per_s": if secs > 0.0 { done as f64 / secs } else { 0.0 }})
+        );
+    }
+    log.info(format!(
+        "{done} upscaled, {skipped} skipped, {failed} failed in {secs:.1} s"
+    ));
+    Ok(if failed > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+struct EncodeChoice {
+    bit_depth: Option<u8>,
+    quality: u8,
+}
+
+fn encode_options(job: &Job, dec_depth: u8, choice: &EncodeChoice) -> EncodeOptions {
+    let mut opts = EncodeOptions::new(job.format);
+    opts.bit_depth = choice
+        .bit_depth
+        .unwrap_or_else(|| job.format.default_bit_depth(dec_depth));
+    opts.quality = choice.quality;
+    opts
+}
+
+fn process(engine: &Engine, settings: &TileSettings, dec: &Decoded) -> Result<Upscaled, String> {
+    engine
+        .upscale_decoded(dec, settings)
+        .map_err(|e| format!("{e:#}"))
+}
+
+fn write(job: &Job, dec: &Decoded, up: &Upscaled, choice: &EncodeChoice) -> Result<(), String> {
+    let opts = encode_options(job, dec.bit_depth, choice);
+    if opts.bit_depth == 16 && !job.format.supports_16bit() {
+        return Err(format!(
+            "{}: {} cannot hold 16-bit samples (use --bit-depth 8 or --format png|tiff)",
+            job.output.display(),
+            job.format
+        ));
+    }
+    io::encode(&job.output, &up.rgb, up.alpha.as_ref(), dec.gray, &opts).map_err(|e| e.to_string())
+}
+
+fn outcome(dec: &Decoded, up: &Upscaled, seconds: f64) -> Done {
+    Done {
+        in_size: (dec.rgb.width, dec.rgb.height),
+        out_size: (up.rgb.width, up.rgb.height),
+        seconds,
+        tiles: up.stats.tiles,
+    }
+}
+
+/// Everything on this thread, one image after another (`--io_threads 0`).
+fn run_inline(
+    engine: &Engine,
+    settings: &TileSettings,
+    choice: &EncodeChoice,
+    jobs: Vec<Job>,
+    sink: &mut dyn FnMut(Outcome) -> Outcome,
+) -> Vec<Outcome> {
+    jobs.into_iter()
+        .map(|job| {
+            let t = Instant::now();
+            let result = io::decode(&job.input.path)
+                .map_err(|e| e.to_string())
+                .and_then(|dec| {
+                    let up = process(engine, settings, &dec)
+                        .map_err(|e| format!("{}: {e}", job.input.path.display()))?;
+                    write(&job, &dec, &up, choice)?;
+                    Ok(outcome(&dec, &up, t.elapsed().as_secs_f64()))
+                });
+            sink(Outcome {
+                input: job.input.path.clone(),
+                output: job.output.clone(),
+                result,
+            })
+        })
+        .collect()
+}
+
+type Decodedjob = (Job, Instant, Result<Decoded, String>);
+type Upscaledjob = (Job, Instant, Decoded, Result<Upscaled, String>);
+
+/// Decoder thread -> model (this thread) -> encoder thread, with bounded queues between.
+fn run_pipelined(
+    engine: &Engine,
+    settings: &TileSettings,
+    choice: &EncodeChoice,
+    jobs: Vec<Job>,
+    args: &RunArgs,
+    log: &Logger,
+    progress: &indicatif::ProgressBar,
+) -> Vec<Outcome> {
+    let (dec_tx, dec_rx): (SyncSender<Decodedjob>, Receiver<Decodedjob>) =
+        sync_channel(QUEUE_DEPTH);
+    let (enc_tx, enc_rx): (SyncSender<Upscaledjob>, Receiver<Upscaledjob>) =
+        sync_channel(QUEUE_DEPTH);
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            for job in jobs {
+                let t = Instant::now();
+                let dec = io::decode(&job.input.path).map_err(|e| e.to_string());
+                if dec_tx.send((job, t, dec)).is_err() {
+                    break;
+                }
+            }
+        });
+        let encoder = scope.spawn(move || {
+            let mut outcomes = Vec::new();
+            for (job, t, dec, up) in enc_rx {
+                let result = up.and_then(|up| {
+                    write(&job, &dec, &up, choice)?;
+                    Ok(outcome(&dec, &up, t.elapsed().as_secs_f64()))
+                });
+                let o = Outcome {
+                    input: job.input.path.clone(),
+                    output: job.output.clone(),
+                    result,
+                };
+                report(&o, args, log, progress);
+                outcomes.push(o);
+            }
+            outcomes
+        });
+        let mut early = Vec::new();
+        for (job, t, dec) in dec_rx {
+            match dec {
+                Err(msg) => {
+                    let o = Outcome {
+                        input: job.input.path.clone(),
+                        output: job.output.clone(),
+                        result: Err(msg),
+                    };
+                    report(&o, args, log, progress);
+                    early.push(o);
+                }
+                Ok(dec) => {
+                    let up = process(engine, settings, &dec)
+                        .map_err(|e| format!("{}: {e}", job.input.path.display()));
+                    if enc_tx.send((job, t, dec, up)).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        drop(enc_tx);
+        let mut outcomes = encoder.join().unwrap_or_default();
+        outcomes.extend(early);
+        outcomes
+    })
+}
+
+fn report(o: &Outcome, args: &RunArgs, log: &Logger, progress: &indicatif::ProgressBar) {
+    progress.inc(1);
+    match &o.result {
+        Ok(d) => {
+            if args.json {
+                println!(
+                    "{}",
+                    json!({"input": o.input, "output": o.output, "status": "ok",
+                           "input_size": [d.in_size.0, d.in_size.1],
+                           "output_size": [d.out_size.0, d.out_size.1],
+                           "seconds": d.seconds, "tiles": d.tiles})
+                );
+            }
+            progress.suspend(|| {
+                log.verbose(format!(
+                    "{} -> {} ({}x{} -> {}x{}, {} tiles, {:.2} s)",
+                    o.input.display(),
+                    o.output.display(),
+                    d.in_size.0,
+                    d.in_size.1,
+                    d.out_size.0,
+                    d.out_size.1,
+                    d.tiles,
+                    d.seconds
+                ))
+            });
+        }
+        Err(msg) => {
+            if args.json {
+                println!(
+                    "{}",
+                    json!({"input": o.input, "output": o.output, "status": "error", "error": msg})
+                );
+            }
+            progress.suspend(|| log.error(msg));
+        }
+    }
+}
+
+fn progress_bar(len: usize, log: &Logger, json: bool) -> indicatif::ProgressBar {
+    if log.quiet || json || len < 2 || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len as u64);
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} images, {per_sec}, eta {eta}")
+    {
+        bar.set_style(style);
+    }
+    bar
+}
+
+fn display_list(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
