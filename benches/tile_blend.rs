@@ -13,14 +13,21 @@ use upscale::model::Checkpoint;
 use upscale::tile::{run_tiled, BlendMode, TileOptions};
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
     if args.len() < 3 {
         anyhow::bail!("usage: tile_blend MODEL TILE IMAGE...");
     }
     let model = PathBuf::from(&args[0]);
     let tile: usize = args[1].parse()?;
     let engine = Engine::new(Checkpoint::load(&model)?, Device::Cpu, DType::F32)?;
-    println!("model {} (x{}), tile {tile}", model.display(), engine.scale());
+    println!(
+        "model {} (x{}), tile {tile}",
+        model.display(),
+        engine.scale()
+    );
     println!("| image | size | overlap | hann dB | average dB | none dB |");
     println!("|---|---|---|---|---|---|");
     for path in &args[2..] {
