@@ -108,3 +108,42 @@ fn shift_masks_are_cached_per_size() {
     assert_eq!(model.net.cached_masks(), 1);
     assert_eq!(max_abs_diff(&a, &b), 0.0);
 }
+
+#[test]
+fn fp16_overflow_is_redone_in_fp32() {
+    use upscale::engine::Engine;
+    use upscale::model::Checkpoint;
+    // Scale the first convolution so features pass fp16's 65504 limit (but stay far from
+    // f32's): the fp16 network then produces inf/NaN, and the guard must return the f32 result.
+    let case = &cases()[0];
+    let mut ck = Checkpoint::load(&case.weights).unwrap();
+    for name in ["conv_first.weight", "conv_first.bias"] {
+        let t = (&ck.tensors[name] * 1e6).unwrap();
+        ck.tensors.insert(name.to_string(), t);
+    }
+    let (input, _) = load_io(&case.io);
+    let raw16 = Model::from_checkpoint(ck.clone(), DType::F16, &Device::Cpu).unwrap();
+    let y16 = raw16
+        .net
+        .forward(&input)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let finite = y16
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .all(|v| v.is_finite());
+    assert!(!finite, "the planted overflow must break plain fp16");
+
+    let guarded = Engine::new(ck.clone(), Device::Cpu, DType::F16).unwrap();
+    let y = guarded.forward(&input).unwrap();
+    assert_eq!(guarded.fp16_overflows(), 1);
+    let reference = Engine::new(ck, Device::Cpu, DType::F32)
+        .unwrap()
+        .forward(&input)
+        .unwrap();
+    assert_eq!(max_abs_diff(&y, &reference), 0.0);
+}

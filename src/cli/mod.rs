@@ -119,6 +119,9 @@ pub struct InferArgs {
     /// Same as --blend hann.
     #[arg(long = "hann_blend", alias = "hann-blend")]
     pub hann_blend: bool,
+    /// Let fp32 matmuls on CUDA use TF32 tensor cores (faster, ~1e-3 relative error).
+    #[arg(long)]
+    pub tf32: bool,
 }
 
 #[derive(Args, Debug)]
@@ -222,6 +225,12 @@ pub fn setup(
             "--streams {} applies to CUDA devices; the CPU runs one stream",
             args.streams
         ));
+    }
+    if args.tf32 {
+        if device.is_cpu() {
+            log.warn("--tf32 applies to CUDA devices; ignored on the CPU");
+        }
+        candle_core::cuda::set_gemm_reduced_precision_f32(true);
     }
     let ck = crate::engine::read_checkpoint(args.model.as_deref())?;
     let engine = crate::engine::Engine::new(ck, device, dtype)?;

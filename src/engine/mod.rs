@@ -6,6 +6,7 @@
 pub mod image;
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Module, Tensor};
@@ -151,17 +152,63 @@ pub struct Engine {
     pub device: Device,
     pub dtype: DType,
     cost: OnceLock<f64>,
+    /// fp16 only: the f32 weights, kept to redo a tile whose fp16 output overflowed.
+    fp32_weights: Option<Checkpoint>,
+    fp32_model: OnceLock<Result<Model, String>>,
+    fp16_overflows: AtomicUsize,
 }
 
 impl Engine {
     pub fn new(ck: Checkpoint, device: Device, dtype: DType) -> Result<Self, ModelError> {
+        // The SwinIR family is known to overflow in fp16 on some inputs; keep the weights
+        // (shared storage, no copy) so such a tile can be redone in fp32.
+        let fp32_weights = (dtype == DType::F16).then(|| ck.clone());
         let model = Model::from_checkpoint(ck, dtype, &device)?;
         Ok(Self {
             model,
             device,
             dtype,
             cost: OnceLock::new(),
+            fp32_weights,
+            fp32_model: OnceLock::new(),
+            fp16_overflows: AtomicUsize::new(0),
         })
+    }
+
+    /// Tiles whose fp16 output was non-finite and were redone in fp32.
+    pub fn fp16_overflows(&self) -> usize {
+        self.fp16_overflows.load(Ordering::Relaxed)
+    }
+
+    /// One forward pass; in fp16, a non-finite output is redone in fp32 (with one warning per
+    /// run), so an overflow costs time, never a black tile.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = self.model.net.forward(&x.to_dtype(self.dtype)?)?;
+        let Some(weights) = &self.fp32_weights else {
+            return Ok(y);
+        };
+        // A sum of squares is non-finite exactly when some value is (or is absurdly large),
+        // and costs one scalar copy instead of the whole tile.
+        let energy = y
+            .to_dtype(DType::F32)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f32>()?;
+        if energy.is_finite() {
+            return Ok(y);
+        }
+        if self.fp16_overflows.fetch_add(1, Ordering::Relaxed) == 0 {
+            eprintln!("warning: fp16 output was not finite on a tile; redoing such tiles in fp32");
+        }
+        let model = self
+            .fp32_model
+            .get_or_init(|| {
+                Model::from_checkpoint(weights.clone(), DType::F32, &self.device)
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| candle_core::Error::Msg(e.clone()))?;
+        model.net.forward(&x.to_dtype(DType::F32)?)
     }
 
     /// Memory free for activations on the engine's device.
@@ -228,7 +275,7 @@ impl Engine {
             (1, img.channels, img.height, img.width),
             &self.device,
         )?;
-        let y = self.model.net.forward(&x)?.to_dtype(DType::F32)?;
+        let y = self.forward(&x)?.to_dtype(DType::F32)?;
         let (_, c, h, w) = y.dims4()?;
         let data = y.flatten_all()?.to_vec1::<f32>()?;
         Ok(Planar::new(c, h, w, data))
@@ -256,7 +303,7 @@ impl crate::tile::TileModel for Engine {
     }
 
     fn forward_batch(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.model.net.forward(&x.to_dtype(self.dtype)?)
+        self.forward(x)
     }
 
     fn device(&self) -> &Device {

@@ -30,6 +30,7 @@ impl std::fmt::Display for Source {
 }
 
 /// A validated DRCT state dict: f32 tensors on the CPU, official key names, no buffers.
+#[derive(Clone)]
 pub struct Checkpoint {
     pub source: Source,
     pub config: DrctConfig,
