@@ -147,3 +147,120 @@ fn fp16_overflow_is_redone_in_fp32() {
         .unwrap();
     assert_eq!(max_abs_diff(&y, &reference), 0.0);
 }
+
+/// GPU parity: f32 on CUDA against the float64 reference and against the CPU. Compiled with
+/// `--features cuda` only; it needs an NVIDIA GPU to pass.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_f32_and_bf16_match_the_reference() {
+    let gpu = Device::new_cuda(0).expect("an NVIDIA GPU (this test runs with --features cuda)");
+    for case in cases() {
+        let (input, expected) = load_io(&case.io);
+        let cpu = Model::load(&case.weights, DType::F32, &Device::Cpu).unwrap();
+        let cpu_out = cpu.net.forward(&input).unwrap();
+        let cuda = Model::load(&case.weights, DType::F32, &gpu).unwrap();
+        let x = input.to_device(&gpu).unwrap();
+        let out = cuda
+            .net
+            .forward(&x)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        let d_ref = max_abs_diff(&out, &expected);
+        let d_cpu = max_abs_diff(&out, &cpu_out);
+        eprintln!(
+            "{:<28} cuda f32: {d_ref:.3e} vs reference, {d_cpu:.3e} vs cpu",
+            case.name
+        );
+        assert!(d_ref < TOLERANCE && d_cpu < 1e-4, "{}", case.name);
+        let bf16 = Model::load(&case.weights, DType::BF16, &gpu).unwrap();
+        let out16 = bf16
+            .net
+            .forward(&x)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        let values = out16.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        assert!(
+            values
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .all(|v| v.is_finite()),
+            "bf16 NaN"
+        );
+        eprintln!(
+            "{:<28} cuda bf16: {:.3e} vs reference",
+            case.name,
+            max_abs_diff(&out16, &expected)
+        );
+    }
+}
+
+/// End to end through the binary: a 16-bit PNG in, `--tile 0 --bit-depth 16` out, against the
+/// reference output clamped and quantised the same way. The fixture inputs are 8-bit photo
+/// crops (k/255), which 16-bit PNG holds exactly (k*257/65535), so only the output rounding
+/// differs: at most one level.
+#[test]
+fn cli_sixteen_bit_png_end_to_end() {
+    let case = cases()
+        .into_iter()
+        .find(|c| c.name == "x4_w8_g2")
+        .expect("x4 case");
+    let (input, expected) = load_io(&case.io);
+    let (_, _, h, w) = input.dims4().unwrap();
+    let x = input.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut img = image::ImageBuffer::<image::Rgb<u16>, Vec<u16>>::new(w as u32, h as u32);
+    for (px, py, p) in img.enumerate_pixels_mut() {
+        for c in 0..3 {
+            let v = x[(c * h + py as usize) * w + px as usize];
+            let level = (v * 65535.0).round();
+            assert!(
+                (level / 65535.0 - v).abs() < 1e-6,
+                "fixture input is not 16-bit exact"
+            );
+            p.0[c] = level as u16;
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("in.png");
+    let dst = dir.path().join("out.png");
+    img.save(&src).unwrap();
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_upscale"))
+        .args(["-m", case.weights.to_str().unwrap()])
+        .args([
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--tile",
+            "0",
+            "--bit-depth",
+            "16",
+            "-q",
+        ])
+        .arg(&src)
+        .arg("-o")
+        .arg(&dst)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = image::open(&dst).unwrap();
+    let out = out.as_rgb16().expect("a 16-bit RGB PNG");
+    let s = case.scale;
+    assert_eq!(
+        (out.width() as usize, out.height() as usize),
+        (w * s, h * s)
+    );
+    let reference = expected.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let (oh, ow) = (h * s, w * s);
+    let mut worst = 0i64;
+    for (px, py, p) in out.enumerate_pixels() {
+        for c in 0..3 {
+            let r = reference[(c * oh + py as usize) * ow + px as usize];
+            let want = (r.clamp(0.0, 1.0) * 65535.0).round() as i64;
+            worst = worst.max((p.0[c] as i64 - want).abs());
+        }
+    }
+    assert!(worst <= 1, "16-bit output off by {worst} levels");
+}
