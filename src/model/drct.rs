@@ -6,7 +6,7 @@
 //! plain copies along the last axis.
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::{Conv2d, Conv2dConfig, LayerNorm, Linear, VarBuilder};
+use candle_nn::{LayerNorm, Linear, VarBuilder};
 
 use super::cache::{relative_position_bias, MaskCache};
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
@@ -26,12 +26,85 @@ fn layer_norm(dim: usize, vb: VarBuilder) -> Result<LayerNorm> {
     candle_nn::layer_norm(dim, LN_EPS, vb)
 }
 
-fn conv3x3(cin: usize, cout: usize, vb: VarBuilder) -> Result<Conv2d> {
-    let cfg = Conv2dConfig {
-        padding: 1,
-        ..Default::default()
-    };
-    candle_nn::conv2d(cin, cout, 3, cfg, vb)
+/// Upper bound on the patch matrix of one convolution chunk, in elements (64 MiB in f32):
+/// large enough for full-speed matmuls, small enough that a high-resolution upsampler
+/// convolution never materialises gigabytes.
+const CONV_CHUNK_ELEMS: usize = 16 << 20;
+
+/// A 3x3 convolution (stride 1, zero padding 1) on channels-last features.
+///
+/// The patch matrix is built with nine contiguous copies along the channel axis and fed to
+/// one matmul per chunk of rows, so the work is a large GEMM on the CPU and on CUDA alike,
+/// with memory bounded by [`CONV_CHUNK_ELEMS`] however large the feature map.
+pub struct Conv3x3 {
+    /// `(9 * cin, cout)`, rows ordered (dy, dx, cin) to match the patch matrix.
+    weight: Tensor,
+    bias: Tensor,
+    cin: usize,
+}
+
+impl Conv3x3 {
+    pub fn new(cin: usize, cout: usize, vb: VarBuilder) -> Result<Self> {
+        let w = vb.get((cout, cin, 3, 3), "weight")?;
+        let weight = w
+            .permute((2, 3, 1, 0))?
+            .reshape((9 * cin, cout))?
+            .contiguous()?;
+        Ok(Self {
+            weight,
+            bias: vb.get(cout, "bias")?,
+            cin,
+        })
+    }
+
+    fn patches(&self, padded: &Tensor, rows: usize, w: usize) -> Result<Tensor> {
+        let mut taps = Vec::with_capacity(9);
+        for dy in 0..3 {
+            for dx in 0..3 {
+                // Contiguous taps let the concatenation run as block copies; candle's cat of
+                // strided views falls back to element-wise copying.
+                taps.push(padded.narrow(1, dy, rows)?.narrow(2, dx, w)?.contiguous()?);
+            }
+        }
+        Tensor::cat(&taps, D::Minus1)
+    }
+}
+
+impl Module for Conv3x3 {
+    /// `x`: `(B, H, W, cin)`; returns `(B, H, W, cout)`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, h, w, c) = x.dims4()?;
+        debug_assert_eq!(c, self.cin);
+        let padded = x.pad_with_zeros(1, 1, 1)?.pad_with_zeros(2, 1, 1)?;
+        let rows = (CONV_CHUNK_ELEMS / (b * w * 9 * c).max(1)).clamp(1, h);
+        let mut outs = Vec::with_capacity(h.div_ceil(rows));
+        let mut y = 0;
+        while y < h {
+            let n = rows.min(h - y);
+            let cols = self.patches(&padded.narrow(1, y, n + 2)?, n, w)?;
+            let out = cols
+                .reshape((b * n * w, 9 * c))?
+                .matmul(&self.weight)?
+                .broadcast_add(&self.bias)?;
+            outs.push(out.reshape((b, n, w, ()))?);
+            y += n;
+        }
+        if outs.len() == 1 {
+            Ok(outs.remove(0))
+        } else {
+            Tensor::cat(&outs, 1)
+        }
+    }
+}
+
+/// PyTorch's PixelShuffle on channels-last features: channel `c*r*r + i*r + j` of pixel
+/// (y, x) moves to pixel (y*r + i, x*r + j), channel c.
+fn pixel_shuffle_nhwc(x: &Tensor, r: usize) -> Result<Tensor> {
+    let (b, h, w, c) = x.dims4()?;
+    let c_out = c / (r * r);
+    x.reshape((b, h, w, c_out, r, r))?
+        .permute((0, 1, 4, 2, 5, 3))?
+        .reshape((b, h * r, w * r, c_out))
 }
 
 /// A 1x1 convolution applied to channels-last tokens is a linear layer.
@@ -249,14 +322,14 @@ impl Module for Rdg {
 }
 
 pub struct Drct {
-    conv_first: Conv2d,
+    conv_first: Conv3x3,
     patch_norm: Option<LayerNorm>,
     layers: Vec<Rdg>,
     norm: LayerNorm,
-    conv_after_body: Option<Conv2d>,
-    conv_before_upsample: Conv2d,
-    upsample: Vec<(Conv2d, usize)>,
-    conv_last: Conv2d,
+    conv_after_body: Option<Conv3x3>,
+    conv_before_upsample: Conv3x3,
+    upsample: Vec<(Conv3x3, usize)>,
+    conv_last: Conv3x3,
     mean: Tensor,
     config: DrctConfig,
     masks: MaskCache,
@@ -278,15 +351,15 @@ impl Drct {
             .enumerate()
             .map(|(i, r)| {
                 Ok((
-                    conv3x3(f, r * r * f, vb.pp(format!("upsample.{}", 2 * i)))?,
+                    Conv3x3::new(f, r * r * f, vb.pp(format!("upsample.{}", 2 * i)))?,
                     r,
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
         let mean =
-            Tensor::from_vec(RGB_MEAN.to_vec(), (1, 3, 1, 1), vb.device())?.to_dtype(vb.dtype())?;
+            Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())?;
         Ok(Self {
-            conv_first: conv3x3(3, e, vb.pp("conv_first"))?,
+            conv_first: Conv3x3::new(3, e, vb.pp("conv_first"))?,
             patch_norm: if cfg.patch_norm {
                 Some(layer_norm(e, vb.pp("patch_embed.norm"))?)
             } else {
@@ -295,13 +368,13 @@ impl Drct {
             layers,
             norm: layer_norm(e, vb.pp("norm"))?,
             conv_after_body: if cfg.conv_after_body {
-                Some(conv3x3(e, e, vb.pp("conv_after_body"))?)
+                Some(Conv3x3::new(e, e, vb.pp("conv_after_body"))?)
             } else {
                 None
             },
-            conv_before_upsample: conv3x3(e, f, vb.pp("conv_before_upsample.0"))?,
+            conv_before_upsample: Conv3x3::new(e, f, vb.pp("conv_before_upsample.0"))?,
             upsample,
-            conv_last: conv3x3(f, 3, vb.pp("conv_last"))?,
+            conv_last: Conv3x3::new(f, 3, vb.pp("conv_last"))?,
             mean,
             config: cfg.clone(),
             masks,
@@ -337,16 +410,17 @@ impl Module for Drct {
         let ws = self.config.window;
         let s = self.config.scale;
         let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, ws)?;
-        let x = x.broadcast_sub(&self.mean)?;
+        // Channels-last from here on: every layer below is a matmul over the channel axis.
+        let x = x.permute((0, 2, 3, 1))?.broadcast_sub(&self.mean)?;
         let f0 = self.conv_first.forward(&x)?;
-        let mut t = f0.permute((0, 2, 3, 1))?.contiguous()?;
-        if let Some(norm) = &self.patch_norm {
-            t = norm.forward(&t)?;
-        }
+        let mut t = match &self.patch_norm {
+            Some(norm) => norm.forward(&f0)?,
+            None => f0.clone(),
+        };
         for layer in &self.layers {
             t = layer.forward(&t)?;
         }
-        let body = self.norm.forward(&t)?.permute((0, 3, 1, 2))?.contiguous()?;
+        let body = self.norm.forward(&t)?;
         let body = match &self.conv_after_body {
             Some(conv) => conv.forward(&body)?,
             None => body,
@@ -356,10 +430,11 @@ impl Module for Drct {
             UPSAMPLE_SLOPE,
         )?;
         for (conv, r) in &self.upsample {
-            y = candle_nn::ops::pixel_shuffle(&conv.forward(&y)?, *r)?;
+            y = pixel_shuffle_nhwc(&conv.forward(&y)?, *r)?;
         }
         let y = self.conv_last.forward(&y)?.broadcast_add(&self.mean)?;
-        y.narrow(2, 0, h * s)?.narrow(3, 0, w * s)
+        let y = y.narrow(1, 0, h * s)?.narrow(2, 0, w * s)?;
+        y.permute((0, 3, 1, 2))?.contiguous()
     }
 }
 
