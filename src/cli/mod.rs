@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod convert;
+pub mod eval;
 pub mod info;
 pub mod run;
 
@@ -50,6 +51,8 @@ pub enum Command {
     },
     /// Measure latency, throughput, memory and FLOP rate of one configuration.
     Bench(BenchArgs),
+    /// PSNR/SSIM on HR images as SR papers report them; gate against a baseline.
+    Eval(eval::EvalArgs),
 }
 
 #[derive(Args, Debug)]
@@ -301,6 +304,13 @@ pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
                 println!("{}", serde_json::to_string_pretty(&r.json)?);
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Eval(e)) => {
+            let log = Logger {
+                quiet: false,
+                verbose: false,
+            };
+            eval::run(e, &log)
         }
         None => {
             let log = Logger {

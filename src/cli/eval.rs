@@ -1,0 +1,129 @@
+//! `upscale eval`: PSNR/SSIM on a folder of HR images, optionally gated against a baseline.
+//!
+//! Exit codes: 0 all measured (and the gate passed); 1 an image failed or the gate failed;
+//! 2 bad arguments or inputs (returned as errors from here).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use super::{InferArgs, Logger};
+use crate::eval::{self, Baseline, Report};
+
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    /// Folder of ground-truth (HR) images.
+    #[arg(long)]
+    pub hr: PathBuf,
+    /// Folder of LR inputs paired by name (NAME, NAMExS or NAME_xS); made from the HR
+    /// images with MATLAB bicubic when omitted.
+    #[arg(long)]
+    pub lr: Option<PathBuf>,
+    /// The model's scale factor (checked against the model).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub scale: u32,
+    #[command(flatten)]
+    pub infer: InferArgs,
+    /// One JSON object on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// A report written earlier with --write_baseline: exit 1 when the mean or any image's
+    /// PSNR-Y drops by more than --max_drop, or an image is on only one side.
+    #[arg(long)]
+    pub baseline: Option<PathBuf>,
+    /// Largest PSNR-Y drop in dB, per image and of the mean, that the gate accepts.
+    #[arg(long = "max_drop", alias = "max-drop", default_value_t = 0.05)]
+    pub max_drop: f64,
+    /// Write the report (the --json object) to this file as the new baseline.
+    #[arg(long = "write_baseline", alias = "write-baseline")]
+    pub write_baseline: Option<PathBuf>,
+}
+
+pub fn run(args: EvalArgs, log: &Logger) -> Result<ExitCode> {
+    if !(args.max_drop.is_finite() && args.max_drop >= 0.0) {
+        bail!("--max_drop must be a number >= 0, not {}", args.max_drop);
+    }
+    let scale = args.scale as usize;
+    // Read before the model runs, so a bad path costs nothing.
+    let baseline = args.baseline.as_deref().map(Baseline::read).transpose()?;
+    if let Some(s) = baseline.as_ref().and_then(|b| b.scale) {
+        if s != scale {
+            bail!("the baseline was measured at x{s}, this run is x{scale}");
+        }
+    }
+    let (pairs, unused) = eval::find_pairs(&args.hr, args.lr.as_deref(), scale)?;
+    for f in &unused {
+        log.warn(format!(
+            "{}: no HR image of that name, ignored",
+            f.display()
+        ));
+    }
+    let (engine, settings) = super::setup(&args.infer, log)?;
+    if engine.scale() != scale {
+        bail!(
+            "--scale {scale} does not match the model, which upscales x{}",
+            engine.scale()
+        );
+    }
+
+    let mut report = Report {
+        scale,
+        ..Report::default()
+    };
+    for pair in &pairs {
+        match eval::evaluate_pair(&engine, &settings, pair, scale) {
+            Ok(r) => report.images.push(r),
+            Err(msg) => {
+                log.error(format!("{}: {msg}", pair.hr.display()));
+                report.failed.push((pair.name.clone(), msg));
+            }
+        }
+    }
+
+    let mut out = report.to_json();
+    let mut ok = report.failed.is_empty();
+    if let Some(path) = &args.write_baseline {
+        if ok {
+            let text = serde_json::to_string_pretty(&out)? + "\n";
+            crate::io::write_atomic(path, |w| {
+                w.write_all(text.as_bytes())
+                    .map_err(|e| crate::io::IoError::os(path, e))
+            })
+            .with_context(|| format!("--write_baseline {}", path.display()))?;
+        } else {
+            // A baseline without the failed images would stop gating them.
+            log.error(format!(
+                "{} image(s) failed; baseline {} not written",
+                report.failed.len(),
+                path.display()
+            ));
+        }
+    }
+    if let (Some(b), Some(path)) = (&baseline, &args.baseline) {
+        let problems = eval::gate(&b.scores, &report.scores(), args.max_drop);
+        for p in &problems {
+            log.error(format!("gate: {p}"));
+        }
+        ok &= problems.is_empty();
+        out["gate"] = serde_json::json!({
+            "baseline": path,
+            "max_drop": args.max_drop,
+            "passed": problems.is_empty(),
+            "problems": problems.iter().map(|p| p.to_string()).collect::<Vec<_>>(),
+        });
+    }
+
+    if args.json {
+        println!("{out}");
+    } else {
+        print!("{}", report.render_table());
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
