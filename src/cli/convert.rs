@@ -1,6 +1,7 @@
 //! `upscale convert`: any supported checkpoint to a clean safetensors file.
 
 use std::collections::HashMap;
+use std::io::Write;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
@@ -48,28 +49,13 @@ pub fn convert(input: &Path, output: &Path, dtype: DType) -> Result<()> {
     if let Some(w) = &ck.wrapper {
         meta.insert("upscale.source_key".to_string(), w.clone());
     }
-    let dir = output
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = output
-        .file_name()
-        .with_context(|| format!("{}: not a file name", output.display()))?;
-    let tmp = dir.join(format!(
-        ".{}.upscale-tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let written = safetensors::serialize_to_file(
-        tensors.iter().map(|(k, v)| (k.as_str(), v)),
-        Some(meta),
-        &tmp,
-    )
-    .map_err(anyhow::Error::from)
-    .and_then(|_| std::fs::rename(&tmp, output).map_err(anyhow::Error::from));
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("{}: cannot write", output.display()));
-    }
+    let bytes = safetensors::serialize(tensors.iter().map(|(k, v)| (k.as_str(), v)), Some(meta))
+        .with_context(|| format!("{}: cannot write", output.display()))?;
+    // The same atomic write as images get: ordinary permissions, synced, and a name that
+    // folder walks and cleanup recognise as ours if a crash leaves it behind.
+    crate::io::write_atomic(output, |w| {
+        w.write_all(&bytes)
+            .map_err(|e| crate::io::IoError::os(output, e))
+    })?;
     Ok(())
 }

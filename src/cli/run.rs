@@ -47,6 +47,13 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         .transpose()
         .map_err(|e| anyhow::anyhow!("--shard: {e}"))?;
 
+    if files.is_empty() {
+        anyhow::bail!("no images found in {}", display_list(&args.inputs));
+    }
+    if let (Some(f), Some(name)) = (format, &args.format) {
+        check_depth(args.bit_depth, f, &format!("--format {name}"))?;
+    }
+
     let (engine, settings) = super::setup(&args.infer, log)?;
     let naming = io::NamingOptions {
         output: args.output.clone(),
@@ -55,15 +62,21 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         overwrite: args.overwrite,
     };
     let mut jobs = io::plan_outputs(&files, &naming)?;
+    if let [job] = jobs.as_slice() {
+        if args.output.as_ref() == Some(&job.output) {
+            check_depth(
+                args.bit_depth,
+                job.format,
+                &job.output.display().to_string(),
+            )?;
+        }
+    }
     if let Some(shard) = shard {
         // Split before dropping finished jobs, so every shard sees the same partition.
         jobs = io::select_shard(jobs, shard);
     }
     let skipped = jobs.iter().filter(|j| j.skip).count();
     let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.skip).collect();
-    if files.is_empty() {
-        anyhow::bail!("no images found in {}", display_list(&args.inputs));
-    }
     if skipped > 0 {
         log.info(format!(
             "{skipped} output(s) exist already and are skipped (--overwrite to redo)"
@@ -103,6 +116,17 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// An explicit 16-bit request for a format that cannot hold it is a usage error, caught
+/// before any image is processed; `what` is the flag or file that chose the format.
+fn check_depth(bit_depth: Option<u8>, format: Format, what: &str) -> Result<()> {
+    if bit_depth == Some(16) && !format.supports_16bit() {
+        anyhow::bail!(
+            "--bit-depth 16 with {what}: {format} cannot hold 16-bit samples (use --bit-depth 8, or PNG or TIFF)"
+        );
+    }
+    Ok(())
 }
 
 struct EncodeChoice {

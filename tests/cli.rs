@@ -1,0 +1,902 @@
+//! The binary as a user runs it on single images: every flag family, and bad input of every
+//! kind failing with the right exit code, one clear message and nothing left on disk.
+
+mod common;
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use common::*;
+use image::{ColorType, GenericImageView, ImageFormat};
+
+fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+fn open(path: &Path) -> image::DynamicImage {
+    image::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Runs `cmd` in a prepared `dir` and checks that it failed cleanly: exit `code`, exactly one
+/// `error:` line that contains every one of `needles`, nothing else on stderr but warnings, the
+/// run's tally and clap's pointer to --help, and no file added to or removed from `dir`.
+fn assert_rejected(dir: &Path, cmd: &mut assert_cmd::Command, code: i32, needles: &[&str]) {
+    let before = files_under(dir);
+    let out = cmd.output().unwrap();
+    assert_no_panic(&out);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(code), "stderr:\n{err}");
+    let errors = error_lines(&out);
+    assert_eq!(errors.len(), 1, "want one error line, got:\n{err}");
+    for n in needles {
+        assert!(errors[0].contains(n), "'{}' does not name {n:?}", errors[0]);
+    }
+    for line in err.lines().filter(|l| !l.trim().is_empty()) {
+        let tally = line.contains(" upscaled, ") && line.contains(" failed in ");
+        assert!(
+            line.starts_with("error:")
+                || line.starts_with("warning:")
+                || line.starts_with("For more information")
+                || tally,
+            "unexpected stderr line {line:?} in:\n{err}"
+        );
+    }
+    assert_eq!(files_under(dir), before, "a failed run changed the folder");
+}
+
+fn with_input(dir: &Path) -> PathBuf {
+    let p = dir.join("in.png");
+    write_png(&p, 20, 16);
+    p
+}
+
+// ---------------------------------------------------------------- outputs and flags
+
+#[test]
+fn output_file_folder_and_default_name() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+
+    upscale(dir)
+        .args(["in.png", "-o", "named.png"])
+        .assert()
+        .success();
+    assert_eq!(open(&dir.join("named.png")).dimensions(), (40, 32));
+
+    // A trailing separator makes -o a folder even before it exists.
+    upscale(dir)
+        .args(["in.png", "-o", "fresh/"])
+        .assert()
+        .success();
+    assert_eq!(open(&dir.join("fresh/in.png")).dimensions(), (40, 32));
+
+    fs::create_dir(dir.join("existing")).unwrap();
+    upscale(dir)
+        .args(["in.png", "-o", "existing"])
+        .assert()
+        .success();
+    assert_eq!(open(&dir.join("existing/in.png")).dimensions(), (40, 32));
+
+    upscale(dir).arg("in.png").assert().success();
+    assert_eq!(open(&dir.join("in_x2.png")).dimensions(), (40, 32));
+}
+
+#[test]
+fn output_size_is_scale_times_input() {
+    let d = tempdir();
+    let dir = d.path();
+    // Sizes that are not multiples of the window, so padding and cropping are exercised.
+    write_png(&dir.join("in.png"), 13, 10);
+    for (model, scale) in [
+        ("x2_w8_b2.safetensors", 2),
+        ("x3_w4.safetensors", 3),
+        ("x4_w8_g2.safetensors", 4),
+    ] {
+        let out = format!("out{scale}.png");
+        let run = upscale_with(dir, model)
+            .args(["in.png", "--tile", "0", "-o", &out])
+            .output()
+            .unwrap();
+        assert_success(&run);
+        assert_eq!(open(&dir.join(&out)).dimensions(), (13 * scale, 10 * scale));
+    }
+}
+
+#[test]
+fn tile_flags_in_both_spellings() {
+    let d = tempdir();
+    let dir = d.path();
+    write_png(&dir.join("in.png"), 40, 40);
+    let tiled = |out: &str, flags: &[&str]| -> (Vec<u8>, u64) {
+        let run = upscale(dir)
+            .args(["in.png", "--json", "-o", out])
+            .args(flags)
+            .output()
+            .unwrap();
+        assert_success(&run);
+        let lines = json_lines(&run);
+        let tiles = lines[0]["tiles"].as_u64().unwrap();
+        (fs::read(dir.join(out)).unwrap(), tiles)
+    };
+
+    let (under, tiles) = tiled(
+        "u.png",
+        &[
+            "--tile",
+            "16",
+            "--tile_overlap",
+            "4",
+            "--tile_batch_size",
+            "2",
+        ],
+    );
+    assert!(tiles > 1, "--tile 16 on 40x40 gave {tiles} tile(s)");
+    let (dash, _) = tiled(
+        "d.png",
+        &[
+            "--tile",
+            "16",
+            "--tile-overlap",
+            "4",
+            "--tile-batch-size",
+            "2",
+        ],
+    );
+    assert_eq!(under, dash, "dash and underscore spellings disagree");
+
+    let base = ["--tile", "16", "--tile_overlap", "4"];
+    let blend = |out: &str, extra: &[&str]| {
+        let mut flags = base.to_vec();
+        flags.extend_from_slice(extra);
+        tiled(out, &flags).0
+    };
+    let hann = blend("h.png", &["--blend", "hann"]);
+    assert_eq!(hann, blend("h2.png", &["--hann-blend"]));
+    assert_eq!(hann, blend("h3.png", &["--hann_blend"]));
+    let average = blend("a.png", &["--blend", "average"]);
+    let none = blend("n.png", &["--blend", "none"]);
+    assert_ne!(hann, none, "--blend none gave the same image as hann");
+    for (img, name) in [(&average, "average"), (&none, "none")] {
+        let dec = image::load_from_memory(img).unwrap();
+        assert_eq!(dec.dimensions(), (80, 80), "--blend {name}");
+    }
+
+    for flag in ["--tile-auto", "--tile_auto"] {
+        let run = upscale(dir)
+            .args(["in.png", flag, "-o", "auto.png", "--overwrite"])
+            .output()
+            .unwrap();
+        assert_success(&run);
+        assert_eq!(open(&dir.join("auto.png")).dimensions(), (80, 80));
+    }
+}
+
+#[test]
+fn bit_depth_follows_input_unless_asked() {
+    let d = tempdir();
+    let dir = d.path();
+    rgb16_image(12, 10).save(dir.join("deep.png")).unwrap();
+    write_png(&dir.join("flat.png"), 12, 10);
+
+    let depth = |args: &[&str], out: &str| {
+        let run = upscale(dir).args(args).args(["-o", out]).output().unwrap();
+        assert_success(&run);
+        open(&dir.join(out)).color()
+    };
+    assert_eq!(
+        depth(&["deep.png", "--bit-depth", "16"], "a.png"),
+        ColorType::Rgb16
+    );
+    assert_eq!(depth(&["deep.png"], "b.png"), ColorType::Rgb16);
+    assert_eq!(
+        depth(&["deep.png", "--bit-depth", "8"], "c.png"),
+        ColorType::Rgb8
+    );
+    assert_eq!(depth(&["flat.png"], "d.png"), ColorType::Rgb8);
+    assert_eq!(
+        depth(&["flat.png", "--bit_depth", "16"], "e.png"),
+        ColorType::Rgb16
+    );
+    assert_eq!(depth(&["deep.png"], "f.tif"), ColorType::Rgb16);
+    // JPEG holds 8 bits only: a 16-bit source drops to 8 there without being asked.
+    assert_eq!(depth(&["deep.png"], "g.jpg"), ColorType::Rgb8);
+}
+
+#[test]
+fn format_sets_extension_and_content() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    for (flag, name, want) in [
+        ("jpg", "in_x2.jpg", ImageFormat::Jpeg),
+        ("webp", "in_x2.webp", ImageFormat::WebP),
+        ("tiff", "in_x2.tif", ImageFormat::Tiff),
+        ("png", "in_x2.png", ImageFormat::Png),
+    ] {
+        upscale(dir)
+            .args(["in.png", "--format", flag])
+            .assert()
+            .success();
+        let path = dir.join(name);
+        let bytes = fs::read(&path).unwrap_or_else(|_| panic!("--format {flag}: no {name}"));
+        assert_eq!(
+            image::guess_format(&bytes).unwrap(),
+            want,
+            "--format {flag}"
+        );
+        assert_eq!(open(&path).dimensions(), (40, 32));
+    }
+    // Into a folder, too, the format renames the file.
+    upscale(dir)
+        .args(["in.png", "--format", "jpg", "-o", "out/"])
+        .assert()
+        .success();
+    assert!(dir.join("out/in.jpg").is_file());
+}
+
+#[test]
+fn jpeg_quality_changes_the_file() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    let size = |q: &str| {
+        let out = format!("q{q}.jpg");
+        upscale(dir)
+            .args(["in.png", "--quality", q, "-o", &out])
+            .assert()
+            .success();
+        fs::metadata(dir.join(&out)).unwrap().len()
+    };
+    let (low, high) = (size("10"), size("100"));
+    assert!(low < high, "quality 10 gave {low} bytes, 100 gave {high}");
+}
+
+#[test]
+fn json_gives_one_line_per_image_and_a_summary() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    write_png(&dir.join("second.png"), 8, 8);
+    let run = upscale(dir)
+        .args(["in.png", "second.png", "--json", "-o", "out"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let lines = json_lines(&run);
+    assert_eq!(lines.len(), 3, "{}", stdout(&run));
+    let mut images: Vec<&serde_json::Value> = lines[..2].iter().collect();
+    images.sort_by_key(|v| v["input"].as_str().unwrap().to_string());
+    assert_eq!(images[0]["input"], "in.png");
+    assert_eq!(images[0]["status"], "ok");
+    assert_eq!(images[0]["input_size"], serde_json::json!([20, 16]));
+    assert_eq!(images[0]["output_size"], serde_json::json!([40, 32]));
+    assert!(Path::new(images[0]["output"].as_str().unwrap()).ends_with("out/in.png"));
+    assert_eq!(images[1]["output_size"], serde_json::json!([16, 16]));
+    let s = summary(&lines);
+    assert_eq!(
+        (&s["done"], &s["failed"], &s["skipped"]),
+        (
+            &serde_json::json!(2),
+            &serde_json::json!(0),
+            &serde_json::json!(0)
+        )
+    );
+}
+
+#[test]
+fn quiet_success_prints_nothing() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    for q in ["-q", "--quiet"] {
+        let run = upscale(dir)
+            .args(["in.png", q, "--overwrite"])
+            .output()
+            .unwrap();
+        assert_success(&run);
+        assert_eq!(stderr(&run), "", "{q}");
+        assert_eq!(stdout(&run), "", "{q}");
+    }
+}
+
+#[test]
+fn gpu_only_settings_fall_back_on_the_cpu() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    let run = upscale(dir)
+        .args([
+            "in.png",
+            "--precision",
+            "bf16",
+            "--streams",
+            "2",
+            "--tile_batch_size",
+            "4",
+            "--tile",
+            "16",
+            "--tile_overlap",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let err = stderr(&run);
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("warning:") && l.contains("bf16")),
+        "no fallback warning:\n{err}"
+    );
+    assert_eq!(open(&dir.join("in_x2.png")).dimensions(), (40, 32));
+}
+
+#[test]
+fn info_describes_models() {
+    let d = tempdir();
+    let dir = d.path();
+    let run = bare(dir)
+        .arg("info")
+        .arg(golden("x4_w8_g2.safetensors"))
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let text = stdout(&run);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("scale") && l.trim_end().ends_with('4')),
+        "{text}"
+    );
+
+    let run = bare(dir)
+        .args(["info", "--json"])
+        .arg(golden("x2_w8_official.pth"))
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    assert_eq!(v["scale"], 2);
+    assert_eq!(v["window"], 8);
+    assert!(v["parameters"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn convert_pth_gives_the_same_pixels() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    let pth = golden("x2_w8_official.pth");
+    let run = bare(dir)
+        .arg("convert")
+        .arg(&pth)
+        .arg("converted.safetensors")
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert_eq!(
+        files_under(dir),
+        ["converted.safetensors", "in.png"].map(String::from).into(),
+        "convert left something else behind"
+    );
+
+    let info = |model: &Path| {
+        let run = bare(dir)
+            .args(["info", "--json"])
+            .arg(model)
+            .output()
+            .unwrap();
+        assert_success(&run);
+        let mut v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+        for k in ["model", "name", "state_dict_key"] {
+            v.as_object_mut().unwrap().remove(k);
+        }
+        v
+    };
+    assert_eq!(info(&pth), info(&dir.join("converted.safetensors")));
+
+    let run = |model: &Path, out: &str| {
+        let r = assert_cmd::Command::new(bin())
+            .current_dir(dir)
+            .arg("-m")
+            .arg(model)
+            .args(["--device", "cpu", "in.png", "-o", out])
+            .output()
+            .unwrap();
+        assert_success(&r);
+        fs::read(dir.join(out)).unwrap()
+    };
+    let from_pth = run(&pth, "pth.png");
+    let from_converted = run(&dir.join("converted.safetensors"), "st.png");
+    assert!(from_pth == from_converted, "outputs differ");
+}
+
+#[cfg(unix)]
+#[test]
+fn converted_model_has_ordinary_permissions() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempdir();
+    let dir = d.path();
+    bare(dir)
+        .arg("convert")
+        .arg(golden(FAST_MODEL))
+        .arg("c.safetensors")
+        .assert()
+        .success();
+    // A file made the ordinary way in the same folder shows what the umask allows.
+    fs::write(dir.join("probe"), b"").unwrap();
+    let mode = |p: &str| fs::metadata(dir.join(p)).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode("c.safetensors"), mode("probe"));
+}
+
+#[test]
+fn gray_stays_gray() {
+    let d = tempdir();
+    let dir = d.path();
+    gray_image(14, 9).save(dir.join("g.png")).unwrap();
+    gray_alpha_image(14, 9).save(dir.join("ga.png")).unwrap();
+    upscale(dir)
+        .args(["g.png", "ga.png", "-o", "out"])
+        .assert()
+        .success();
+    let g = open(&dir.join("out/g.png"));
+    assert_eq!((g.color(), g.dimensions()), (ColorType::L8, (28, 18)));
+    let ga = open(&dir.join("out/ga.png"));
+    assert_eq!((ga.color(), ga.dimensions()), (ColorType::La8, (28, 18)));
+}
+
+#[test]
+fn rgba_keeps_alpha() {
+    let d = tempdir();
+    let dir = d.path();
+    rgba_image(16, 12).save(dir.join("varying.png")).unwrap();
+    let mut flat = rgba_image(16, 12);
+    for p in flat.pixels_mut() {
+        p.0[3] = 128;
+    }
+    flat.save(dir.join("flat.png")).unwrap();
+    upscale(dir)
+        .args(["varying.png", "flat.png", "-o", "out"])
+        .assert()
+        .success();
+
+    let varying = open(&dir.join("out/varying.png"));
+    assert_eq!(
+        (varying.color(), varying.dimensions()),
+        (ColorType::Rgba8, (32, 24))
+    );
+    // A constant alpha is not the network's to change.
+    let flat = open(&dir.join("out/flat.png")).to_rgba8();
+    assert_eq!(flat.dimensions(), (32, 24));
+    assert!(flat.pixels().all(|p| p.0[3] == 128));
+}
+
+// ---------------------------------------------------------------- bad inputs
+
+#[test]
+fn missing_input() {
+    let d = tempdir();
+    assert_rejected(
+        d.path(),
+        upscale(d.path()).arg("nowhere.png"),
+        1,
+        &["nowhere.png"],
+    );
+}
+
+#[test]
+fn empty_png() {
+    let d = tempdir();
+    fs::write(d.path().join("empty.png"), b"").unwrap();
+    assert_rejected(
+        d.path(),
+        upscale(d.path()).arg("empty.png"),
+        1,
+        &["empty.png"],
+    );
+}
+
+#[test]
+fn truncated_png() {
+    let d = tempdir();
+    let p = with_input(d.path());
+    let bytes = fs::read(&p).unwrap();
+    fs::write(d.path().join("cut.png"), &bytes[..bytes.len() / 2]).unwrap();
+    fs::remove_file(p).unwrap();
+    assert_rejected(d.path(), upscale(d.path()).arg("cut.png"), 1, &["cut.png"]);
+}
+
+#[test]
+fn corrupt_png_data() {
+    let d = tempdir();
+    let p = with_input(d.path());
+    let mut bytes = fs::read(&p).unwrap();
+    let idat = bytes.windows(4).position(|w| w == b"IDAT").unwrap();
+    for b in &mut bytes[idat + 8..idat + 40] {
+        *b ^= 0x5a;
+    }
+    fs::write(d.path().join("bad.png"), &bytes).unwrap();
+    fs::remove_file(p).unwrap();
+    assert_rejected(d.path(), upscale(d.path()).arg("bad.png"), 1, &["bad.png"]);
+}
+
+#[test]
+fn text_file_named_png() {
+    let d = tempdir();
+    fs::write(d.path().join("text.png"), b"just some words\n").unwrap();
+    assert_rejected(
+        d.path(),
+        upscale(d.path()).arg("text.png"),
+        1,
+        &["text.png"],
+    );
+}
+
+#[test]
+fn unsupported_image_format() {
+    let d = tempdir();
+    // A GIF header is enough for the format to be recognised and refused.
+    fs::write(
+        d.path().join("anim.gif"),
+        b"GIF89a\x01\x00\x01\x00\x00\x00\x00;",
+    )
+    .unwrap();
+    assert_rejected(
+        d.path(),
+        upscale(d.path()).arg("anim.gif"),
+        1,
+        &["anim.gif", "GIF"],
+    );
+}
+
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+fn png_chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    let start = out.len();
+    out.extend_from_slice(kind);
+    out.extend_from_slice(data);
+    let crc = crc32(&out[start..]);
+    out.extend_from_slice(&crc.to_be_bytes());
+}
+
+/// A well-formed PNG of a few dozen bytes that declares `w` x `h` RGB pixels: the IDAT is one
+/// stored deflate block holding a single scanline, so only the header lies.
+fn bomb_png(w: u32, h: u32) -> Vec<u8> {
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut ihdr = Vec::new();
+    ihdr.extend_from_slice(&w.to_be_bytes());
+    ihdr.extend_from_slice(&h.to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    png_chunk(&mut png, b"IHDR", &ihdr);
+    let raw = [0u8; 16];
+    let mut zlib = vec![0x78, 0x01, 0x01];
+    zlib.extend_from_slice(&(raw.len() as u16).to_le_bytes());
+    zlib.extend_from_slice(&(!(raw.len() as u16)).to_le_bytes());
+    zlib.extend_from_slice(&raw);
+    // Adler-32 of sixteen zero bytes: a = 1, b = 16.
+    zlib.extend_from_slice(&((16u32 << 16) | 1).to_be_bytes());
+    png_chunk(&mut png, b"IDAT", &zlib);
+    png_chunk(&mut png, b"IEND", &[]);
+    png
+}
+
+#[test]
+fn decompression_bomb() {
+    let d = tempdir();
+    let bytes = bomb_png(100_000, 100_000);
+    assert!(bytes.len() < 100);
+    fs::write(d.path().join("bomb.png"), bytes).unwrap();
+    let started = std::time::Instant::now();
+    assert_rejected(
+        d.path(),
+        upscale(d.path()).arg("bomb.png"),
+        1,
+        &["bomb.png", "100000x100000"],
+    );
+    assert!(started.elapsed().as_secs() < 30, "the bomb was decoded");
+}
+
+#[test]
+fn missing_model() {
+    let d = tempdir();
+    with_input(d.path());
+    let mut cmd = bare(d.path());
+    cmd.args(["in.png", "--device", "cpu", "-m", "absent.safetensors"]);
+    assert_rejected(d.path(), &mut cmd, 2, &["absent.safetensors"]);
+}
+
+/// `upscale in.png -m MODEL --device cpu` in `dir`, for a model written there.
+fn with_model(dir: &Path, model: &str) -> assert_cmd::Command {
+    let mut cmd = bare(dir);
+    cmd.args(["in.png", "--device", "cpu", "-m", model]);
+    cmd
+}
+
+fn model_case(model: &str, contents: &[u8], needles: &[&str]) {
+    let d = tempdir();
+    with_input(d.path());
+    fs::write(d.path().join(model), contents).unwrap();
+    assert_rejected(d.path(), &mut with_model(d.path(), model), 2, needles);
+}
+
+#[test]
+fn truncated_model() {
+    let bytes = fs::read(golden(FAST_MODEL)).unwrap();
+    model_case(
+        "half.safetensors",
+        &bytes[..bytes.len() / 2],
+        &["half.safetensors"],
+    );
+}
+
+#[test]
+fn zero_byte_model() {
+    model_case("empty.safetensors", b"", &["empty.safetensors", "empty"]);
+}
+
+#[test]
+fn legacy_pickle_model() {
+    // Protocol-2 pickle of an empty dict: what torch.save wrote before the zip format.
+    model_case("old.pth", b"\x80\x02}q\x00.", &["old.pth", "legacy"]);
+}
+
+#[test]
+fn garbage_model() {
+    model_case("junk.pth", b"this is not a checkpoint", &["junk.pth"]);
+}
+
+#[test]
+fn model_path_is_a_folder() {
+    let d = tempdir();
+    with_input(d.path());
+    fs::create_dir(d.path().join("weights")).unwrap();
+    assert_rejected(
+        d.path(),
+        &mut with_model(d.path(), "weights"),
+        2,
+        &["weights"],
+    );
+}
+
+/// Writes the fast fixture, edited, as `dir/name`.
+fn edited_model(dir: &Path, name: &str, edit: impl FnOnce(&mut HashMap<String, Tensor>)) {
+    let mut tensors = candle_core::safetensors::load(golden(FAST_MODEL), &Device::Cpu).unwrap();
+    edit(&mut tensors);
+    candle_core::safetensors::save(&tensors, dir.join(name)).unwrap();
+}
+
+fn edited_model_case(
+    name: &str,
+    edit: impl FnOnce(&mut HashMap<String, Tensor>),
+    needles: &[&str],
+) {
+    let d = tempdir();
+    with_input(d.path());
+    edited_model(d.path(), name, edit);
+    assert_rejected(d.path(), &mut with_model(d.path(), name), 2, needles);
+}
+
+const SOME_WEIGHT: &str = "layers.0.swin2.mlp.fc1.weight";
+
+#[test]
+fn model_with_nan() {
+    edited_model_case(
+        "nan.safetensors",
+        |t| {
+            let w = &t[SOME_WEIGHT];
+            let mut v = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v[7] = f32::NAN;
+            let bad = Tensor::from_vec(v, w.dims(), &Device::Cpu).unwrap();
+            t.insert(SOME_WEIGHT.into(), bad);
+        },
+        &["nan.safetensors", SOME_WEIGHT],
+    );
+}
+
+#[test]
+fn model_with_missing_tensor() {
+    edited_model_case(
+        "short.safetensors",
+        |t| {
+            t.remove("layers.0.swin3.attn.qkv.bias").unwrap();
+        },
+        &["short.safetensors", "layers.0.swin3.attn.qkv.bias"],
+    );
+}
+
+#[test]
+fn model_with_wrong_shape() {
+    edited_model_case(
+        "shape.safetensors",
+        |t| {
+            let (o, i) = t[SOME_WEIGHT].dims2().unwrap();
+            let wrong = Tensor::zeros((o, i + 1), candle_core::DType::F32, &Device::Cpu).unwrap();
+            t.insert(SOME_WEIGHT.into(), wrong);
+        },
+        &["shape.safetensors", SOME_WEIGHT],
+    );
+}
+
+#[test]
+fn model_that_is_not_drct() {
+    edited_model_case(
+        "resnet.safetensors",
+        |t| {
+            t.clear();
+            let z = |s: &[usize]| Tensor::zeros(s, candle_core::DType::F32, &Device::Cpu).unwrap();
+            t.insert("fc.weight".into(), z(&[10, 512]));
+            t.insert("fc.bias".into(), z(&[10]));
+            t.insert("conv1.weight".into(), z(&[64, 3, 7, 7]));
+        },
+        &["resnet.safetensors"],
+    );
+}
+
+/// A flag value that must be refused before anything runs.
+fn flag_case(flags: &[&str], needles: &[&str]) {
+    let d = tempdir();
+    with_input(d.path());
+    let mut cmd = upscale(d.path());
+    cmd.arg("in.png").args(flags);
+    assert_rejected(d.path(), &mut cmd, 2, needles);
+}
+
+#[test]
+fn bad_tile_overlap() {
+    flag_case(&["--tile_overlap", "abc"], &["abc", "--tile_overlap"]);
+}
+
+#[test]
+fn bad_precision() {
+    flag_case(&["--precision", "fp8"], &["fp8"]);
+}
+
+#[test]
+fn bad_device() {
+    let d = tempdir();
+    with_input(d.path());
+    let mut cmd = bare(d.path());
+    cmd.arg("in.png")
+        .arg("-m")
+        .arg(golden(FAST_MODEL))
+        .args(["--device", "tpu"]);
+    assert_rejected(d.path(), &mut cmd, 2, &["tpu"]);
+}
+
+#[test]
+fn bad_blend() {
+    flag_case(&["--blend", "foo"], &["foo", "--blend"]);
+}
+
+#[test]
+fn bad_bit_depth() {
+    flag_case(&["--bit-depth", "12"], &["12"]);
+}
+
+#[test]
+fn shard_out_of_range() {
+    flag_case(&["--shard", "3/2"], &["3/2"]);
+}
+
+#[test]
+fn shard_not_a_fraction() {
+    flag_case(&["--shard", "x"], &["'x'", "shard"]);
+}
+
+#[test]
+fn quality_zero() {
+    flag_case(&["--quality", "0"], &["'0'", "--quality"]);
+}
+
+#[test]
+fn unknown_output_format() {
+    flag_case(&["--format", "bmp"], &["bmp"]);
+}
+
+#[test]
+fn zero_tile_batch() {
+    flag_case(&["--tile_batch_size", "0"], &["--tile_batch_size"]);
+}
+
+#[test]
+fn sixteen_bit_jpeg() {
+    flag_case(&["--bit-depth", "16", "--format", "jpg"], &["16", "JPEG"]);
+}
+
+#[test]
+fn sixteen_bit_jpeg_by_output_name() {
+    flag_case(&["--bit-depth", "16", "-o", "out.jpg"], &["16", "JPEG"]);
+}
+
+#[test]
+fn overlap_not_smaller_than_tile() {
+    flag_case(
+        &["--tile", "8", "--tile_overlap", "16"],
+        &["--tile 8", "16"],
+    );
+}
+
+#[test]
+fn tile_and_tile_auto_together() {
+    flag_case(&["--tile", "16", "--tile-auto"], &["--tile"]);
+}
+
+#[test]
+fn format_disagrees_with_output_name() {
+    flag_case(&["--format", "png", "-o", "out.jpg"], &["out.jpg", "PNG"]);
+}
+
+#[test]
+fn output_would_replace_input() {
+    flag_case(&["-o", "in.png"], &["in.png"]);
+}
+
+#[test]
+fn output_under_a_regular_file() {
+    let d = tempdir();
+    with_input(d.path());
+    fs::write(d.path().join("somefile.txt"), b"notes").unwrap();
+    let mut cmd = upscale(d.path());
+    cmd.args(["in.png", "-o", "somefile.txt/out.png"]);
+    assert_rejected(d.path(), &mut cmd, 2, &["somefile.txt"]);
+}
+
+#[test]
+fn several_inputs_into_a_file() {
+    let d = tempdir();
+    with_input(d.path());
+    write_png(&d.path().join("two.png"), 8, 8);
+    fs::write(d.path().join("somefile.txt"), b"notes").unwrap();
+    let mut cmd = upscale(d.path());
+    cmd.args(["in.png", "two.png", "-o", "somefile.txt"]);
+    assert_rejected(d.path(), &mut cmd, 2, &["somefile.txt"]);
+}
+
+#[test]
+fn folder_without_images() {
+    let d = tempdir();
+    fs::create_dir(d.path().join("photos")).unwrap();
+    fs::write(d.path().join("photos/notes.txt"), b"no pictures here").unwrap();
+    let mut cmd = upscale(d.path());
+    cmd.args(["photos", "-r"]);
+    assert_rejected(d.path(), &mut cmd, 2, &["photos"]);
+}
+
+#[test]
+fn info_on_a_broken_model() {
+    let d = tempdir();
+    fs::write(
+        d.path().join("junk.safetensors"),
+        b"\x10\0\0\0\0\0\0\0{\"a\":",
+    )
+    .unwrap();
+    let mut cmd = bare(d.path());
+    cmd.args(["info", "junk.safetensors"]);
+    assert_rejected(d.path(), &mut cmd, 2, &["junk.safetensors"]);
+}
+
+#[test]
+fn convert_into_a_regular_file() {
+    let d = tempdir();
+    fs::write(d.path().join("somefile.txt"), b"notes").unwrap();
+    let mut cmd = bare(d.path());
+    cmd.arg("convert")
+        .arg(golden(FAST_MODEL))
+        .arg("somefile.txt/out.safetensors");
+    assert_rejected(d.path(), &mut cmd, 2, &["somefile.txt"]);
+}
