@@ -269,3 +269,34 @@ fn shards_are_disjoint_and_cover_the_folder() {
     assert_eq!(unique.into_iter().cloned().collect::<BTreeSet<_>>(), all);
     assert_eq!(files_under(&dir.join("out")).len(), COUNT);
 }
+
+#[test]
+fn stale_temporaries_are_removed_fresh_ones_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    std::fs::create_dir_all(root.join("in")).unwrap();
+    std::fs::create_dir_all(root.join("out")).unwrap();
+    rgb_image(12, 10).save(root.join("in/a.png")).unwrap();
+    // Left by a killed run an hour ago, and one a live writer in another shard may own.
+    let stale = root.join("out/.b.png.upscale-tmp-999999-1");
+    let fresh = root.join("out/.c.png.upscale-tmp-999999-2");
+    std::fs::write(&stale, b"partial").unwrap();
+    std::fs::write(&fresh, b"partial").unwrap();
+    let hour_ago = SystemTime::now() - std::time::Duration::from_secs(3600);
+    std::fs::File::options()
+        .write(true)
+        .open(&stale)
+        .unwrap()
+        .set_modified(hour_ago)
+        .unwrap();
+    upscale(root)
+        .args(["in", "-o", "out", "-q"])
+        .assert()
+        .success();
+    assert!(!stale.exists(), "a stale temporary must be cleaned up");
+    assert!(
+        fresh.exists(),
+        "a fresh temporary may belong to a live writer"
+    );
+    assert!(root.join("out/a.png").exists());
+}

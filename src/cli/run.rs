@@ -75,6 +75,7 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         // Split before dropping finished jobs, so every shard sees the same partition.
         jobs = io::select_shard(jobs, shard);
     }
+    remove_leftovers(&jobs, log);
     let skipped = jobs.iter().filter(|j| j.skip).count();
     let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.skip).collect();
     if skipped > 0 {
@@ -151,6 +152,13 @@ fn process(engine: &Engine, settings: &TileSettings, dec: &Decoded) -> Result<Up
 
 fn write(job: &Job, dec: &Decoded, up: &Upscaled, choice: &EncodeChoice) -> Result<(), String> {
     let opts = encode_options(job, dec.bit_depth, choice);
+    if up.alpha.is_some() && !job.format.supports_alpha() {
+        eprintln!(
+            "warning: {}: {} has no alpha channel; transparency is dropped",
+            job.output.display(),
+            job.format
+        );
+    }
     if opts.bit_depth == 16 && !job.format.supports_16bit() {
         return Err(format!(
             "{}: {} cannot hold 16-bit samples (use --bit-depth 8 or --format png|tiff)",
@@ -320,6 +328,22 @@ fn progress_bar(len: usize, log: &Logger, json: bool) -> indicatif::ProgressBar 
         bar.set_style(style);
     }
     bar
+}
+
+/// A killed run can leave a temporary behind (never a final name). Temporaries untouched for
+/// this long belong to no live writer, even one from another shard in the same folder.
+const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(600);
+
+fn remove_leftovers(jobs: &[Job], log: &Logger) {
+    let dirs: std::collections::BTreeSet<&std::path::Path> =
+        jobs.iter().filter_map(|j| j.output.parent()).collect();
+    for dir in dirs {
+        if let Ok(removed) = io::remove_stale_temporaries(dir, STALE_TEMPORARY) {
+            for path in removed {
+                log.verbose(format!("removed stale temporary {}", path.display()));
+            }
+        }
+    }
 }
 
 fn display_list(paths: &[PathBuf]) -> String {
