@@ -264,3 +264,41 @@ fn cli_sixteen_bit_png_end_to_end() {
     }
     assert!(worst <= 1, "16-bit output off by {worst} levels");
 }
+
+#[test]
+fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
+    use upscale::engine::image::{TileChoice, TileSettings};
+    use upscale::engine::Engine;
+    use upscale::model::Checkpoint;
+    let case = &cases()[0];
+    let engine = Engine::new(
+        Checkpoint::load(&case.weights).unwrap(),
+        Device::Cpu,
+        DType::F32,
+    )
+    .unwrap();
+    let cost = engine.bytes_per_pixel();
+    // At least the attention scores of one block per pixel: heads x window^2 floats.
+    assert!(
+        cost > 64.0 * 4.0,
+        "measured cost {cost} B/pixel is implausibly small"
+    );
+    let settings = TileSettings {
+        choice: TileChoice::Auto,
+        overlap: 16,
+        batch: None,
+        blend: Default::default(),
+        quiet: true,
+    };
+    let small = engine.tile_options(&settings, 64, 48);
+    assert_eq!(small.tile, 0, "a small image runs whole");
+    // 40000 x 40000 pixels cannot fit in any machine's free memory at this cost.
+    let huge = engine.tile_options(&settings, 40_000, 40_000);
+    assert!(huge.tile > 0 && huge.tile < 40_000, "{huge:?}");
+    assert_eq!(huge.tile % 8, 0, "tiles are window multiples");
+    let bytes = (huge.tile * huge.tile * huge.batch) as f64 * cost;
+    assert!(
+        bytes <= engine.free_memory() as f64,
+        "{huge:?} needs {bytes} bytes"
+    );
+}
