@@ -39,10 +39,12 @@ done
 
 echo
 echo "## throughput against --tile_batch_size (256x256 input, --tile 64, overlap 16)"
-echo "| batch | median s | input MP/s | tiles/s |"
-echo "|---|---|---|---|"
+echo "| batch | median s | input MP/s | tiles/s | peak RSS MiB |"
+echo "|---|---|---|---|---|"
 for b in 1 2 4 8; do
   "$bin" bench -m "$model" --device cpu --size 256x256 --tile 64 --tile_overlap 16 \
     --tile_batch_size "$b" --reps 3 --json |
-    "$PY" -c 'import json,sys; r=json.load(sys.stdin); print(f"| {r[\"batch\"]} | {r[\"median_s\"]:.3f} | {r[\"input_mpix_per_s\"]:.4f} | {r[\"tiles_per_s\"]:.2f} |")'
+    "$PY" -c 'import json, sys
+r = json.load(sys.stdin)
+print("| %d | %.3f | %.4f | %.2f | %d |" % (r["batch"], r["median_s"], r["input_mpix_per_s"], r["tiles_per_s"], r["peak_rss_bytes"] // 2**20))'
 done

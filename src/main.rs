@@ -15,8 +15,19 @@ fn keep_freed_memory() {
     }
 }
 
+/// Die quietly on a closed pipe (`upscale ... --json | head -1`), as Unix tools do, instead
+/// of failing a print.
+fn default_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of one signal before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> ExitCode {
     keep_freed_memory();
+    default_sigpipe();
     let cli = Cli::parse();
     match upscale::cli::run(cli) {
         Ok(code) => code,
