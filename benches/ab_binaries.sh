@@ -16,9 +16,10 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 ta=(); tb=()
 run() {
-  local s e
+  local bin=$1 s e
+  shift
   s=$(date +%s.%N)
-  "$1" -m "$model" "$image" -o "$work/out.png" --device cpu --overwrite -q "$@"
+  "$bin" -m "$model" "$image" -o "$work/out.png" --device cpu --overwrite -q "$@"
   e=$(date +%s.%N)
   echo "$e - $s" | bc -l
 }
