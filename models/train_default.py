@@ -465,7 +465,7 @@ def cmd_export(a):
         "num_feat": "64",
         "img_range": "1.0",
         "rgb_mean": "0.4488,0.4371,0.4040",
-        "train_steps": str(ck["step"]),
+        "train_steps": str(a.total_steps or ck["step"]),
         "val_y_psnr": json.dumps({n: round(p, 3) for n, p, _ in rows}),
         "recipe": "models/train_default.py",
         "license": "see models/README.md",
@@ -542,6 +542,8 @@ def main():
     s = sub.add_parser("export")
     s.add_argument("--ckpt", required=True)
     s.add_argument("--out", default="models/default_x4.safetensors")
+    s.add_argument("--total-steps", type=int, default=None,
+                   help="steps over all stages, for the metadata (default: the checkpoint's stage)")
     s = sub.add_parser("eval")
     s.add_argument("--weights", default="models/default_x4.safetensors")
     s.add_argument("--photos", default="tests/photos")
