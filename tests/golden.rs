@@ -302,3 +302,31 @@ fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
         "{huge:?} needs {bytes} bytes"
     );
 }
+
+/// The shipped default model against its float64 reference (made by
+/// models/make_parity_fixture.py from the committed weights).
+#[test]
+fn default_model_matches_float64_reference() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let model = Model::load(
+        &root.join("models/default_x4.safetensors"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let (input, expected) = load_io(&golden_dir().join("default_x4.io.safetensors"));
+    let out = model.net.forward(&input).unwrap();
+    let d = max_abs_diff(&out, &expected);
+    eprintln!("default_x4 max |f32 - f64 reference| = {d:.3e}");
+    assert!(d < TOLERANCE, "{d}");
+}
+
+/// The binary carries exactly the committed file.
+#[cfg(feature = "embedded-model")]
+#[test]
+fn embedded_model_is_the_committed_file() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let file = std::fs::read(root.join("models/default_x4.safetensors")).unwrap();
+    let (_, bytes) = upscale::engine::embedded_model().unwrap();
+    assert!(bytes == file.as_slice());
+}
