@@ -24,7 +24,6 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file, save_file
 

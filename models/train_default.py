@@ -30,7 +30,6 @@ import hashlib
 import json
 import math
 import random
-import sys
 import time
 
 import numpy as np
@@ -96,7 +95,7 @@ MATE_PHOTOS = {
 }
 
 # Held-out photos: whole source images never used for training. Each is
-# reduced (integer-free MATLAB-style resize, then a fixed crop) to a small PNG
+# reduced (MATLAB-style resize, then a fixed crop) to a small PNG
 # that is committed, so CI scores exactly what the model card reports.
 # name -> (source id, downscale target long side or None, crop (top, left, h, w))
 HELD_OUT = {
@@ -430,6 +429,8 @@ def cmd_train(a):
             elapsed += now - t0
             t0 = now
             save(last)
+            if a.keep_every and step % a.keep_every == 0:
+                save(os.path.join(a.workdir, f"step{step:06d}.pt"))
     log(f"done: {step} steps, {elapsed:.0f}s, best {best:.3f}")
 
 
@@ -443,15 +444,19 @@ def export_state_dict(model):
 
 def cmd_export(a):
     from safetensors.torch import save_file
-    ck = torch.load(a.ckpt, weights_only=False)
+    cks = [torch.load(c, weights_only=False) for c in a.ckpt]
+    ck = cks[-1]
     model = build_model()
     # The checkpoint's attn_mask buffers belong to the training patch size;
-    # only parameters are carried over.
+    # only parameters are carried over. Several checkpoints of one stage's
+    # low-LR tail can be averaged; for the committed model this scored no
+    # better than the best single checkpoint, which is what was exported.
     params = {n for n, _ in model.named_parameters()}
-    missing, _ = model.load_state_dict({k: v for k, v in ck["model"].items() if k in params}, strict=False)
+    avg = {k: sum(c["model"][k].double() for c in cks) / len(cks) for k in params}
+    missing, _ = model.load_state_dict({k: v.float() for k, v in avg.items()}, strict=False)
     assert all(k.endswith(("relative_position_index", "attn_mask")) for k in missing), missing
     sd = export_state_dict(model)
-    rows = ck.get("val", [])
+    rows = ck.get("val", []) if len(cks) == 1 else evaluate(model, load_val(a.photos))
     meta = {
         "format": "pt",
         "architecture": "DRCT",
@@ -466,6 +471,7 @@ def cmd_export(a):
         "img_range": "1.0",
         "rgb_mean": "0.4488,0.4371,0.4040",
         "train_steps": str(a.total_steps or ck["step"]),
+        "averaged_checkpoints": str(len(cks)),
         "val_y_psnr": json.dumps({n: round(p, 3) for n, p, _ in rows}),
         "recipe": "models/train_default.py",
         "license": "see models/README.md",
@@ -537,10 +543,13 @@ def main():
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--no-bf16", dest="bf16", action="store_false")
+    s.add_argument("--keep-every", type=int, default=0,
+                   help="also keep stepNNNNNN.pt every this many steps (for checkpoint averaging)")
     s.add_argument("--init", default=None, help="start a new stage from this checkpoint (last.pt of the previous stage)")
     s.add_argument("--config", default=None, help="JSON overrides of CONFIG (for config search)")
     s = sub.add_parser("export")
-    s.add_argument("--ckpt", required=True)
+    s.add_argument("--ckpt", required=True, nargs="+", help="one checkpoint, or several to average")
+    s.add_argument("--photos", default="tests/photos")
     s.add_argument("--out", default="models/default_x4.safetensors")
     s.add_argument("--total-steps", type=int, default=None,
                    help="steps over all stages, for the metadata (default: the checkpoint's stage)")
