@@ -131,7 +131,8 @@ impl Mlp {
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // The official model uses nn.GELU(): the exact erf form, not the tanh approximation.
-        self.fc2.forward(&self.fc1.forward(x)?.gelu_erf()?)
+        self.fc2
+            .forward(&super::ops::gelu_erf(&self.fc1.forward(x)?)?)
     }
 }
 
@@ -192,7 +193,7 @@ impl WindowAttention {
                 .broadcast_add(&mask.unsqueeze(1)?)?
                 .reshape((bw, self.heads, n, n))?;
         }
-        let attn = candle_nn::ops::softmax_last_dim(&attn)?;
+        let attn = super::ops::softmax_last_dim(&attn)?;
         let out = attn.matmul(&v)?.transpose(1, 2)?.reshape((bw, n, c))?;
         self.proj.forward(&out)
     }

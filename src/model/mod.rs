@@ -4,6 +4,7 @@ pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod drct;
+pub mod ops;
 
 use std::path::Path;
 
