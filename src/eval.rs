@@ -752,7 +752,7 @@ mod tests {
 
     #[test]
     fn measure_identical_and_crop() {
-        let hr = crate::cli::bench::pattern(40, 36);
+        let hr = crate::engine::probe::pattern(40, 36);
         let hr = metrics::quantize_u8(&hr);
         let lr = metrics::bicubic_lr(&hr, 2);
         let r = measure("x", &hr, &lr, &hr, 2).unwrap();

@@ -288,7 +288,7 @@ pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
                 verbose: false,
             };
             let (engine, settings) = setup(&b.infer, &log)?;
-            let image = bench::pattern(b.size.0, b.size.1);
+            let image = crate::engine::probe::pattern(b.size.0, b.size.1);
             let opts = engine.tile_options(&settings, b.size.0, b.size.1);
             let r = bench::run(
                 &engine,
