@@ -177,9 +177,11 @@ impl WindowAttention {
     /// `x`: windows `(B*nW, N, C)`; `mask`: `(nW, N, N)` for shifted blocks.
     pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
         let (bw, n, c) = x.dims3()?;
-        let qkv = self
-            .qkv
-            .forward(x)?
+        let qkv = self.qkv.forward(x)?;
+        if let Some(out) = super::ops::window_attention(&qkv, &self.bias, mask, self.heads)? {
+            return self.proj.forward(&out);
+        }
+        let qkv = qkv
             .reshape((bw, n, 3, self.heads, self.head_dim))?
             .permute((2, 0, 3, 1, 4))?;
         let q = qkv.get(0)?.contiguous()?;
