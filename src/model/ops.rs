@@ -16,13 +16,17 @@ fn exp_nonpositive(x: f32) -> f32 {
     // Adding and removing 1.5 * 2^23 rounds to nearest without a libm call.
     const ROUND: f32 = 12_582_912.0;
     let xc = x.max(-87.0);
-    let n = (xc * LOG2E + ROUND) - ROUND;
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
+    // t lies in [2^23, 2^24), where one ulp is 1, so its bits minus ROUND's are n as an
+    // integer. Unlike `n as i32` (saturating, NaN-checked) this vectorises.
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     let r = xc - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let scale = f32::from_bits(((ni + 127) as u32) << 23);
     if x < -87.0 {
         0.0
     } else {
