@@ -107,23 +107,52 @@ fn pixel_shuffle_nhwc(x: &Tensor, r: usize) -> Result<Tensor> {
         .reshape((b, h * r, w * r, c_out))
 }
 
+/// A linear layer (`nn.Linear` keys). On the CPU in f32 the bias is folded into the GEMM
+/// ([`super::ops::linear`]); elsewhere it is candle's layer.
+pub struct Dense {
+    inner: Linear,
+}
+
+impl Dense {
+    pub fn new(weight: Tensor, bias: Tensor) -> Self {
+        Self {
+            inner: Linear::new(weight, Some(bias)),
+        }
+    }
+
+    pub fn load(cin: usize, cout: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self::new(
+            vb.get((cout, cin), "weight")?,
+            vb.get(cout, "bias")?,
+        ))
+    }
+}
+
+impl Module for Dense {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match super::ops::linear(x, self.inner.weight(), self.inner.bias())? {
+            Some(y) => Ok(y),
+            None => self.inner.forward(x),
+        }
+    }
+}
+
 /// A 1x1 convolution applied to channels-last tokens is a linear layer.
-fn pointwise(cin: usize, cout: usize, vb: VarBuilder) -> Result<Linear> {
+fn pointwise(cin: usize, cout: usize, vb: VarBuilder) -> Result<Dense> {
     let w = vb.get((cout, cin, 1, 1), "weight")?.reshape((cout, cin))?;
-    let b = vb.get(cout, "bias")?;
-    Ok(Linear::new(w, Some(b)))
+    Ok(Dense::new(w, vb.get(cout, "bias")?))
 }
 
 pub struct Mlp {
-    fc1: Linear,
-    fc2: Linear,
+    fc1: Dense,
+    fc2: Dense,
 }
 
 impl Mlp {
     pub fn new(dim: usize, hidden: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            fc1: candle_nn::linear(dim, hidden, vb.pp("fc1"))?,
-            fc2: candle_nn::linear(hidden, dim, vb.pp("fc2"))?,
+            fc1: Dense::load(dim, hidden, vb.pp("fc1"))?,
+            fc2: Dense::load(hidden, dim, vb.pp("fc2"))?,
         })
     }
 }
@@ -137,8 +166,8 @@ impl Module for Mlp {
 }
 
 pub struct WindowAttention {
-    qkv: Linear,
-    proj: Linear,
+    qkv: Dense,
+    proj: Dense,
     heads: usize,
     head_dim: usize,
     /// `(heads, N, N)`, gathered from the table once at load.
@@ -166,8 +195,8 @@ impl WindowAttention {
             "relative_position_bias_table",
         )?;
         Ok(Self {
-            qkv: Linear::new(w, Some(b)),
-            proj: candle_nn::linear(dim, dim, vb.pp("proj"))?,
+            qkv: Dense::new(w, b),
+            proj: Dense::load(dim, dim, vb.pp("proj"))?,
             heads,
             head_dim,
             bias: relative_position_bias(&table, ws)?,
@@ -277,7 +306,7 @@ impl Module for SwinBlock {
 /// input and every earlier block's (adjusted) output.
 pub struct Rdg {
     blocks: Vec<SwinBlock>,
-    adjust: Vec<Linear>,
+    adjust: Vec<Dense>,
 }
 
 impl Rdg {

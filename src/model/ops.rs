@@ -279,73 +279,159 @@ pub fn window_attention(
     } else {
         gemm::Parallelism::Rayon(0)
     };
-    let mut out = vec![0f32; bw * n * c];
-    out.par_chunks_mut(n * c).enumerate().for_each_init(
-        || vec![0f32; n * n],
-        |scores, (win, out)| {
-            let base = &qkv_data[win * n * c3..(win + 1) * n * c3];
-            let win_mask = mask_data.map(|m| &m[(win % nw) * n * n..(win % nw + 1) * n * n]);
-            for h in 0..heads {
-                let q = base[h * d..].as_ptr();
-                let k = base[c + h * d..].as_ptr();
-                let v = base[2 * c + h * d..].as_ptr();
-                // SAFETY: every access stays inside `base` (n rows of c3 starting at the
-                // head's column), `scores` (n x n) and `out` (n rows of c); the pointers
-                // do not alias and no other task touches this window's `out`.
-                unsafe {
-                    // scores = q · kᵀ; kᵀ is read through k's strides, never copied.
-                    gemm::gemm(
-                        n,
-                        n,
-                        d,
-                        scores.as_mut_ptr(),
-                        1,
-                        n as isize,
-                        false,
-                        q,
-                        1,
-                        c3 as isize,
-                        k,
-                        c3 as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        inner,
-                    );
+    // Left uninitialised: the GEMMs below write every element (each head its d columns of
+    // every row) without reading it.
+    let mut out: Vec<f32> = Vec::with_capacity(bw * n * c);
+    out.spare_capacity_mut()
+        .par_chunks_mut(n * c)
+        .enumerate()
+        .for_each_init(
+            || vec![0f32; n * n],
+            |scores, (win, out)| {
+                let base = &qkv_data[win * n * c3..(win + 1) * n * c3];
+                let win_mask = mask_data.map(|m| &m[(win % nw) * n * n..(win % nw + 1) * n * n]);
+                for h in 0..heads {
+                    let q = base[h * d..].as_ptr();
+                    let k = base[c + h * d..].as_ptr();
+                    let v = base[2 * c + h * d..].as_ptr();
+                    // SAFETY: every access stays inside `base` (n rows of c3 starting at the
+                    // head's column), `scores` (n x n) and `out` (n rows of c); the pointers
+                    // do not alias and no other task touches this window's `out`.
+                    unsafe {
+                        // scores = q · kᵀ; kᵀ is read through k's strides, never copied.
+                        gemm::gemm(
+                            n,
+                            n,
+                            d,
+                            scores.as_mut_ptr(),
+                            1,
+                            n as isize,
+                            false,
+                            q,
+                            1,
+                            c3 as isize,
+                            k,
+                            c3 as isize,
+                            1,
+                            0.0,
+                            1.0,
+                            false,
+                            false,
+                            false,
+                            inner,
+                        );
+                    }
+                    attention_probs(scores, &bias_data[h * n * n..(h + 1) * n * n], win_mask, n);
+                    // SAFETY: as above; the head's d output columns of this window.
+                    unsafe {
+                        gemm::gemm(
+                            n,
+                            d,
+                            n,
+                            out[h * d..].as_mut_ptr().cast::<f32>(),
+                            1,
+                            c as isize,
+                            false,
+                            scores.as_ptr(),
+                            1,
+                            n as isize,
+                            v,
+                            1,
+                            c3 as isize,
+                            0.0,
+                            1.0,
+                            false,
+                            false,
+                            false,
+                            inner,
+                        );
+                    }
                 }
-                attention_probs(scores, &bias_data[h * n * n..(h + 1) * n * n], win_mask, n);
-                // SAFETY: as above; the head's d output columns of this window.
-                unsafe {
-                    gemm::gemm(
-                        n,
-                        d,
-                        n,
-                        out[h * d..].as_mut_ptr(),
-                        1,
-                        c as isize,
-                        false,
-                        scores.as_ptr(),
-                        1,
-                        n as isize,
-                        v,
-                        1,
-                        c3 as isize,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        inner,
-                    );
-                }
-            }
-        },
-    );
+            },
+        );
+    // SAFETY: see above; all bw * n * c elements were written.
+    unsafe { out.set_len(bw * n * c) };
     drop((qkv_guard, bias_guard, mask_parts));
     Ok(Some(Tensor::from_vec(out, (bw, n, c), qkv.device())?))
+}
+
+/// `x · wᵀ + b` on the CPU with the bias written first and accumulated by the GEMM, so the
+/// output is written once instead of written, reread and rewritten by a separate add.
+/// `x`: `(.., k)`; `w`: `(n, k)` as stored; `b`: `(n)`. `None` where the kernel does not apply.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
+    if ![Some(x), Some(w), b].into_iter().flatten().all(use_kernel) {
+        return Ok(None);
+    }
+    let (n, k) = w.dims2()?;
+    let dims = x.dims();
+    if dims.last() != Some(&k) || b.is_some_and(|b| b.dims() != [n]) {
+        candle_core::bail!("linear: input {dims:?}, weight {:?}", w.dims());
+    }
+    let m = x.elem_count() / k.max(1);
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let (w_guard, w_layout) = w.storage_and_layout();
+    let xs = cpu_slice(&x_guard, x_layout)?;
+    let ws = cpu_slice(&w_guard, w_layout)?;
+    // Every output element is written exactly once before the GEMM (bias or zero): a zeroed
+    // allocation followed by the bias rows would be two passes over the largest tensor.
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
+    {
+        let bias = match b {
+            Some(b) => Some(b.storage_and_layout()),
+            None => None,
+        };
+        let bs = match &bias {
+            Some((guard, layout)) => Some(cpu_slice(guard, layout)?),
+            None => None,
+        };
+        out.spare_capacity_mut()
+            .par_chunks_mut(n.max(1) * (CHUNK / n.max(1)).max(1))
+            .for_each(|rows| {
+                for row in rows.chunks_exact_mut(n.max(1)) {
+                    match bs {
+                        Some(bs) => row.iter_mut().zip(bs).for_each(|(d, s)| {
+                            d.write(*s);
+                        }),
+                        None => row.iter_mut().for_each(|d| {
+                            d.write(0.0);
+                        }),
+                    }
+                }
+            });
+    }
+    // SAFETY: the loop above initialised all m * n elements (rows of n, chunks of whole rows).
+    unsafe { out.set_len(m * n) };
+    if m > 0 && n > 0 {
+        // SAFETY: dst is m x n row-major in `out`, lhs m x k row-major in `xs`, and rhs the
+        // k x n transpose of `ws` read through its strides; all inside their slices.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                out.as_mut_ptr(),
+                1,
+                n as isize,
+                b.is_some(),
+                xs.as_ptr(),
+                1,
+                k as isize,
+                ws.as_ptr(),
+                k as isize,
+                1,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::Rayon(0),
+            );
+        }
+    }
+    drop((x_guard, w_guard));
+    let mut shape = dims.to_vec();
+    *shape.last_mut().expect("checked above") = n;
+    Ok(Some(Tensor::from_vec(out, shape, x.device())?))
 }
 
 fn cpu_slice<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> Result<&'a [f32]> {
@@ -477,6 +563,34 @@ mod tests {
         let qkv = Tensor::zeros((1, 4, 6), DType::F16, &Device::Cpu)?;
         let bias = Tensor::zeros((1, 4, 4), DType::F16, &Device::Cpu)?;
         assert!(window_attention(&qkv, &bias, None, 1)?.is_none());
+        Ok(())
+    }
+
+    #[test]
+    fn linear_matches_matmul_plus_bias() -> Result<()> {
+        let dev = Device::Cpu;
+        for dims in [vec![2usize, 3, 5, 7], vec![4, 7], vec![1, 7]] {
+            let x = Tensor::randn(0f32, 1.0, dims.as_slice(), &dev)?;
+            let w = Tensor::randn(0f32, 1.0, (11, 7), &dev)?;
+            let b = Tensor::randn(0f32, 1.0, 11, &dev)?;
+            let want = x
+                .to_dtype(DType::F64)?
+                .broadcast_matmul(&w.to_dtype(DType::F64)?.t()?)?;
+            for bias in [None, Some(&b)] {
+                let ours = linear(&x, &w, bias)?.expect("the CPU f32 kernel applies");
+                let want = match bias {
+                    Some(b) => want.broadcast_add(&b.to_dtype(DType::F64)?)?,
+                    None => want.clone(),
+                };
+                assert_eq!(ours.dims(), want.dims());
+                let diff = (ours.to_dtype(DType::F64)? - want)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f64>()?;
+                assert!(diff < 1e-5, "{dims:?} bias {}: {diff}", bias.is_some());
+            }
+        }
         Ok(())
     }
 }
