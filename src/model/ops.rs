@@ -376,10 +376,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tenso
     // allocation followed by the bias rows would be two passes over the largest tensor.
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
     {
-        let bias = match b {
-            Some(b) => Some(b.storage_and_layout()),
-            None => None,
-        };
+        let bias = b.map(|b| b.storage_and_layout());
         let bs = match &bias {
             Some((guard, layout)) => Some(cpu_slice(guard, layout)?),
             None => None,
