@@ -3,7 +3,8 @@
 //! The relative-position bias depends only on a block's table, so it is gathered at load. The
 //! shift mask depends only on the padded feature size; the official code rebuilds it on the
 //! host in every shifted block for every size but the training size. Here it is built once per
-//! (H, W), shared by every shifted block, tile and batch, and safe to use from several threads.
+//! (H, W), shared by every shifted block, tile and batch, and safe to use from several threads;
+//! so is the gather that puts tokens into (shifted) window order.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -80,26 +81,73 @@ pub fn shift_mask(h: usize, w: usize, ws: usize) -> Vec<f32> {
     mask
 }
 
-/// Shift masks keyed by padded size, on the model's device and in its dtype.
+/// For a padded `h x w` map, the source position (row-major) of every token in window order
+/// after the cyclic shift by `-shift` on both axes: one gather replaces the two rolls and the
+/// window partition. Windows are row-major, tokens row-major inside a window.
+pub fn window_order(h: usize, w: usize, ws: usize, shift: usize) -> Vec<u32> {
+    let (nh, nw) = (h / ws, w / ws);
+    let mut order = Vec::with_capacity(h * w);
+    for wy in 0..nh {
+        for wx in 0..nw {
+            for iy in 0..ws {
+                let y = (wy * ws + iy + shift) % h;
+                for ix in 0..ws {
+                    let x = (wx * ws + ix + shift) % w;
+                    order.push((y * w + x) as u32);
+                }
+            }
+        }
+    }
+    order
+}
+
+/// A window ordering and its inverse (window order back to the map), as device index tensors.
+pub type Partition = (Tensor, Tensor);
+
+/// Shift masks and window orderings keyed by padded size, on the model's device (masks in its
+/// dtype).
 #[derive(Clone)]
-pub struct MaskCache {
+pub struct WindowCache {
     window: usize,
     dtype: DType,
     device: Device,
     masks: Arc<Mutex<HashMap<(usize, usize), Tensor>>>,
+    partitions: Arc<Mutex<HashMap<(usize, usize, bool), Partition>>>,
 }
 
-impl MaskCache {
+impl WindowCache {
     pub fn new(window: usize, dtype: DType, device: &Device) -> Self {
         Self {
             window,
             dtype,
             device: device.clone(),
             masks: Arc::new(Mutex::new(HashMap::new())),
+            partitions: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
-    pub fn get(&self, h: usize, w: usize) -> Result<Tensor> {
+    /// The gather into window order for an `h x w` map (shifted by half a window or not), and
+    /// the gather back.
+    pub fn partition(&self, h: usize, w: usize, shifted: bool) -> Result<Partition> {
+        let mut parts = self.partitions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = parts.get(&(h, w, shifted)) {
+            return Ok(p.clone());
+        }
+        let shift = if shifted { self.window / 2 } else { 0 };
+        let order = window_order(h, w, self.window, shift);
+        let mut inverse = vec![0u32; order.len()];
+        for (i, &src) in order.iter().enumerate() {
+            inverse[src as usize] = i as u32;
+        }
+        let p = (
+            Tensor::from_vec(order, h * w, &self.device)?,
+            Tensor::from_vec(inverse, h * w, &self.device)?,
+        );
+        parts.insert((h, w, shifted), p.clone());
+        Ok(p)
+    }
+
+    pub fn mask(&self, h: usize, w: usize) -> Result<Tensor> {
         // A poisoned lock only means another thread panicked mid-insert of a complete value;
         // the map itself is still consistent.
         let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
@@ -119,6 +167,7 @@ impl MaskCache {
         Ok(m)
     }
 
+    /// Number of sizes with a cached mask.
     pub fn len(&self) -> usize {
         self.masks.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
@@ -167,13 +216,40 @@ mod tests {
 
     #[test]
     fn cache_reuses_masks() -> Result<()> {
-        let c = MaskCache::new(4, DType::F32, &Device::Cpu);
-        let a = c.get(8, 12)?;
-        let _ = c.get(8, 12)?;
+        let c = WindowCache::new(4, DType::F32, &Device::Cpu);
+        let a = c.mask(8, 12)?;
+        let _ = c.mask(8, 12)?;
         assert_eq!(c.len(), 1);
         assert_eq!(a.dims(), &[6, 16, 16]);
-        c.get(12, 8)?;
+        c.mask(12, 8)?;
         assert_eq!(c.len(), 2);
+        Ok(())
+    }
+
+    #[test]
+    fn window_order_is_roll_then_partition() -> Result<()> {
+        let (b, h, w, ws, c) = (2, 8, 12, 4, 3);
+        let x =
+            Tensor::arange(0f32, (b * h * w * c) as f32, &Device::Cpu)?.reshape((b, h, w, c))?;
+        for shift in [0, ws / 2] {
+            let s = shift as i32;
+            let want = x
+                .roll(-s, 1)?
+                .roll(-s, 2)?
+                .reshape((b, h / ws, ws, w / ws, ws, c))?
+                .permute((0, 1, 3, 2, 4, 5))?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let c_ = WindowCache::new(ws, DType::F32, &Device::Cpu);
+            let (fwd, inv) = c_.partition(h, w, shift > 0)?;
+            let got = x.reshape((b, h * w, c))?.index_select(&fwd, 1)?;
+            assert_eq!(got.flatten_all()?.to_vec1::<f32>()?, want, "shift {shift}");
+            let back = got.index_select(&inv, 1)?.reshape((b, h, w, c))?;
+            assert_eq!(
+                back.flatten_all()?.to_vec1::<f32>()?,
+                x.flatten_all()?.to_vec1::<f32>()?
+            );
+        }
         Ok(())
     }
 }

@@ -8,7 +8,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 
-use super::cache::{relative_position_bias, MaskCache};
+use super::cache::{relative_position_bias, WindowCache};
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
 
 /// The RGB mean the official model subtracts (img_range 1.0); not stored in checkpoints.
@@ -237,7 +237,7 @@ pub struct SwinBlock {
     mlp: Mlp,
     window: usize,
     shifted: bool,
-    masks: MaskCache,
+    windows: WindowCache,
 }
 
 impl SwinBlock {
@@ -245,7 +245,7 @@ impl SwinBlock {
         cfg: &DrctConfig,
         g: usize,
         k: usize,
-        masks: &MaskCache,
+        windows: &WindowCache,
         vb: VarBuilder,
     ) -> Result<Self> {
         let dim = cfg.block_dim(k);
@@ -257,7 +257,7 @@ impl SwinBlock {
             window: cfg.window,
             // swin2 and swin4 (odd positions) use shifted windows.
             shifted: k % 2 == 1,
-            masks: masks.clone(),
+            windows: windows.clone(),
         })
     }
 }
@@ -267,36 +267,26 @@ impl Module for SwinBlock {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let ws = self.window;
-        let shift = (ws / 2) as i32;
-        let y = self.norm1.forward(x)?;
-        let y = if self.shifted {
-            y.roll(-shift, 1)?.roll(-shift, 2)?
-        } else {
-            y
-        };
         let (nh, nw) = (h / ws, w / ws);
-        let windows = y
-            .reshape((b, nh, ws, nw, ws, c))?
-            .permute((0, 1, 3, 2, 4, 5))?
-            .contiguous()?
+        // One gather each way stands for the cyclic shift and the window partition.
+        let (order, back) = self.windows.partition(h, w, self.shifted)?;
+        let windows = self
+            .norm1
+            .forward(x)?
+            .reshape((b, h * w, c))?
+            .index_select(&order, 1)?
             .reshape((b * nh * nw, ws * ws, c))?;
         let mask = if self.shifted {
-            Some(self.masks.get(h, w)?)
+            Some(self.windows.mask(h, w)?)
         } else {
             None
         };
         let y = self
             .attn
             .forward(&windows, mask.as_ref())?
-            .reshape((b, nh, nw, ws, ws, c))?
-            .permute((0, 1, 3, 2, 4, 5))?
-            .contiguous()?
+            .reshape((b, h * w, c))?
+            .index_select(&back, 1)?
             .reshape((b, h, w, c))?;
-        let y = if self.shifted {
-            y.roll(shift, 1)?.roll(shift, 2)?
-        } else {
-            y
-        };
         let x = (x + y)?;
         &x + self.mlp.forward(&self.norm2.forward(&x)?)?
     }
@@ -310,7 +300,7 @@ pub struct Rdg {
 }
 
 impl Rdg {
-    pub fn new(cfg: &DrctConfig, g: usize, masks: &MaskCache, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &DrctConfig, g: usize, windows: &WindowCache, vb: VarBuilder) -> Result<Self> {
         let mut blocks = Vec::with_capacity(BLOCKS_PER_GROUP);
         let mut adjust = Vec::with_capacity(BLOCKS_PER_GROUP);
         for k in 0..BLOCKS_PER_GROUP {
@@ -318,7 +308,7 @@ impl Rdg {
                 cfg,
                 g,
                 k,
-                masks,
+                windows,
                 vb.pp(format!("swin{}", k + 1)),
             )?);
             let out = if k + 1 == BLOCKS_PER_GROUP {
@@ -364,7 +354,7 @@ pub struct Drct {
     conv_last: Conv3x3,
     mean: Tensor,
     config: DrctConfig,
-    masks: MaskCache,
+    windows: WindowCache,
     dtype: DType,
     device: Device,
 }
@@ -373,9 +363,9 @@ impl Drct {
     pub fn new(cfg: &DrctConfig, vb: VarBuilder) -> Result<Self> {
         let e = cfg.embed_dim;
         let f = cfg.num_feat;
-        let masks = MaskCache::new(cfg.window, vb.dtype(), vb.device());
+        let windows = WindowCache::new(cfg.window, vb.dtype(), vb.device());
         let layers = (0..cfg.groups)
-            .map(|g| Rdg::new(cfg, g, &masks, vb.pp(format!("layers.{g}"))))
+            .map(|g| Rdg::new(cfg, g, &windows, vb.pp(format!("layers.{g}"))))
             .collect::<Result<Vec<_>>>()?;
         let upsample = cfg
             .upsample_stages()
@@ -409,7 +399,7 @@ impl Drct {
             conv_last: Conv3x3::new(f, 3, vb.pp("conv_last"))?,
             mean,
             config: cfg.clone(),
-            masks,
+            windows,
             dtype: vb.dtype(),
             device: vb.device().clone(),
         })
@@ -429,7 +419,7 @@ impl Drct {
 
     /// Number of distinct padded sizes whose shift mask is cached.
     pub fn cached_masks(&self) -> usize {
-        self.masks.len()
+        self.windows.len()
     }
 }
 
