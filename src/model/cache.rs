@@ -104,6 +104,9 @@ pub fn window_order(h: usize, w: usize, ws: usize, shift: usize) -> Vec<u32> {
 /// A window ordering and its inverse (window order back to the map), as device index tensors.
 pub type Partition = (Tensor, Tensor);
 
+/// A per-size cache shared by every block of a model and every thread.
+type SizeMap<K, V> = Arc<Mutex<HashMap<K, V>>>;
+
 /// Shift masks and window orderings keyed by padded size, on the model's device (masks in its
 /// dtype).
 #[derive(Clone)]
@@ -111,8 +114,8 @@ pub struct WindowCache {
     window: usize,
     dtype: DType,
     device: Device,
-    masks: Arc<Mutex<HashMap<(usize, usize), Tensor>>>,
-    partitions: Arc<Mutex<HashMap<(usize, usize, bool), Partition>>>,
+    masks: SizeMap<(usize, usize), Tensor>,
+    partitions: SizeMap<(usize, usize, bool), Partition>,
 }
 
 impl WindowCache {
