@@ -73,6 +73,11 @@ impl Conv3x3 {
 impl Module for Conv3x3 {
     /// `x`: `(B, H, W, cin)`; returns `(B, H, W, cout)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) =
+            super::ops::conv3x3(&x.contiguous()?, &self.weight, &self.bias, CONV_CHUNK_ELEMS)?
+        {
+            return Ok(y);
+        }
         let (b, h, w, c) = x.dims4()?;
         debug_assert_eq!(c, self.cin);
         let padded = x.pad_with_zeros(1, 1, 1)?.pad_with_zeros(2, 1, 1)?;

@@ -431,6 +431,101 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tenso
     Ok(Some(Tensor::from_vec(out, shape, x.device())?))
 }
 
+/// A 3x3 convolution (stride 1, zero padding 1) on channels-last features, on the CPU: the
+/// patch matrix of a band of rows is gathered in one pass straight from the input (zeros
+/// outside it) and multiplied into an output prefilled with the bias. The patch matrix never
+/// exceeds `chunk_elems` elements, however large the image.
+///
+/// `x`: `(B, H, W, cin)`; `w`: `(9 cin, cout)` with rows ordered (dy, dx, cin); `b`: `(cout)`.
+/// `None` where the kernel does not apply.
+pub fn conv3x3(x: &Tensor, w: &Tensor, b: &Tensor, chunk_elems: usize) -> Result<Option<Tensor>> {
+    if ![x, w, b].into_iter().all(use_kernel) {
+        return Ok(None);
+    }
+    let (batch, h, wd, cin) = x.dims4()?;
+    let (k, cout) = w.dims2()?;
+    if k != 9 * cin || b.dims() != [cout] {
+        candle_core::bail!("conv3x3: input {:?}, weight {:?}", x.dims(), w.dims());
+    }
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let (w_guard, w_layout) = w.storage_and_layout();
+    let (b_guard, b_layout) = b.storage_and_layout();
+    let xs = cpu_slice(&x_guard, x_layout)?;
+    let ws = cpu_slice(&w_guard, w_layout)?;
+    let bs = cpu_slice(&b_guard, b_layout)?;
+
+    let pixels = batch * h * wd;
+    let mut out: Vec<f32> = Vec::with_capacity(pixels * cout);
+    out.spare_capacity_mut()
+        .par_chunks_mut(cout.max(1) * (CHUNK / cout.max(1)).max(1))
+        .for_each(|rows| {
+            for row in rows.chunks_exact_mut(cout.max(1)) {
+                row.iter_mut().zip(bs).for_each(|(d, s)| {
+                    d.write(*s);
+                });
+            }
+        });
+    // SAFETY: every element was written above (whole rows of cout).
+    unsafe { out.set_len(pixels * cout) };
+
+    let row_elems = wd * k;
+    let rows = (chunk_elems / row_elems.max(1)).clamp(1, h.max(1));
+    let mut cols = vec![0f32; rows * row_elems];
+    for bi in 0..batch {
+        let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
+        let mut y0 = 0;
+        while y0 < h {
+            let n = rows.min(h - y0);
+            let cols = &mut cols[..n * row_elems];
+            cols.par_chunks_mut(k).enumerate().for_each(|(p, patch)| {
+                let (y, x) = (y0 + p / wd, p % wd);
+                for (tap, dst) in patch.chunks_exact_mut(cin).enumerate() {
+                    let (sy, sx) = ((y + tap / 3) as isize - 1, (x + tap % 3) as isize - 1);
+                    if sy < 0 || sx < 0 || sy as usize >= h || sx as usize >= wd {
+                        dst.fill(0.0);
+                    } else {
+                        let src = (sy as usize * wd + sx as usize) * cin;
+                        dst.copy_from_slice(&image[src..src + cin]);
+                    }
+                }
+            });
+            let dst = &mut out[((bi * h + y0) * wd) * cout..((bi * h + y0 + n) * wd) * cout];
+            // SAFETY: dst is (n*wd) x cout row-major, cols (n*wd) x k row-major, ws k x cout
+            // row-major; all three are exactly those sizes.
+            unsafe {
+                gemm::gemm(
+                    n * wd,
+                    cout,
+                    k,
+                    dst.as_mut_ptr(),
+                    1,
+                    cout as isize,
+                    true,
+                    cols.as_ptr(),
+                    1,
+                    k as isize,
+                    ws.as_ptr(),
+                    1,
+                    cout as isize,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::Rayon(0),
+                );
+            }
+            y0 += n;
+        }
+    }
+    drop((x_guard, w_guard, b_guard));
+    Ok(Some(Tensor::from_vec(
+        out,
+        (batch, h, wd, cout),
+        x.device(),
+    )?))
+}
+
 fn cpu_slice<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> Result<&'a [f32]> {
     match storage {
         candle_core::Storage::Cpu(cpu) => contiguous_f32(cpu, layout),
@@ -587,6 +682,38 @@ mod tests {
                     .to_scalar::<f64>()?;
                 assert!(diff < 1e-5, "{dims:?} bias {}: {diff}", bias.is_some());
             }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn conv3x3_matches_candle_conv2d() -> Result<()> {
+        let dev = Device::Cpu;
+        for (b, h, w, cin, cout, chunk) in [
+            (2, 5, 7, 4, 6, 1 << 20),
+            (1, 9, 4, 3, 5, 40),
+            (1, 1, 1, 2, 3, 1),
+        ] {
+            let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
+            let weight = Tensor::randn(0f32, 1.0, (cout, cin, 3, 3), &dev)?;
+            let bias = Tensor::randn(0f32, 1.0, cout, &dev)?;
+            let w9 = weight
+                .permute((2, 3, 1, 0))?
+                .reshape((9 * cin, cout))?
+                .contiguous()?;
+            let ours = conv3x3(&x, &w9, &bias, chunk)?.expect("the CPU f32 kernel applies");
+            let want = x
+                .to_dtype(DType::F64)?
+                .permute((0, 3, 1, 2))?
+                .conv2d(&weight.to_dtype(DType::F64)?, 1, 1, 1, 1)?
+                .broadcast_add(&bias.to_dtype(DType::F64)?.reshape((1, cout, 1, 1))?)?
+                .permute((0, 2, 3, 1))?;
+            let diff = (ours.to_dtype(DType::F64)? - want)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f64>()?;
+            assert!(diff < 1e-5, "{b}x{h}x{w}x{cin} chunk {chunk}: {diff}");
         }
         Ok(())
     }
