@@ -57,6 +57,24 @@ impl Conv3x3 {
         })
     }
 
+    /// The same convolution with output channel k computing the old channel `order[k]`.
+    fn reorder_outputs(self, order: Vec<u32>) -> Result<Self> {
+        let idx = Tensor::from_vec(order, self.bias.dim(0)?, self.bias.device())?;
+        Ok(Self {
+            weight: self.weight.index_select(&idx, 1)?,
+            bias: self.bias.index_select(&idx, 0)?,
+            cin: self.cin,
+        })
+    }
+
+    /// The same convolution with `shift` added to its bias.
+    fn add_to_bias(self, shift: &Tensor) -> Result<Self> {
+        Ok(Self {
+            bias: (&self.bias + shift)?,
+            ..self
+        })
+    }
+
     fn patches(&self, padded: &Tensor, rows: usize, w: usize) -> Result<Tensor> {
         let mut taps = Vec::with_capacity(9);
         for dy in 0..3 {
@@ -102,14 +120,28 @@ impl Module for Conv3x3 {
     }
 }
 
-/// PyTorch's PixelShuffle on channels-last features: channel `c*r*r + i*r + j` of pixel
-/// (y, x) moves to pixel (y*r + i, x*r + j), channel c.
-fn pixel_shuffle_nhwc(x: &Tensor, r: usize) -> Result<Tensor> {
+/// PyTorch's PixelShuffle moves channel `c*r*r + i*r + j` of pixel (y, x) to pixel
+/// (y*r + i, x*r + j), channel c. Feeding it a convolution whose output channels were put in
+/// (i, j, c) order instead ([`shuffle_order`]) makes every moved run of channels contiguous,
+/// so the shuffle copies blocks of `r * c` values rather than single elements.
+fn pixel_shuffle_nhwc_reordered(x: &Tensor, r: usize) -> Result<Tensor> {
     let (b, h, w, c) = x.dims4()?;
     let c_out = c / (r * r);
-    x.reshape((b, h, w, c_out, r, r))?
-        .permute((0, 1, 4, 2, 5, 3))?
+    x.reshape((b, h, w, r, r, c_out))?
+        .permute((0, 1, 3, 2, 4, 5))?
         .reshape((b, h * r, w * r, c_out))
+}
+
+/// For output channel `(i*r + j)*c_out + c` of the reordered convolution, the official
+/// channel `c*r*r + i*r + j` it takes its weights from.
+fn shuffle_order(c_out: usize, r: usize) -> Vec<u32> {
+    let mut order = Vec::with_capacity(c_out * r * r);
+    for ij in 0..r * r {
+        for c in 0..c_out {
+            order.push((c * r * r + ij) as u32);
+        }
+    }
+    order
 }
 
 /// A linear layer (`nn.Linear` keys). On the CPU in f32 the bias is folded into the GEMM
@@ -377,10 +409,8 @@ impl Drct {
             .into_iter()
             .enumerate()
             .map(|(i, r)| {
-                Ok((
-                    Conv3x3::new(f, r * r * f, vb.pp(format!("upsample.{}", 2 * i)))?,
-                    r,
-                ))
+                let conv = Conv3x3::new(f, r * r * f, vb.pp(format!("upsample.{}", 2 * i)))?;
+                Ok((conv.reorder_outputs(shuffle_order(f, r))?, r))
             })
             .collect::<Result<Vec<_>>>()?;
         let mean =
@@ -401,7 +431,7 @@ impl Drct {
             },
             conv_before_upsample: Conv3x3::new(e, f, vb.pp("conv_before_upsample.0"))?,
             upsample,
-            conv_last: Conv3x3::new(f, 3, vb.pp("conv_last"))?,
+            conv_last: Conv3x3::new(f, 3, vb.pp("conv_last"))?.add_to_bias(&mean.flatten_all()?)?,
             mean,
             config: cfg.clone(),
             windows,
@@ -457,9 +487,10 @@ impl Module for Drct {
             UPSAMPLE_SLOPE,
         )?;
         for (conv, r) in &self.upsample {
-            y = pixel_shuffle_nhwc(&conv.forward(&y)?, *r)?;
+            y = pixel_shuffle_nhwc_reordered(&conv.forward(&y)?, *r)?;
         }
-        let y = self.conv_last.forward(&y)?.broadcast_add(&self.mean)?;
+        // conv_last's bias already includes the RGB mean the model adds back.
+        let y = self.conv_last.forward(&y)?;
         let y = y.narrow(1, 0, h * s)?.narrow(2, 0, w * s)?;
         y.permute((0, 3, 1, 2))?.contiguous()
     }
