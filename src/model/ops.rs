@@ -468,6 +468,23 @@ pub fn conv3x3(x: &Tensor, w: &Tensor, b: &Tensor, chunk_elems: usize) -> Result
     // SAFETY: every element was written above (whole rows of cout).
     unsafe { out.set_len(pixels * cout) };
 
+    if cout <= NARROW_CONV {
+        let wt = transpose(ws, k, cout);
+        out.par_chunks_mut(wd * cout)
+            .enumerate()
+            .for_each(|(row, dst)| {
+                let (bi, y) = (row / h, row % h);
+                let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
+                conv_row_narrow(image, &wt, dst, y, h, wd, cin);
+            });
+        drop((x_guard, w_guard, b_guard));
+        return Ok(Some(Tensor::from_vec(
+            out,
+            (batch, h, wd, cout),
+            x.device(),
+        )?));
+    }
+
     let row_elems = wd * k;
     let rows = (chunk_elems / row_elems.max(1)).clamp(1, h.max(1));
     let mut cols = vec![0f32; rows * row_elems];
@@ -524,6 +541,77 @@ pub fn conv3x3(x: &Tensor, w: &Tensor, b: &Tensor, chunk_elems: usize) -> Result
         (batch, h, wd, cout),
         x.device(),
     )?))
+}
+
+/// Up to this many output channels (the final RGB convolution) a 3x3 convolution is computed
+/// directly: a patch matrix would be 9x the input for a GEMM the width of a few columns, which
+/// only streams memory.
+const NARROW_CONV: usize = 4;
+
+fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; m.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = m[r * cols + c];
+        }
+    }
+    t
+}
+
+/// One output row of a narrow 3x3 convolution, accumulated onto `dst` (prefilled with the
+/// bias). `wt`: `(cout, 9 cin)`, taps ordered (dy, dx, cin). Each output value keeps one set
+/// of vector lanes across all nine taps and is reduced once.
+#[inline(always)]
+fn conv_row_narrow_body(
+    image: &[f32],
+    wt: &[f32],
+    dst: &mut [f32],
+    y: usize,
+    h: usize,
+    wd: usize,
+    cin: usize,
+) {
+    let k = 9 * cin;
+    let cout = wt.len() / k;
+    for (x, out) in dst.chunks_exact_mut(cout).enumerate() {
+        for (c, o) in out.iter_mut().enumerate() {
+            let mut acc = [0f32; LANES];
+            let mut tail = 0f32;
+            for tap in 0..9 {
+                let (sy, sx) = ((y + tap / 3) as isize - 1, (x + tap % 3) as isize - 1);
+                if sy < 0 || sx < 0 || sy as usize >= h || sx as usize >= wd {
+                    continue;
+                }
+                let src = &image[(sy as usize * wd + sx as usize) * cin..][..cin];
+                let w = &wt[c * k + tap * cin..][..cin];
+                let (sc, wc) = (src.chunks_exact(LANES), w.chunks_exact(LANES));
+                tail += sc
+                    .remainder()
+                    .iter()
+                    .zip(wc.remainder())
+                    .map(|(a, b)| a * b)
+                    .sum::<f32>();
+                for (a, b) in sc.zip(wc) {
+                    for ((s, a), b) in acc.iter_mut().zip(a).zip(b) {
+                        *s += a * b;
+                    }
+                }
+            }
+            *o += tail + acc.iter().sum::<f32>();
+        }
+    }
+}
+
+widest_simd! {
+    fn conv_row_narrow(
+        image: &[f32],
+        wt: &[f32],
+        dst: &mut [f32],
+        y: usize,
+        h: usize,
+        wd: usize,
+        cin: usize,
+    ) = conv_row_narrow_body
 }
 
 fn cpu_slice<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> Result<&'a [f32]> {
@@ -693,6 +781,7 @@ mod tests {
             (2, 5, 7, 4, 6, 1 << 20),
             (1, 9, 4, 3, 5, 40),
             (1, 1, 1, 2, 3, 1),
+            (2, 6, 5, 37, 3, 1 << 20),
         ] {
             let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
             let weight = Tensor::randn(0f32, 1.0, (cout, cin, 3, 3), &dev)?;
