@@ -125,6 +125,9 @@ impl Module for Conv3x3 {
 /// (i, j, c) order instead ([`shuffle_order`]) makes every moved run of channels contiguous,
 /// so the shuffle copies blocks of `r * c` values rather than single elements.
 fn pixel_shuffle_nhwc_reordered(x: &Tensor, r: usize) -> Result<Tensor> {
+    if let Some(y) = super::ops::pixel_shuffle_reordered(x, r)? {
+        return Ok(y);
+    }
     let (b, h, w, c) = x.dims4()?;
     let c_out = c / (r * r);
     x.reshape((b, h, w, r, r, c_out))?
@@ -307,11 +310,7 @@ impl Module for SwinBlock {
         let (nh, nw) = (h / ws, w / ws);
         // One gather each way stands for the cyclic shift and the window partition.
         let (order, back) = self.windows.partition(h, w, self.shifted)?;
-        let windows = self
-            .norm1
-            .forward(x)?
-            .reshape((b, h * w, c))?
-            .index_select(&order, 1)?
+        let windows = gather_tokens(&self.norm1.forward(x)?.reshape((b, h * w, c))?, &order)?
             .reshape((b * nh * nw, ws * ws, c))?;
         let mask = if self.shifted {
             Some(self.windows.mask(h, w)?)
@@ -321,11 +320,18 @@ impl Module for SwinBlock {
         let y = self
             .attn
             .forward(&windows, mask.as_ref())?
-            .reshape((b, h * w, c))?
-            .index_select(&back, 1)?
-            .reshape((b, h, w, c))?;
+            .reshape((b, h * w, c))?;
+        let y = gather_tokens(&y, &back)?.reshape((b, h, w, c))?;
         let x = (x + y)?;
         &x + self.mlp.forward(&self.norm2.forward(&x)?)?
+    }
+}
+
+/// `x.index_select(order, 1)` for `(B, T, C)` tokens; in parallel on the CPU.
+fn gather_tokens(x: &Tensor, order: &Tensor) -> Result<Tensor> {
+    match super::ops::gather_tokens(x, order)? {
+        Some(y) => Ok(y),
+        None => x.index_select(order, 1),
     }
 }
 

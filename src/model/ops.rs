@@ -180,7 +180,7 @@ impl CustomOp1 for SoftmaxLastDim {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let data = contiguous_f32(storage, layout)?;
         let n = layout.dims().last().copied().unwrap_or(1).max(1);
-        let mut out = data.to_vec();
+        let mut out = par_copy(data);
         let rows = (CHUNK / n).max(1);
         out.par_chunks_mut(rows * n)
             .for_each(|chunk| softmax_rows(chunk, n));
@@ -197,7 +197,7 @@ impl CustomOp1 for GeluErf {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let data = contiguous_f32(storage, layout)?;
-        let mut out = data.to_vec();
+        let mut out = par_copy(data);
         out.par_chunks_mut(CHUNK).for_each(gelu_in_place);
         Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
@@ -614,6 +614,124 @@ widest_simd! {
     ) = conv_row_narrow_body
 }
 
+/// A new buffer of `rows` rows of `row_len` values, each row produced in parallel by `fill`
+/// from its index. `fill` hands every row to [`write_row`] pieces that cover it exactly, which
+/// is what makes the final `set_len` sound; the pieces are checked to fit.
+fn par_rows(rows: usize, row_len: usize, fill: impl Fn(usize, &mut RowWriter) + Sync) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::with_capacity(rows * row_len);
+    if row_len > 0 {
+        let per_task = (CHUNK / row_len).max(1);
+        out.spare_capacity_mut()
+            .par_chunks_mut(per_task * row_len)
+            .enumerate()
+            .for_each(|(t, chunk)| {
+                for (k, row) in chunk.chunks_exact_mut(row_len).enumerate() {
+                    let mut w = RowWriter { row, at: 0 };
+                    fill(t * per_task + k, &mut w);
+                    assert_eq!(
+                        w.at,
+                        row_len,
+                        "row {} left partly unwritten",
+                        t * per_task + k
+                    );
+                }
+            });
+    }
+    // SAFETY: every row was written in full (asserted above).
+    unsafe { out.set_len(rows * row_len) };
+    out
+}
+
+/// `data.to_vec()`, copied by all threads (a single-threaded copy of a large activation is
+/// a serial step the other cores wait through).
+fn par_copy(data: &[f32]) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::with_capacity(data.len());
+    out.spare_capacity_mut()
+        .par_chunks_mut(CHUNK)
+        .zip(data.par_chunks(CHUNK))
+        .for_each(|(row, src)| RowWriter { row, at: 0 }.write_row(src));
+    // SAFETY: both sides are cut into the same CHUNK-sized pieces, so every element of `out`
+    // received one of `data`.
+    unsafe { out.set_len(data.len()) };
+    out
+}
+
+/// Appends values to one uninitialised output row, front to back.
+struct RowWriter<'a> {
+    row: &'a mut [std::mem::MaybeUninit<f32>],
+    at: usize,
+}
+
+impl RowWriter<'_> {
+    fn write_row(&mut self, src: &[f32]) {
+        let dst = &mut self.row[self.at..self.at + src.len()];
+        for (d, s) in dst.iter_mut().zip(src) {
+            d.write(*s);
+        }
+        self.at += src.len();
+    }
+}
+
+/// Rows of `x` (`(B, T, C)`) picked by `order` (`T'` indices into T) for every image:
+/// candle's `index_select` on dimension 1, in parallel. `None` where the kernel does not apply.
+pub fn gather_tokens(x: &Tensor, order: &Tensor) -> Result<Option<Tensor>> {
+    if !use_kernel(x) || !order.device().is_cpu() || order.dtype() != DType::U32 {
+        return Ok(None);
+    }
+    let (b, t, c) = x.dims3()?;
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let (o_guard, o_layout) = order.storage_and_layout();
+    let xs = cpu_slice(&x_guard, x_layout)?;
+    let idx = match &*o_guard {
+        candle_core::Storage::Cpu(CpuStorage::U32(v)) => match o_layout.contiguous_offsets() {
+            Some((a, z)) => &v[a..z],
+            None => return Ok(None),
+        },
+        _ => return Ok(None),
+    };
+    if idx.iter().any(|&i| i as usize >= t) {
+        candle_core::bail!("gather_tokens: index out of range for {t} tokens");
+    }
+    let n = idx.len();
+    let out = par_rows(b * n, c, |row, w| {
+        let (bi, i) = (row / n, row % n);
+        let src = (bi * t + idx[i] as usize) * c;
+        w.write_row(&xs[src..src + c]);
+    });
+    drop((x_guard, o_guard));
+    Ok(Some(Tensor::from_vec(out, (b, n, c), x.device())?))
+}
+
+/// PixelShuffle by `r` of channels-last features whose channels are in (i, j, c) order (see
+/// `drct::shuffle_order`): output row `y*r + i` takes, for each x, channels
+/// `[i*r*c, (i+1)*r*c)` of input pixel (y, x), which are output pixels `x*r .. x*r + r`.
+pub fn pixel_shuffle_reordered(x: &Tensor, r: usize) -> Result<Option<Tensor>> {
+    if !use_kernel(x) {
+        return Ok(None);
+    }
+    let (b, h, w, cc) = x.dims4()?;
+    let c = cc / (r * r);
+    if c * r * r != cc {
+        candle_core::bail!("pixel shuffle: {cc} channels for factor {r}");
+    }
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let xs = cpu_slice(&x_guard, x_layout)?;
+    let out = par_rows(b * h * r, w * r * c, |row, dst| {
+        let (bi, yy) = (row / (h * r), row % (h * r));
+        let (y, i) = (yy / r, yy % r);
+        for px in 0..w {
+            let src = ((bi * h + y) * w + px) * cc + i * r * c;
+            dst.write_row(&xs[src..src + r * c]);
+        }
+    });
+    drop(x_guard);
+    Ok(Some(Tensor::from_vec(
+        out,
+        (b, h * r, w * r, c),
+        x.device(),
+    )?))
+}
+
 fn cpu_slice<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> Result<&'a [f32]> {
     match storage {
         candle_core::Storage::Cpu(cpu) => contiguous_f32(cpu, layout),
@@ -803,6 +921,38 @@ mod tests {
                 .max(0)?
                 .to_scalar::<f64>()?;
             assert!(diff < 1e-5, "{b}x{h}x{w}x{cin} chunk {chunk}: {diff}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gather_and_shuffle_match_candle() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (2, 6, 5), &dev)?;
+        let order = Tensor::new(&[5u32, 0, 3, 3, 1], &dev)?;
+        let ours = gather_tokens(&x, &order)?.expect("the CPU f32 kernel applies");
+        let want = x.index_select(&order, 1)?;
+        assert_eq!(ours.dims(), want.dims());
+        assert_eq!(
+            ours.flatten_all()?.to_vec1::<f32>()?,
+            want.flatten_all()?.to_vec1::<f32>()?
+        );
+        let bad = Tensor::new(&[6u32], &dev)?;
+        assert!(gather_tokens(&x, &bad).is_err());
+
+        for r in [2, 3] {
+            let (b, h, w, c) = (2, 3, 4, 5);
+            let x = Tensor::randn(0f32, 1.0, (b, h, w, r * r * c), &dev)?;
+            let ours = pixel_shuffle_reordered(&x, r)?.expect("the CPU f32 kernel applies");
+            let want = x
+                .reshape((b, h, w, r, r, c))?
+                .permute((0, 1, 3, 2, 4, 5))?
+                .reshape((b, h * r, w * r, c))?;
+            assert_eq!(
+                ours.flatten_all()?.to_vec1::<f32>()?,
+                want.flatten_all()?.to_vec1::<f32>()?,
+                "r {r}"
+            );
         }
         Ok(())
     }
