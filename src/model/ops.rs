@@ -619,8 +619,8 @@ widest_simd! {
 /// is what makes the final `set_len` sound; the pieces are checked to fit.
 fn par_rows(rows: usize, row_len: usize, fill: impl Fn(usize, &mut RowWriter) + Sync) -> Vec<f32> {
     let mut out: Vec<f32> = Vec::with_capacity(rows * row_len);
-    if row_len > 0 {
-        let per_task = (CHUNK / row_len).max(1);
+    if let Some(per_task) = CHUNK.checked_div(row_len) {
+        let per_task = per_task.max(1);
         out.spare_capacity_mut()
             .par_chunks_mut(per_task * row_len)
             .enumerate()
