@@ -225,6 +225,60 @@ pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// A strided f32 matrix operand for [`gemm_f32`]: element (i, j) is at `ptr + i*rs + j*cs`.
+#[derive(Clone, Copy)]
+struct Strided<P> {
+    ptr: P,
+    rs: usize,
+    cs: usize,
+}
+
+fn strided<P>(ptr: P, rs: usize, cs: usize) -> Strided<P> {
+    Strided { ptr, rs, cs }
+}
+
+/// `dst (+)= lhs · rhs` for an `m x k` lhs and a `k x n` rhs; `accumulate` adds onto dst's
+/// contents instead of overwriting them (and only then is dst read).
+///
+/// # Safety
+/// Every element the three strided views address must lie inside live allocations, dst's
+/// must not overlap the inputs or be written by anyone else meanwhile, and dst must be
+/// initialised where `accumulate` is set.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_f32(
+    (m, n, k): (usize, usize, usize),
+    dst: Strided<*mut f32>,
+    accumulate: bool,
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.ptr,
+            dst.cs as isize,
+            dst.rs as isize,
+            accumulate,
+            lhs.ptr,
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.ptr,
+            rhs.cs as isize,
+            rhs.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
 /// Shifted-window multi-head attention on the CPU, fused per window: both matmuls go to the
 /// GEMM directly from strided views of the `qkv` projection, and the bias, the mask and the
 /// softmax are applied to a score matrix that stays in cache. The unfused graph writes and
@@ -299,50 +353,24 @@ pub fn window_attention(
                     // do not alias and no other task touches this window's `out`.
                     unsafe {
                         // scores = q · kᵀ; kᵀ is read through k's strides, never copied.
-                        gemm::gemm(
-                            n,
-                            n,
-                            d,
-                            scores.as_mut_ptr(),
-                            1,
-                            n as isize,
+                        gemm_f32(
+                            (n, n, d),
+                            strided(scores.as_mut_ptr(), n, 1),
                             false,
-                            q,
-                            1,
-                            c3 as isize,
-                            k,
-                            c3 as isize,
-                            1,
-                            0.0,
-                            1.0,
-                            false,
-                            false,
-                            false,
+                            strided(q, c3, 1),
+                            strided(k, 1, c3),
                             inner,
                         );
                     }
                     attention_probs(scores, &bias_data[h * n * n..(h + 1) * n * n], win_mask, n);
                     // SAFETY: as above; the head's d output columns of this window.
                     unsafe {
-                        gemm::gemm(
-                            n,
-                            d,
-                            n,
-                            out[h * d..].as_mut_ptr().cast::<f32>(),
-                            1,
-                            c as isize,
+                        gemm_f32(
+                            (n, d, n),
+                            strided(out[h * d..].as_mut_ptr().cast::<f32>(), c, 1),
                             false,
-                            scores.as_ptr(),
-                            1,
-                            n as isize,
-                            v,
-                            1,
-                            c3 as isize,
-                            0.0,
-                            1.0,
-                            false,
-                            false,
-                            false,
+                            strided(scores.as_ptr(), n, 1),
+                            strided(v, c3, 1),
                             inner,
                         );
                     }
@@ -374,53 +402,27 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tenso
     let ws = cpu_slice(&w_guard, w_layout)?;
     // Every output element is written exactly once before the GEMM (bias or zero): a zeroed
     // allocation followed by the bias rows would be two passes over the largest tensor.
-    let mut out: Vec<f32> = Vec::with_capacity(m * n);
-    {
-        let bias = b.map(|b| b.storage_and_layout());
-        let bs = match &bias {
-            Some((guard, layout)) => Some(cpu_slice(guard, layout)?),
-            None => None,
-        };
-        out.spare_capacity_mut()
-            .par_chunks_mut(n.max(1) * (CHUNK / n.max(1)).max(1))
-            .for_each(|rows| {
-                for row in rows.chunks_exact_mut(n.max(1)) {
-                    match bs {
-                        Some(bs) => row.iter_mut().zip(bs).for_each(|(d, s)| {
-                            d.write(*s);
-                        }),
-                        None => row.iter_mut().for_each(|d| {
-                            d.write(0.0);
-                        }),
-                    }
-                }
-            });
-    }
-    // SAFETY: the loop above initialised all m * n elements (rows of n, chunks of whole rows).
-    unsafe { out.set_len(m * n) };
+    let bias = b.map(|b| b.storage_and_layout());
+    let zeros;
+    let first = match &bias {
+        Some((guard, layout)) => cpu_slice(guard, layout)?,
+        None => {
+            zeros = vec![0f32; n];
+            &zeros
+        }
+    };
+    let mut out = par_rows(m, n, |_, w| w.write_row(first));
+    drop(bias);
     if m > 0 && n > 0 {
         // SAFETY: dst is m x n row-major in `out`, lhs m x k row-major in `xs`, and rhs the
         // k x n transpose of `ws` read through its strides; all inside their slices.
         unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                out.as_mut_ptr(),
-                1,
-                n as isize,
+            gemm_f32(
+                (m, n, k),
+                strided(out.as_mut_ptr(), n, 1),
                 b.is_some(),
-                xs.as_ptr(),
-                1,
-                k as isize,
-                ws.as_ptr(),
-                k as isize,
-                1,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
+                strided(xs.as_ptr(), k, 1),
+                strided(ws.as_ptr(), 1, k),
                 gemm::Parallelism::Rayon(0),
             );
         }
@@ -455,18 +457,7 @@ pub fn conv3x3(x: &Tensor, w: &Tensor, b: &Tensor, chunk_elems: usize) -> Result
     let bs = cpu_slice(&b_guard, b_layout)?;
 
     let pixels = batch * h * wd;
-    let mut out: Vec<f32> = Vec::with_capacity(pixels * cout);
-    out.spare_capacity_mut()
-        .par_chunks_mut(cout.max(1) * (CHUNK / cout.max(1)).max(1))
-        .for_each(|rows| {
-            for row in rows.chunks_exact_mut(cout.max(1)) {
-                row.iter_mut().zip(bs).for_each(|(d, s)| {
-                    d.write(*s);
-                });
-            }
-        });
-    // SAFETY: every element was written above (whole rows of cout).
-    unsafe { out.set_len(pixels * cout) };
+    let mut out = par_rows(pixels, cout, |_, w| w.write_row(bs));
 
     if cout <= NARROW_CONV {
         let wt = transpose(ws, k, cout);
@@ -510,25 +501,12 @@ pub fn conv3x3(x: &Tensor, w: &Tensor, b: &Tensor, chunk_elems: usize) -> Result
             // SAFETY: dst is (n*wd) x cout row-major, cols (n*wd) x k row-major, ws k x cout
             // row-major; all three are exactly those sizes.
             unsafe {
-                gemm::gemm(
-                    n * wd,
-                    cout,
-                    k,
-                    dst.as_mut_ptr(),
-                    1,
-                    cout as isize,
+                gemm_f32(
+                    (n * wd, cout, k),
+                    strided(dst.as_mut_ptr(), cout, 1),
                     true,
-                    cols.as_ptr(),
-                    1,
-                    k as isize,
-                    ws.as_ptr(),
-                    1,
-                    cout as isize,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
+                    strided(cols.as_ptr(), k, 1),
+                    strided(ws.as_ptr(), cout, 1),
                     gemm::Parallelism::Rayon(0),
                 );
             }
@@ -744,6 +722,15 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    /// Largest absolute difference, in f64, between a result and its reference.
+    fn max_abs_diff(ours: &Tensor, want: &Tensor) -> Result<f64> {
+        (ours.to_dtype(DType::F64)? - want.to_dtype(DType::F64)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f64>()
+    }
+
     #[test]
     fn exp_is_accurate_over_the_softmax_range() {
         let mut worst = 0f64;
@@ -763,10 +750,7 @@ mod tests {
         let x = Tensor::new(xs.as_slice(), &Device::Cpu)?;
         let ours = gelu_erf(&x)?;
         let exact = x.to_dtype(DType::F64)?.gelu_erf()?;
-        let d = (ours.to_dtype(DType::F64)? - exact)?
-            .abs()?
-            .max(0)?
-            .to_scalar::<f64>()?;
+        let d = max_abs_diff(&ours, &exact)?;
         assert!(d < 1e-6, "max abs error {d}");
         let gap = (ours - x.gelu()?)?.abs()?.max(0)?.to_scalar::<f32>()?;
         assert!(gap > 1e-4, "indistinguishable from tanh GELU: {gap}");
@@ -780,11 +764,7 @@ mod tests {
         let x = Tensor::cat(&[&masked, &x.narrow(2, 32, 32)?], 2)?;
         let ours = softmax_last_dim(&x)?;
         let want = candle_nn::ops::softmax_last_dim(&x.to_dtype(DType::F64)?)?;
-        let d = (ours.to_dtype(DType::F64)? - want)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar::<f64>()?;
+        let d = max_abs_diff(&ours, &want)?;
         assert!(d < 1e-6, "max abs error {d}");
         Ok(())
     }
@@ -843,11 +823,7 @@ mod tests {
             let ours = window_attention(&qkv, &bias, mask.as_ref(), heads)?
                 .expect("the CPU f32 kernel applies");
             let want = attention_reference(&qkv, &bias, mask.as_ref(), heads)?;
-            let diff = (ours.to_dtype(DType::F64)? - want)?
-                .abs()?
-                .flatten_all()?
-                .max(0)?
-                .to_scalar::<f64>()?;
+            let diff = max_abs_diff(&ours, &want)?;
             assert!(
                 diff < 1e-5,
                 "bw {bw} n {n} heads {heads}: max abs error {diff}"
@@ -881,11 +857,7 @@ mod tests {
                     None => want.clone(),
                 };
                 assert_eq!(ours.dims(), want.dims());
-                let diff = (ours.to_dtype(DType::F64)? - want)?
-                    .abs()?
-                    .flatten_all()?
-                    .max(0)?
-                    .to_scalar::<f64>()?;
+                let diff = max_abs_diff(&ours, &want)?;
                 assert!(diff < 1e-5, "{dims:?} bias {}: {diff}", bias.is_some());
             }
         }
@@ -915,11 +887,7 @@ mod tests {
                 .conv2d(&weight.to_dtype(DType::F64)?, 1, 1, 1, 1)?
                 .broadcast_add(&bias.to_dtype(DType::F64)?.reshape((1, cout, 1, 1))?)?
                 .permute((0, 2, 3, 1))?;
-            let diff = (ours.to_dtype(DType::F64)? - want)?
-                .abs()?
-                .flatten_all()?
-                .max(0)?
-                .to_scalar::<f64>()?;
+            let diff = max_abs_diff(&ours, &want)?;
             assert!(diff < 1e-5, "{b}x{h}x{w}x{cin} chunk {chunk}: {diff}");
         }
         Ok(())
