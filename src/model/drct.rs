@@ -264,7 +264,7 @@ impl WindowAttention {
                 .broadcast_add(&mask.unsqueeze(1)?)?
                 .reshape((bw, self.heads, n, n))?;
         }
-        let attn = super::ops::softmax_last_dim(&attn)?;
+        let attn = candle_nn::ops::softmax_last_dim(&attn)?;
         let out = attn.matmul(&v)?.transpose(1, 2)?.reshape((bw, n, c))?;
         self.proj.forward(&out)
     }
