@@ -249,7 +249,7 @@ fn split<T: Copy>(
 ) -> (Planar, Option<Planar>) {
     let n = w * h;
     let mut rgb = vec![0.0f32; 3 * n];
-    let mut alpha = (channels % 2 == 0).then(|| vec![0.0f32; n]);
+    let mut alpha = channels.is_multiple_of(2).then(|| vec![0.0f32; n]);
     let (r, rest) = rgb.split_at_mut(n);
     let (g, b) = rest.split_at_mut(n);
     for (i, px) in raw.chunks_exact(channels).enumerate() {

@@ -472,7 +472,7 @@ fn cmyk_jpeg(blocks: &[[u8; 4]]) -> Vec<u8> {
             put(0, 1); // end of block
         }
     }
-    while bits.len() % 8 != 0 {
+    while !bits.len().is_multiple_of(8) {
         bits.push(true);
     }
     for byte in bits.chunks(8) {

@@ -200,7 +200,7 @@ impl DrctConfig {
             ));
         }
         let side = isqrt(table[0]);
-        if side * side != table[0] || side % 2 == 0 {
+        if side * side != table[0] || side.is_multiple_of(2) {
             return Err(format!(
                 "tensor layers.0.swin1.attn.relative_position_bias_table has {} rows; expected (2*window-1)^2",
                 table[0]
