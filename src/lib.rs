@@ -8,6 +8,8 @@
 pub mod cli;
 pub mod engine;
 pub mod eval;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod io;
 pub mod metrics;
 pub mod model;

@@ -2,6 +2,8 @@
 //! committed fixtures in tests/golden/. Each case's weights, input and unclamped reference
 //! output were written by tests/golden/make_golden.py; no torch is needed here.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Module, Tensor};
@@ -12,7 +14,7 @@ use upscale::model::Model;
 const TOLERANCE: f64 = 2e-5;
 
 fn golden_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
+    common::repo().join("tests/golden")
 }
 
 struct Case {
@@ -307,7 +309,7 @@ fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
 /// models/make_parity_fixture.py from the committed weights).
 #[test]
 fn default_model_matches_float64_reference() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = common::repo();
     let model = Model::load(
         &root.join("models/default_x4.safetensors"),
         DType::F32,
@@ -325,7 +327,7 @@ fn default_model_matches_float64_reference() {
 #[cfg(feature = "embedded-model")]
 #[test]
 fn embedded_model_is_the_committed_file() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = common::repo();
     let file = std::fs::read(root.join("models/default_x4.safetensors")).unwrap();
     let (_, bytes) = upscale::engine::embedded_model().unwrap();
     assert!(bytes == file.as_slice());

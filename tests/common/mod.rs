@@ -21,10 +21,16 @@ pub fn bin() -> PathBuf {
 /// x2, one group: the fastest real model, used wherever the model itself is not the point.
 pub const FAST_MODEL: &str = "x2_w8_b2.safetensors";
 
+/// The repository the fixtures are read from: `UPSCALE_REPO` when set (a test binary carried
+/// to another machine with the fixtures beside it), else this package's source folder.
+pub fn repo() -> PathBuf {
+    std::env::var_os("UPSCALE_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 pub fn golden(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/golden")
-        .join(name)
+    repo().join("tests/golden").join(name)
 }
 
 /// `upscale` run from `dir` on the CPU with `model` from the golden fixtures; the caller adds
