@@ -111,43 +111,57 @@ fn shift_masks_are_cached_per_size() {
     assert_eq!(max_abs_diff(&a, &b), 0.0);
 }
 
-#[test]
-fn fp16_overflow_is_redone_in_fp32() {
-    use upscale::engine::Engine;
-    use upscale::model::Checkpoint;
-    // Scale the first convolution so features pass fp16's 65504 limit (but stay far from
-    // f32's): the fp16 network then produces inf/NaN, and the guard must return the f32 result.
-    let case = &cases()[0];
-    let mut ck = Checkpoint::load(&case.weights).unwrap();
-    for name in ["conv_first.weight", "conv_first.bias"] {
-        let t = (&ck.tensors[name] * 1e6).unwrap();
-        ck.tensors.insert(name.to_string(), t);
-    }
-    let (input, _) = load_io(&case.io);
-    let raw16 = Model::from_checkpoint(ck.clone(), DType::F16, &Device::Cpu).unwrap();
-    let y16 = raw16
-        .net
-        .forward(&input)
+fn all_finite(t: &Tensor) -> bool {
+    t.to_dtype(DType::F32)
         .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap();
-    let finite = y16
         .flatten_all()
         .unwrap()
         .to_vec1::<f32>()
         .unwrap()
         .iter()
-        .all(|v| v.is_finite());
-    assert!(!finite, "the planted overflow must break plain fp16");
+        .all(|v| v.is_finite())
+}
+
+#[test]
+fn fp16_overflow_is_redone_in_fp32_for_that_tile_only() {
+    use upscale::engine::Engine;
+    use upscale::model::Checkpoint;
+    // A batch of two tiles: the fixture's input, and the same input scaled past fp16's 65504
+    // (far from f32's limit). In fp16 only the second tile's output becomes inf/NaN; the guard
+    // must redo that tile, and only that one, in f32.
+    let case = &cases()[0];
+    let ck = Checkpoint::load(&case.weights).unwrap();
+    let (input, _) = load_io(&case.io);
+    let batch = Tensor::cat(&[&input, &(&input * 1e5).unwrap()], 0).unwrap();
+
+    let raw16 = Model::from_checkpoint(ck.clone(), DType::F16, &Device::Cpu).unwrap();
+    let y16 = raw16.net.forward(&batch).unwrap();
+    assert!(
+        all_finite(&y16.get(0).unwrap()),
+        "the flat tile must stay finite"
+    );
+    assert!(
+        !all_finite(&y16.get(1).unwrap()),
+        "the planted overflow must break plain fp16"
+    );
 
     let guarded = Engine::new(ck.clone(), Device::Cpu, DType::F16).unwrap();
-    let y = guarded.forward(&input).unwrap();
-    assert_eq!(guarded.fp16_overflows(), 1);
+    let y = guarded.forward(&batch).unwrap();
+    assert_eq!(
+        guarded.fp16_overflows(),
+        1,
+        "only the broken tile is redone"
+    );
     let reference = Engine::new(ck, Device::Cpu, DType::F32)
         .unwrap()
-        .forward(&input)
+        .forward(&batch)
         .unwrap();
-    assert_eq!(max_abs_diff(&y, &reference), 0.0);
+    // The broken tile is the f32 result; the other kept its fp16 output.
+    assert_eq!(
+        max_abs_diff(&y.get(1).unwrap(), &reference.get(1).unwrap()),
+        0.0
+    );
+    assert_eq!(max_abs_diff(&y.get(0).unwrap(), &y16.get(0).unwrap()), 0.0);
 }
 
 /// GPU parity: f32 on CUDA against the float64 reference and against the CPU. Compiled with

@@ -32,25 +32,64 @@ pub struct TileSettings {
 }
 
 impl Engine {
-    /// Concrete tile options for an `h x w` image.
+    /// Concrete tile options for an `h x w` image. However they were chosen, no forward pass
+    /// exceeds [`Engine::max_pass_pixels`].
     pub fn tile_options(&self, settings: &TileSettings, h: usize, w: usize) -> TileOptions {
+        let window = self.model.config().window;
+        let max_pass = self.max_pass_pixels();
+        let auto = || {
+            let free = self.free_memory();
+            let cost = self.bytes_per_pixel();
+            // The output accumulator lives for the whole image: take it off the budget.
+            let s = self.scale() as u64;
+            let out = (h as u64 * w as u64) * s * s * 4 * 4;
+            let overlap = settings.overlap;
+            crate::tile::auto::choose(
+                free.saturating_sub(out),
+                cost,
+                h,
+                w,
+                overlap,
+                window,
+                max_pass,
+            )
+        };
         let (tile, batch) = match settings.choice {
-            TileChoice::Fixed(t) => (t, settings.batch.unwrap_or(1)),
+            TileChoice::Fixed(t) => {
+                let want = settings.batch.unwrap_or(1);
+                let (th, tw) = if t == 0 { (h, w) } else { (t.min(h), t.min(w)) };
+                match crate::tile::auto::fit_batch(th, tw, window, want, max_pass) {
+                    0 => {
+                        let (t, b) = auto();
+                        if !settings.quiet {
+                            eprintln!(
+                                "warning: a {th}x{tw} tile is more than one pass can index on \
+                                 this device; using tile {t}"
+                            );
+                        }
+                        (t, b.min(want))
+                    }
+                    b => {
+                        if b < want && !settings.quiet {
+                            eprintln!(
+                                "warning: {want} tiles of {th}x{tw} are more than one pass can \
+                                 index on this device; using batches of {b}"
+                            );
+                        }
+                        (t, b)
+                    }
+                }
+            }
             TileChoice::Auto => {
-                let free = self.free_memory();
-                let cost = self.bytes_per_pixel();
-                // The output accumulator lives for the whole image: take it off the budget.
-                let s = self.scale() as u64;
-                let out = (h as u64 * w as u64) * s * s * 4 * 4;
-                let (t, b) = crate::tile::auto::choose(
-                    free.saturating_sub(out),
-                    cost,
-                    h,
-                    w,
-                    settings.overlap,
-                    self.model.config().window,
-                );
-                (t, settings.batch.unwrap_or(b))
+                let (t, b) = auto();
+                let b = match settings.batch {
+                    None => b,
+                    Some(want) => {
+                        let (th, tw) = if t == 0 { (h, w) } else { (t.min(h), t.min(w)) };
+                        crate::tile::auto::fit_batch(th, tw, window, want, max_pass).max(1)
+                    }
+                };
+                (t, b)
             }
         };
         TileOptions {

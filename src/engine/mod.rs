@@ -181,24 +181,29 @@ impl Engine {
         self.fp16_overflows.load(Ordering::Relaxed)
     }
 
-    /// One forward pass; in fp16, a non-finite output is redone in fp32 (with one warning per
-    /// run), so an overflow costs time, never a black tile.
+    /// One forward pass; in fp16, a tile whose output is not finite is redone in fp32 (with
+    /// one warning per run), so an overflow costs that tile's time, never a black tile. The
+    /// result is in the engine's dtype, or f32 when a tile was redone.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = self.model.net.forward(&x.to_dtype(self.dtype)?)?;
         let Some(weights) = &self.fp32_weights else {
             return Ok(y);
         };
-        // A sum of squares is non-finite exactly when some value is (or is absurdly large),
-        // and costs one scalar copy instead of the whole tile.
+        // A tile's sum of squares is non-finite exactly when one of its values is (or is
+        // absurdly large), and costs one scalar per tile to read back.
         let energy = y
             .to_dtype(DType::F32)?
             .sqr()?
-            .sum_all()?
-            .to_scalar::<f32>()?;
-        if energy.is_finite() {
+            .flatten_from(1)?
+            .sum(1)?
+            .to_vec1::<f32>()?;
+        let bad: Vec<u32> = (0..energy.len() as u32)
+            .filter(|&i| !energy[i as usize].is_finite())
+            .collect();
+        if bad.is_empty() {
             return Ok(y);
         }
-        if self.fp16_overflows.fetch_add(1, Ordering::Relaxed) == 0 {
+        if self.fp16_overflows.fetch_add(bad.len(), Ordering::Relaxed) == 0 {
             eprintln!("warning: fp16 output was not finite on a tile; redoing such tiles in fp32");
         }
         let model = self
@@ -209,7 +214,29 @@ impl Engine {
             })
             .as_ref()
             .map_err(|e| candle_core::Error::Msg(e.clone()))?;
-        model.net.forward(&x.to_dtype(DType::F32)?)
+        let idx = Tensor::new(bad.as_slice(), x.device())?;
+        let redone = model
+            .net
+            .forward(&x.index_select(&idx, 0)?.to_dtype(DType::F32)?)?;
+        let mut tiles = (0..energy.len())
+            .map(|i| y.get(i)?.to_dtype(DType::F32))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        for (j, &i) in bad.iter().enumerate() {
+            tiles[i as usize] = redone.get(j)?;
+        }
+        Tensor::stack(&tiles, 0)
+    }
+
+    /// The most padded input pixels one forward pass may hold. candle's CUDA kernels index
+    /// with 32-bit integers, so on a GPU no intermediate may reach 2³¹ values; the CPU
+    /// backend has no such limit.
+    pub fn max_pass_pixels(&self) -> usize {
+        if self.device.is_cpu() {
+            crate::tile::auto::UNLIMITED
+        } else {
+            let values = self.model.config().largest_tensor_per_pixel(true);
+            crate::tile::auto::max_pass_pixels_i32(values)
+        }
     }
 
     /// Memory free for activations on the engine's device.

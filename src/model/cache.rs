@@ -4,9 +4,10 @@
 //! shift mask depends only on the padded feature size; the official code rebuilds it on the
 //! host in every shifted block for every size but the training size. Here it is built once per
 //! (H, W), shared by every shifted block, tile and batch, and safe to use from several threads;
-//! so is the gather that puts tokens into (shifted) window order.
+//! so is the gather that puts tokens into (shifted) window order. Only the few most recently
+//! used sizes are kept: a mask costs ~200 MB at window 16 for a 512² tile, and a folder of
+//! differently sized images would otherwise grow the cache without bound.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -104,8 +105,69 @@ pub fn window_order(h: usize, w: usize, ws: usize, shift: usize) -> Vec<u32> {
 /// A window ordering and its inverse (window order back to the map), as device index tensors.
 pub type Partition = (Tensor, Tensor);
 
-/// A per-size cache shared by every block of a model and every thread.
-type SizeMap<K, V> = Arc<Mutex<HashMap<K, V>>>;
+/// Sizes kept per cache: a tiled image uses one tile shape (two when it has an alpha plane),
+/// and whole-image runs of a folder one per image size.
+pub const CACHED_SIZES: usize = 4;
+
+/// A small least-recently-used map: the newest entry last.
+struct Lru<K, V> {
+    entries: Vec<(K, V)>,
+}
+
+impl<K: PartialEq + Copy, V: Clone> Lru<K, V> {
+    fn new() -> Self {
+        Self {
+            entries: Vec::with_capacity(CACHED_SIZES + 1),
+        }
+    }
+
+    fn get(&mut self, key: K) -> Option<V> {
+        let i = self.entries.iter().position(|(k, _)| *k == key)?;
+        let entry = self.entries.remove(i);
+        let value = entry.1.clone();
+        self.entries.push(entry);
+        Some(value)
+    }
+
+    fn insert(&mut self, key: K, value: V) {
+        self.entries.retain(|(k, _)| *k != key);
+        if self.entries.len() == CACHED_SIZES {
+            self.entries.remove(0);
+        }
+        self.entries.push((key, value));
+    }
+}
+
+/// A per-size cache shared by every block of a model and every thread. A poisoned lock only
+/// means another thread panicked between complete operations; the map is still consistent.
+struct Shared<K, V>(Arc<Mutex<Lru<K, V>>>);
+
+impl<K, V> Clone for Shared<K, V> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<K: PartialEq + Copy, V: Clone> Shared<K, V> {
+    fn new() -> Self {
+        Self(Arc::new(Mutex::new(Lru::new())))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Lru<K, V>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The cached value for `key`, or `make()`'s, which is then cached.
+    fn get_or_try_insert(&self, key: K, make: impl FnOnce() -> Result<V>) -> Result<V> {
+        let mut map = self.lock();
+        if let Some(v) = map.get(key) {
+            return Ok(v);
+        }
+        let v = make()?;
+        map.insert(key, v.clone());
+        Ok(v)
+    }
+}
 
 /// Shift masks and window orderings keyed by padded size, on the model's device (masks in its
 /// dtype).
@@ -114,8 +176,8 @@ pub struct WindowCache {
     window: usize,
     dtype: DType,
     device: Device,
-    masks: SizeMap<(usize, usize), Tensor>,
-    partitions: SizeMap<(usize, usize, bool), Partition>,
+    masks: Shared<(usize, usize), Tensor>,
+    partitions: Shared<(usize, usize, bool), Partition>,
 }
 
 impl WindowCache {
@@ -124,55 +186,50 @@ impl WindowCache {
             window,
             dtype,
             device: device.clone(),
-            masks: Arc::new(Mutex::new(HashMap::new())),
-            partitions: Arc::new(Mutex::new(HashMap::new())),
+            masks: Shared::new(),
+            partitions: Shared::new(),
         }
     }
 
     /// The gather into window order for an `h x w` map (shifted by half a window or not), and
     /// the gather back.
     pub fn partition(&self, h: usize, w: usize, shifted: bool) -> Result<Partition> {
-        let mut parts = self.partitions.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = parts.get(&(h, w, shifted)) {
-            return Ok(p.clone());
-        }
-        let shift = if shifted { self.window / 2 } else { 0 };
-        let order = window_order(h, w, self.window, shift);
-        let mut inverse = vec![0u32; order.len()];
-        for (i, &src) in order.iter().enumerate() {
-            inverse[src as usize] = i as u32;
-        }
-        let p = (
-            Tensor::from_vec(order, h * w, &self.device)?,
-            Tensor::from_vec(inverse, h * w, &self.device)?,
-        );
-        parts.insert((h, w, shifted), p.clone());
-        Ok(p)
+        self.partitions.get_or_try_insert((h, w, shifted), || {
+            let shift = if shifted { self.window / 2 } else { 0 };
+            let order = window_order(h, w, self.window, shift);
+            let mut inverse = vec![0u32; order.len()];
+            for (i, &src) in order.iter().enumerate() {
+                inverse[src as usize] = i as u32;
+            }
+            Ok((
+                Tensor::from_vec(order, h * w, &self.device)?,
+                Tensor::from_vec(inverse, h * w, &self.device)?,
+            ))
+        })
     }
 
     pub fn mask(&self, h: usize, w: usize) -> Result<Tensor> {
-        // A poisoned lock only means another thread panicked mid-insert of a complete value;
-        // the map itself is still consistent.
-        let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(m) = masks.get(&(h, w)) {
-            return Ok(m.clone());
-        }
-        let ws = self.window;
-        let n = ws * ws;
-        let m = Tensor::from_vec(
-            shift_mask(h, w, ws),
-            ((h / ws) * (w / ws), n, n),
-            &Device::Cpu,
-        )?
-        .to_dtype(self.dtype)?
-        .to_device(&self.device)?;
-        masks.insert((h, w), m.clone());
-        Ok(m)
+        self.masks.get_or_try_insert((h, w), || {
+            let ws = self.window;
+            let n = ws * ws;
+            Tensor::from_vec(
+                shift_mask(h, w, ws),
+                ((h / ws) * (w / ws), n, n),
+                &Device::Cpu,
+            )?
+            .to_dtype(self.dtype)?
+            .to_device(&self.device)
+        })
     }
 
     /// Number of sizes with a cached mask.
     pub fn len(&self) -> usize {
-        self.masks.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.masks.lock().entries.len()
+    }
+
+    /// Number of cached window orderings (per size and shift).
+    pub fn partitions(&self) -> usize {
+        self.partitions.lock().entries.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -226,6 +283,24 @@ mod tests {
         assert_eq!(a.dims(), &[6, 16, 16]);
         c.mask(12, 8)?;
         assert_eq!(c.len(), 2);
+        Ok(())
+    }
+
+    #[test]
+    fn cache_keeps_only_the_most_recent_sizes() -> Result<()> {
+        let c = WindowCache::new(4, DType::F32, &Device::Cpu);
+        let first = c.mask(8, 8)?;
+        for k in 1..20 {
+            let (h, w) = (8 + 4 * k, 8 + 4 * (k % 3));
+            c.mask(h, w)?;
+            c.partition(h, w, k % 2 == 0)?;
+            // Keep the first size in use, as a tile shape used by every batch is.
+            c.mask(8, 8)?;
+            assert!(c.len() <= CACHED_SIZES && c.partitions() <= CACHED_SIZES);
+        }
+        assert_eq!(c.len(), CACHED_SIZES);
+        // Still the same tensor: the size in use was never evicted and rebuilt.
+        assert_eq!(c.mask(8, 8)?.id(), first.id());
         Ok(())
     }
 

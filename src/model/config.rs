@@ -115,6 +115,24 @@ impl DrctConfig {
         }
     }
 
+    /// The most values any one intermediate tensor of a forward pass holds per padded input
+    /// pixel: the attention scores (heads x window², unless a fused kernel keeps them out of
+    /// memory), qkv, the MLP's hidden layer, the widest dense concatenation or the upsampler's
+    /// last map. Convolution patch matrices are chunked to a fixed size and do not grow with
+    /// the input.
+    pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool) -> usize {
+        let n = self.window * self.window;
+        let widest = self.block_dim(BLOCKS_PER_GROUP - 1);
+        let heads = self.heads.iter().flatten().copied().max().unwrap_or(1);
+        let scores = if scores_in_memory { heads * n } else { 0 };
+        let hidden = self.mlp_hidden.iter().copied().max().unwrap_or(0);
+        let upsampler = self.num_feat.max(3) * self.scale * self.scale;
+        [scores, 3 * widest, hidden, upsampler]
+            .into_iter()
+            .max()
+            .unwrap_or(1)
+    }
+
     /// Multiply-adds x2 of one forward pass over a padded `h x w` input: the convolutions,
     /// every linear layer and both attention matmuls. Element-wise work is left out, as FLOP
     /// counts conventionally do.
@@ -360,6 +378,18 @@ mod tests {
         };
         let g = large.flops(64, 64) / 1e9;
         assert!((g - 287.8).abs() < 1.0, "{g}");
+    }
+
+    #[test]
+    fn largest_tensor_is_the_scores_unless_fused() {
+        // 6 heads x 16² tokens; without the scores, the x4 upsampler's 64 x 4² channels.
+        assert_eq!(drct_x4().largest_tensor_per_pixel(true), 1536);
+        assert_eq!(drct_x4().largest_tensor_per_pixel(false), 1024);
+        let wide = DrctConfig {
+            mlp_hidden: [2000, 424, 488, 276, 308],
+            ..drct_x4()
+        };
+        assert_eq!(wide.largest_tensor_per_pixel(false), 2000);
     }
 
     #[test]

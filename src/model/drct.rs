@@ -31,6 +31,11 @@ fn layer_norm(dim: usize, vb: VarBuilder) -> Result<LayerNorm> {
 /// convolution never materialises gigabytes.
 const CONV_CHUNK_ELEMS: usize = 16 << 20;
 
+/// The same bound on a GPU (256 MiB in bf16): each chunk costs a dozen kernel launches, so
+/// larger chunks keep a batch's upsampler to tens of launches instead of hundreds, and the
+/// bound stays far below the 2³¹ elements that candle's CUDA kernels can index.
+const CONV_CHUNK_ELEMS_GPU: usize = 128 << 20;
+
 /// A 3x3 convolution (stride 1, zero padding 1) on channels-last features.
 ///
 /// The patch matrix is built with nine contiguous copies along the channel axis and fed to
@@ -99,7 +104,12 @@ impl Module for Conv3x3 {
         let (b, h, w, c) = x.dims4()?;
         debug_assert_eq!(c, self.cin);
         let padded = x.pad_with_zeros(1, 1, 1)?.pad_with_zeros(2, 1, 1)?;
-        let rows = (CONV_CHUNK_ELEMS / (b * w * 9 * c).max(1)).clamp(1, h);
+        let chunk = if x.device().is_cpu() {
+            CONV_CHUNK_ELEMS
+        } else {
+            CONV_CHUNK_ELEMS_GPU
+        };
+        let rows = (chunk / (b * w * 9 * c).max(1)).clamp(1, h);
         let mut outs = Vec::with_capacity(h.div_ceil(rows));
         let mut y = 0;
         while y < h {

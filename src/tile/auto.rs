@@ -8,9 +8,40 @@ const BUDGET_FRACTION: f64 = 0.5;
 /// More tiles per batch than this buys no throughput and delays the first back-off.
 const MAX_BATCH: usize = 16;
 
+/// No limit on the pixels of one forward pass (the CPU backend indexes with `usize`).
+pub const UNLIMITED: usize = usize::MAX;
+
+/// The most padded input pixels one forward pass may hold on a device whose kernels index
+/// with 32-bit integers (candle's CUDA element-wise and softmax kernels), given the largest
+/// number of values any intermediate tensor holds per padded input pixel: above it an index
+/// wraps and the kernel reads out of bounds or hangs.
+pub fn max_pass_pixels_i32(values_per_pixel: usize) -> usize {
+    (i32::MAX as usize) / values_per_pixel.max(1)
+}
+
+/// Padded input pixels of one `tile_h x tile_w` tile: the model pads each side up to a
+/// multiple of its window.
+pub fn padded_pixels(tile_h: usize, tile_w: usize, window: usize) -> usize {
+    let window = window.max(1);
+    tile_h.div_ceil(window) * window * (tile_w.div_ceil(window) * window)
+}
+
+/// The largest batch of `tile_h x tile_w` tiles, up to `batch`, that stays within
+/// `max_pass_pixels`; 0 when not even one tile does.
+pub fn fit_batch(
+    tile_h: usize,
+    tile_w: usize,
+    window: usize,
+    batch: usize,
+    max_pass_pixels: usize,
+) -> usize {
+    batch.min(max_pass_pixels / padded_pixels(tile_h, tile_w, window).max(1))
+}
+
 /// Returns `(tile, batch)`; tile 0 means the whole image in one piece. Tiles are multiples
 /// of `window` and at least `2 * overlap + window`, so each keeps a core no neighbour
 /// overlaps; when not even that fits, the smallest such tile is returned with batch 1.
+/// Whatever the memory, no pass (batch x padded tile) exceeds `max_pass_pixels`.
 pub fn choose(
     free_bytes: u64,
     bytes_per_input_pixel: f64,
@@ -18,31 +49,47 @@ pub fn choose(
     image_w: usize,
     overlap: usize,
     window: usize,
+    max_pass_pixels: usize,
 ) -> (usize, usize) {
     let budget = free_bytes as f64 * BUDGET_FRACTION;
     let cost = |h: usize, w: usize| (h * w) as f64 * bytes_per_input_pixel;
+    let window = window.max(1);
+    let fits = |h: usize, w: usize| padded_pixels(h, w, window) <= max_pass_pixels;
     // An unknown (NaN) or zero cost gives no reason to tile.
     let known = bytes_per_input_pixel.is_finite() && bytes_per_input_pixel > 0.0;
-    if !known || cost(image_h, image_w) <= budget {
+    if (!known || cost(image_h, image_w) <= budget) && fits(image_h, image_w) {
         return (0, 1);
     }
-    let window = window.max(1);
     let min_tile = (2 * overlap + window).div_ceil(window) * window;
     let longest = image_h.max(image_w).div_ceil(window);
     let tile = (1..=longest)
         .rev()
         .map(|k| k * window)
         .take_while(|&t| t >= min_tile)
-        .find(|&t| cost(t.min(image_h), t.min(image_w)) <= budget);
+        .find(|&t| {
+            let (h, w) = (t.min(image_h), t.min(image_w));
+            (!known || cost(h, w) <= budget) && fits(h, w)
+        });
     let Some(tile) = tile else {
         return (min_tile, 1);
     };
     let tile = balance(tile, image_h, image_w, overlap, window).max(min_tile);
-    let per_tile = cost(tile.min(image_h), tile.min(image_w));
+    let (th, tw) = (tile.min(image_h), tile.min(image_w));
     let tiles = count_tiles(image_h, tile, overlap) * count_tiles(image_w, tile, overlap);
-    let batch = ((budget / per_tile) as usize)
-        .clamp(1, MAX_BATCH)
-        .min(tiles);
+    let by_memory = if known {
+        (budget / cost(th, tw)) as usize
+    } else {
+        1
+    };
+    let batch = fit_batch(
+        th,
+        tw,
+        window,
+        by_memory.clamp(1, MAX_BATCH),
+        max_pass_pixels,
+    )
+    .min(tiles)
+    .max(1);
     (tile, batch)
 }
 
@@ -98,16 +145,16 @@ mod tests {
     #[test]
     fn whole_image_when_it_fits_with_margin() {
         // 100x100 at 10 B/pixel is 100 kB.
-        assert_eq!(choose(1_000_000, 10.0, 100, 100, 32, 16), (0, 1));
-        assert_eq!(choose(200_000, 10.0, 100, 100, 32, 16), (0, 1));
-        assert_ne!(choose(199_000, 10.0, 100, 100, 32, 16).0, 0);
+        assert_eq!(choose(1_000_000, 10.0, 100, 100, 32, 16, UNLIMITED), (0, 1));
+        assert_eq!(choose(200_000, 10.0, 100, 100, 32, 16, UNLIMITED), (0, 1));
+        assert_ne!(choose(199_000, 10.0, 100, 100, 32, 16, UNLIMITED).0, 0);
     }
 
     #[test]
     fn largest_window_multiple_that_fits() {
         let free = 2 * 256 * 256 * 100;
-        assert_eq!(choose(free, 100.0, 2000, 3000, 32, 16), (256, 1));
-        let (tile, batch) = choose(free, 100.0, 2000, 3000, 32, 7);
+        assert_eq!(choose(free, 100.0, 2000, 3000, 32, 16, UNLIMITED), (256, 1));
+        let (tile, batch) = choose(free, 100.0, 2000, 3000, 32, 7, UNLIMITED);
         assert_eq!((tile % 7, batch), (0, 1));
         assert!(tile <= 256);
         let tiles = |t| plan(2000, 3000, t, 32).unwrap().tiles.len();
@@ -119,23 +166,73 @@ mod tests {
         // 1024-pixel tiles fit, but a 1100-pixel image needs two per axis either way;
         // 576 is enough for that, and three of them fit at once.
         let free = 2 * 1024 * 1024;
-        let (tile, batch) = choose(free, 1.0, 1100, 1100, 32, 16);
+        let (tile, batch) = choose(free, 1.0, 1100, 1100, 32, 16, UNLIMITED);
         assert_eq!((tile, batch), (576, 3));
         assert_eq!(plan(1100, 1100, tile, 32).unwrap().tiles.len(), 4);
     }
 
     #[test]
     fn never_below_the_minimum_tile() {
-        assert_eq!(choose(10, 100.0, 1000, 1000, 32, 16), (80, 1));
-        assert_eq!(choose(10, 100.0, 1000, 1000, 0, 0), (1, 1));
-        assert_eq!(choose(10, f64::NAN, 1000, 1000, 32, 16), (0, 1));
+        assert_eq!(choose(10, 100.0, 1000, 1000, 32, 16, UNLIMITED), (80, 1));
+        assert_eq!(choose(10, 100.0, 1000, 1000, 0, 0, UNLIMITED), (1, 1));
+        assert_eq!(choose(10, f64::NAN, 1000, 1000, 32, 16, UNLIMITED), (0, 1));
     }
 
     #[test]
     fn wide_images_use_the_short_side() {
         // Tiles are clipped to the image's 50 rows, so a longer tile fits.
         let free = 2 * 50 * 400;
-        assert_eq!(choose(free, 1.0, 50, 5000, 16, 16).0, 400);
+        assert_eq!(choose(free, 1.0, 50, 5000, 16, 16, UNLIMITED).0, 400);
+    }
+
+    /// Whatever the free memory, cost, image and window, no pass the planner picks reaches
+    /// the 32-bit index limit of the intermediate the limit was derived from.
+    #[test]
+    fn no_pass_reaches_the_index_limit() {
+        // Values per padded pixel: DRCT's scores (6 x 16²), its fused path, a window-8
+        // model's scores, and an absurdly wide one.
+        for values in [1536usize, 1024, 384, 40_000] {
+            let max = max_pass_pixels_i32(values);
+            for free_gib in [1u64, 8, 24, 80, 141, 1 << 20] {
+                for cost in [f64::NAN, 0.0, 64.0, 4_000.0, 30_000.0] {
+                    for (h, w) in [
+                        (64, 64),
+                        (540, 960),
+                        (1080, 1920),
+                        (2160, 3840),
+                        (9000, 16384),
+                    ] {
+                        for (overlap, window) in [(32, 16), (16, 8), (0, 16)] {
+                            let (tile, batch) =
+                                choose(free_gib << 30, cost, h, w, overlap, window, max);
+                            let (th, tw) = if tile == 0 {
+                                (h, w)
+                            } else {
+                                (tile.min(h), tile.min(w))
+                            };
+                            let pass = padded_pixels(th, tw, window) * batch;
+                            assert!(
+                                pass * values < 1 << 31 && batch >= 1,
+                                "{values} values, {free_gib} GiB, cost {cost}, {h}x{w}, \
+                                 window {window}: tile {tile} batch {batch}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn explicit_batches_are_cut_to_the_limit() {
+        // Eight 512² tiles of DRCT's scores would need 3.2e9 indices: five stay under 2³¹;
+        // 500² tiles pad to 512².
+        let max = max_pass_pixels_i32(1536);
+        assert_eq!(fit_batch(512, 512, 16, 4, max), 4);
+        assert_eq!(fit_batch(512, 512, 16, 8, max), 5);
+        assert_eq!(fit_batch(500, 500, 16, 8, max), 5);
+        assert_eq!(fit_batch(2048, 2048, 16, 1, max), 0);
+        assert_eq!(fit_batch(2048, 2048, 16, 3, UNLIMITED), 3);
     }
 
     #[test]

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Build the CUDA binary and the CUDA test binary on this (build) machine and pack them for a GPU
+# machine that has no Rust and no network. Together with the repository's tracked files
+# (fixtures, test photos, bench scripts), which the GPU run reads in place, the pack stays
+# under 64 MiB.
+#
+# usage: scripts/gpu-pack.sh [PACK]          (default: gpu-pack/, git-ignored)
+# then, on the GPU machine, from the repository root: scripts/gpu-run.sh PACK OUTDIR [part]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pack=${1:-gpu-pack}
+prefix=${UPSCALE_CUDA_PREFIX:-$HOME/.cache/upscale-cuda}
+limit_mib=${PACK_LIMIT_MIB:-64}
+
+cargo fetch --quiet
+scripts/cuda-toolkit-from-pypi.sh "$prefix" >/dev/null
+# shellcheck disable=SC1091
+source "$prefix/env.sh"
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
+export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
+
+cargo build --release --features cuda --bin upscale
+# The CUDA tests live in one test target (tests/gpu.rs) so one binary carries them all.
+tests=$(cargo test --release --features cuda --test gpu --no-run --message-format=json |
+  python3 -c 'import json, sys
+for line in sys.stdin:
+    j = json.loads(line)
+    if j.get("reason") == "compiler-artifact" and j.get("executable") and j["target"]["name"] == "gpu":
+        print(j["executable"])')
+[ -n "$tests" ] || { echo "no CUDA test binary was built" >&2; exit 1; }
+
+rm -rf "$pack"
+mkdir -p "$pack"
+strip -o "$pack/upscale" "$CARGO_TARGET_DIR/release/upscale"
+strip -o "$pack/gpu-tests" "$tests"
+xz -T0 -6 "$pack/upscale" "$pack/gpu-tests"
+# The PyTorch reference builds its model with spandrel (pure Python), which the GPU machine
+# lacks; torch, numpy, safetensors and einops are there.
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$pack" spandrel==0.4.2
+git rev-parse HEAD > "$pack/commit"
+
+tracked=$(git ls-files -z | du -cb --files0-from=- | tail -n 1 | cut -f 1)
+packed=$(du -cb "$pack" | tail -n 1 | cut -f 1)
+total=$(( (tracked + packed) / 1048576 ))
+ls -l "$pack"
+echo "pack $(( packed / 1048576 )) MiB + tracked files $(( tracked / 1048576 )) MiB = $total MiB (limit $limit_mib)"
+[ "$total" -lt "$limit_mib" ] || { echo "over the $limit_mib MiB a GPU call can carry" >&2; exit 1; }

@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# Everything a GPU session must prove and measure, in one command on the GPU machine (which has
+# no Rust and no network), from the repository root, with the folder scripts/gpu-pack.sh made:
+#
+#   scripts/gpu-run.sh PACK OUTDIR [check|bench|all]     on the GPU machine (default: all)
+#   scripts/gpu-run.sh --smoke PACK OUTDIR               any machine, CPU, tiny shapes (CI)
+#
+# check (~3 min): device facts, the measured matmul peaks, the CUDA test binary, bf16 and fp16
+#   against fp32 (PSNR) on tests/photos, DRCT-L bf16 on 1920x1080 with the automatic tile.
+# bench (~5 min): DRCT-L x4 960x540 and DRCT x4 640x480 against the PyTorch reference on the
+#   same GPU in the same run; precision x batch x attention; tile 512; streams 1/2/4 on one
+#   image and on a folder (with GPU utilisation sampled by nvidia-smi).
+# Every step's output goes to OUTDIR/<step>.log; each measurement is one JSON line in
+# OUTDIR/results.jsonl; OUTDIR/summary.md tabulates them. A failing step is recorded and the
+# run goes on. With --smoke, PACK may name a folder holding a CPU build's `upscale`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+smoke=0
+if [ "${1:-}" = --smoke ]; then
+  smoke=1
+  shift
+fi
+pack=${1:?usage: $0 [--smoke] PACK OUTDIR [check|bench|all]}
+out=${2:?usage: $0 [--smoke] PACK OUTDIR [check|bench|all]}
+part=${3:-all}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+results="$out/results.jsonl"
+: > "$results"
+PY=${PYTHON:-python3}
+export UPSCALE_REPO=$PWD
+
+unpack() { # PACK/NAME(.xz) -> an executable path
+  if [ -f "$pack/$1.xz" ]; then
+    xz -dc "$pack/$1.xz" > "$work/$1" && chmod +x "$work/$1" && echo "$work/$1"
+  elif [ -x "$pack/$1" ]; then
+    echo "$pack/$1"
+  fi
+}
+up=$(unpack upscale)
+tests=$(unpack gpu-tests)
+[ -n "$up" ] || { echo "no upscale binary in $pack" >&2; exit 2; }
+
+if [ "$smoke" = 1 ]; then
+  device=cpu
+else
+  device=cuda
+  # The CUDA 13 runtime libraries come with PyTorch's pip packages on the GPU machine.
+  for d in $("$PY" -c 'import nvidia; print(" ".join(nvidia.__path__))' 2>/dev/null); do
+    for sub in cu13/lib cudnn/lib cublas/lib cuda_runtime/lib cuda_nvrtc/lib curand/lib; do
+      [ -d "$d/$sub" ] && LD_LIBRARY_PATH="$d/$sub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    done
+  done
+  export LD_LIBRARY_PATH
+fi
+have_torch=0
+if "$PY" -c 'import torch' 2>/dev/null; then
+  have_torch=1
+  wheel=$(ls "$pack"/spandrel-*.whl 2>/dev/null | head -n 1)
+  if [ -n "$wheel" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --target "$work/site" "$wheel" >/dev/null 2>&1 &&
+      export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
+
+record() { # STEP JSON-OBJECT-OR-TEXT [extra JSON fields]
+  local step=$1 body=$2 extra=${3:-}
+  case $body in
+    \{*) ;;
+    *) body=$("$PY" -c 'import json, sys; print(json.dumps(sys.argv[1]))' "$body") ;;
+  esac
+  echo "{\"step\":\"$step\",${extra:+$extra,}\"result\":$body}" >> "$results"
+}
+
+# run STEP SECONDS CMD...: the command's output to OUTDIR/STEP.log, its status recorded.
+run() {
+  local step=$1 limit=$2
+  shift 2
+  local t0 t1 status
+  t0=$(date +%s.%N)
+  timeout "$limit" "$@" >> "$out/$step.log" 2>&1
+  status=$?
+  t1=$(date +%s.%N)
+  echo "{\"step\":\"$step\",\"status\":$status,\"wall_s\":$(awk "BEGIN {print $t1 - $t0}")}" >> "$results"
+  return $status
+}
+
+# bench STEP LABEL MODEL ARGS...: one `upscale bench --json` line into the results.
+bench() {
+  local step=$1 label=$2 model=$3
+  shift 3
+  local line
+  line=$(timeout 240 "$up" bench -m "$model" --device "$device" --json "${peak[@]}" "$@" 2>> "$out/$step.log" | tail -n 1)
+  if [ -n "$line" ]; then
+    record "$step" "$line" "\"label\":\"$label\",\"args\":\"$*\""
+  else
+    record "$step" "failed: $*" "\"label\":\"$label\""
+  fi
+}
+
+# Models: random weights of the published shapes (seeded, the same file for both programs)
+# where PyTorch is there to make them; the smallest golden fixture otherwise (smoke).
+models() {
+  if [ "$smoke" = 1 ] || [ "$have_torch" = 0 ]; then
+    drct=tests/golden/x2_w8_b2.safetensors
+    drct_l=$drct
+  else
+    drct="$work/drct.safetensors"
+    drct_l="$work/drct-l.safetensors"
+    [ -f "$drct" ] || "$PY" benches/torch_drct.py make-weights "$drct" --preset drct --scale 4 --seed 0 >> "$out/weights.log" 2>&1
+    [ -f "$drct_l" ] || "$PY" benches/torch_drct.py make-weights "$drct_l" --preset drct-l --scale 4 --seed 0 >> "$out/weights.log" 2>&1
+  fi
+}
+
+# Sizes: the GPU run's, or tiny ones for the smoke run.
+if [ "$smoke" = 1 ]; then
+  s1080=40x72 s540=24x40 s480=24x32 t256=16 t512=24 ov=4 reps=1
+else
+  s1080=1080x1920 s540=540x960 s480=480x640 t256=256 t512=512 ov=32 reps=5
+fi
+peak=()
+
+check() {
+  echo "== facts"
+  { nvidia-smi || true; nvidia-smi -q -d CLOCK,MEMORY,POWER || true; uname -a; nproc; } > "$out/facts.log" 2>&1
+  record facts "$(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi ($device run)")"
+
+  echo "== matmul peak"
+  if [ "$have_torch" = 1 ] && [ "$smoke" = 0 ]; then
+    run peak 120 "$PY" benches/matmul_peak.py --json "$out/peak.json"
+    [ -f "$out/peak.json" ] && record peak "$(cat "$out/peak.json")"
+  else
+    record peak "skipped: needs PyTorch and a GPU"
+  fi
+
+  echo "== CUDA tests"
+  if [ -n "$tests" ]; then
+    run tests 300 "$tests" --test-threads=1 --nocapture
+    record tests "$(grep -E '^test result|passed|FAILED|panicked' "$out/tests.log" | tail -n 20)"
+  else
+    record tests "no test binary in the pack"
+  fi
+
+  echo "== precision parity on tests/photos"
+  local ref="$work/ref-fp32" photos=tests/photos
+  if [ "$smoke" = 1 ]; then
+    photos="$work/photos"
+    mkdir -p "$photos"
+    cp tests/photos/astronaut.png "$photos/"
+  fi
+  run psnr_ref 300 "$up" --device "$device" --precision fp32 -q --overwrite "$photos" -o "$ref"
+  for p in bf16 fp16; do
+    local line
+    line=$(timeout 300 "$up" eval --device "$device" --precision "$p" --hr "$ref" --lr "$photos" --scale 4 --json 2>> "$out/psnr.log" | tail -n 1)
+    record psnr "${line:-failed}" "\"precision\":\"$p\",\"against\":\"fp32\""
+  done
+
+  echo "== DRCT-L bf16 1080p, automatic tile"
+  models
+  bench auto1080 drct-l-bf16-auto "$drct_l" --precision bf16 --size "$s1080" --warmup 0 --reps 1
+}
+
+bench_part() {
+  models
+  if [ -f "$out/peak.json" ]; then
+    peak=(--peak_tflops "$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["bf16_tflops"])' "$out/peak.json")")
+  fi
+  echo "== side by side: DRCT-L x4 960x540 and DRCT x4 640x480, bf16, tile 256, batch 4"
+  for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
+    set -- $m
+    bench side "$1-bf16-ours" "$2" --precision bf16 --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$reps"
+    if [ "$have_torch" = 1 ] && [ "$smoke" = 0 ]; then
+      local line
+      line=$(timeout 300 "$PY" benches/torch_gpu_reference.py --device cuda --preset "$1" --weights "$2" \
+        --dtype bf16 --height "${3%x*}" --width "${3#*x}" --tile "$t256" --overlap "$ov" --tile-batch 4 \
+        --reps "$reps" 2>> "$out/side.log" | tail -n 1)
+      record side "${line:-failed}" "\"label\":\"$1-bf16-pytorch\""
+    else
+      record side "skipped: the PyTorch reference needs PyTorch and a GPU" "\"label\":\"$1-bf16-pytorch\""
+    fi
+  done
+
+  echo "== precision x batch x attention (DRCT-L, tile 256)"
+  for p in bf16 fp16 fp32; do
+    for b in 1 4 8; do
+      for a in fused reference; do
+        bench matrix "drct-l-$p-b$b-$a" "$drct_l" --precision "$p" --attention "$a" --size "$s540" \
+          --tile "$t256" --tile_overlap "$ov" --tile_batch_size "$b" --reps 3
+      done
+    done
+  done
+  for b in 1 2; do
+    bench matrix "drct-l-bf16-t512-b$b-fused" "$drct_l" --precision bf16 --size "$s540" \
+      --tile "$t512" --tile_overlap "$ov" --tile_batch_size "$b" --reps 3
+  done
+
+  echo "== streams"
+  for s in 1 2 4; do
+    bench streams "drct-l-bf16-b4-s$s" "$drct_l" --precision bf16 --size "$s540" --tile "$t256" \
+      --tile_overlap "$ov" --tile_batch_size 4 --streams "$s" --reps 3
+  done
+  local folder="$work/folder"
+  mkdir -p "$folder"
+  for i in 1 2 3; do
+    for f in tests/photos/*.png; do cp "$f" "$folder/$(basename "${f%.png}")-$i.png"; done
+  done
+  for s in 1 2; do
+    local util="$out/util-s$s.csv" sampler=""
+    if [ "$smoke" = 0 ] && command -v nvidia-smi >/dev/null; then
+      nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$util" 2>/dev/null &
+      sampler=$!
+    fi
+    run "folder_s$s" 300 "$up" -m "$drct" --device "$device" --precision bf16 --streams "$s" \
+      --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --overwrite --json "$folder" -o "$work/folder-out-$s"
+    if [ -n "$sampler" ]; then
+      kill "$sampler" 2>/dev/null
+      record "folder_s$s" "{\"gpu_util_mean_pct\":$(awk '{s+=$1; n++} END {print (n ? s/n : 0)}' "$util"),\"samples\":$(wc -l < "$util")}"
+    fi
+  done
+}
+
+case $part in
+  check) check ;;
+  bench) bench_part ;;
+  all) check; bench_part ;;
+  *) echo "unknown part '$part' (check, bench or all)" >&2; exit 2 ;;
+esac
+"$PY" scripts/gpu_summary.py "$results" > "$out/summary.md"
+cat "$out/summary.md"
+# Any failed step fails the run (so CI's smoke run catches a script that has rotted), after
+# everything else has run and been recorded.
+if grep -qE '"status":[1-9]|"result":"failed' "$results"; then
+  echo "some steps failed; see $results and the step logs in $out" >&2
+  exit 1
+fi
