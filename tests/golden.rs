@@ -4,62 +4,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
 use candle_core::{DType, Device, Module, Tensor};
 use upscale::model::Model;
 
-/// A float32 port lands within ~3e-6 of the float64 reference; every bug class we know of
-/// (tanh GELU, LayerNorm eps, bias index, mask, slopes, padding) lands above 5e-5.
-const TOLERANCE: f64 = 2e-5;
-
-fn golden_dir() -> PathBuf {
-    common::repo().join("tests/golden")
-}
-
-struct Case {
-    name: String,
-    weights: PathBuf,
-    io: PathBuf,
-    scale: usize,
-}
-
-fn cases() -> Vec<Case> {
-    let text = std::fs::read_to_string(golden_dir().join("manifest.json")).expect("manifest");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("manifest json");
-    let list = v
-        .get("cases")
-        .and_then(|c| c.as_array())
-        .or_else(|| v.as_array())
-        .expect("manifest: a list of cases");
-    list.iter()
-        .map(|c| Case {
-            name: c["name"].as_str().unwrap().to_string(),
-            weights: golden_dir().join(c["weights"].as_str().unwrap()),
-            io: golden_dir().join(c["io"].as_str().unwrap()),
-            scale: c["scale"].as_u64().unwrap() as usize,
-        })
-        .collect()
-}
-
-fn load_io(path: &Path) -> (Tensor, Tensor) {
-    let t = candle_core::safetensors::load(path, &Device::Cpu).expect("io fixture");
-    (t["input"].clone(), t["output"].clone())
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.dims(), b.dims());
-    (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-}
+use common::fixtures::*;
 
 #[test]
 fn f32_matches_float64_reference_on_every_fixture() {
@@ -164,59 +112,6 @@ fn fp16_overflow_is_redone_in_fp32_for_that_tile_only() {
     assert_eq!(max_abs_diff(&y.get(0).unwrap(), &y16.get(0).unwrap()), 0.0);
 }
 
-/// GPU parity: f32 on CUDA against the float64 reference and against the CPU. Compiled with
-/// `--features cuda` only; it needs an NVIDIA GPU to pass.
-#[cfg(feature = "cuda")]
-#[test]
-fn cuda_f32_and_bf16_match_the_reference() {
-    let gpu = Device::new_cuda(0).expect("an NVIDIA GPU (this test runs with --features cuda)");
-    for case in cases() {
-        let (input, expected) = load_io(&case.io);
-        let cpu = Model::load(&case.weights, DType::F32, &Device::Cpu).unwrap();
-        let cpu_out = cpu.net.forward(&input).unwrap();
-        let cuda = Model::load(&case.weights, DType::F32, &gpu).unwrap();
-        let x = input.to_device(&gpu).unwrap();
-        let out = cuda
-            .net
-            .forward(&x)
-            .unwrap()
-            .to_device(&Device::Cpu)
-            .unwrap();
-        let d_ref = max_abs_diff(&out, &expected);
-        let d_cpu = max_abs_diff(&out, &cpu_out);
-        eprintln!(
-            "{:<28} cuda f32: {d_ref:.3e} vs reference, {d_cpu:.3e} vs cpu",
-            case.name
-        );
-        assert!(d_ref < TOLERANCE && d_cpu < 1e-4, "{}", case.name);
-        let bf16 = Model::load(&case.weights, DType::BF16, &gpu).unwrap();
-        let out16 = bf16
-            .net
-            .forward(&x)
-            .unwrap()
-            .to_device(&Device::Cpu)
-            .unwrap();
-        let values = out16.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-        assert!(
-            values
-                .to_vec1::<f32>()
-                .unwrap()
-                .iter()
-                .all(|v| v.is_finite()),
-            "bf16 NaN"
-        );
-        eprintln!(
-            "{:<28} cuda bf16: {:.3e} vs reference",
-            case.name,
-            max_abs_diff(&out16, &expected)
-        );
-    }
-}
-
-/// End to end through the binary: a 16-bit PNG in, `--tile 0 --bit-depth 16` out, against the
-/// reference output clamped and quantised the same way. The fixture inputs are 8-bit photo
-/// crops (k/255), which 16-bit PNG holds exactly (k*257/65535), so only the output rounding
-/// differs: at most one level.
 #[test]
 fn cli_sixteen_bit_png_end_to_end() {
     let case = cases()

@@ -1,0 +1,58 @@
+//! The golden fixtures (tests/golden/): each case's weights, input and the float64 reference
+//! output of the official model, listed in manifest.json.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+
+/// A float32 port lands within ~3e-6 of the float64 reference; every bug class we know of
+/// (tanh GELU, LayerNorm eps, bias index, mask, slopes, padding) lands above 5e-5.
+pub const TOLERANCE: f64 = 2e-5;
+
+pub fn golden_dir() -> PathBuf {
+    super::repo().join("tests/golden")
+}
+
+pub struct Case {
+    pub name: String,
+    pub weights: PathBuf,
+    pub io: PathBuf,
+    pub scale: usize,
+}
+
+pub fn cases() -> Vec<Case> {
+    let text = std::fs::read_to_string(golden_dir().join("manifest.json")).expect("manifest");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("manifest json");
+    let list = v
+        .get("cases")
+        .and_then(|c| c.as_array())
+        .or_else(|| v.as_array())
+        .expect("manifest: a list of cases");
+    list.iter()
+        .map(|c| Case {
+            name: c["name"].as_str().unwrap().to_string(),
+            weights: golden_dir().join(c["weights"].as_str().unwrap()),
+            io: golden_dir().join(c["io"].as_str().unwrap()),
+            scale: c["scale"].as_u64().unwrap() as usize,
+        })
+        .collect()
+}
+
+pub fn load_io(path: &Path) -> (Tensor, Tensor) {
+    let t = candle_core::safetensors::load(path, &Device::Cpu).expect("io fixture");
+    (t["input"].clone(), t["output"].clone())
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims());
+    (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}

@@ -1,0 +1,73 @@
+//! The whole network on the GPU against the float64 reference and the CPU path.
+
+use candle_core::{DType, Device, Module};
+use upscale::model::Model;
+
+use crate::common::fixtures::*;
+
+/// f32 on CUDA against the float64 reference and against the CPU; bf16 finite and close.
+#[test]
+fn cuda_f32_and_bf16_match_the_reference() {
+    let gpu = crate::gpu();
+    for case in cases() {
+        let (input, expected) = load_io(&case.io);
+        let cpu = Model::load(&case.weights, DType::F32, &Device::Cpu).unwrap();
+        let cpu_out = cpu.net.forward(&input).unwrap();
+        let cuda = Model::load(&case.weights, DType::F32, &gpu).unwrap();
+        let x = input.to_device(&gpu).unwrap();
+        let out = cuda
+            .net
+            .forward(&x)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        let d_ref = max_abs_diff(&out, &expected);
+        let d_cpu = max_abs_diff(&out, &cpu_out);
+        eprintln!(
+            "{:<28} cuda f32: {d_ref:.3e} vs reference, {d_cpu:.3e} vs cpu",
+            case.name
+        );
+        assert!(d_ref < TOLERANCE && d_cpu < 1e-4, "{}", case.name);
+        let bf16 = Model::load(&case.weights, DType::BF16, &gpu).unwrap();
+        let out16 = bf16
+            .net
+            .forward(&x)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        let values = out16.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        assert!(
+            values
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .all(|v| v.is_finite()),
+            "bf16 NaN"
+        );
+        let rms = rms_diff(&out16, &expected);
+        eprintln!(
+            "{:<28} cuda bf16: max {:.3e}, rms {rms:.3e} vs reference",
+            case.name,
+            max_abs_diff(&out16, &expected)
+        );
+        // bf16 keeps 8 significant bits (~4e-3 relative per rounding); a wrong kernel or
+        // layout lands at the scale of the output itself (~0.1 to 1).
+        assert!(rms < 2e-2, "{}: bf16 rms error {rms}", case.name);
+    }
+}
+
+/// End to end through the binary: a 16-bit PNG in, `--tile 0 --bit-depth 16` out, against the
+/// reference output clamped and quantised the same way. The fixture inputs are 8-bit photo
+/// crops (k/255), which 16-bit PNG holds exactly (k*257/65535), so only the output rounding
+/// differs: at most one level.
+
+fn rms_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
+    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
+    d.sqr()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+        .sqrt()
+}
