@@ -183,8 +183,19 @@ impl DrctConfig {
                 .get(name)
                 .ok_or_else(|| format!("missing tensor {name} (not a DRCT checkpoint?)"))
         };
+        // The output width a layer's weight declares; a crafted file can hold a scalar or an
+        // empty tensor where a matrix belongs.
+        let width = |name: &str| -> Result<usize, String> {
+            let shape = get(name)?;
+            match shape.first() {
+                Some(&n) if n > 0 && shape.len() >= 2 => Ok(n),
+                _ => Err(format!(
+                    "tensor {name} has shape {shape:?}; expected a non-empty weight matrix"
+                )),
+            }
+        };
         let cf = get("conv_first.weight")?;
-        if cf.len() != 4 || cf[1] != 3 || cf[2] != 3 || cf[3] != 3 {
+        if cf.len() != 4 || cf[0] == 0 || cf[1] != 3 || cf[2] != 3 || cf[3] != 3 {
             return Err(format!(
                 "tensor conv_first.weight has shape {cf:?}; a DRCT RGB model has [E, 3, 3, 3]"
             ));
@@ -226,7 +237,7 @@ impl DrctConfig {
         }
         let window = side.div_ceil(2);
 
-        let growth = get("layers.0.adjust1.weight")?[0];
+        let growth = width("layers.0.adjust1.weight")?;
         let mut heads = vec![[0; BLOCKS_PER_GROUP]; groups];
         let mut mlp_hidden = [0; BLOCKS_PER_GROUP];
         for (g, group_heads) in heads.iter_mut().enumerate() {
@@ -245,15 +256,16 @@ impl DrctConfig {
             }
         }
         for (k, hidden) in mlp_hidden.iter_mut().enumerate() {
-            *hidden = get(&format!("layers.0.swin{}.mlp.fc1.weight", k + 1))?[0];
+            *hidden = width(&format!("layers.0.swin{}.mlp.fc1.weight", k + 1))?;
         }
 
-        let cbu = get("conv_before_upsample.0.weight")?;
-        let num_feat = cbu[0];
+        let num_feat = width("conv_before_upsample.0.weight")?;
         let mut scale = 1;
         let mut stage = 0;
-        while let Some(w) = shapes.get(&format!("upsample.{}.weight", 2 * stage)) {
-            let r2 = w[0] / num_feat.max(1);
+        while shapes.contains_key(&format!("upsample.{}.weight", 2 * stage)) {
+            let name = format!("upsample.{}.weight", 2 * stage);
+            let w = get(&name)?;
+            let r2 = width(&name)? / num_feat;
             let r = isqrt(r2);
             if r * r * num_feat != w[0] || !(r == 2 || r == 3) {
                 return Err(format!(
@@ -390,6 +402,27 @@ mod tests {
             ..drct_x4()
         };
         assert_eq!(wide.largest_tensor_per_pixel(false), 2000);
+    }
+
+    /// Every tensor, in turn, replaced by a scalar, an empty vector or a zero-width matrix:
+    /// always an error naming a tensor, never a panic.
+    #[test]
+    fn degenerate_shapes_are_errors() {
+        let cfg = DrctConfig {
+            groups: 2,
+            heads: vec![[6, 4, 2, 6, 4]; 2],
+            ..drct_x4()
+        };
+        let good = shapes_of(&cfg);
+        for name in good.keys() {
+            for bad in [vec![], vec![0], vec![0, 4], vec![1]] {
+                let mut s = good.clone();
+                s.insert(name.clone(), bad.clone());
+                let e = std::panic::catch_unwind(|| DrctConfig::infer(&s))
+                    .unwrap_or_else(|_| panic!("{name} as {bad:?} panicked"));
+                assert!(e.is_err(), "{name} as {bad:?} was accepted");
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,196 @@
+//! Crafted and corrupted checkpoints: thousands of mutated files, each loaded and, when it
+//! loads, built and run on a tiny input. Every one must end in `Ok` or an error, never a panic
+//! (the fuzz targets in fuzz/ explore the same entry points without a bound).
+
+mod common;
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use candle_core::{DType, Device, Module, Tensor};
+use safetensors::tensor::TensorView;
+use upscale::model::{Checkpoint, Model, Source};
+
+/// A small deterministic generator, so a failure names a reproducible case.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Loads `bytes` as the product does and, if that succeeds, builds the network and runs it on
+/// an 8x8 input. Returns whether the file was accepted; panics only if the product did.
+fn load_and_run(bytes: &[u8], case: &str) -> bool {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let ck = Checkpoint::from_safetensors_bytes(bytes, Source::Embedded("mutant"))?;
+        let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu)?;
+        let x = Tensor::zeros((1, 3, 8, 8), DType::F32, &Device::Cpu).expect("input");
+        model.net.forward(&x).map_err(|e| e.to_string()).ok();
+        Ok::<_, upscale::model::ModelError>(())
+    }));
+    match result {
+        Ok(r) => r.is_ok(),
+        Err(_) => panic!("{case}: the loader or the network panicked"),
+    }
+}
+
+/// The fixture's tensors as (name, shape, f32 data).
+fn tensors(bytes: &[u8]) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    let mut v: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let t = candle_core::safetensors::Load::load(&view, &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let data = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (name, t.dims().to_vec(), data)
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn serialize(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, d)| d.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, shape, _), b)| {
+            let view = TensorView::new(safetensors::Dtype::F32, shape.clone(), b).unwrap();
+            (name.clone(), view)
+        })
+        .collect();
+    safetensors::serialize(views, None::<HashMap<String, String>>).unwrap()
+}
+
+/// A new shape for a tensor: degenerate, reshaped, truncated or extended.
+fn mutate_shape(rng: &mut Rng, shape: &[usize], len: usize) -> Vec<usize> {
+    match rng.below(7) {
+        0 => vec![],
+        1 => vec![0],
+        2 => vec![len],
+        3 => shape.iter().rev().copied().collect(),
+        4 => {
+            let mut s = shape.to_vec();
+            if let Some(d) = s.first_mut() {
+                *d = rng.below(4);
+            }
+            s
+        }
+        5 => {
+            let mut s = shape.to_vec();
+            s.push(1);
+            s
+        }
+        _ => vec![1 + rng.below(len.max(1)), 1],
+    }
+}
+
+#[test]
+fn mutated_checkpoints_never_panic() {
+    let original = std::fs::read(common::golden(common::FAST_MODEL)).unwrap();
+    assert!(load_and_run(&original, "original"), "the fixture must load");
+    let base = tensors(&original);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let (mut tried, mut accepted) = (0, 0);
+
+    // Structured: valid safetensors files whose tensors have the wrong shapes or are missing.
+    for i in 0..600 {
+        let mut t = base.clone();
+        for _ in 0..1 + rng.below(3) {
+            let k = rng.below(t.len());
+            if rng.below(8) == 0 {
+                t.remove(k);
+                continue;
+            }
+            let shape = mutate_shape(&mut rng, &t[k].1, t[k].2.len());
+            let n: usize = shape.iter().product();
+            t[k].2.resize(n, 0.5);
+            t[k].1 = shape;
+        }
+        accepted += load_and_run(&serialize(&t), &format!("structured #{i}")) as usize;
+        tried += 1;
+    }
+
+    // Byte-level: corrupt the header (lengths, JSON) and the data of the real file.
+    let header_end = 8 + u64::from_le_bytes(original[..8].try_into().unwrap()) as usize;
+    for i in 0..1400 {
+        let mut bytes = original.clone();
+        for _ in 0..1 + rng.below(4) {
+            let at = if rng.below(4) == 0 {
+                rng.below(bytes.len())
+            } else {
+                rng.below(header_end)
+            };
+            bytes[at] = match rng.below(4) {
+                0 => 0,
+                1 => 0xff,
+                2 => bytes[at] ^ (1 << rng.below(8)),
+                _ => b"[]{},:\"0123456789"[rng.below(17)],
+            };
+        }
+        if rng.below(10) == 0 {
+            bytes.truncate(rng.below(bytes.len()));
+        }
+        accepted += load_and_run(&bytes, &format!("bytes #{i}")) as usize;
+        tried += 1;
+    }
+    eprintln!("{tried} mutated safetensors files: {accepted} accepted, none panicked");
+    assert_eq!(tried, 2000);
+}
+
+/// The official `.pth` (a zip holding a pickle and the tensor data) with corrupted bytes,
+/// mostly in the pickle and the zip directory, where a reader's assumptions live.
+#[test]
+fn mutated_pth_files_never_panic() {
+    let original = std::fs::read(common::golden("x2_w8_official.pth")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mutant.pth");
+    let pickle = original
+        .windows(8)
+        .position(|w| w == b"data.pkl")
+        .expect("a torch.save archive");
+    let directory = original.len().saturating_sub(4096);
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let (mut tried, mut accepted) = (0, 0);
+    for i in 0..500 {
+        let mut bytes = original.clone();
+        for _ in 0..1 + rng.below(3) {
+            let at = match rng.below(3) {
+                0 => pickle + rng.below(2048),
+                1 => directory + rng.below(4096),
+                _ => rng.below(bytes.len()),
+            }
+            .min(bytes.len() - 1);
+            bytes[at] ^= 1 << rng.below(8);
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let result = catch_unwind(|| {
+            Checkpoint::load(&path)
+                .and_then(|ck| Model::from_checkpoint(ck, DType::F32, &Device::Cpu))
+                .is_ok()
+        });
+        match result {
+            Ok(ok) => accepted += ok as usize,
+            Err(_) => panic!("pth #{i}: the loader panicked"),
+        }
+        tried += 1;
+    }
+    eprintln!("{tried} mutated .pth files: {accepted} accepted, none panicked");
+    assert_eq!(tried, 500);
+}
