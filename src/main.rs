@@ -25,27 +25,9 @@ fn default_sigpipe() {
     }
 }
 
-/// Flush denormals to zero on this thread. Masked attention scores (-100) come out of the
-/// softmax as denormal probabilities (~1e-44), and x86 multiplies those through a slow
-/// microcode path inside the attention GEMMs; as zeros they change nothing measurable.
-fn flush_denormals() {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: only sets the FTZ and DAZ bits of this thread's MXCSR.
-    #[allow(deprecated)]
-    unsafe {
-        use std::arch::x86_64::{_mm_getcsr, _mm_setcsr};
-        _mm_setcsr(_mm_getcsr() | 0x8040);
-    }
-}
-
 fn main() -> ExitCode {
     keep_freed_memory();
     default_sigpipe();
-    flush_denormals();
-    // The GEMM runs on rayon's global pool: give its threads the same setting.
-    let _ = rayon::ThreadPoolBuilder::new()
-        .start_handler(|_| flush_denormals())
-        .build_global();
     let cli = Cli::parse();
     match upscale::cli::run(cli) {
         Ok(code) => code,

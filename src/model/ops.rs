@@ -103,6 +103,25 @@ macro_rules! widest_simd {
 /// given lanes to keep apart (it may not reassociate a single sum).
 const LANES: usize = 16;
 
+/// Scores this far below their row's maximum get probability exactly zero. Their true
+/// weight (< e^-80 ≈ 2e-35) changes no output, while as numbers they would leave the softmax
+/// subnormal (after division by a row sum of up to N) and be multiplied through the slow
+/// subnormal path of x86's vector units inside the attention GEMM. With this cutoff every
+/// probability is 0 or above 1.8e-35 / 256 ≈ 7e-38, a normal f32, for windows of up to 256
+/// tokens; masked pairs (-100) are always exact zeros.
+const SOFTMAX_CUTOFF: f32 = -80.0;
+
+/// `exp(x)` of a softmax argument `x <= 0`, or exactly 0 below [`SOFTMAX_CUTOFF`].
+#[inline(always)]
+fn softmax_exp(x: f32) -> f32 {
+    let e = exp_nonpositive(x);
+    if x < SOFTMAX_CUTOFF {
+        0.0
+    } else {
+        e
+    }
+}
+
 /// Softmax of each length-`n` row of `data`, in place.
 #[inline(always)]
 fn softmax_rows_body(data: &mut [f32], n: usize) {
@@ -123,13 +142,13 @@ fn softmax_rows_body(data: &mut [f32], n: usize) {
         let mut chunks = row.chunks_exact_mut(LANES);
         for c in &mut chunks {
             for (s, v) in sums.iter_mut().zip(c) {
-                *v = exp_nonpositive(*v - max);
+                *v = softmax_exp(*v - max);
                 *s += *v;
             }
         }
         let mut sum = 0f32;
         for v in chunks.into_remainder() {
-            *v = exp_nonpositive(*v - max);
+            *v = softmax_exp(*v - max);
             sum += *v;
         }
         let inv = 1.0 / (sum + sums.iter().sum::<f32>());
@@ -700,6 +719,23 @@ mod tests {
             .flatten_all()?
             .max(0)?
             .to_scalar::<f64>()
+    }
+
+    /// No probability leaves the softmax subnormal: a full window of equal scores plus one
+    /// 86 below them would give e^-86 / 257 ≈ 1.6e-40 without the cutoff.
+    #[test]
+    fn softmax_never_outputs_subnormals() {
+        for offset in [-79.0f32, -80.5, -84.0, -86.0, -90.0, -100.0] {
+            let mut row = vec![0f32; 257];
+            row[100] = offset;
+            softmax_rows_body(&mut row, 257);
+            for &p in &row {
+                assert!(p == 0.0 || p.is_normal(), "offset {offset}: {p:e}");
+            }
+            assert_eq!(row[100] == 0.0, offset < SOFTMAX_CUTOFF, "offset {offset}");
+            let sum: f32 = row.iter().sum();
+            assert!((sum - 1.0).abs() < 1e-5, "{sum}");
+        }
     }
 
     #[test]
