@@ -299,7 +299,7 @@ fn report(o: &Outcome, args: &RunArgs, log: &Logger, progress: &indicatif::Progr
                     json!({"input": o.input, "output": o.output, "status": "ok",
                            "input_size": [d.in_size.0, d.in_size.1],
                            "output_size": [d.out_size.0, d.out_size.1],
-                           "seconds": d.seconds, "tiles": d.tiles, "lanes": d.lanes})
+                           "seconds": d.seconds, "tiles": d.tiles, "lane_stats": d.lanes})
                 );
             }
             progress.suspend(|| {

@@ -69,9 +69,8 @@ impl Lanes {
                 engines.push(Engine::new(ck.clone(), lane, dtype)?);
             }
         }
-        // `device` stays open until the lanes are, so the GPU's context is not torn down
-        // and set up again in between.
-        drop(device);
+        // `device` is dropped only on return, after the lanes hold the GPU's context, so
+        // the context is not torn down and set up again in between.
         Self::from_engines(engines)
     }
 
