@@ -5,9 +5,12 @@
 //! `--device cuda:0,1 --streams 2` runs four lanes, two per GPU.
 //!
 //! One lane on the CPU keeps the host tiler (it is measured and fast, and rayon already
-//! uses every core there); every CUDA run keeps its tiles and their blending on the device.
+//! uses every core there). CUDA runs keep tiles and blending on the device, one upload and
+//! one download per image and lane, unless the output canvases would crowd the model out of
+//! device memory: then one lane blends on the host, as the CPU does.
 
 use std::ops::Deref;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Device};
 
@@ -21,19 +24,24 @@ use crate::tile::{run_lanes, run_tiled, LaneStats, TileOptions, TileStats};
 pub struct Lanes {
     /// Never empty; the first answers every question about the model (scale, config, cost).
     engines: Vec<Engine>,
+    warned_canvas: AtomicBool,
 }
 
 impl Lanes {
     pub fn single(engine: Engine) -> Self {
         Self {
             engines: vec![engine],
+            warned_canvas: AtomicBool::new(false),
         }
     }
 
     /// Lanes over engines the caller built, each on its own device handle.
     pub fn from_engines(engines: Vec<Engine>) -> anyhow::Result<Self> {
         anyhow::ensure!(!engines.is_empty(), "at least one lane is needed");
-        Ok(Self { engines })
+        Ok(Self {
+            engines,
+            warned_canvas: AtomicBool::new(false),
+        })
     }
 
     /// The lanes `choice` and `streams` ask for. `device` is the device already opened for
@@ -108,20 +116,29 @@ impl Lanes {
         image: &Planar,
         opts: &TileOptions,
     ) -> anyhow::Result<(Planar, TileStats, Vec<LaneStats>)> {
-        match self.engines.as_slice() {
-            [engine] if engine.device.is_cpu() => {
-                let start = std::time::Instant::now();
-                let (out, stats) = run_tiled(engine, image, opts)?;
-                let lane = LaneStats {
-                    batches: stats.batches,
-                    tiles: stats.tiles,
-                    busy_seconds: start.elapsed().as_secs_f64(),
-                    ..LaneStats::new(0, &engine.device)
-                };
-                Ok((out, stats, vec![lane]))
-            }
-            engines => run_lanes(engines, image, opts),
+        let engine = &self.engines[0];
+        if self.count() == 1 && engine.device.is_cpu() {
+            return host_run(engine, image, opts);
         }
+        if !self.canvases_fit(image) {
+            if !opts.quiet && !self.warned_canvas.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "warning: the output of a {}x{} image does not fit in device memory once per \
+                     lane; blending on the host with one lane",
+                    image.width, image.height
+                );
+            }
+            return host_run(engine, image, opts);
+        }
+        run_lanes(&self.engines, image, opts)
+    }
+
+    /// Whether every lane's output canvas fits in half of its device's free memory, leaving
+    /// the rest for the model.
+    fn canvases_fit(&self, image: &Planar) -> bool {
+        let s = self.scale() as u64;
+        let canvas = (image.channels as u64 + 1) * (image.height * image.width) as u64 * s * s * 4;
+        canvas.saturating_mul(self.per_device() as u64) <= self.free_memory() / 2
     }
 
     /// Tiles whose fp16 output was non-finite and were redone in fp32, over all lanes.
@@ -142,6 +159,23 @@ impl Lanes {
         }
         out
     }
+}
+
+/// The host tiler on one engine, reported as lane 0.
+fn host_run(
+    engine: &Engine,
+    image: &Planar,
+    opts: &TileOptions,
+) -> anyhow::Result<(Planar, TileStats, Vec<LaneStats>)> {
+    let start = std::time::Instant::now();
+    let (out, stats) = run_tiled(engine, image, opts)?;
+    let lane = LaneStats {
+        batches: stats.batches,
+        tiles: stats.tiles,
+        busy_seconds: start.elapsed().as_secs_f64(),
+        ..LaneStats::new(0, &engine.device)
+    };
+    Ok((out, stats, vec![lane]))
 }
 
 impl Deref for Lanes {
