@@ -4,9 +4,10 @@
 //! overlap another's compute. Each lane blends into its own device canvas
 //! ([`super::device`]); the canvases are summed on the host at the end.
 //!
-//! Out of memory: a batch that has not touched its lane's canvas yet goes back to the
-//! queue and the batch size halves, as in [`super::run_tiled`]; otherwise the image starts
-//! over with smaller batches, or smaller tiles once the batch is one tile.
+//! Out of memory: the batch size halves and the failed batch goes back to the queue, as in
+//! [`super::run_tiled`], unless part of it already reached the lane's canvas: then the image
+//! starts over with the smaller batches. A single tile that does not fit makes the image
+//! start over with smaller tiles.
 
 use std::ops::Range;
 use std::sync::Mutex;
@@ -116,11 +117,9 @@ pub fn run_lanes<M: TileModel + Sync>(
         match q.stop {
             None => {}
             Some(Stop::Failed(err)) => return Err(err.into()),
-            Some(Stop::Restart(err)) => {
-                if batch > 1 {
-                    batch /= 2;
-                    continue;
-                }
+            // The queue has halved the batch already.
+            Some(Stop::Restart) => continue,
+            Some(Stop::Shrink(err)) => {
                 let current = plan.tile_h.max(plan.tile_w);
                 let smaller = (current / 2).max(2 * opts.overlap + MIN_CORE);
                 if smaller >= current {
@@ -159,8 +158,10 @@ pub fn run_lanes<M: TileModel + Sync>(
 enum Stop {
     /// Not a memory problem: give up.
     Failed(candle_core::Error),
-    /// Out of memory where the tile cannot just be handed back: start the image over.
-    Restart(candle_core::Error),
+    /// Out of memory after a batch reached a canvas: start the image over, smaller batches.
+    Restart,
+    /// Out of memory with one tile: start the image over with smaller tiles.
+    Shrink(candle_core::Error),
 }
 
 /// The shared queue of tiles, handed out as consecutive ranges of at most `batch` tiles.
@@ -213,29 +214,25 @@ impl Queue {
             return;
         }
         self.oom_retries += 1;
-        if clean && range.len() > 1 {
-            self.batch = self.batch.min(range.len() / 2).max(1);
+        if range.len() == 1 {
+            self.stop.get_or_insert(Stop::Shrink(err));
+            return;
+        }
+        self.batch = self.batch.min(range.len() / 2).max(1);
+        if !clean {
+            self.stop.get_or_insert(Stop::Restart);
+        } else if self.returned.is_empty() && range.end == self.next {
             // Rewinding when no one took tiles past these keeps one lane's order (and so its
             // sums, bit for bit) the same as without the failure.
-            if self.returned.is_empty() && range.end == self.next {
-                self.next = range.start;
-            } else {
-                self.returned.push(range);
-            }
+            self.next = range.start;
         } else {
-            self.stop.get_or_insert(Stop::Restart(err));
+            self.returned.push(range);
         }
     }
 
-    /// An error outside any batch (the lane's setup or its download).
+    /// An error after the lane's last batch, downloading its canvas.
     fn abort(&mut self, err: candle_core::Error) {
-        let stop = if is_out_of_memory(&err) {
-            self.oom_retries += 1;
-            Stop::Restart(err)
-        } else {
-            Stop::Failed(err)
-        };
-        self.stop.get_or_insert(stop);
+        self.stop.get_or_insert(Stop::Failed(err));
     }
 }
 
