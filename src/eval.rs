@@ -3,7 +3,7 @@
 //!
 //! For each HR image the LR input is either made from it ([`metrics::bicubic_lr`]: crop to
 //! a multiple of the scale, MATLAB bicubic by 1/scale, 8 bits) or read from an LR folder.
-//! The model runs through [`Engine::upscale_decoded`] with the caller's tile settings, so
+//! The model runs through [`Lanes::upscale_decoded`] with the caller's tile settings, so
 //! what is measured is what the main command ships; its output is rounded to 8 bits, then
 //! PSNR/SSIM are taken as BasicSR does (Y channel, `scale` pixels cropped per side). The
 //! MATLAB bicubic upscaling of the same LR image is measured alongside, because the gain
@@ -20,7 +20,7 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
 use crate::engine::image::TileSettings;
-use crate::engine::Engine;
+use crate::engine::lanes::Lanes;
 use crate::io::{self, Decoded, Format};
 use crate::metrics::{self, ImageMetrics};
 use crate::planar::Planar;
@@ -218,7 +218,7 @@ pub fn measure(
 
 /// Loads, upscales and measures one pair. Errors are one line, for the report.
 pub fn evaluate_pair(
-    engine: &Engine,
+    engine: &Lanes,
     settings: &TileSettings,
     pair: &Pair,
     scale: usize,

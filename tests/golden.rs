@@ -112,6 +112,10 @@ fn fp16_overflow_is_redone_in_fp32_for_that_tile_only() {
     assert_eq!(max_abs_diff(&y.get(0).unwrap(), &y16.get(0).unwrap()), 0.0);
 }
 
+/// End to end through the binary: a 16-bit PNG in, `--tile 0 --bit-depth 16` out, against the
+/// reference output clamped and quantised the same way. The fixture inputs are 8-bit photo
+/// crops (k/255), which 16-bit PNG holds exactly (k*257/65535), so only the output rounding
+/// differs: at most one level.
 #[test]
 fn cli_sixteen_bit_png_end_to_end() {
     let case = cases()

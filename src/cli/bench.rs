@@ -1,13 +1,17 @@
 //! `upscale bench`: latency, throughput, memory and FLOP rate of one configuration.
+//!
+//! Device memory is the peak of each GPU's default memory pool over the timed runs (every
+//! candle allocation comes from it; cuBLAS workspaces and the CUDA context do not).
 
 use std::time::Instant;
 
 use serde_json::json;
 
+use crate::engine::lanes::{pool_peak, reset_pool_peaks, Lanes};
 use crate::engine::probe::peak_rss_bytes;
-use crate::engine::Engine;
 use crate::planar::Planar;
-use crate::tile::{run_tiled, TileOptions};
+use crate::tile::lanes::merge_lane_stats;
+use crate::tile::TileOptions;
 
 pub struct BenchResult {
     pub seconds: Vec<f64>,
@@ -15,7 +19,7 @@ pub struct BenchResult {
 }
 
 pub fn run(
-    engine: &Engine,
+    engine: &Lanes,
     image: &Planar,
     opts: &TileOptions,
     warmup: usize,
@@ -23,16 +27,25 @@ pub fn run(
     peak_tflops: Option<f64>,
 ) -> anyhow::Result<BenchResult> {
     for _ in 0..warmup {
-        run_tiled(engine, image, opts)?;
+        engine.run(image, opts)?;
+    }
+    let devices = engine.devices();
+    for d in &devices {
+        reset_pool_peaks(d);
     }
     let mut seconds = Vec::with_capacity(reps);
     let mut stats = None;
+    let mut lanes = Vec::new();
     for _ in 0..reps.max(1) {
         let t = Instant::now();
-        let (_, s) = run_tiled(engine, image, opts)?;
+        let (_, s, l) = engine.run(image, opts)?;
         seconds.push(t.elapsed().as_secs_f64());
         stats = Some(s);
+        merge_lane_stats(&mut lanes, &l);
     }
+    let pools: Vec<_> = devices.iter().filter_map(|d| pool_peak(d)).collect();
+    let peak_device =
+        (!pools.is_empty()).then(|| pools.iter().map(|p| p.reserved_high_bytes).sum::<u64>());
     let stats = stats.expect("at least one rep");
     let mut sorted = seconds.clone();
     sorted.sort_by(|a, b| a.total_cmp(b));
@@ -62,6 +75,10 @@ pub fn run(
         "achieved_tflops": achieved,
         "flop_utilisation": peak_tflops.map(|p| achieved / p),
         "peak_rss_bytes": peak_rss_bytes(),
+        "peak_device_bytes": peak_device,
+        "device_pools": pools,
+        "lanes": engine.count(),
+        "lane_stats": lanes,
     });
     Ok(BenchResult { seconds, json })
 }

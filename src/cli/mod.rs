@@ -113,7 +113,8 @@ pub struct InferArgs {
     /// Tiles per forward pass.
     #[arg(long = "tile_batch_size", alias = "tile-batch-size", value_parser = clap::value_parser!(u32).range(1..))]
     pub tile_batch_size: Option<u32>,
-    /// CUDA streams (lanes) working in parallel; ignored on the CPU.
+    /// Lanes per GPU: each has its own CUDA stream and copy of the weights, and they share
+    /// the tiles of every image. Ignored on the CPU.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub streams: u32,
     /// How overlapping tiles are merged: hann, average or none.
@@ -211,7 +212,10 @@ impl Logger {
 pub fn setup(
     args: &InferArgs,
     log: &Logger,
-) -> anyhow::Result<(crate::engine::Engine, crate::engine::image::TileSettings)> {
+) -> anyhow::Result<(
+    crate::engine::lanes::Lanes,
+    crate::engine::image::TileSettings,
+)> {
     use crate::engine::image::{TileChoice, TileSettings};
     let blend = if args.hann_blend {
         crate::tile::BlendMode::Hann
@@ -236,7 +240,14 @@ pub fn setup(
         candle_core::cuda::set_gemm_reduced_precision_f32(true);
     }
     let ck = crate::engine::read_checkpoint(args.model.as_deref())?;
-    let engine = crate::engine::Engine::new(ck, device, dtype)?;
+    let engine = crate::engine::lanes::Lanes::open(
+        ck,
+        device,
+        dtype,
+        &args.device,
+        args.streams as usize,
+        &mut |m| log.warn(m),
+    )?;
     let choice = match (args.tile, args.tile_auto) {
         (Some(_), true) => anyhow::bail!("--tile and --tile_auto exclude each other"),
         (Some(t), false) => TileChoice::Fixed(t),

@@ -12,8 +12,10 @@ use serde_json::json;
 
 use super::{Logger, RunArgs};
 use crate::engine::image::{TileSettings, Upscaled};
-use crate::engine::Engine;
+use crate::engine::lanes::Lanes;
 use crate::io::{self, Decoded, EncodeOptions, Format, Job};
+use crate::tile::lanes::merge_lane_stats;
+use crate::tile::LaneStats;
 
 /// Images waiting between stages: enough to hide a slow file, few enough to bound memory.
 const QUEUE_DEPTH: usize = 2;
@@ -30,6 +32,7 @@ struct Done {
     out_size: (usize, usize),
     seconds: f64,
     tiles: usize,
+    lanes: Vec<LaneStats>,
 }
 
 pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
@@ -103,10 +106,17 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
     let done = outcomes.len() - failed;
     let secs = start.elapsed().as_secs_f64();
     if args.json {
+        let mut lanes = Vec::new();
+        for o in &outcomes {
+            if let Ok(d) = &o.result {
+                merge_lane_stats(&mut lanes, &d.lanes);
+            }
+        }
         println!(
             "{}",
             json!({"summary": true, "done": done, "failed": failed, "skipped": skipped,
-                   "seconds": secs, "images_per_s": if secs > 0.0 { done as f64 / secs } else { 0.0 }})
+                   "seconds": secs, "images_per_s": if secs > 0.0 { done as f64 / secs } else { 0.0 },
+                   "lanes": engine.count(), "lane_stats": lanes})
         );
     }
     log.info(format!(
@@ -144,7 +154,7 @@ fn encode_options(job: &Job, dec_depth: u8, choice: &EncodeChoice) -> EncodeOpti
     opts
 }
 
-fn process(engine: &Engine, settings: &TileSettings, dec: &Decoded) -> Result<Upscaled, String> {
+fn process(engine: &Lanes, settings: &TileSettings, dec: &Decoded) -> Result<Upscaled, String> {
     engine
         .upscale_decoded(dec, settings)
         .map_err(|e| format!("{e:#}"))
@@ -175,12 +185,13 @@ fn outcome(dec: &Decoded, up: &Upscaled, seconds: f64) -> Done {
         out_size: (up.rgb.width, up.rgb.height),
         seconds,
         tiles: up.stats.tiles,
+        lanes: up.lanes.clone(),
     }
 }
 
 /// Everything on this thread, one image after another (`--io_threads 0`).
 fn run_inline(
-    engine: &Engine,
+    engine: &Lanes,
     settings: &TileSettings,
     choice: &EncodeChoice,
     jobs: Vec<Job>,
@@ -211,7 +222,7 @@ type Upscaledjob = (Job, Instant, Decoded, Result<Upscaled, String>);
 
 /// Decoder thread -> model (this thread) -> encoder thread, with bounded queues between.
 fn run_pipelined(
-    engine: &Engine,
+    engine: &Lanes,
     settings: &TileSettings,
     choice: &EncodeChoice,
     jobs: Vec<Job>,
@@ -288,7 +299,7 @@ fn report(o: &Outcome, args: &RunArgs, log: &Logger, progress: &indicatif::Progr
                     json!({"input": o.input, "output": o.output, "status": "ok",
                            "input_size": [d.in_size.0, d.in_size.1],
                            "output_size": [d.out_size.0, d.out_size.1],
-                           "seconds": d.seconds, "tiles": d.tiles})
+                           "seconds": d.seconds, "tiles": d.tiles, "lane_stats": d.lanes})
                 );
             }
             progress.suspend(|| {

@@ -2,14 +2,18 @@
 
 use crate::io::Decoded;
 use crate::planar::Planar;
-use crate::tile::{run_tiled, TileOptions, TileStats};
+use crate::tile::lanes::merge_lane_stats;
+use crate::tile::{LaneStats, TileOptions, TileStats};
 
+use super::lanes::Lanes;
 use super::Engine;
 
 pub struct Upscaled {
     pub rgb: Planar,
     pub alpha: Option<Planar>,
     pub stats: TileStats,
+    /// Work per lane, alpha included.
+    pub lanes: Vec<LaneStats>,
 }
 
 /// How tiles are chosen for each image.
@@ -35,6 +39,19 @@ impl Engine {
     /// Concrete tile options for an `h x w` image. However they were chosen, no forward pass
     /// exceeds [`Engine::max_pass_pixels`].
     pub fn tile_options(&self, settings: &TileSettings, h: usize, w: usize) -> TileOptions {
+        self.tile_options_shared(settings, h, w, 1)
+    }
+
+    /// Tile options when `share` lanes split this engine's device memory, each with its
+    /// own output canvas.
+    pub fn tile_options_shared(
+        &self,
+        settings: &TileSettings,
+        h: usize,
+        w: usize,
+        share: usize,
+    ) -> TileOptions {
+        let share = share.max(1) as u64;
         let window = self.model.config().window;
         let max_pass = self.max_pass_pixels();
         let auto = || {
@@ -43,13 +60,12 @@ impl Engine {
             // The output accumulator lives for the whole image: take it off the budget.
             let s = self.scale() as u64;
             let out = (h as u64 * w as u64) * s * s * 4 * 4;
-            let overlap = settings.overlap;
             crate::tile::auto::choose(
-                free.saturating_sub(out),
+                free.saturating_sub(out * share) / share,
                 cost,
                 h,
                 w,
-                overlap,
+                settings.overlap,
                 window,
                 max_pass,
             )
@@ -100,7 +116,9 @@ impl Engine {
             quiet: settings.quiet,
         }
     }
+}
 
+impl Lanes {
     /// Upscale a decoded image. Alpha goes through the network on its own (as a gray image)
     /// so edges stay as sharp as the colour; a constant alpha is just filled.
     pub fn upscale_decoded(
@@ -109,15 +127,25 @@ impl Engine {
         settings: &TileSettings,
     ) -> anyhow::Result<Upscaled> {
         let opts = self.tile_options(settings, img.rgb.height, img.rgb.width);
-        let (rgb, stats) = run_tiled(self, &img.rgb, &opts)?;
+        let (rgb, stats, mut lanes) = self.run(&img.rgb, &opts)?;
         let alpha = match &img.alpha {
             None => None,
-            Some(a) => Some(self.upscale_alpha(a, &opts)?),
+            Some(a) => Some(self.upscale_alpha(a, &opts, &mut lanes)?),
         };
-        Ok(Upscaled { rgb, alpha, stats })
+        Ok(Upscaled {
+            rgb,
+            alpha,
+            stats,
+            lanes,
+        })
     }
 
-    fn upscale_alpha(&self, a: &Planar, opts: &TileOptions) -> anyhow::Result<Planar> {
+    fn upscale_alpha(
+        &self,
+        a: &Planar,
+        opts: &TileOptions,
+        lanes: &mut Vec<LaneStats>,
+    ) -> anyhow::Result<Planar> {
         let s = self.scale();
         let (h, w) = (a.height * s, a.width * s);
         let first = a.data.first().copied().unwrap_or(1.0);
@@ -127,7 +155,8 @@ impl Engine {
         let mut rgb = a.data.clone();
         rgb.extend_from_slice(&a.data);
         rgb.extend_from_slice(&a.data);
-        let (out, _) = run_tiled(self, &Planar::new(3, a.height, a.width, rgb), opts)?;
+        let (out, _, more) = self.run(&Planar::new(3, a.height, a.width, rgb), opts)?;
+        merge_lane_stats(lanes, &more);
         let n = h * w;
         let data = (0..n)
             .map(|i| (out.data[i] + out.data[n + i] + out.data[2 * n + i]) / 3.0)

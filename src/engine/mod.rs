@@ -4,6 +4,7 @@
 //! above it hands in host images and gets host images back.
 
 pub mod image;
+pub mod lanes;
 pub mod probe;
 
 use std::path::Path;
@@ -68,8 +69,8 @@ pub fn parse_precision(s: &str) -> Result<Precision, String> {
     }
 }
 
-/// Open the requested device. `auto` takes the first GPU when this build has CUDA and one
-/// answers, else the CPU.
+/// Open the requested device (the first one of a list: [`lanes::Lanes`] opens the rest).
+/// `auto` takes the first GPU when this build has CUDA and one answers, else the CPU.
 pub fn open_device(choice: &DeviceChoice, warn: &mut dyn FnMut(String)) -> anyhow::Result<Device> {
     match choice {
         DeviceChoice::Cpu => Ok(Device::Cpu),
@@ -87,12 +88,6 @@ pub fn open_device(choice: &DeviceChoice, warn: &mut dyn FnMut(String)) -> anyho
                 anyhow::bail!(
                     "--device cuda: this binary was built without CUDA support (build with --features cuda)"
                 );
-            }
-            if ids.len() > 1 {
-                warn(format!(
-                    "several GPUs requested; this build runs on cuda:{} only",
-                    ids[0]
-                ));
             }
             Device::new_cuda(ids[0]).map_err(|e| anyhow::anyhow!("cuda:{}: {e}", ids[0]))
         }
@@ -317,7 +312,8 @@ fn cuda_free_memory(device: &Device) -> Option<u64> {
     };
     dev.cuda_stream().context().bind_to_thread().ok()?;
     let (free, _total) = cudarc::driver::result::mem_get_info().ok()?;
-    Some(free as u64)
+    // The memory pool keeps what earlier batches freed; it is free for the next ones.
+    Some(free as u64 + lanes::pool_idle_bytes(device))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -7,9 +7,13 @@
 
 pub mod auto;
 pub mod blend;
+pub mod device;
+pub mod lanes;
 pub mod plan;
 pub mod stitch;
 
+#[cfg(test)]
+mod lane_tests;
 #[cfg(test)]
 mod tests;
 
@@ -17,6 +21,7 @@ use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 
 pub use blend::BlendMode;
+pub use lanes::{run_lanes, LaneStats};
 pub use plan::{plan, Plan, PlanError, Span, Tile};
 pub use stitch::Accumulator;
 

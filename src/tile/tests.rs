@@ -9,13 +9,13 @@ use proptest::prelude::*;
 use super::*;
 
 /// Nearest-neighbour upsampling of `x * 0.7 + 0.1`.
-struct Pointwise {
+pub(super) struct Pointwise {
     scale: usize,
     device: Device,
 }
 
 impl Pointwise {
-    fn new(scale: usize) -> Self {
+    pub(super) fn new(scale: usize) -> Self {
         Self {
             scale,
             device: Device::Cpu,
@@ -79,7 +79,7 @@ impl TileModel for Limited {
     }
 }
 
-fn test_image(c: usize, h: usize, w: usize, seed: u64) -> Planar {
+pub(super) fn test_image(c: usize, h: usize, w: usize, seed: u64) -> Planar {
     let mut state = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);
@@ -102,7 +102,7 @@ fn whole(model: &impl TileModel, image: &Planar) -> Planar {
     run_tiled(model, image, &opts).unwrap().0
 }
 
-fn max_diff(a: &Planar, b: &Planar) -> f32 {
+pub(super) fn max_diff(a: &Planar, b: &Planar) -> f32 {
     assert_eq!(
         (a.channels, a.height, a.width),
         (b.channels, b.height, b.width)
@@ -114,7 +114,7 @@ fn max_diff(a: &Planar, b: &Planar) -> f32 {
         .fold(0.0, f32::max)
 }
 
-fn quiet(tile: usize, overlap: usize, batch: usize, blend: BlendMode) -> TileOptions {
+pub(super) fn quiet(tile: usize, overlap: usize, batch: usize, blend: BlendMode) -> TileOptions {
     TileOptions {
         tile,
         overlap,
@@ -125,7 +125,7 @@ fn quiet(tile: usize, overlap: usize, batch: usize, blend: BlendMode) -> TileOpt
 }
 
 /// Image sides, weighted towards the awkward ones.
-fn side() -> impl Strategy<Value = usize> {
+pub(super) fn side() -> impl Strategy<Value = usize> {
     prop_oneof![
         Just(1),
         Just(2),
@@ -138,14 +138,14 @@ fn side() -> impl Strategy<Value = usize> {
 }
 
 /// (tile, overlap) with overlap < tile, or the whole image.
-fn tiling() -> impl Strategy<Value = (usize, usize)> {
+pub(super) fn tiling() -> impl Strategy<Value = (usize, usize)> {
     prop_oneof![
         1 => (0usize..=40).prop_map(|o| (0, o)),
         6 => (1usize..=48).prop_flat_map(|t| (Just(t), 0..t)),
     ]
 }
 
-fn mode() -> impl Strategy<Value = BlendMode> {
+pub(super) fn mode() -> impl Strategy<Value = BlendMode> {
     prop_oneof![
         Just(BlendMode::Hann),
         Just(BlendMode::Average),

@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod lanes;
 mod parity;
 
 use candle_core::Device;

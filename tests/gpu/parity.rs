@@ -56,11 +56,6 @@ fn cuda_f32_and_bf16_match_the_reference() {
     }
 }
 
-/// End to end through the binary: a 16-bit PNG in, `--tile 0 --bit-depth 16` out, against the
-/// reference output clamped and quantised the same way. The fixture inputs are 8-bit photo
-/// crops (k/255), which 16-bit PNG holds exactly (k*257/65535), so only the output rounding
-/// differs: at most one level.
-
 fn rms_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
     let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
     d.sqr()

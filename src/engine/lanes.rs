@@ -1,0 +1,330 @@
+//! Lanes: the engines an image is spread over. On CUDA a lane is a device handle with its
+//! own stream and its own copy of the weights (candle will not mix tensors of two device
+//! handles, even on one GPU), fed from a shared queue of tile batches by
+//! [`crate::tile::run_lanes`]. `--streams N` opens N lanes on every listed GPU, so
+//! `--device cuda:0,1 --streams 2` runs four lanes, two per GPU.
+//!
+//! One lane on the CPU keeps the host tiler (it is measured and fast, and rayon already
+//! uses every core there). CUDA runs keep tiles and blending on the device, one upload and
+//! one download per image and lane, unless the output canvases would crowd the model out of
+//! device memory: then one lane blends on the host, as the CPU does.
+
+use std::ops::Deref;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_core::{DType, Device};
+
+use super::image::TileSettings;
+use super::{DeviceChoice, Engine};
+use crate::model::Checkpoint;
+use crate::planar::Planar;
+use crate::tile::lanes::device_label;
+use crate::tile::{run_lanes, run_tiled, LaneStats, TileOptions, TileStats};
+
+pub struct Lanes {
+    /// Never empty; the first answers every question about the model (scale, config, cost).
+    engines: Vec<Engine>,
+    warned_canvas: AtomicBool,
+}
+
+impl Lanes {
+    pub fn single(engine: Engine) -> Self {
+        Self {
+            engines: vec![engine],
+            warned_canvas: AtomicBool::new(false),
+        }
+    }
+
+    /// Lanes over engines the caller built, each on its own device handle.
+    pub fn from_engines(engines: Vec<Engine>) -> anyhow::Result<Self> {
+        anyhow::ensure!(!engines.is_empty(), "at least one lane is needed");
+        Ok(Self {
+            engines,
+            warned_canvas: AtomicBool::new(false),
+        })
+    }
+
+    /// The lanes `choice` and `streams` ask for. `device` is the device already opened for
+    /// `choice` (and `dtype` chosen for it); it becomes the only lane when one is asked for.
+    pub fn open(
+        ck: Checkpoint,
+        device: Device,
+        dtype: DType,
+        choice: &DeviceChoice,
+        streams: usize,
+        warn: &mut dyn FnMut(String),
+    ) -> anyhow::Result<Self> {
+        if device.is_cpu() {
+            return Ok(Self::single(Engine::new(ck, device, dtype)?));
+        }
+        let ids = match choice {
+            DeviceChoice::Cuda(ids) => ids.clone(),
+            _ => vec![match device.location() {
+                candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+                _ => 0,
+            }],
+        };
+        if ids.len() == 1 && streams <= 1 {
+            keep_pool_memory(&device, warn);
+            return Ok(Self::single(Engine::new(ck, device, dtype)?));
+        }
+        let mut engines = Vec::with_capacity(ids.len() * streams);
+        for &id in &ids {
+            for _ in 0..streams.max(1) {
+                let lane = Device::new_cuda_with_stream(id)
+                    .map_err(|e| anyhow::anyhow!("cuda:{id}: {e}"))?;
+                keep_pool_memory(&lane, warn);
+                engines.push(Engine::new(ck.clone(), lane, dtype)?);
+            }
+        }
+        // `device` is dropped only on return, after the lanes hold the GPU's context, so
+        // the context is not torn down and set up again in between.
+        Self::from_engines(engines)
+    }
+
+    pub fn engines(&self) -> &[Engine] {
+        &self.engines
+    }
+
+    pub fn count(&self) -> usize {
+        self.engines.len()
+    }
+
+    /// The most lanes sharing one device, which share its memory.
+    pub fn per_device(&self) -> usize {
+        let labels: Vec<String> = self
+            .engines
+            .iter()
+            .map(|e| device_label(&e.device))
+            .collect();
+        labels
+            .iter()
+            .map(|l| labels.iter().filter(|m| *m == l).count())
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// Concrete tile options for an `h x w` image, with each lane's share of its device's
+    /// memory.
+    pub fn tile_options(&self, settings: &TileSettings, h: usize, w: usize) -> TileOptions {
+        self.engines[0].tile_options_shared(settings, h, w, self.per_device())
+    }
+
+    /// Upscales `image` over all lanes, returning per-lane work alongside.
+    pub fn run(
+        &self,
+        image: &Planar,
+        opts: &TileOptions,
+    ) -> anyhow::Result<(Planar, TileStats, Vec<LaneStats>)> {
+        let engine = &self.engines[0];
+        if self.count() == 1 && engine.device.is_cpu() {
+            return host_run(engine, image, opts);
+        }
+        if !self.canvases_fit(image) {
+            if !opts.quiet && !self.warned_canvas.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "warning: the output of a {}x{} image does not fit in device memory once per \
+                     lane; blending on the host with one lane",
+                    image.width, image.height
+                );
+            }
+            return host_run(engine, image, opts);
+        }
+        run_lanes(&self.engines, image, opts)
+    }
+
+    /// Whether every lane's output canvas fits in half of its device's free memory, leaving
+    /// the rest for the model.
+    fn canvases_fit(&self, image: &Planar) -> bool {
+        let s = self.scale() as u64;
+        let canvas = (image.channels as u64 + 1) * (image.height * image.width) as u64 * s * s * 4;
+        canvas.saturating_mul(self.per_device() as u64) <= self.free_memory() / 2
+    }
+
+    /// Tiles whose fp16 output was non-finite and were redone in fp32, over all lanes.
+    pub fn fp16_overflows(&self) -> usize {
+        self.engines.iter().map(Engine::fp16_overflows).sum()
+    }
+
+    /// The distinct devices under the lanes, one handle each.
+    pub fn devices(&self) -> Vec<&Device> {
+        let mut seen = Vec::new();
+        let mut out = Vec::new();
+        for e in &self.engines {
+            let label = device_label(&e.device);
+            if !seen.contains(&label) {
+                seen.push(label);
+                out.push(&e.device);
+            }
+        }
+        out
+    }
+}
+
+/// The host tiler on one engine, reported as lane 0.
+fn host_run(
+    engine: &Engine,
+    image: &Planar,
+    opts: &TileOptions,
+) -> anyhow::Result<(Planar, TileStats, Vec<LaneStats>)> {
+    let start = std::time::Instant::now();
+    let (out, stats) = run_tiled(engine, image, opts)?;
+    let lane = LaneStats {
+        batches: stats.batches,
+        tiles: stats.tiles,
+        busy_seconds: start.elapsed().as_secs_f64(),
+        ..LaneStats::new(0, &engine.device)
+    };
+    Ok((out, stats, vec![lane]))
+}
+
+impl Deref for Lanes {
+    type Target = Engine;
+
+    fn deref(&self) -> &Engine {
+        &self.engines[0]
+    }
+}
+
+/// Peak memory of a CUDA device's default pool, which serves every allocation candle makes
+/// (weights, activations, canvases); cuBLAS workspaces and the context are outside it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PoolPeak {
+    pub device: String,
+    /// Most bytes in use by allocations at once.
+    pub used_high_bytes: u64,
+    /// Most bytes the pool held from the device at once.
+    pub reserved_high_bytes: u64,
+}
+
+/// Makes a CUDA device's default memory pool keep freed memory instead of returning it at
+/// every synchronisation, so batch after batch reuses it without new allocations. Failure
+/// costs only speed, so it is a warning.
+pub fn keep_pool_memory(device: &Device, warn: &mut dyn FnMut(String)) {
+    if let Err(e) = pool::set_release_threshold(device, u64::MAX) {
+        warn(format!(
+            "{}: could not keep freed memory in the pool ({e}); allocations may be slower",
+            device_label(device)
+        ));
+    }
+}
+
+/// Starts the pool's peak counters afresh.
+pub fn reset_pool_peaks(device: &Device) {
+    let _ = pool::reset_peaks(device);
+}
+
+/// The pool's peaks since the last reset; None off CUDA or when the driver does not say.
+pub fn pool_peak(device: &Device) -> Option<PoolPeak> {
+    let (used_high_bytes, reserved_high_bytes) = pool::peaks(device).ok()?;
+    Some(PoolPeak {
+        device: device_label(device),
+        used_high_bytes,
+        reserved_high_bytes,
+    })
+}
+
+/// Bytes the pool holds but no allocation uses: free for the next batch, though the
+/// driver's free-memory count no longer shows them.
+pub fn pool_idle_bytes(device: &Device) -> u64 {
+    pool::idle(device).unwrap_or(0)
+}
+
+#[cfg(feature = "cuda")]
+mod pool {
+    use std::ffi::c_void;
+
+    use candle_core::Device;
+    use cudarc::driver::result::{device::get_default_mem_pool, mem_pool};
+    use cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool};
+
+    fn default_pool(device: &Device) -> Result<CUmemoryPool, String> {
+        let Device::Cuda(dev) = device else {
+            return Err("not a CUDA device".into());
+        };
+        let stream = dev.cuda_stream();
+        let ctx = stream.context();
+        ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: the device handle comes from a live context.
+        unsafe { get_default_mem_pool(ctx.cu_device()) }.map_err(|e| e.to_string())
+    }
+
+    fn get(pool: CUmemoryPool, attr: CUmemPool_attribute) -> Result<u64, String> {
+        let mut v: u64 = 0;
+        // SAFETY: the pool is live and these attributes are 64-bit values.
+        unsafe { mem_pool::get_attribute(pool, attr, &mut v as *mut u64 as *mut c_void) }
+            .map_err(|e| e.to_string())?;
+        Ok(v)
+    }
+
+    fn set(pool: CUmemoryPool, attr: CUmemPool_attribute, value: u64) -> Result<(), String> {
+        let mut v = value;
+        // SAFETY: as in `get`.
+        unsafe { mem_pool::set_attribute(pool, attr, &mut v as *mut u64 as *mut c_void) }
+            .map_err(|e| e.to_string())
+    }
+
+    pub fn set_release_threshold(device: &Device, bytes: u64) -> Result<(), String> {
+        if device.is_cpu() {
+            return Ok(());
+        }
+        let pool = default_pool(device)?;
+        set(
+            pool,
+            CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            bytes,
+        )
+    }
+
+    pub fn reset_peaks(device: &Device) -> Result<(), String> {
+        let pool = default_pool(device)?;
+        // The driver accepts only zero for these: it restarts the high-water marks.
+        set(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)?;
+        set(
+            pool,
+            CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+            0,
+        )
+    }
+
+    pub fn peaks(device: &Device) -> Result<(u64, u64), String> {
+        let pool = default_pool(device)?;
+        Ok((
+            get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+            get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+        ))
+    }
+
+    pub fn idle(device: &Device) -> Result<u64, String> {
+        let pool = default_pool(device)?;
+        let reserved = get(
+            pool,
+            CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        )?;
+        let used = get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        Ok(reserved.saturating_sub(used))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod pool {
+    use candle_core::Device;
+
+    const NO_CUDA: &str = "built without CUDA";
+
+    pub fn set_release_threshold(_: &Device, _: u64) -> Result<(), String> {
+        Ok(())
+    }
+
+    pub fn reset_peaks(_: &Device) -> Result<(), String> {
+        Err(NO_CUDA.into())
+    }
+
+    pub fn peaks(_: &Device) -> Result<(u64, u64), String> {
+        Err(NO_CUDA.into())
+    }
+
+    pub fn idle(_: &Device) -> Result<u64, String> {
+        Err(NO_CUDA.into())
+    }
+}

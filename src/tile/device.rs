@@ -1,0 +1,414 @@
+//! Tiling that stays on the model's device: the input image is uploaded once, tiles are cut
+//! from it there, and each tile's output is blended into a device canvas, which comes back
+//! to the host once per image. On a GPU this removes a host round trip per batch; on the CPU
+//! it is the same arithmetic as [`super::Accumulator`] and serves as its cross-check.
+
+use candle_core::{CpuStorage, DType, Device, InplaceOp3, Layout, Tensor};
+
+use super::blend::{BlendMode, Weights};
+use super::plan::{Plan, Tile};
+use crate::planar::Planar;
+
+/// The input image on the device, (C, H, W) f32.
+pub struct DeviceInput {
+    image: Tensor,
+}
+
+impl DeviceInput {
+    pub fn upload(image: &Planar, device: &Device) -> candle_core::Result<Self> {
+        let image = Tensor::from_slice(
+            &image.data,
+            (image.channels, image.height, image.width),
+            device,
+        )?;
+        Ok(Self { image })
+    }
+
+    /// The tiles of `group` as one (B, C, tile_h, tile_w) batch, copied on the device.
+    pub fn cut(&self, plan: &Plan, group: &[Tile]) -> candle_core::Result<Tensor> {
+        let views = group
+            .iter()
+            .map(|t| {
+                self.image
+                    .narrow(1, t.y.start, plan.tile_h)?
+                    .narrow(2, t.x.start, plan.tile_w)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Tensor::stack(&views, 0)
+    }
+}
+
+/// Every tile's blend profiles as one (tiles, tile_h*s + tile_w*s) f32 table: row k holds
+/// tile k's row weights, then its column weights. Built on the host from the same profiles
+/// the host accumulator uses, and uploaded once per image.
+pub fn weight_table(
+    plan: &Plan,
+    mode: BlendMode,
+    scale: usize,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    let mut weights = Weights::new(mode, scale);
+    let row = (plan.tile_h + plan.tile_w) * scale;
+    let mut table = Vec::with_capacity(plan.tiles.len() * row);
+    for t in &plan.tiles {
+        table.extend_from_slice(&weights.axis(&t.y));
+        table.extend_from_slice(&weights.axis(&t.x));
+    }
+    Tensor::from_vec(table, (plan.tiles.len(), row), device)
+}
+
+/// Weighted sums and the weight sum of an upscaled image on one device: (C + 1, H*s, W*s)
+/// f32, the last plane holding the weights.
+pub struct DeviceCanvas {
+    canvas: Tensor,
+    channels: usize,
+    height: usize,
+    width: usize,
+    scale: usize,
+}
+
+impl DeviceCanvas {
+    /// A zeroed canvas for the `scale`-times upscaled output of a `height`x`width` input.
+    pub fn new(
+        channels: usize,
+        height: usize,
+        width: usize,
+        scale: usize,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        let (h, w) = (height * scale, width * scale);
+        let canvas = Tensor::zeros((channels + 1, h, w), DType::F32, device)?;
+        Ok(Self {
+            canvas,
+            channels,
+            height: h,
+            width: w,
+            scale,
+        })
+    }
+
+    /// Adds tile `index` of `out` (B, C, th*s, tw*s, f32) with the weights of row `row` of
+    /// `table` (see [`weight_table`]); `tile` places it in the image.
+    pub fn add(
+        &self,
+        tile: &Tile,
+        out: &Tensor,
+        index: usize,
+        table: &Tensor,
+        row: usize,
+    ) -> candle_core::Result<()> {
+        let op = BlendAdd {
+            index,
+            row,
+            channels: self.channels,
+            tile_h: tile.y.len * self.scale,
+            tile_w: tile.x.len * self.scale,
+            out_h: self.height,
+            out_w: self.width,
+            oy: tile.y.start * self.scale,
+            ox: tile.x.start * self.scale,
+        };
+        self.canvas.inplace_op3(out, table, &op)
+    }
+
+    /// The canvas on the host, (C + 1) planes of H*s x W*s.
+    pub fn download(&self) -> candle_core::Result<Vec<f32>> {
+        self.canvas.flatten_all()?.to_vec1::<f32>()
+    }
+}
+
+/// Sums downloaded canvases (see [`DeviceCanvas::download`]) and normalises by the weight
+/// plane into the output image. The first canvas is taken as is, so one canvas normalises
+/// exactly as the host accumulator does.
+pub fn finish_canvases(
+    channels: usize,
+    height: usize,
+    width: usize,
+    canvases: Vec<Vec<f32>>,
+) -> candle_core::Result<Planar> {
+    let plane = height * width;
+    let len = (channels + 1) * plane;
+    let mut canvases = canvases.into_iter();
+    let mut sum = canvases.next().unwrap_or_else(|| vec![0.0; len]);
+    if sum.len() != len {
+        candle_core::bail!("canvas holds {} values, expected {len}", sum.len());
+    }
+    for other in canvases {
+        if other.len() != len {
+            candle_core::bail!("canvas holds {} values, expected {len}", other.len());
+        }
+        for (acc, v) in sum.iter_mut().zip(&other) {
+            *acc += v;
+        }
+    }
+    let weight = sum.split_off(channels * plane);
+    for chunk in sum.chunks_mut(plane.max(1)) {
+        for (v, &w) in chunk.iter_mut().zip(&weight) {
+            *v /= w;
+        }
+    }
+    Ok(Planar::new(channels, height, width, sum))
+}
+
+/// canvas += weight * tile for one tile of a batch output, in place. The arithmetic is the
+/// host accumulator's, operation for operation, so one canvas matches it bit for bit.
+struct BlendAdd {
+    /// Which tile of the batch output, and which row of the weight table.
+    index: usize,
+    row: usize,
+    channels: usize,
+    /// The tile's output extent and its top-left corner in the canvas.
+    tile_h: usize,
+    tile_w: usize,
+    out_h: usize,
+    out_w: usize,
+    oy: usize,
+    ox: usize,
+}
+
+impl BlendAdd {
+    /// Start offsets of the canvas, the tile's output and its weights, after checking that
+    /// every access stays inside its tensor (the kernel trusts these numbers).
+    fn offsets(
+        &self,
+        canvas: &Layout,
+        out: &Layout,
+        table: &Layout,
+    ) -> candle_core::Result<(usize, usize, usize)> {
+        let (c, th, tw) = (self.channels, self.tile_h, self.tile_w);
+        for (name, l) in [("canvas", canvas), ("tile output", out), ("weights", table)] {
+            if !l.is_contiguous() {
+                candle_core::bail!("blend_add: {name} must be contiguous");
+            }
+        }
+        if canvas.dims() != [c + 1, self.out_h, self.out_w] {
+            candle_core::bail!("blend_add: canvas has shape {:?}", canvas.dims());
+        }
+        if self.oy + th > self.out_h || self.ox + tw > self.out_w {
+            candle_core::bail!(
+                "blend_add: a {th}x{tw} tile at ({}, {}) leaves the {}x{} canvas",
+                self.oy,
+                self.ox,
+                self.out_h,
+                self.out_w
+            );
+        }
+        match out.dims() {
+            &[b, oc, oh, ow] if self.index < b && (oc, oh, ow) == (c, th, tw) => {}
+            d => candle_core::bail!(
+                "blend_add: tile {} of an output of shape {d:?}, expected (_, {c}, {th}, {tw})",
+                self.index
+            ),
+        }
+        match table.dims() {
+            &[n, len] if self.row < n && len == th + tw => {}
+            d => candle_core::bail!("blend_add: weight row {} of a table {d:?}", self.row),
+        }
+        Ok((
+            canvas.start_offset(),
+            out.start_offset() + self.index * c * th * tw,
+            table.start_offset() + self.row * (th + tw),
+        ))
+    }
+}
+
+impl InplaceOp3 for BlendAdd {
+    fn name(&self) -> &'static str {
+        "blend_add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        canvas: &mut CpuStorage,
+        canvas_l: &Layout,
+        out: &CpuStorage,
+        out_l: &Layout,
+        table: &CpuStorage,
+        table_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (co, to, wo) = self.offsets(canvas_l, out_l, table_l)?;
+        let (CpuStorage::F32(canvas), CpuStorage::F32(out), CpuStorage::F32(table)) =
+            (canvas, out, table)
+        else {
+            candle_core::bail!("blend_add: f32 tensors only");
+        };
+        let (c, th, tw) = (self.channels, self.tile_h, self.tile_w);
+        let plane = self.out_h * self.out_w;
+        let (wy, wx) = table[wo..wo + th + tw].split_at(th);
+        let canvas = &mut canvas[co..];
+        let out = &out[to..to + c * th * tw];
+        for (r, &fy) in wy.iter().enumerate() {
+            let row = (self.oy + r) * self.out_w + self.ox;
+            for (j, &fx) in wx.iter().enumerate() {
+                let w = fy * fx;
+                if w == 0.0 {
+                    continue;
+                }
+                for ch in 0..c {
+                    canvas[ch * plane + row + j] += w * out[(ch * th + r) * tw + j];
+                }
+                canvas[c * plane + row + j] += w;
+            }
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        canvas: &mut candle_core::CudaStorage,
+        canvas_l: &Layout,
+        out: &candle_core::CudaStorage,
+        out_l: &Layout,
+        table: &candle_core::CudaStorage,
+        table_l: &Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::WrapErr;
+
+        let (co, to, wo) = self.offsets(canvas_l, out_l, table_l)?;
+        let dev = canvas.device().clone();
+        let func = dev.get_or_load_custom_func("blend_add_f32", "upscale_blend", BLEND_PTX)?;
+        let u32_arg = |v: usize, what: &str| {
+            u32::try_from(v).map_err(|_| {
+                candle_core::Error::Msg(format!("blend_add: {what} {v} exceeds 32 bits"))
+            })
+        };
+        let channels = u32_arg(self.channels, "channels")?;
+        let th = u32_arg(self.tile_h, "tile height")?;
+        let tw = u32_arg(self.tile_w, "tile width")?;
+        let out_h = u32_arg(self.out_h, "height")?;
+        let out_w = u32_arg(self.out_w, "width")?;
+        let oy = u32_arg(self.oy, "row")?;
+        let ox = u32_arg(self.ox, "column")?;
+        const THREADS: u32 = 256;
+        // The grid's y extent is capped at 65,535; the kernel strides over further rows.
+        let cfg = LaunchConfig {
+            grid_dim: (tw.div_ceil(THREADS), th.clamp(1, 65_535), 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let out = out.as_cuda_slice::<f32>()?.slice(to..);
+        let table = table.as_cuda_slice::<f32>()?.slice(wo..);
+        let mut canvas = canvas.as_cuda_slice_mut::<f32>()?.slice_mut(co..);
+        let mut builder = func.builder();
+        builder.arg(&mut canvas);
+        builder.arg(&out);
+        builder.arg(&table);
+        for v in [&channels, &th, &tw, &out_h, &out_w, &oy, &ox] {
+            builder.arg(v);
+        }
+        // SAFETY: `offsets` checked every index the kernel computes against the tensors'
+        // shapes, and the slices come from those tensors' storage.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+#[cfg(feature = "cuda")]
+const BLEND_PTX: &str = crate::gpu::ptx::BLEND;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tile::plan::plan;
+    use crate::tile::Accumulator;
+
+    /// Deterministic values with NaN planted where a tile's weight is zero, so a leak shows.
+    fn tile_outputs(plan: &Plan, c: usize, s: usize, mode: BlendMode) -> Vec<Vec<f32>> {
+        let mut weights = Weights::new(mode, s);
+        let (th, tw) = (plan.tile_h * s, plan.tile_w * s);
+        plan.tiles
+            .iter()
+            .enumerate()
+            .map(|(k, t)| {
+                let (wy, wx) = (weights.axis(&t.y), weights.axis(&t.x));
+                (0..c * th * tw)
+                    .map(|i| {
+                        let (r, j) = ((i / tw) % th, i % tw);
+                        if wy[r] * wx[j] == 0.0 {
+                            f32::NAN
+                        } else {
+                            ((i * 7919 + k * 104_729) % 1000) as f32 / 997.0
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn compare(h: usize, w: usize, tile: usize, overlap: usize, s: usize, mode: BlendMode) {
+        let c = 3;
+        let p = plan(h, w, tile, overlap).unwrap();
+        let outputs = tile_outputs(&p, c, s, mode);
+        let mut host = Accumulator::new(c, h, w, s, mode);
+        for (t, data) in p.tiles.iter().zip(&outputs) {
+            host.add(t, data);
+        }
+        let dev = Device::Cpu;
+        let canvas = DeviceCanvas::new(c, h, w, s, &dev).unwrap();
+        let table = weight_table(&p, mode, s, &dev).unwrap();
+        // Batches of 3 tiles: the table row and the batch index differ.
+        for (b, chunk) in outputs.chunks(3).enumerate() {
+            let flat: Vec<f32> = chunk.concat();
+            let out =
+                Tensor::from_vec(flat, (chunk.len(), c, p.tile_h * s, p.tile_w * s), &dev).unwrap();
+            for i in 0..chunk.len() {
+                let k = 3 * b + i;
+                canvas.add(&p.tiles[k], &out, i, &table, k).unwrap();
+            }
+        }
+        let data = canvas.download().unwrap();
+        let device = finish_canvases(c, h * s, w * s, vec![data]).unwrap();
+        let host = host.finish();
+        assert!(device.data.iter().all(|v| v.is_finite()));
+        let same = host
+            .data
+            .iter()
+            .zip(&device.data)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{h}x{w} tile {tile} overlap {overlap} x{s} {mode:?}");
+    }
+
+    #[test]
+    fn canvas_matches_the_host_accumulator_bit_for_bit() {
+        for mode in [BlendMode::Hann, BlendMode::Average, BlendMode::None] {
+            for s in [1, 2, 3, 4] {
+                compare(37, 53, 16, 6, s, mode);
+                compare(13, 31, 8, 3, s, mode);
+                compare(9, 9, 0, 4, s, mode);
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_tiles_outside_the_canvas() {
+        let dev = Device::Cpu;
+        let p = plan(8, 8, 4, 1).unwrap();
+        let canvas = DeviceCanvas::new(1, 4, 4, 2, &dev).unwrap();
+        let table = weight_table(&p, BlendMode::Hann, 2, &dev).unwrap();
+        let out = Tensor::zeros((1, 1, 8, 8), DType::F32, &dev).unwrap();
+        let last = p.tiles.len() - 1;
+        let err = canvas.add(&p.tiles[last], &out, 0, &table, last);
+        assert!(err.unwrap_err().to_string().contains("leaves"));
+        // A batch index past the batch.
+        let err = canvas.add(&p.tiles[0], &out, 1, &table, 0);
+        assert!(err.unwrap_err().to_string().contains("tile 1"));
+    }
+
+    #[test]
+    fn cuts_the_same_tiles_as_the_host() {
+        let dev = Device::Cpu;
+        let data: Vec<f32> = (0..2 * 11 * 13).map(|i| i as f32).collect();
+        let image = Planar::new(2, 11, 13, data);
+        let p = plan(11, 13, 6, 2).unwrap();
+        let input = DeviceInput::upload(&image, &dev).unwrap();
+        let batch = input.cut(&p, &p.tiles[1..3]).unwrap();
+        assert_eq!(batch.dims(), [2, 2, 6, 6]);
+        let t = p.tiles[2];
+        let got = batch.get(1).unwrap().get(1).unwrap().get(0).unwrap();
+        let want = &image.plane(1)[t.y.start * 13 + t.x.start..][..6];
+        assert_eq!(got.to_vec1::<f32>().unwrap(), want);
+    }
+}

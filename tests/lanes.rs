@@ -1,0 +1,143 @@
+//! Lanes on a real model, on the CPU: two lanes (each its own engine and weights) against
+//! one, and the device-canvas path against the host accumulator.
+
+mod common;
+
+use candle_core::{DType, Device};
+use upscale::engine::lanes::Lanes;
+use upscale::engine::Engine;
+use upscale::model::Checkpoint;
+use upscale::planar::Planar;
+use upscale::tile::{run_lanes, BlendMode, TileOptions};
+
+fn engine() -> Engine {
+    let ck = Checkpoint::load(&common::golden(common::FAST_MODEL)).unwrap();
+    Engine::new(ck, Device::Cpu, DType::F32).unwrap()
+}
+
+fn opts(blend: BlendMode) -> TileOptions {
+    TileOptions {
+        tile: 16,
+        overlap: 4,
+        batch: 3,
+        blend,
+        quiet: true,
+    }
+}
+
+fn max_diff(a: &Planar, b: &Planar) -> f32 {
+    assert_eq!(
+        (a.channels, a.height, a.width),
+        (b.channels, b.height, b.width)
+    );
+    a.data
+        .iter()
+        .zip(&b.data)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn bits(p: &Planar) -> Vec<u32> {
+    p.data.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn two_lanes_match_one_on_a_real_model() {
+    let image = upscale::engine::probe::pattern(37, 45);
+    let single = Lanes::single(engine());
+    let two = Lanes::from_engines(vec![engine(), engine()]).unwrap();
+    assert_eq!((two.count(), two.per_device()), (2, 2));
+    for blend in [BlendMode::Hann, BlendMode::Average, BlendMode::None] {
+        let (host, host_stats, host_lanes) = single.run(&image, &opts(blend)).unwrap();
+        assert_eq!(host_lanes.len(), 1);
+        assert_eq!(host_lanes[0].tiles, host_stats.tiles);
+
+        // One lane through the device canvas: the same sums in the same order.
+        let (one, _, _) = run_lanes(single.engines(), &image, &opts(blend)).unwrap();
+        assert_eq!(bits(&one), bits(&host), "{blend:?}");
+
+        let (out, stats, lanes) = two.run(&image, &opts(blend)).unwrap();
+        assert_eq!(
+            (stats.tiles, stats.batches),
+            (host_stats.tiles, host_stats.batches)
+        );
+        assert_eq!(lanes.len(), 2);
+        assert_eq!(lanes.iter().map(|l| l.tiles).sum::<usize>(), stats.tiles);
+        assert_eq!(
+            lanes.iter().map(|l| l.batches).sum::<usize>(),
+            stats.batches
+        );
+        if blend == BlendMode::None {
+            assert_eq!(bits(&out), bits(&host));
+        } else {
+            let d = max_diff(&out, &host);
+            assert!(d <= 1e-6, "{blend:?}: {d}");
+        }
+    }
+}
+
+#[test]
+fn json_reports_the_work_of_each_lane() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    // RGBA: the alpha plane goes through the model too and counts as lane work.
+    common::rgba_image(30, 20).save(dir.join("a.png")).unwrap();
+    common::write_png(&dir.join("b.png"), 20, 20);
+    let run = common::upscale(dir)
+        .args(["a.png", "b.png", "--json", "-o", "out"])
+        .args(["--tile", "16", "--tile_overlap", "4"])
+        .output()
+        .unwrap();
+    common::assert_success(&run);
+    let lines = common::json_lines(&run);
+    let mut tiles = 0;
+    for image in &lines[..2] {
+        let lanes = image["lane_stats"].as_array().unwrap();
+        assert_eq!(lanes.len(), 1, "{image}");
+        assert_eq!(
+            (&lanes[0]["lane"], &lanes[0]["device"]),
+            (&0.into(), &"cpu".into())
+        );
+        assert!(lanes[0]["busy_seconds"].as_f64().unwrap() > 0.0);
+        tiles += lanes[0]["tiles"].as_u64().unwrap();
+    }
+    let s = common::summary(&lines);
+    assert_eq!(s["lanes"], 1);
+    assert_eq!(s["lane_stats"][0]["tiles"].as_u64(), Some(tiles));
+    // 3x2 tiles of 16 in the 30x20 image, twice with its alpha plane, and 2x2 in the other.
+    assert_eq!(tiles, 16);
+}
+
+#[test]
+fn bench_json_reports_lanes_and_memory() {
+    let d = tempfile::tempdir().unwrap();
+    let run = common::bare(d.path())
+        .arg("bench")
+        .arg("-m")
+        .arg(common::golden(common::FAST_MODEL))
+        .args(["--device", "cpu", "--size", "24x24", "--tile", "16"])
+        .args([
+            "--tile_overlap",
+            "4",
+            "--warmup",
+            "0",
+            "--reps",
+            "2",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    common::assert_success(&run);
+    let v: serde_json::Value = serde_json::from_str(common::stdout(&run).trim()).unwrap();
+    assert_eq!(v["lanes"], 1);
+    let lane = &v["lane_stats"][0];
+    // Summed over the two timed runs.
+    assert_eq!(
+        lane["tiles"].as_u64(),
+        Some(2 * v["tiles"].as_u64().unwrap())
+    );
+    assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
+    // Device memory is a GPU figure.
+    assert!(v["peak_device_bytes"].is_null());
+    assert_eq!(v["device_pools"], serde_json::json!([]));
+}
