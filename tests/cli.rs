@@ -900,3 +900,71 @@ fn convert_into_a_regular_file() {
         .arg("somefile.txt/out.safetensors");
     assert_rejected(d.path(), &mut cmd, 2, &["somefile.txt"]);
 }
+
+// ------------------------------------------------------------ defects found in review
+
+/// A stale temporary of this run's own output is removed, also for a bare relative `-o`;
+/// temporaries of other names and in folders below are not this run's to touch.
+#[test]
+fn only_this_runs_stale_temporaries_are_removed() {
+    use std::time::{Duration, SystemTime};
+    let d = tempdir();
+    let dir = d.path();
+    rgb_image(12, 10).save(dir.join("in.png")).unwrap();
+    let old = SystemTime::now() - Duration::from_secs(3600);
+    let plant = |p: &std::path::Path| {
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, b"partial").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(p)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+    };
+    let ours = dir.join(".out.png.upscale-tmp-1-0");
+    let other = dir.join(".other.png.upscale-tmp-1-0");
+    let below = dir.join("res/deep/.y.png.upscale-tmp-1-0");
+    let ours_in_res = dir.join("res/.out.png.upscale-tmp-2-0");
+    for p in [&ours, &other, &below, &ours_in_res] {
+        plant(p);
+    }
+    upscale(dir)
+        .args(["in.png", "-o", "out.png"])
+        .assert()
+        .success();
+    assert!(!ours.exists(), "the bare relative output's temporary stays");
+    upscale(dir)
+        .args(["in.png", "-o", "res/out.png"])
+        .assert()
+        .success();
+    assert!(!ours_in_res.exists());
+    assert!(
+        other.exists() && below.exists(),
+        "removed what was not ours"
+    );
+}
+
+/// `-q` silences every warning, the dropped-alpha one included.
+#[test]
+fn quiet_silences_the_alpha_warning() {
+    let d = tempdir();
+    let dir = d.path();
+    rgba_image(16, 12).save(dir.join("a.png")).unwrap();
+    let loud = upscale(dir)
+        .args(["a.png", "-o", "loud.jpg"])
+        .output()
+        .unwrap();
+    assert_success(&loud);
+    assert!(
+        stderr(&loud).contains("transparency is dropped"),
+        "{}",
+        stderr(&loud)
+    );
+    let quiet = upscale(dir)
+        .args(["-q", "a.png", "-o", "quiet.jpg"])
+        .output()
+        .unwrap();
+    assert_success(&quiet);
+    assert_eq!(stderr(&quiet), "");
+}

@@ -90,16 +90,23 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
     let encode = EncodeChoice {
         bit_depth: args.bit_depth,
         quality: args.quality,
+        quiet: log.quiet,
+    };
+    let stages = Stages {
+        engine: &engine,
+        settings: &settings,
+        choice: &encode,
+        write: &write,
     };
     let progress = progress_bar(jobs.len(), log, args.json);
     let start = Instant::now();
     let outcomes = if args.io_threads == 0 {
-        run_inline(&engine, &settings, &encode, jobs, &mut |o| {
+        run_inline(&stages, jobs, &mut |o| {
             report(&o, &args, log, &progress);
             o
         })
     } else {
-        run_pipelined(&engine, &settings, &encode, jobs, &args, log, &progress)
+        run_pipelined(&stages, jobs, &|o| report(o, &args, log, &progress))
     };
     progress.finish_and_clear();
     let failed = outcomes.iter().filter(|o| o.result.is_err()).count();
@@ -143,6 +150,37 @@ fn check_depth(bit_depth: Option<u8>, format: Format, what: &str) -> Result<()> 
 struct EncodeChoice {
     bit_depth: Option<u8>,
     quality: u8,
+    /// `-q`: no warnings either.
+    quiet: bool,
+}
+
+/// Writes one upscaled image; the product's is [`write`], tests put in others.
+type WriteFn<'a> =
+    &'a (dyn Fn(&Job, &Decoded, &Upscaled, &EncodeChoice) -> Result<(), String> + Sync);
+
+/// What every image goes through after decoding.
+struct Stages<'a> {
+    engine: &'a Lanes,
+    settings: &'a TileSettings,
+    choice: &'a EncodeChoice,
+    write: WriteFn<'a>,
+}
+
+/// Runs one stage of one image, turning a panic (a bug, in our code or a library's) into an
+/// error for that image alone: the other images go on, and the run's exit code and report
+/// count it as failed instead of the outcome going missing.
+fn guarded<T>(what: &std::path::Path, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(format!("{}: internal error: {msg}", what.display()))
+        }
+    }
 }
 
 fn encode_options(job: &Job, dec_depth: u8, choice: &EncodeChoice) -> EncodeOptions {
@@ -162,7 +200,7 @@ fn process(engine: &Lanes, settings: &TileSettings, dec: &Decoded) -> Result<Ups
 
 fn write(job: &Job, dec: &Decoded, up: &Upscaled, choice: &EncodeChoice) -> Result<(), String> {
     let opts = encode_options(job, dec.bit_depth, choice);
-    if up.alpha.is_some() && !job.format.supports_alpha() {
+    if up.alpha.is_some() && !job.format.supports_alpha() && !choice.quiet {
         eprintln!(
             "warning: {}: {} has no alpha channel; transparency is dropped",
             job.output.display(),
@@ -191,21 +229,19 @@ fn outcome(dec: &Decoded, up: &Upscaled, seconds: f64) -> Done {
 
 /// Everything on this thread, one image after another (`--io_threads 0`).
 fn run_inline(
-    engine: &Lanes,
-    settings: &TileSettings,
-    choice: &EncodeChoice,
+    st: &Stages,
     jobs: Vec<Job>,
     sink: &mut dyn FnMut(Outcome) -> Outcome,
 ) -> Vec<Outcome> {
     jobs.into_iter()
         .map(|job| {
             let t = Instant::now();
-            let result = io::decode(&job.input.path)
-                .map_err(|e| e.to_string())
-                .and_then(|dec| {
-                    let up = process(engine, settings, &dec)
-                        .map_err(|e| format!("{}: {e}", job.input.path.display()))?;
-                    write(&job, &dec, &up, choice)?;
+            let input = &job.input.path;
+            let result =
+                guarded(input, || io::decode(input).map_err(|e| e.to_string())).and_then(|dec| {
+                    let up = guarded(input, || process(st.engine, st.settings, &dec))
+                        .map_err(|e| format!("{}: {e}", input.display()))?;
+                    guarded(&job.output, || (st.write)(&job, &dec, &up, st.choice))?;
                     Ok(outcome(&dec, &up, t.elapsed().as_secs_f64()))
                 });
             sink(Outcome {
@@ -221,24 +257,22 @@ type Decodedjob = (Job, Instant, Result<Decoded, String>);
 type Upscaledjob = (Job, Instant, Decoded, Result<Upscaled, String>);
 
 /// Decoder thread -> model (this thread) -> encoder thread, with bounded queues between.
-fn run_pipelined(
-    engine: &Lanes,
-    settings: &TileSettings,
-    choice: &EncodeChoice,
-    jobs: Vec<Job>,
-    args: &RunArgs,
-    log: &Logger,
-    progress: &indicatif::ProgressBar,
-) -> Vec<Outcome> {
+/// Every job sent on gets exactly one outcome, even if a stage's thread dies.
+fn run_pipelined(st: &Stages, jobs: Vec<Job>, report: &(dyn Fn(&Outcome) + Sync)) -> Vec<Outcome> {
     let (dec_tx, dec_rx): (SyncSender<Decodedjob>, Receiver<Decodedjob>) =
         sync_channel(QUEUE_DEPTH);
     let (enc_tx, enc_rx): (SyncSender<Upscaledjob>, Receiver<Upscaledjob>) =
         sync_channel(QUEUE_DEPTH);
-    std::thread::scope(|scope| {
+    let all: Vec<(PathBuf, PathBuf)> = jobs
+        .iter()
+        .map(|j| (j.input.path.clone(), j.output.clone()))
+        .collect();
+    let mut outcomes = std::thread::scope(|scope| {
         scope.spawn(move || {
             for job in jobs {
                 let t = Instant::now();
-                let dec = io::decode(&job.input.path).map_err(|e| e.to_string());
+                let input = &job.input.path;
+                let dec = guarded(input, || io::decode(input).map_err(|e| e.to_string()));
                 if dec_tx.send((job, t, dec)).is_err() {
                     break;
                 }
@@ -248,7 +282,7 @@ fn run_pipelined(
             let mut outcomes = Vec::new();
             for (job, t, dec, up) in enc_rx {
                 let result = up.and_then(|up| {
-                    write(&job, &dec, &up, choice)?;
+                    guarded(&job.output, || (st.write)(&job, &dec, &up, st.choice))?;
                     Ok(outcome(&dec, &up, t.elapsed().as_secs_f64()))
                 });
                 let o = Outcome {
@@ -256,7 +290,7 @@ fn run_pipelined(
                     output: job.output.clone(),
                     result,
                 };
-                report(&o, args, log, progress);
+                report(&o);
                 outcomes.push(o);
             }
             outcomes
@@ -270,12 +304,13 @@ fn run_pipelined(
                         output: job.output.clone(),
                         result: Err(msg),
                     };
-                    report(&o, args, log, progress);
+                    report(&o);
                     early.push(o);
                 }
                 Ok(dec) => {
-                    let up = process(engine, settings, &dec)
-                        .map_err(|e| format!("{}: {e}", job.input.path.display()));
+                    let input = &job.input.path;
+                    let up = guarded(input, || process(st.engine, st.settings, &dec))
+                        .map_err(|e| format!("{}: {e}", input.display()));
                     if enc_tx.send((job, t, dec, up)).is_err() {
                         break;
                     }
@@ -286,7 +321,26 @@ fn run_pipelined(
         let mut outcomes = encoder.join().unwrap_or_default();
         outcomes.extend(early);
         outcomes
-    })
+    });
+    // A job without an outcome was lost with a thread that died outside the guarded stages:
+    // it failed, and must be counted and reported so.
+    let seen: std::collections::HashSet<PathBuf> =
+        outcomes.iter().map(|o| o.output.clone()).collect();
+    for (input, output) in all {
+        if !seen.contains(&output) {
+            let o = Outcome {
+                result: Err(format!(
+                    "{}: lost by a failed worker thread",
+                    input.display()
+                )),
+                input,
+                output,
+            };
+            report(&o);
+            outcomes.push(o);
+        }
+    }
+    outcomes
 }
 
 fn report(o: &Outcome, args: &RunArgs, log: &Logger, progress: &indicatif::ProgressBar) {
@@ -346,14 +400,14 @@ fn progress_bar(len: usize, log: &Logger, json: bool) -> indicatif::ProgressBar 
 const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(600);
 
 fn remove_leftovers(jobs: &[Job], log: &Logger) {
-    let dirs: std::collections::BTreeSet<&std::path::Path> =
-        jobs.iter().filter_map(|j| j.output.parent()).collect();
-    for dir in dirs {
-        if let Ok(removed) = io::remove_stale_temporaries(dir, STALE_TEMPORARY) {
+    let outputs: Vec<&std::path::Path> = jobs.iter().map(|j| j.output.as_path()).collect();
+    match io::remove_stale_temporaries(&outputs, STALE_TEMPORARY) {
+        Ok(removed) => {
             for path in removed {
                 log.verbose(format!("removed stale temporary {}", path.display()));
             }
         }
+        Err(e) => log.verbose(format!("looking for stale temporaries: {e}")),
     }
 }
 
@@ -363,4 +417,87 @@ fn display_list(paths: &[PathBuf]) -> String {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::image::TileChoice;
+    use crate::engine::Engine;
+    use crate::model::Checkpoint;
+    use candle_core::{DType, Device};
+    use std::sync::Mutex;
+
+    /// Three images through both pipelines with a writer that panics on the second: that
+    /// image fails with the panic's message, the others are written, and every image has
+    /// exactly one outcome.
+    #[test]
+    fn a_panicking_writer_fails_its_image_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let inputs: Vec<PathBuf> = (0..3)
+            .map(|i| dir.path().join(format!("{i}.png")))
+            .collect();
+        for p in &inputs {
+            image::RgbImage::from_fn(12, 10, |x, y| image::Rgb([x as u8 * 20, y as u8 * 20, 7]))
+                .save(p)
+                .unwrap();
+        }
+        let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/golden/x2_w8_b2.safetensors");
+        let engine =
+            Engine::new(Checkpoint::load(&model).unwrap(), Device::Cpu, DType::F32).unwrap();
+        let lanes = Lanes::single(engine);
+        let settings = TileSettings {
+            choice: TileChoice::Fixed(0),
+            overlap: 0,
+            batch: None,
+            blend: crate::tile::BlendMode::Hann,
+            quiet: true,
+        };
+        let choice = EncodeChoice {
+            bit_depth: None,
+            quality: 90,
+            quiet: true,
+        };
+        let writer = |job: &Job, dec: &Decoded, up: &Upscaled, c: &EncodeChoice| {
+            if job.input.path.ends_with("1.png") {
+                panic!("encoder bug");
+            }
+            write(job, dec, up, c)
+        };
+        let stages = Stages {
+            engine: &lanes,
+            settings: &settings,
+            choice: &choice,
+            write: &writer,
+        };
+        for pipelined in [false, true] {
+            let out = dir.path().join(format!("out-{pipelined}"));
+            let naming = io::NamingOptions {
+                output: Some(out.clone()),
+                scale: 2,
+                format: None,
+                overwrite: true,
+            };
+            let jobs = io::plan_outputs(&io::walk(&inputs, false).unwrap(), &naming).unwrap();
+            let reported = Mutex::new(0);
+            let outcomes = if pipelined {
+                run_pipelined(&stages, jobs, &|_| *reported.lock().unwrap() += 1)
+            } else {
+                run_inline(&stages, jobs, &mut |o| {
+                    *reported.lock().unwrap() += 1;
+                    o
+                })
+            };
+            assert_eq!(outcomes.len(), 3, "pipelined {pipelined}");
+            assert_eq!(*reported.lock().unwrap(), 3);
+            for o in &outcomes {
+                let second = o.input.ends_with("1.png");
+                match &o.result {
+                    Err(e) => assert!(second && e.contains("encoder bug"), "{e}"),
+                    Ok(_) => assert!(!second && o.output.exists()),
+                }
+            }
+        }
+    }
 }

@@ -3,9 +3,11 @@
 //! The data goes to `.NAME.upscale-tmp-PID-SEQ` in the destination's folder (same file
 //! system, so the rename is atomic), is synced to disk, then renamed over `NAME`. Any error,
 //! or a panic, removes the temporary. A crash can still leave one behind: [`is_temporary`]
-//! lets folder walks skip them and [`remove_stale_temporaries`] cleans them up.
+//! lets folder walks skip them and [`remove_stale_temporaries`] cleans up those of a run's
+//! own outputs.
 
-use std::ffi::OsString;
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, ErrorKind};
 use std::path::{Path, PathBuf};
@@ -91,45 +93,63 @@ fn create_temporary(dir: &Path, name: &std::ffi::OsStr) -> std::io::Result<(Path
     }
 }
 
-/// Our temporaries under `dir`, at any depth (symlinked folders are not followed).
-pub fn find_temporaries(dir: &Path) -> Result<Vec<PathBuf>, IoError> {
-    let mut found = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in fs::read_dir(&d).map_err(|e| IoError::os(&d, e))? {
-            let entry = entry.map_err(|e| IoError::os(&d, e))?;
-            let ty = entry
-                .file_type()
-                .map_err(|e| IoError::os(&entry.path(), e))?;
-            if ty.is_dir() {
-                stack.push(entry.path());
-            } else if ty.is_file() && is_temporary(&entry.path()) {
-                found.push(entry.path());
-            }
-        }
-    }
-    found.sort();
-    Ok(found)
+/// The final name a temporary was writing, from `.NAME.upscale-tmp-PID-SEQ`.
+fn temporary_target(file_name: &str) -> Option<&str> {
+    file_name
+        .strip_prefix('.')?
+        .rsplit_once(TEMP_TAG)
+        .map(|(name, _)| name)
 }
 
-/// Removes our temporaries under `dir` not modified for `min_age`, and returns them. The age
-/// guard matters because other processes (other shards) may be writing into the same folder
-/// right now; a live write touches its temporary continuously.
-pub fn remove_stale_temporaries(dir: &Path, min_age: Duration) -> Result<Vec<PathBuf>, IoError> {
+/// Removes the temporaries that writers of `outputs` left behind (a killed run) and that have
+/// not been touched for `min_age` (so a live writer, even another process's, keeps its own).
+/// Only the outputs' own folders are read, not below them, and only temporaries of exactly
+/// these outputs are removed. Returns what was removed.
+pub fn remove_stale_temporaries(
+    outputs: &[&Path],
+    min_age: Duration,
+) -> Result<Vec<PathBuf>, IoError> {
+    let mut by_dir: BTreeMap<&Path, HashSet<&OsStr>> = BTreeMap::new();
+    for out in outputs {
+        let dir = match out.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        if let Some(name) = out.file_name() {
+            by_dir.entry(dir).or_default().insert(name);
+        }
+    }
     let now = SystemTime::now();
     let mut removed = Vec::new();
-    for path in find_temporaries(dir)? {
-        let Ok(modified) = fs::metadata(&path).and_then(|m| m.modified()) else {
-            continue; // gone already, or no timestamps: leave it
+    for (dir, names) in by_dir {
+        let entries = match fs::read_dir(dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == ErrorKind::NotFound => continue,
+            Err(e) => return Err(IoError::os(dir, e)),
         };
-        if now.duration_since(modified).unwrap_or_default() >= min_age {
-            match fs::remove_file(&path) {
-                Ok(()) => removed.push(path),
-                Err(e) if e.kind() == ErrorKind::NotFound => {}
-                Err(e) => return Err(IoError::os(&path, e)),
+        for entry in entries.flatten() {
+            let file_name = entry.file_name();
+            let ours = file_name
+                .to_str()
+                .and_then(temporary_target)
+                .is_some_and(|t| names.contains(OsStr::new(t)));
+            if !ours || !entry.file_type().is_ok_and(|t| t.is_file()) {
+                continue;
+            }
+            let Ok(modified) = entry.metadata().and_then(|m| m.modified()) else {
+                continue; // gone already, or no timestamps: leave it
+            };
+            if now.duration_since(modified).unwrap_or_default() >= min_age {
+                let path = entry.path();
+                match fs::remove_file(&path) {
+                    Ok(()) => removed.push(path),
+                    Err(e) if e.kind() == ErrorKind::NotFound => {}
+                    Err(e) => return Err(IoError::os(&path, e)),
+                }
             }
         }
     }
+    removed.sort();
     Ok(removed)
 }
 
@@ -207,34 +227,32 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let sub = dir.path().join("sub");
         fs::create_dir(&sub).unwrap();
-        let t1 = dir.path().join(".a.png.upscale-tmp-12-0");
-        let t2 = sub.join(".b.jpg.upscale-tmp-99-3");
-        for p in [&t1, &t2] {
+        let ours = dir.path().join(".a.png.upscale-tmp-12-0");
+        let other_name = dir.path().join(".c.png.upscale-tmp-12-1");
+        let below = sub.join(".a.png.upscale-tmp-99-3");
+        for p in [&ours, &other_name, &below] {
             fs::write(p, b"partial").unwrap();
         }
         fs::write(dir.path().join("a.png"), b"x").unwrap();
-        fs::write(
-            dir.path().join("a.png.upscale-tmp-1-0"),
-            b"not hidden: not ours",
-        )
-        .unwrap();
-        assert!(is_temporary(&t1) && !is_temporary(Path::new("a.png")));
-        assert_eq!(find_temporaries(dir.path()).unwrap(), {
-            let mut v = vec![t1.clone(), t2.clone()];
-            v.sort();
-            v
-        });
+        let not_hidden = dir.path().join("a.png.upscale-tmp-1-0");
+        fs::write(&not_hidden, b"not hidden: not ours").unwrap();
+        assert!(is_temporary(&ours) && !is_temporary(Path::new("a.png")));
+        assert_eq!(temporary_target(".a.png.upscale-tmp-12-0"), Some("a.png"));
+        assert_eq!(temporary_target("a.png.upscale-tmp-12-0"), None);
+
+        let outputs = [dir.path().join("a.png"), dir.path().join("b.png")];
+        let outputs: Vec<&Path> = outputs.iter().map(|p| p.as_path()).collect();
         let hour = Duration::from_secs(3600);
-        assert!(remove_stale_temporaries(dir.path(), hour)
-            .unwrap()
-            .is_empty());
+        assert!(remove_stale_temporaries(&outputs, hour).unwrap().is_empty());
         assert_eq!(
-            remove_stale_temporaries(dir.path(), Duration::ZERO)
-                .unwrap()
-                .len(),
-            2
+            remove_stale_temporaries(&outputs, Duration::ZERO).unwrap(),
+            vec![ours.clone()]
         );
-        assert!(find_temporaries(dir.path()).unwrap().is_empty());
+        // Another output's temporary, one in a folder below and a file that only looks like
+        // one stay: this run did not write them.
+        for p in [&other_name, &below, &not_hidden] {
+            assert!(p.exists(), "{}", p.display());
+        }
         assert!(dir.path().join("a.png").exists());
     }
 }

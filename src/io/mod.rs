@@ -10,9 +10,7 @@ mod naming;
 mod shard;
 mod walk;
 
-pub use atomic::{
-    find_temporaries, is_temporary, remove_stale_temporaries, write_atomic, TEMP_TAG,
-};
+pub use atomic::{is_temporary, remove_stale_temporaries, write_atomic, TEMP_TAG};
 pub use decode::{decode, decode_with_limits, DecodeLimits, Decoded};
 pub use encode::{
     encode, to_image, write_image, EncodeOptions, DEFAULT_JPEG_QUALITY, DEFAULT_PNG_COMPRESSION,
