@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::{parse_device, parse_precision, DeviceChoice, Precision};
+use crate::model::Attention;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -125,6 +126,10 @@ pub struct InferArgs {
     /// Let fp32 matmuls on CUDA use TF32 tensor cores (faster, ~1e-3 relative error).
     #[arg(long)]
     pub tf32: bool,
+    /// Window attention on CUDA: fused (one kernel per block, no score tensors) or reference
+    /// (candle's matmul/softmax graph). The CPU runs its own kernel either way.
+    #[arg(long, value_enum, default_value_t = Attention::Fused)]
+    pub attention: Attention,
 }
 
 #[derive(Args, Debug)]
@@ -236,7 +241,7 @@ pub fn setup(
         candle_core::cuda::set_gemm_reduced_precision_f32(true);
     }
     let ck = crate::engine::read_checkpoint(args.model.as_deref())?;
-    let engine = crate::engine::Engine::new(ck, device, dtype)?;
+    let engine = crate::engine::Engine::with_attention(ck, device, dtype, args.attention)?;
     let choice = match (args.tile, args.tile_auto) {
         (Some(_), true) => anyhow::bail!("--tile and --tile_auto exclude each other"),
         (Some(t), false) => TileChoice::Fixed(t),

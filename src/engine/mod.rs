@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Module, Tensor};
 
-use crate::model::{Checkpoint, Model, ModelError, Source};
+use crate::model::{Attention, Checkpoint, Model, ModelError, Source};
 use crate::planar::Planar;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,6 +152,7 @@ pub struct Engine {
     pub model: Model,
     pub device: Device,
     pub dtype: DType,
+    attention: Attention,
     cost: OnceLock<f64>,
     /// fp16 only: the f32 weights, kept to redo a tile whose fp16 output overflowed.
     fp32_weights: Option<Checkpoint>,
@@ -161,14 +162,25 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(ck: Checkpoint, device: Device, dtype: DType) -> Result<Self, ModelError> {
+        Self::with_attention(ck, device, dtype, Attention::default())
+    }
+
+    /// [`Engine::new`] with a choice of window-attention implementation (CUDA only).
+    pub fn with_attention(
+        ck: Checkpoint,
+        device: Device,
+        dtype: DType,
+        attention: Attention,
+    ) -> Result<Self, ModelError> {
         // The SwinIR family is known to overflow in fp16 on some inputs; keep the weights
         // (shared storage, no copy) so such a tile can be redone in fp32.
         let fp32_weights = (dtype == DType::F16).then(|| ck.clone());
-        let model = Model::from_checkpoint(ck, dtype, &device)?;
+        let model = Model::from_checkpoint_with(ck, dtype, &device, attention)?;
         Ok(Self {
             model,
             device,
             dtype,
+            attention,
             cost: OnceLock::new(),
             fp32_weights,
             fp32_model: OnceLock::new(),
@@ -204,8 +216,13 @@ impl Engine {
         let model = self
             .fp32_model
             .get_or_init(|| {
-                Model::from_checkpoint(weights.clone(), DType::F32, &self.device)
-                    .map_err(|e| e.to_string())
+                Model::from_checkpoint_with(
+                    weights.clone(),
+                    DType::F32,
+                    &self.device,
+                    self.attention,
+                )
+                .map_err(|e| e.to_string())
             })
             .as_ref()
             .map_err(|e| candle_core::Error::Msg(e.clone()))?;
