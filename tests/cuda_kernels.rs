@@ -21,6 +21,11 @@ fn gpu() -> Device {
     })
 }
 
+/// `d <= bound`, false for NaN.
+fn within(d: f64, bound: f64) -> bool {
+    d <= bound
+}
+
 fn max_abs(t: &Tensor) -> f32 {
     t.to_dtype(DType::F32)
         .unwrap()
@@ -163,7 +168,7 @@ fn fused_kernel_matches_the_cpu_in_f32() {
             eprintln!(
                 "{c:?} shifted {shifted}: {d_twin:.2e} vs twin, {d_stored:.2e} vs stored mask"
             );
-            if !(d_twin <= 1e-4 && d_stored <= 1e-4) {
+            if !(within(d_twin, 1e-4) && within(d_stored, 1e-4)) {
                 failures.push(format!(
                     "{c:?} shifted {shifted}: {d_twin:.2e} / {d_stored:.2e}"
                 ));
@@ -281,9 +286,11 @@ fn graph_attention(
         .reshape((bw, n, heads * d))
 }
 
-/// The official DRCT block shape (window 16, 6 heads of 30, shifted) on a batch of 64x64 maps:
-/// the kernel against candle's graph on the GPU, in value and in time. The times are printed
-/// for the record, not asserted.
+/// The official DRCT block shape (window 16, 6 heads of 30, shifted) on a batch of 64x64 maps,
+/// fused and through candle's graph on the GPU, each against the f32 result on the same
+/// (rounded) inputs: in f32 both must agree with it; in bf16 the kernel may differ only by its
+/// output rounding (u = 2^-8 of |out|), while the graph's error, rounded scores and
+/// probabilities included, is printed for comparison. The times are printed, not asserted.
 #[test]
 fn fused_kernel_official_shape_against_the_graph() {
     let dev = gpu();
@@ -294,6 +301,13 @@ fn fused_kernel_official_shape_against_the_graph() {
         let bias = bias.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
         let mask = WindowCache::new(c.window, dtype, &dev)
             .mask(c.height, c.width)
+            .unwrap();
+        let truth = c
+            .fused(
+                &qkv.to_dtype(DType::F32).unwrap(),
+                &bias.to_dtype(DType::F32).unwrap(),
+                true,
+            )
             .unwrap();
         let time = |f: &dyn Fn() -> Tensor| {
             f();
@@ -310,13 +324,25 @@ fn fused_kernel_official_shape_against_the_graph() {
         };
         let fused = || c.fused(&qkv, &bias, true).unwrap();
         let graph = || graph_attention(&qkv, &bias, Some(&mask), c.heads).unwrap();
-        let d = max_abs_diff(&fused(), &graph());
+        let (d_fused, d_graph) = (
+            max_abs_diff(&fused(), &truth),
+            max_abs_diff(&graph(), &truth),
+        );
         let (t_fused, t_graph) = (time(&fused), time(&graph));
         eprintln!(
-            "{dtype:?} {c:?}: fused {t_fused:.3} ms, graph {t_graph:.3} ms (median of 10), max abs diff {d:.2e}"
+            "{dtype:?} {c:?}: fused {t_fused:.3} ms, graph {t_graph:.3} ms (median of 10); \
+             max abs diff from f32: fused {d_fused:.2e}, graph {d_graph:.2e}"
         );
-        let bound = if dtype == DType::F32 { 1e-4 } else { 3e-2 };
-        assert!(d <= bound, "{dtype:?}: {d:.2e}");
+        if dtype == DType::F32 {
+            assert!(
+                within(d_graph, 1e-4),
+                "graph against fused f32: {d_graph:.2e}"
+            );
+            // Fused f32 is the truth itself here; the CPU comparisons cover its accuracy.
+        } else {
+            let bound = 2f64.powi(-8) * max_abs(&truth) as f64 + 1e-4;
+            assert!(within(d_fused, bound), "bf16: {d_fused:.2e} > {bound:.2e}");
+        }
     }
 }
 
@@ -391,12 +417,12 @@ fn models_with_fused_attention_match_the_reference() {
              {d_graph:.3e}; bf16 fused {d_bf16:.3e}, graph {d_bf16_graph:.3e}",
             case.name
         );
-        if !(d_ref <= 2e-5 && d_cpu <= 1e-4) {
+        if !(within(d_ref, 2e-5) && within(d_cpu, 1e-4)) {
             failures.push(format!("{} f32: {d_ref:.3e} / {d_cpu:.3e}", case.name));
         }
         // The fused kernel keeps the softmax in f32, so in bf16 it should be no worse than
         // candle's graph beyond run-to-run noise; NaN fails this too.
-        if !(d_bf16 <= 2.0 * d_bf16_graph + 1e-2) {
+        if !within(d_bf16, 2.0 * d_bf16_graph + 1e-2) {
             failures.push(format!(
                 "{} bf16: fused {d_bf16:.3e}, graph {d_bf16_graph:.3e}",
                 case.name

@@ -401,7 +401,7 @@ mod cuda {
                         "n {n} d {d}: {}",
                         p.shared_bytes
                     );
-                    assert!(p.threads <= MAX_THREADS && p.threads % 32 == 0);
+                    assert!(p.threads <= MAX_THREADS && p.threads.is_multiple_of(32));
                     assert!(p.dmax >= d && p.rows * (p.dmax / COLS_PER_THREAD) == p.threads);
                 }
             }
