@@ -109,9 +109,9 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
     float run_max = -INFINITY;
     float run_sum = 0.0f;
 
-    // Head-dim padding and the keys past n in a short last tile stay zero for the whole
-    // launch (tiles only ever write columns < d and keys < n): padded products add nothing
-    // and weights of absent keys multiply finite zeros.
+    // Tiles only ever write columns < d, so the head-dim padding stays zero for the whole
+    // launch and padded products add nothing. Key slots past n in a short last tile hold
+    // zeros or an earlier tile's values: finite either way, and weighted by exp(-inf) = 0.
     for (int i = threadIdx.x; i < 2 * KEY_TILE * DMAX; i += blockDim.x) {
         smem[i] = 0.0f;
     }
@@ -138,8 +138,9 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
         }
         if (shifted) {
             for (int j = threadIdx.x; j < KEY_TILE; j += blockDim.x) {
+                // Slots past n get a label no token has; their scores are dropped anyway.
                 s_label[j] = j < count ? token_label(j0 + j, wy, wx, ws, shift, height, width)
-                                       : my_label;
+                                       : -1;
             }
         }
         __syncthreads();
