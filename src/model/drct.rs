@@ -255,9 +255,12 @@ impl WindowAttention {
     }
 
     /// Whether [`Self::forward_fused`] is the path for inputs on `device`: the CPU keeps its
-    /// own fused f32 kernel, which takes the stored mask.
+    /// own fused f32 kernel, which takes the stored mask, and head dims the CUDA kernel has no
+    /// variant for take candle's graph.
     pub fn runs_fused(&self, device: &Device) -> bool {
-        self.attention == Attention::Fused && device.is_cuda()
+        self.attention == Attention::Fused
+            && device.is_cuda()
+            && self.head_dim <= super::fused::MAX_HEAD_DIM
     }
 
     /// `x`: windows `(B*nW, N, C)` of `(B, h, w)` maps, partitioned after a half-window shift

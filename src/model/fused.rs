@@ -271,7 +271,7 @@ mod cuda {
             65..=MAX_HEAD_DIM => MAX_HEAD_DIM,
             _ => candle_core::bail!(
                 "fused window attention supports head dims up to {MAX_HEAD_DIM}, this block has \
-                 {head_dim}; run with --attention reference"
+                 {head_dim} (the reference attention has no such limit)"
             ),
         };
         let per_row = dmax / COLS_PER_THREAD;
