@@ -333,6 +333,44 @@ fn gpu_only_settings_fall_back_on_the_cpu() {
     assert_eq!(open(&dir.join("in_x2.png")).dimensions(), (40, 32));
 }
 
+/// `--attention` picks the CUDA attention path; the CPU runs its own kernel either way, so
+/// both choices give the same pixels there, and an unknown choice is a usage error.
+#[test]
+fn attention_choice_is_accepted_and_checked() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    for (choice, out) in [("fused", "fused.png"), ("reference", "reference.png")] {
+        let run = upscale(dir)
+            .args(["in.png", "--attention", choice, "-o", out])
+            .output()
+            .unwrap();
+        assert_success(&run);
+    }
+    assert_eq!(
+        open(&dir.join("fused.png")).to_rgb8().into_raw(),
+        open(&dir.join("reference.png")).to_rgb8().into_raw()
+    );
+    // clap lists the accepted values on a line of its own after the error.
+    let run = upscale(dir)
+        .args(["in.png", "--attention", "flash"])
+        .output()
+        .unwrap();
+    assert_no_panic(&run);
+    assert_eq!(run.status.code(), Some(2));
+    let errors = error_lines(&run);
+    assert!(
+        errors.len() == 1 && errors[0].contains("--attention") && errors[0].contains("flash"),
+        "{}",
+        stderr(&run)
+    );
+    assert!(
+        stderr(&run).contains("fused, reference"),
+        "{}",
+        stderr(&run)
+    );
+}
+
 #[test]
 fn info_describes_models() {
     let d = tempdir();

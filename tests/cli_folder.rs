@@ -277,18 +277,23 @@ fn stale_temporaries_are_removed_fresh_ones_kept() {
     std::fs::create_dir_all(root.join("in")).unwrap();
     std::fs::create_dir_all(root.join("out")).unwrap();
     rgb_image(12, 10).save(root.join("in/a.png")).unwrap();
-    // Left by a killed run an hour ago, and one a live writer in another shard may own.
-    let stale = root.join("out/.b.png.upscale-tmp-999999-1");
-    let fresh = root.join("out/.c.png.upscale-tmp-999999-2");
-    std::fs::write(&stale, b"partial").unwrap();
-    std::fs::write(&fresh, b"partial").unwrap();
+    // Left by a killed run an hour ago, one a live writer in another process may own, and a
+    // stale one of an output this run does not write (not this run's to judge).
+    let stale = root.join("out/.a.png.upscale-tmp-999999-1");
+    let fresh = root.join("out/.a.png.upscale-tmp-999999-2");
+    let foreign = root.join("out/.b.png.upscale-tmp-999999-3");
+    for p in [&stale, &fresh, &foreign] {
+        std::fs::write(p, b"partial").unwrap();
+    }
     let hour_ago = SystemTime::now() - std::time::Duration::from_secs(3600);
-    std::fs::File::options()
-        .write(true)
-        .open(&stale)
-        .unwrap()
-        .set_modified(hour_ago)
-        .unwrap();
+    for p in [&stale, &foreign] {
+        std::fs::File::options()
+            .write(true)
+            .open(p)
+            .unwrap()
+            .set_modified(hour_ago)
+            .unwrap();
+    }
     upscale(root)
         .args(["in", "-o", "out", "-q"])
         .assert()
@@ -297,6 +302,10 @@ fn stale_temporaries_are_removed_fresh_ones_kept() {
     assert!(
         fresh.exists(),
         "a fresh temporary may belong to a live writer"
+    );
+    assert!(
+        foreign.exists(),
+        "another output's temporary is not this run's"
     );
     assert!(root.join("out/a.png").exists());
 }

@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::{parse_device, parse_precision, DeviceChoice, Precision};
+use crate::model::Attention;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -126,6 +127,10 @@ pub struct InferArgs {
     /// Let fp32 matmuls on CUDA use TF32 tensor cores (faster, ~1e-3 relative error).
     #[arg(long)]
     pub tf32: bool,
+    /// Window attention on CUDA: fused (one kernel per block, no score tensors) or reference
+    /// (candle's matmul/softmax graph). The CPU runs its own kernel either way.
+    #[arg(long, value_enum, default_value_t = Attention::Fused)]
+    pub attention: Attention,
 }
 
 #[derive(Args, Debug)]
@@ -243,7 +248,7 @@ pub fn setup(
     let engine = crate::engine::lanes::Lanes::open(
         ck,
         device,
-        dtype,
+        (dtype, args.attention),
         &args.device,
         args.streams as usize,
         &mut |m| log.warn(m),

@@ -16,6 +16,7 @@ use candle_core::{DType, Device};
 
 use super::image::TileSettings;
 use super::{DeviceChoice, Engine};
+use crate::model::fused::Attention;
 use crate::model::Checkpoint;
 use crate::planar::Planar;
 use crate::tile::lanes::device_label;
@@ -49,13 +50,15 @@ impl Lanes {
     pub fn open(
         ck: Checkpoint,
         device: Device,
-        dtype: DType,
+        (dtype, attention): (DType, Attention),
         choice: &DeviceChoice,
         streams: usize,
         warn: &mut dyn FnMut(String),
     ) -> anyhow::Result<Self> {
         if device.is_cpu() {
-            return Ok(Self::single(Engine::new(ck, device, dtype)?));
+            return Ok(Self::single(Engine::with_attention(
+                ck, device, dtype, attention,
+            )?));
         }
         let ids = match choice {
             DeviceChoice::Cuda(ids) => ids.clone(),
@@ -66,7 +69,9 @@ impl Lanes {
         };
         if ids.len() == 1 && streams <= 1 {
             keep_pool_memory(&device, warn);
-            return Ok(Self::single(Engine::new(ck, device, dtype)?));
+            return Ok(Self::single(Engine::with_attention(
+                ck, device, dtype, attention,
+            )?));
         }
         let mut engines = Vec::with_capacity(ids.len() * streams);
         for &id in &ids {
@@ -74,7 +79,7 @@ impl Lanes {
                 let lane = Device::new_cuda_with_stream(id)
                     .map_err(|e| anyhow::anyhow!("cuda:{id}: {e}"))?;
                 keep_pool_memory(&lane, warn);
-                engines.push(Engine::new(ck.clone(), lane, dtype)?);
+                engines.push(Engine::with_attention(ck.clone(), lane, dtype, attention)?);
             }
         }
         // `device` is dropped only on return, after the lanes hold the GPU's context, so

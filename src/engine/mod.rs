@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Module, Tensor};
 
-use crate::model::{Checkpoint, Model, ModelError, Source};
+use crate::model::{Attention, Checkpoint, Model, ModelError, Source};
 use crate::planar::Planar;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -147,6 +147,7 @@ pub struct Engine {
     pub model: Model,
     pub device: Device,
     pub dtype: DType,
+    attention: Attention,
     cost: OnceLock<f64>,
     /// fp16 only: the f32 weights, kept to redo a tile whose fp16 output overflowed.
     fp32_weights: Option<Checkpoint>,
@@ -156,14 +157,25 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(ck: Checkpoint, device: Device, dtype: DType) -> Result<Self, ModelError> {
+        Self::with_attention(ck, device, dtype, Attention::default())
+    }
+
+    /// [`Engine::new`] with a choice of window-attention implementation (CUDA only).
+    pub fn with_attention(
+        ck: Checkpoint,
+        device: Device,
+        dtype: DType,
+        attention: Attention,
+    ) -> Result<Self, ModelError> {
         // The SwinIR family is known to overflow in fp16 on some inputs; keep the weights
         // (shared storage, no copy) so such a tile can be redone in fp32.
         let fp32_weights = (dtype == DType::F16).then(|| ck.clone());
-        let model = Model::from_checkpoint(ck, dtype, &device)?;
+        let model = Model::from_checkpoint_with(ck, dtype, &device, attention)?;
         Ok(Self {
             model,
             device,
             dtype,
+            attention,
             cost: OnceLock::new(),
             fp32_weights,
             fp32_model: OnceLock::new(),
@@ -204,8 +216,13 @@ impl Engine {
         let model = self
             .fp32_model
             .get_or_init(|| {
-                Model::from_checkpoint(weights.clone(), DType::F32, &self.device)
-                    .map_err(|e| e.to_string())
+                Model::from_checkpoint_with(
+                    weights.clone(),
+                    DType::F32,
+                    &self.device,
+                    self.attention,
+                )
+                .map_err(|e| e.to_string())
             })
             .as_ref()
             .map_err(|e| candle_core::Error::Msg(e.clone()))?;
@@ -229,9 +246,27 @@ impl Engine {
         if self.device.is_cpu() {
             crate::tile::auto::UNLIMITED
         } else {
-            let values = self.model.config().largest_tensor_per_pixel(true);
+            let values = self
+                .model
+                .config()
+                .largest_tensor_per_pixel(self.scores_in_memory());
             crate::tile::auto::max_pass_pixels_i32(values)
         }
+    }
+
+    /// Whether a forward pass materialises the attention scores: everywhere but on a GPU
+    /// with the fused kernel, which takes heads up to its maximum width.
+    fn scores_in_memory(&self) -> bool {
+        let cfg = self.model.config();
+        let widest_head = (0..cfg.groups)
+            .flat_map(|g| (0..crate::model::config::BLOCKS_PER_GROUP).map(move |k| (g, k)))
+            .map(|(g, k)| cfg.head_dim(g, k))
+            .max()
+            .unwrap_or(0);
+        let fused = !self.device.is_cpu()
+            && self.attention == Attention::Fused
+            && widest_head <= crate::model::fused::MAX_HEAD_DIM;
+        !fused
     }
 
     /// Memory free for activations on the engine's device.
@@ -257,7 +292,8 @@ impl Engine {
     }
 
     /// The largest live set of one Swin block, per token: the attention scores and their
-    /// softmax (heads x N each), the dense concatenation, qkv and the MLP hidden layer, plus the
+    /// softmax (heads x N each, unless the fused kernel keeps them out of memory), the dense
+    /// concatenation, qkv and the MLP hidden layer, plus the
     /// upsampler's high-resolution maps, at the engine's dtype.
     fn analytic_bytes_per_pixel(&self) -> f64 {
         let c = self.model.config();
@@ -265,8 +301,12 @@ impl Engine {
         let k = crate::model::config::BLOCKS_PER_GROUP - 1;
         let d = c.block_dim(k) as f64;
         let heads = c.heads.iter().flatten().copied().max().unwrap_or(1) as f64;
-        let tokens =
-            3.0 * heads * n + 6.0 * d + c.mlp_hidden.iter().copied().max().unwrap_or(0) as f64;
+        let scores = if self.scores_in_memory() {
+            3.0 * heads * n
+        } else {
+            0.0
+        };
+        let tokens = scores + 6.0 * d + c.mlp_hidden.iter().copied().max().unwrap_or(0) as f64;
         let s2 = (c.scale * c.scale) as f64;
         let upsampler = 3.0 * c.num_feat as f64 * s2;
         (tokens + upsampler) * self.dtype.size_in_bytes() as f64

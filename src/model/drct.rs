@@ -10,6 +10,7 @@ use candle_nn::{LayerNorm, Linear, VarBuilder};
 
 use super::cache::{relative_position_bias, WindowCache};
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
+use super::fused::{fused_window_attention, Attention};
 
 /// The RGB mean the official model subtracts (img_range 1.0); not stored in checkpoints.
 const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
@@ -220,12 +221,20 @@ pub struct WindowAttention {
     proj: Dense,
     heads: usize,
     head_dim: usize,
+    window: usize,
     /// `(heads, N, N)`, gathered from the table once at load.
     bias: Tensor,
+    attention: Attention,
 }
 
 impl WindowAttention {
-    pub fn new(dim: usize, heads: usize, ws: usize, vb: VarBuilder) -> Result<Self> {
+    pub fn new(
+        dim: usize,
+        heads: usize,
+        ws: usize,
+        attention: Attention,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let head_dim = dim / heads;
         // Fold head_dim^-0.5 into the query rows of qkv: one multiply at load instead of a
         // pass over q in every forward.
@@ -249,8 +258,33 @@ impl WindowAttention {
             proj: Dense::load(dim, dim, vb.pp("proj"))?,
             heads,
             head_dim,
+            window: ws,
             bias: relative_position_bias(&table, ws)?,
+            attention,
         })
+    }
+
+    /// Whether [`Self::forward_fused`] is the path for inputs on `device`: the CPU keeps its
+    /// own fused f32 kernel, which takes the stored mask, and head dims the CUDA kernel has no
+    /// variant for take candle's graph.
+    pub fn runs_fused(&self, device: &Device) -> bool {
+        self.attention == Attention::Fused
+            && device.is_cuda()
+            && self.head_dim <= super::fused::MAX_HEAD_DIM
+    }
+
+    /// `x`: windows `(B*nW, N, C)` of `(B, h, w)` maps, partitioned after a half-window shift
+    /// when `shifted`; the shift mask is computed inside the kernel.
+    pub fn forward_fused(
+        &self,
+        x: &Tensor,
+        (h, w): (usize, usize),
+        shifted: bool,
+    ) -> Result<Tensor> {
+        let qkv = self.qkv.forward(x)?;
+        let out =
+            fused_window_attention(&qkv, &self.bias, self.heads, self.window, (h, w), shifted)?;
+        self.proj.forward(&out)
     }
 
     /// `x`: windows `(B*nW, N, C)`; `mask`: `(nW, N, N)` for shifted blocks.
@@ -296,12 +330,13 @@ impl SwinBlock {
         g: usize,
         k: usize,
         windows: &WindowCache,
+        attention: Attention,
         vb: VarBuilder,
     ) -> Result<Self> {
         let dim = cfg.block_dim(k);
         Ok(Self {
             norm1: layer_norm(dim, vb.pp("norm1"))?,
-            attn: WindowAttention::new(dim, cfg.heads[g][k], cfg.window, vb.pp("attn"))?,
+            attn: WindowAttention::new(dim, cfg.heads[g][k], cfg.window, attention, vb.pp("attn"))?,
             norm2: layer_norm(dim, vb.pp("norm2"))?,
             mlp: Mlp::new(dim, cfg.mlp_hidden[k], vb.pp("mlp"))?,
             window: cfg.window,
@@ -322,15 +357,17 @@ impl Module for SwinBlock {
         let (order, back) = self.windows.partition(h, w, self.shifted)?;
         let windows = gather_tokens(&self.norm1.forward(x)?.reshape((b, h * w, c))?, &order)?
             .reshape((b * nh * nw, ws * ws, c))?;
-        let mask = if self.shifted {
-            Some(self.windows.mask(h, w)?)
+        let y = if self.attn.runs_fused(x.device()) {
+            self.attn.forward_fused(&windows, (h, w), self.shifted)?
         } else {
-            None
+            let mask = if self.shifted {
+                Some(self.windows.mask(h, w)?)
+            } else {
+                None
+            };
+            self.attn.forward(&windows, mask.as_ref())?
         };
-        let y = self
-            .attn
-            .forward(&windows, mask.as_ref())?
-            .reshape((b, h * w, c))?;
+        let y = y.reshape((b, h * w, c))?;
         let y = gather_tokens(&y, &back)?.reshape((b, h, w, c))?;
         let x = (x + y)?;
         &x + self.mlp.forward(&self.norm2.forward(&x)?)?
@@ -353,7 +390,13 @@ pub struct Rdg {
 }
 
 impl Rdg {
-    pub fn new(cfg: &DrctConfig, g: usize, windows: &WindowCache, vb: VarBuilder) -> Result<Self> {
+    pub fn new(
+        cfg: &DrctConfig,
+        g: usize,
+        windows: &WindowCache,
+        attention: Attention,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let mut blocks = Vec::with_capacity(BLOCKS_PER_GROUP);
         let mut adjust = Vec::with_capacity(BLOCKS_PER_GROUP);
         for k in 0..BLOCKS_PER_GROUP {
@@ -362,6 +405,7 @@ impl Rdg {
                 g,
                 k,
                 windows,
+                attention,
                 vb.pp(format!("swin{}", k + 1)),
             )?);
             let out = if k + 1 == BLOCKS_PER_GROUP {
@@ -414,11 +458,16 @@ pub struct Drct {
 
 impl Drct {
     pub fn new(cfg: &DrctConfig, vb: VarBuilder) -> Result<Self> {
+        Self::with_attention(cfg, vb, Attention::default())
+    }
+
+    /// The network with window attention run as `attention` says on CUDA devices.
+    pub fn with_attention(cfg: &DrctConfig, vb: VarBuilder, attention: Attention) -> Result<Self> {
         let e = cfg.embed_dim;
         let f = cfg.num_feat;
         let windows = WindowCache::new(cfg.window, vb.dtype(), vb.device());
         let layers = (0..cfg.groups)
-            .map(|g| Rdg::new(cfg, g, &windows, vb.pp(format!("layers.{g}"))))
+            .map(|g| Rdg::new(cfg, g, &windows, attention, vb.pp(format!("layers.{g}"))))
             .collect::<Result<Vec<_>>>()?;
         let upsample = cfg
             .upsample_stages()

@@ -4,6 +4,7 @@ pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod drct;
+pub mod fused;
 pub mod ops;
 
 use std::path::Path;
@@ -14,6 +15,7 @@ use candle_nn::VarBuilder;
 pub use checkpoint::{Checkpoint, Source};
 pub use config::DrctConfig;
 pub use drct::Drct;
+pub use fused::Attention;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -63,11 +65,22 @@ impl Model {
         dtype: DType,
         device: &Device,
     ) -> Result<Self, ModelError> {
+        Self::from_checkpoint_with(ck, dtype, device, Attention::default())
+    }
+
+    /// [`Model::from_checkpoint`] with a choice of attention implementation.
+    pub fn from_checkpoint_with(
+        ck: Checkpoint,
+        dtype: DType,
+        device: &Device,
+        attention: Attention,
+    ) -> Result<Self, ModelError> {
         let vb = VarBuilder::from_tensors(ck.tensors, dtype, device);
-        let net = Drct::new(&ck.config, vb).map_err(|e| ModelError::Build {
-            origin: ck.source.to_string(),
-            msg: e.to_string(),
-        })?;
+        let net =
+            Drct::with_attention(&ck.config, vb, attention).map_err(|e| ModelError::Build {
+                origin: ck.source.to_string(),
+                msg: e.to_string(),
+            })?;
         Ok(Self {
             net,
             source: ck.source,

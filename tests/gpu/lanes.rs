@@ -21,7 +21,7 @@ fn cuda_lanes(streams: usize) -> Lanes {
     let lanes = Lanes::open(
         checkpoint(),
         gpu(),
-        DType::F32,
+        (DType::F32, upscale::model::fused::Attention::Fused),
         &DeviceChoice::Cuda(vec![0]),
         streams,
         &mut |w| warnings.push(w),

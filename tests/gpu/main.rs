@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod kernels;
 mod lanes;
 mod parity;
 

@@ -1,0 +1,605 @@
+//! Fused shifted-window attention: one custom op per Swin block's attention, with a CUDA
+//! kernel (kernels/window_attention.cu) and a scalar CPU twin that follows the same algorithm.
+//!
+//! The kernel rebuilds the shift mask from region labels instead of reading a stored
+//! `(nW, N, N)` tensor, and never writes the `(windows, heads, N, N)` scores to device memory.
+//! The CPU twin exists to check that logic (labels, window and head indexing, the order of the
+//! additions) on any machine against the model's CPU attention and its stored mask; the CPU
+//! fast path stays [`super::ops::window_attention`].
+
+use std::borrow::Cow;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// How window attention runs on CUDA devices. The CPU always runs its own fused f32 kernel
+/// (or candle's graph in other dtypes), whatever the choice.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Attention {
+    /// One kernel per block: scores stay on chip, the shift mask is computed, not stored.
+    #[default]
+    Fused,
+    /// candle's op graph: matmul, bias, stored mask, softmax, matmul.
+    Reference,
+}
+
+/// What the official code adds to the scores of token pairs from different regions.
+const MASK_VALUE: f32 = -100.0;
+
+/// Largest head dim the CUDA kernel has a variant for.
+pub const MAX_HEAD_DIM: usize = 128;
+
+/// Attention over the windows of `(B, height, width)` feature maps, partitioned row-major into
+/// `window x window` windows after a cyclic shift by half a window when `shifted`.
+///
+/// Inputs: `qkv` `(B*nW, N, 3C)` (q | k | v, each head-major, q already scaled by
+/// `head_dim^-0.5`) and `bias` `(heads, N, N)`, both contiguous and of one float dtype.
+/// Output: `(B*nW, N, C)` with heads concatenated, in the input dtype; the arithmetic is f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedWindowAttention {
+    pub heads: usize,
+    pub window: usize,
+    pub height: usize,
+    pub width: usize,
+    pub shifted: bool,
+}
+
+/// Sizes of one call, checked against each other.
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    /// Windows in the batch (B * nW).
+    windows: usize,
+    /// Tokens per window.
+    n: usize,
+    /// Channels (heads * head_dim).
+    c: usize,
+    head_dim: usize,
+}
+
+impl FusedWindowAttention {
+    fn dims(&self, qkv: &Shape, bias: &Shape) -> Result<Dims> {
+        let name = self.name();
+        let (windows, n, c3) = qkv.dims3()?;
+        let ws = self.window;
+        if ws == 0 || self.heads == 0 {
+            candle_core::bail!(
+                "{name}: window {ws} and heads {} must be positive",
+                self.heads
+            );
+        }
+        if n != ws * ws {
+            candle_core::bail!("{name}: qkv {qkv:?} has {n} tokens per window, not {ws}x{ws}");
+        }
+        if c3 % 3 != 0 || (c3 / 3) % self.heads != 0 || c3 == 0 {
+            candle_core::bail!(
+                "{name}: qkv {qkv:?}: last axis is not 3 x heads ({}) x head dim",
+                self.heads
+            );
+        }
+        if bias.dims() != [self.heads, n, n] {
+            candle_core::bail!("{name}: bias {bias:?}, expected ({}, {n}, {n})", self.heads);
+        }
+        let (h, w) = (self.height, self.width);
+        if h == 0 || w == 0 || h % ws != 0 || w % ws != 0 {
+            candle_core::bail!("{name}: map {h}x{w} is not a positive multiple of window {ws}");
+        }
+        let per_image = (h / ws) * (w / ws);
+        if windows % per_image != 0 {
+            candle_core::bail!(
+                "{name}: {windows} windows are not a whole batch of {h}x{w} maps ({per_image} each)"
+            );
+        }
+        let c = c3 / 3;
+        Ok(Dims {
+            windows,
+            n,
+            c,
+            head_dim: c / self.heads,
+        })
+    }
+
+    /// Region label (0..9) of every token of window `win` (row-major within the batch): which
+    /// of the 3x3 regions of the rolled map it lies in. Zero everywhere when not shifted.
+    fn labels(&self, win: usize, out: &mut [u8]) {
+        let ws = self.window;
+        if !self.shifted {
+            out.fill(0);
+            return;
+        }
+        let shift = ws / 2;
+        let region = |p: usize, size: usize| -> u8 {
+            if p + ws < size {
+                0
+            } else if p + shift < size {
+                1
+            } else {
+                2
+            }
+        };
+        let nwx = self.width / ws;
+        let w_img = win % ((self.height / ws) * nwx);
+        let (wy, wx) = (w_img / nwx, w_img % nwx);
+        for (t, label) in out.iter_mut().enumerate() {
+            let y = wy * ws + t / ws;
+            let x = wx * ws + t % ws;
+            *label = 3 * region(y, self.height) + region(x, self.width);
+        }
+    }
+}
+
+/// The values of a contiguous float storage as f32, borrowed when already f32.
+fn f32_values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<Cow<'a, [f32]>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("fused window attention: inputs must be contiguous")
+    };
+    Ok(match storage {
+        CpuStorage::F32(v) => Cow::Borrowed(&v[start..end]),
+        CpuStorage::BF16(v) => Cow::Owned(v[start..end].iter().map(|x| x.to_f32()).collect()),
+        CpuStorage::F16(v) => Cow::Owned(v[start..end].iter().map(|x| x.to_f32()).collect()),
+        other => candle_core::bail!(
+            "fused window attention: dtype {:?} is not supported (f32, bf16, f16)",
+            other.dtype()
+        ),
+    })
+}
+
+impl CustomOp2 for FusedWindowAttention {
+    fn name(&self) -> &'static str {
+        "fused-window-attention"
+    }
+
+    /// A plain scalar version of the kernel's algorithm (f32 throughout, two-pass softmax);
+    /// slow, and meant for checking rather than running.
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = self.dims(l1.shape(), l2.shape())?;
+        if s1.dtype() != s2.dtype() {
+            candle_core::bail!(
+                "{}: qkv is {:?} but bias is {:?}",
+                self.name(),
+                s1.dtype(),
+                s2.dtype()
+            );
+        }
+        let qkv = f32_values(s1, l1)?;
+        let bias = f32_values(s2, l2)?;
+        let Dims {
+            windows,
+            n,
+            c,
+            head_dim: d,
+        } = dims;
+        let mut out = vec![0f32; windows * n * c];
+        out.par_chunks_mut(n * c)
+            .enumerate()
+            .for_each(|(win, out)| {
+                let base = &qkv[win * n * 3 * c..(win + 1) * n * 3 * c];
+                let mut labels = vec![0u8; n];
+                self.labels(win, &mut labels);
+                let mut scores = vec![0f32; n];
+                for h in 0..self.heads {
+                    let bias = &bias[h * n * n..(h + 1) * n * n];
+                    for i in 0..n {
+                        let q = &base[i * 3 * c + h * d..][..d];
+                        let mut max = f32::NEG_INFINITY;
+                        for (j, s) in scores.iter_mut().enumerate() {
+                            let k = &base[j * 3 * c + c + h * d..][..d];
+                            let dot: f32 = q.iter().zip(k).map(|(a, b)| a * b).sum();
+                            // (q·k + bias) + mask, as the reference adds them.
+                            *s = dot + bias[i * n + j];
+                            if labels[i] != labels[j] {
+                                *s += MASK_VALUE;
+                            }
+                            max = max.max(*s);
+                        }
+                        let mut sum = 0f32;
+                        for s in scores.iter_mut() {
+                            *s = (*s - max).exp();
+                            sum += *s;
+                        }
+                        let row = &mut out[i * c + h * d..][..d];
+                        row.fill(0.0);
+                        for (j, &p) in scores.iter().enumerate() {
+                            let v = &base[j * 3 * c + 2 * c + h * d..][..d];
+                            row.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
+                        }
+                        row.iter_mut().for_each(|o| *o /= sum);
+                    }
+                }
+            });
+        let storage = match s1.dtype() {
+            DType::F32 => CpuStorage::F32(out),
+            DType::BF16 => CpuStorage::BF16(out.into_iter().map(half::bf16::from_f32).collect()),
+            DType::F16 => CpuStorage::F16(out.into_iter().map(half::f16::from_f32).collect()),
+            dt => candle_core::bail!("{}: dtype {dt:?} is not supported", self.name()),
+        };
+        Ok((storage, Shape::from((windows, n, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = self.dims(l1.shape(), l2.shape())?;
+        let out = cuda::forward(self, dims, s1, l1, s2, l2)?;
+        Ok((out, Shape::from((dims.windows, dims.n, dims.c))))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{
+        sys, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
+    use candle_core::{CudaDevice, CudaStorage, CustomOp2, Layout, Result};
+
+    use super::{Dims, FusedWindowAttention, MAX_HEAD_DIM};
+
+    /// Keys per shared-memory tile; `KEY_TILE` in the kernel.
+    const KEY_TILE: usize = 32;
+    /// Head dims each thread of a query row's group holds; `COLS_PER_THREAD` in the kernel.
+    const COLS_PER_THREAD: usize = 32;
+    /// The kernel's `__launch_bounds__`.
+    const MAX_THREADS: usize = 128;
+
+    /// Launch shape for one call: the kernel variant's head-dim bound, threads per block,
+    /// query rows per block and dynamic shared memory, laid out as the kernel expects.
+    struct Plan {
+        dmax: usize,
+        threads: usize,
+        rows: usize,
+        shared_bytes: usize,
+    }
+
+    fn plan(n: usize, head_dim: usize) -> Result<Plan> {
+        let dmax = match head_dim {
+            0 => candle_core::bail!("fused window attention: head dim 0"),
+            1..=32 => 32,
+            33..=64 => 64,
+            65..=MAX_HEAD_DIM => MAX_HEAD_DIM,
+            _ => candle_core::bail!(
+                "fused window attention supports head dims up to {MAX_HEAD_DIM}, this block has \
+                 {head_dim} (the reference attention has no such limit)"
+            ),
+        };
+        let per_row = dmax / COLS_PER_THREAD;
+        // Whole warps, and no more than the rows a window has.
+        let threads = (n * per_row).next_multiple_of(32).min(MAX_THREADS);
+        let rows = threads / per_row;
+        // k and v tiles, the bias tile (rows x KEY_TILE+1), the key labels: 4 bytes each.
+        let shared_bytes = (2 * KEY_TILE * dmax + rows * (KEY_TILE + 1) + KEY_TILE) * 4;
+        Ok(Plan {
+            dmax,
+            threads,
+            rows,
+            shared_bytes,
+        })
+    }
+
+    fn launch<T: CudaDType + DeviceRepr>(
+        op: &FusedWindowAttention,
+        dims: Dims,
+        dev: &CudaDevice,
+        (qkv, l1): (&CudaSlice<T>, &Layout),
+        (bias, l2): (&CudaSlice<T>, &Layout),
+        dtype: &str,
+    ) -> Result<CudaStorage> {
+        let name = op.name();
+        let (Some((q0, q1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("{name}: inputs must be contiguous")
+        };
+        let plan = plan(dims.n, dims.head_dim)?;
+        let limit = dev
+            .cuda_stream()
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)
+            .w()?;
+        if plan.shared_bytes > limit.max(0) as usize {
+            candle_core::bail!(
+                "{name}: needs {} bytes of shared memory per block, the device allows {limit}",
+                plan.shared_bytes
+            );
+        }
+        let blocks = dims.windows * op.heads;
+        let row_blocks = dims.n.div_ceil(plan.rows);
+        let to_i32 = |v: usize, what: &str| {
+            i32::try_from(v)
+                .map_err(|_| candle_core::Error::Msg(format!("{name}: {what} {v} is too large")))
+        };
+        let args = [
+            to_i32(dims.n, "tokens per window")?,
+            to_i32(op.heads, "heads")?,
+            to_i32(dims.head_dim, "head dim")?,
+            to_i32(op.window, "window")?,
+            to_i32(op.height, "height")?,
+            to_i32(op.width, "width")?,
+            i32::from(op.shifted),
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (
+                to_i32(blocks, "windows x heads")? as u32,
+                row_blocks as u32,
+                1,
+            ),
+            block_dim: (plan.threads as u32, 1, 1),
+            shared_mem_bytes: plan.shared_bytes as u32,
+        };
+        let func = dev.get_or_load_custom_func(
+            &format!("window_attention_{dtype}_d{}", plan.dmax),
+            "upscale_window_attention",
+            crate::gpu::ptx::WINDOW_ATTENTION,
+        )?;
+        let qkv = qkv.slice(q0..q1);
+        let bias = bias.slice(b0..b1);
+        // SAFETY: the kernel writes every element before anything reads the output.
+        let out = unsafe { dev.alloc::<T>(dims.windows * dims.n * dims.c)? };
+        let mut builder = func.builder();
+        builder.arg(&qkv);
+        builder.arg(&bias);
+        builder.arg(&out);
+        for a in &args {
+            builder.arg(a);
+        }
+        // SAFETY: the argument list matches the kernel's signature; the sizes were checked
+        // against the slices above and the kernel stays inside them.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    pub(super) fn forward(
+        op: &FusedWindowAttention,
+        dims: Dims,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<CudaStorage> {
+        let dev = &s1.device;
+        match (&s1.slice, &s2.slice) {
+            (CudaStorageSlice::F32(q), CudaStorageSlice::F32(b)) => {
+                launch(op, dims, dev, (q, l1), (b, l2), "f32")
+            }
+            (CudaStorageSlice::BF16(q), CudaStorageSlice::BF16(b)) => {
+                launch(op, dims, dev, (q, l1), (b, l2), "bf16")
+            }
+            (CudaStorageSlice::F16(q), CudaStorageSlice::F16(b)) => {
+                launch(op, dims, dev, (q, l1), (b, l2), "f16")
+            }
+            _ => candle_core::bail!(
+                "{}: qkv and bias must share one of f32, bf16, f16 (got {:?} and {:?})",
+                op.name(),
+                s1.dtype(),
+                s2.dtype()
+            ),
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn plans_fit_the_default_shared_memory_and_cover_every_row() {
+            for n in [16, 64, 256] {
+                for d in [1, 3, 30, 32, 33, 53, 64, 77, 122, 128] {
+                    let p = plan(n, d).unwrap();
+                    assert!(
+                        p.shared_bytes <= 48 << 10,
+                        "n {n} d {d}: {}",
+                        p.shared_bytes
+                    );
+                    assert!(p.threads <= MAX_THREADS && p.threads.is_multiple_of(32));
+                    assert!(p.dmax >= d && p.rows * (p.dmax / COLS_PER_THREAD) == p.threads);
+                }
+            }
+            assert!(plan(256, 129).is_err());
+        }
+    }
+}
+
+/// Attention of every window of a batch of `(h, w)` maps in one fused op (see
+/// [`FusedWindowAttention`]); `qkv` `(B*nW, N, 3C)`, `bias` `(heads, N, N)` in the same dtype.
+pub fn fused_window_attention(
+    qkv: &Tensor,
+    bias: &Tensor,
+    heads: usize,
+    window: usize,
+    (height, width): (usize, usize),
+    shifted: bool,
+) -> Result<Tensor> {
+    let op = FusedWindowAttention {
+        heads,
+        window,
+        height,
+        width,
+        shifted,
+    };
+    qkv.contiguous()?.apply_op2_no_bwd(&bias.contiguous()?, &op)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::cache::WindowCache;
+    use candle_core::Device;
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()
+    }
+
+    /// (batch, height, width, window, heads, head dim): non-square maps, odd head dims, one
+    /// and several window rows and columns.
+    const CASES: [(usize, usize, usize, usize, usize, usize); 6] = [
+        (2, 8, 12, 4, 3, 5),
+        (2, 16, 8, 4, 2, 3),
+        (2, 16, 24, 8, 2, 5),
+        (1, 24, 16, 8, 6, 30),
+        (2, 8, 16, 8, 1, 7),
+        (1, 4, 4, 4, 4, 2),
+    ];
+
+    /// Random `(qkv, bias)` for `windows` windows of `n` tokens, q scaled by `d^-0.5` as the
+    /// model does, so scores are a few units: the bias and the mask's -100 both matter.
+    fn inputs(windows: usize, n: usize, heads: usize, d: usize) -> Result<(Tensor, Tensor)> {
+        let dev = Device::Cpu;
+        let c = heads * d;
+        let q = (Tensor::randn(0f32, 1.0, (windows, n, c), &dev)? * (d as f64).powf(-0.5))?;
+        let kv = Tensor::randn(0f32, 1.0, (windows, n, 2 * c), &dev)?;
+        let bias = Tensor::randn(0f32, 1.0, (heads, n, n), &dev)?;
+        Ok((Tensor::cat(&[q, kv], 2)?, bias))
+    }
+
+    /// The fused op against the model's CPU attention with the mask `WindowCache` stores.
+    fn check_against_stored_mask(
+        (b, h, w, ws, heads, d): (usize, usize, usize, usize, usize, usize),
+        shifted: bool,
+    ) -> Result<f32> {
+        let dev = Device::Cpu;
+        let n = ws * ws;
+        let windows = b * (h / ws) * (w / ws);
+        let (qkv, bias) = inputs(windows, n, heads, d)?;
+        let cache = WindowCache::new(ws, DType::F32, &dev);
+        let mask = shifted.then(|| cache.mask(h, w)).transpose()?;
+        let want = crate::model::ops::window_attention(&qkv, &bias, mask.as_ref(), heads)?
+            .expect("the CPU f32 kernel applies");
+        let ours = fused_window_attention(&qkv, &bias, heads, ws, (h, w), shifted)?;
+        assert_eq!(ours.dims(), want.dims());
+        max_abs_diff(&ours, &want)
+    }
+
+    #[test]
+    fn cpu_twin_matches_attention_with_the_stored_mask() -> Result<()> {
+        for case in CASES {
+            for shifted in [false, true] {
+                let diff = check_against_stored_mask(case, shifted)?;
+                assert!(
+                    diff < 1e-5,
+                    "{case:?} shifted {shifted}: max abs error {diff}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A label rule that differs from the stored mask anywhere must show: every window of the
+    /// last row and column has tokens of several regions, and their outputs move by far more
+    /// than the tolerance when the mask is wrong (checked here by dropping it altogether).
+    #[test]
+    fn a_wrong_mask_is_caught() -> Result<()> {
+        let (b, h, w, ws, heads, d) = CASES[2];
+        let dev = Device::Cpu;
+        let n = ws * ws;
+        let windows = b * (h / ws) * (w / ws);
+        let (qkv, bias) = inputs(windows, n, heads, d)?;
+        let mask = WindowCache::new(ws, DType::F32, &dev).mask(h, w)?;
+        let want = crate::model::ops::window_attention(&qkv, &bias, Some(&mask), heads)?
+            .expect("the CPU f32 kernel applies");
+        let unmasked = fused_window_attention(&qkv, &bias, heads, ws, (h, w), false)?;
+        assert!(max_abs_diff(&unmasked, &want)? > 1e-2);
+        // Transposed map sizes give other region boundaries in a non-square map.
+        let transposed = fused_window_attention(&qkv, &bias, heads, ws, (w, h), true)?;
+        assert!(max_abs_diff(&transposed, &want)? > 1e-2);
+        Ok(())
+    }
+
+    #[test]
+    fn labels_match_the_stored_mask_everywhere() {
+        // Equal labels exactly where the stored mask is zero, for every window and pair.
+        for (h, w, ws) in [
+            (8, 12, 4),
+            (24, 16, 8),
+            (16, 16, 4),
+            (4, 8, 4),
+            (32, 48, 16),
+        ] {
+            let n = ws * ws;
+            let mask = crate::model::cache::shift_mask(h, w, ws);
+            let op = FusedWindowAttention {
+                heads: 1,
+                window: ws,
+                height: h,
+                width: w,
+                shifted: true,
+            };
+            let mut labels = vec![0u8; n];
+            // Two images' worth of windows: the label depends on the window within its image.
+            let per_image = (h / ws) * (w / ws);
+            for win in 0..2 * per_image {
+                op.labels(win, &mut labels);
+                let m = &mask[(win % per_image) * n * n..][..n * n];
+                for i in 0..n {
+                    for j in 0..n {
+                        let same = labels[i] == labels[j];
+                        assert_eq!(same, m[i * n + j] == 0.0, "{h}x{w}/{ws} win {win} {i},{j}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn half_precision_inputs_follow_the_f32_result() -> Result<()> {
+        let (b, h, w, ws, heads, d) = CASES[0];
+        let n = ws * ws;
+        let windows = b * (h / ws) * (w / ws);
+        let (qkv, bias) = inputs(windows, n, heads, d)?;
+        for dt in [DType::BF16, DType::F16] {
+            let (q, bi) = (qkv.to_dtype(dt)?, bias.to_dtype(dt)?);
+            let ours = fused_window_attention(&q, &bi, heads, ws, (h, w), true)?;
+            assert_eq!(ours.dtype(), dt);
+            // Same op on the rounded inputs in f32: only the output rounding differs.
+            let want = fused_window_attention(
+                &q.to_dtype(DType::F32)?,
+                &bi.to_dtype(DType::F32)?,
+                heads,
+                ws,
+                (h, w),
+                true,
+            )?;
+            let diff = max_abs_diff(&ours, &want)?;
+            let eps = if dt == DType::BF16 {
+                1.0 / 128.0
+            } else {
+                1.0 / 1024.0
+            };
+            // Outputs are convex combinations of v, so |out| <= max |v| (~5 here).
+            assert!(diff <= 8.0 * eps, "{dt:?}: {diff}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() -> Result<()> {
+        let dev = Device::Cpu;
+        let qkv = Tensor::zeros((4, 16, 18), DType::F32, &dev)?;
+        let bias = Tensor::zeros((2, 16, 16), DType::F32, &dev)?;
+        // Fine as given: 4 windows of an 8x8 map, window 4, 2 heads of 3.
+        fused_window_attention(&qkv, &bias, 2, 4, (8, 8), true)?;
+        // Wrong window for 16 tokens, a map that is not a window multiple, windows that are
+        // not a whole batch, a bias for another head count, mixed dtypes.
+        assert!(fused_window_attention(&qkv, &bias, 2, 8, (8, 8), true).is_err());
+        assert!(fused_window_attention(&qkv, &bias, 2, 4, (8, 6), true).is_err());
+        assert!(fused_window_attention(&qkv, &bias, 2, 4, (8, 12), true).is_err());
+        assert!(fused_window_attention(&qkv, &bias, 3, 4, (8, 8), true).is_err());
+        let bias16 = bias.to_dtype(DType::F16)?;
+        assert!(fused_window_attention(&qkv, &bias16, 2, 4, (8, 8), true).is_err());
+        Ok(())
+    }
+}
