@@ -2,14 +2,18 @@
 # Everything a GPU session must prove and measure, in one command on the GPU machine (which has
 # no Rust and no network), from the repository root, with the folder scripts/gpu-pack.sh made:
 #
-#   scripts/gpu-run.sh PACK OUTDIR [check|bench|all]     on the GPU machine (default: all)
+#   scripts/gpu-run.sh PACK OUTDIR [check|bench|matrix|all]   on the GPU machine (default: all)
 #   scripts/gpu-run.sh --smoke PACK OUTDIR               any machine, CPU, tiny shapes (CI)
 #
-# check (~3 min): device facts, the measured matmul peaks, the CUDA test binary, bf16 and fp16
-#   against fp32 (PSNR) on tests/photos, DRCT-L bf16 on 1920x1080 with the automatic tile.
-# bench (~5 min): DRCT-L x4 960x540 and DRCT x4 640x480 against the PyTorch reference on the
-#   same GPU in the same run; precision x batch x attention; tile 512; streams 1/2/4 on one
-#   image and on a folder (with GPU utilisation sampled by nvidia-smi).
+# check: device facts, the measured matmul peaks, the CUDA test binary (and our kernels under
+#   compute-sanitizer), bf16 and fp16 against fp32 (PSNR) on tests/photos, DRCT-L bf16 on
+#   1920x1080 with the automatic tile.
+# bench: DRCT-L x4 960x540 and DRCT x4 640x480 against the PyTorch reference on the same GPU
+#   in the same run; streams 1/2/4 on one image and on a folder (GPU utilisation sampled by
+#   nvidia-smi).
+# matrix: precision x batch x attention for DRCT-L, and tile 512.
+# Each part is planned to finish well inside one 10-minute call; the first GPU session should
+# run them as three calls (check first: if it fails, fix that before measuring anything).
 # Every step's output goes to OUTDIR/<step>.log; each measurement is one JSON line in
 # OUTDIR/results.jsonl; OUTDIR/summary.md tabulates them. A failing step is recorded and the
 # run goes on. With --smoke, PACK may name a folder holding a CPU build's `upscale`.
@@ -21,8 +25,8 @@ if [ "${1:-}" = --smoke ]; then
   smoke=1
   shift
 fi
-pack=${1:?usage: $0 [--smoke] PACK OUTDIR [check|bench|all]}
-out=${2:?usage: $0 [--smoke] PACK OUTDIR [check|bench|all]}
+pack=${1:?usage: $0 [--smoke] PACK OUTDIR [check|bench|matrix|all]}
+out=${2:?usage: $0 [--smoke] PACK OUTDIR [check|bench|matrix|all]}
 part=${3:-all}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -144,6 +148,16 @@ check() {
     record tests "no test binary in the pack"
   fi
 
+  echo "== memcheck of our kernels"
+  if [ -n "$tests" ] && [ "$smoke" = 0 ] && command -v compute-sanitizer >/dev/null; then
+    run memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
+      fused_kernel_matches_the_cpu_in_f32 cuda_blend_kernel_matches_the_host_accumulator \
+      --test-threads=1
+    record memcheck "$(grep -E 'ERROR SUMMARY|test result' "$out/memcheck.log" | tail -n 4)"
+  else
+    record memcheck "skipped: needs the CUDA test binary and compute-sanitizer"
+  fi
+
   echo "== precision parity on tests/photos"
   local ref="$work/ref-fp32" photos=tests/photos
   if [ "$smoke" = 1 ]; then
@@ -183,20 +197,6 @@ bench_part() {
     fi
   done
 
-  echo "== precision x batch x attention (DRCT-L, tile 256)"
-  for p in bf16 fp16 fp32; do
-    for b in 1 4 8; do
-      for a in fused reference; do
-        bench matrix "drct-l-$p-b$b-$a" "$drct_l" --precision "$p" --attention "$a" --size "$s540" \
-          --tile "$t256" --tile_overlap "$ov" --tile_batch_size "$b" --reps 3
-      done
-    done
-  done
-  for b in 1 2; do
-    bench matrix "drct-l-bf16-t512-b$b-fused" "$drct_l" --precision bf16 --size "$s540" \
-      --tile "$t512" --tile_overlap "$ov" --tile_batch_size "$b" --reps 3
-  done
-
   echo "== streams"
   for s in 1 2 4; do
     bench streams "drct-l-bf16-b4-s$s" "$drct_l" --precision bf16 --size "$s540" --tile "$t256" \
@@ -222,11 +222,33 @@ bench_part() {
   done
 }
 
+matrix_part() {
+  models
+  if [ -f "$out/peak.json" ]; then
+    peak=(--peak_tflops "$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["bf16_tflops"])' "$out/peak.json")")
+  fi
+  echo "== precision x batch x attention (DRCT-L, tile 256)"
+  for p in bf16 fp16 fp32; do
+    for b in 1 4 8; do
+      for a in fused reference; do
+        bench matrix "drct-l-$p-b$b-$a" "$drct_l" --precision "$p" --attention "$a" --size "$s540" \
+          --tile "$t256" --tile_overlap "$ov" --tile_batch_size "$b" --reps 2
+      done
+    done
+  done
+  for b in 1 2; do
+    bench matrix "drct-l-bf16-t512-b$b-fused" "$drct_l" --precision bf16 --size "$s540" \
+      --tile "$t512" --tile_overlap "$ov" --tile_batch_size "$b" --reps 2
+  done
+
+}
+
 case $part in
   check) check ;;
   bench) bench_part ;;
-  all) check; bench_part ;;
-  *) echo "unknown part '$part' (check, bench or all)" >&2; exit 2 ;;
+  matrix) matrix_part ;;
+  all) check; bench_part; matrix_part ;;
+  *) echo "unknown part '$part' (check, bench, matrix or all)" >&2; exit 2 ;;
 esac
 "$PY" scripts/gpu_summary.py "$results" > "$out/summary.md"
 cat "$out/summary.md"

@@ -77,7 +77,7 @@ impl Lanes {
         for &id in &ids {
             for _ in 0..streams.max(1) {
                 let lane = Device::new_cuda_with_stream(id)
-                    .map_err(|e| anyhow::anyhow!("cuda:{id}: {e}"))?;
+                    .map_err(|e| anyhow::anyhow!("cuda:{id}: {}", super::first_line(&e)))?;
                 keep_pool_memory(&lane, warn);
                 engines.push(Engine::with_attention(ck.clone(), lane, dtype, attention)?);
             }

@@ -69,6 +69,12 @@ pub fn parse_precision(s: &str) -> Result<Precision, String> {
     }
 }
 
+/// The message of a candle error without the backtrace candle appends when `RUST_BACKTRACE`
+/// is set: a device that cannot be opened is one line for the user, not a stack dump.
+pub(crate) fn first_line(e: &candle_core::Error) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
+}
+
 /// Open the requested device (the first one of a list: [`lanes::Lanes`] opens the rest).
 /// `auto` takes the first GPU when this build has CUDA and one answers, else the CPU.
 pub fn open_device(choice: &DeviceChoice, warn: &mut dyn FnMut(String)) -> anyhow::Result<Device> {
@@ -78,7 +84,10 @@ pub fn open_device(choice: &DeviceChoice, warn: &mut dyn FnMut(String)) -> anyho
             if candle_core::utils::cuda_is_available() {
                 match Device::new_cuda(0) {
                     Ok(d) => return Ok(d),
-                    Err(e) => warn(format!("no usable CUDA device ({e}); running on the CPU")),
+                    Err(e) => warn(format!(
+                        "no usable CUDA device ({}); running on the CPU",
+                        first_line(&e)
+                    )),
                 }
             }
             Ok(Device::Cpu)
@@ -89,7 +98,8 @@ pub fn open_device(choice: &DeviceChoice, warn: &mut dyn FnMut(String)) -> anyho
                     "--device cuda: this binary was built without CUDA support (build with --features cuda)"
                 );
             }
-            Device::new_cuda(ids[0]).map_err(|e| anyhow::anyhow!("cuda:{}: {e}", ids[0]))
+            Device::new_cuda(ids[0])
+                .map_err(|e| anyhow::anyhow!("cuda:{}: {}", ids[0], first_line(&e)))
         }
     }
 }
