@@ -91,23 +91,15 @@ impl Checkpoint {
     }
 
     fn from_pth(path: &Path, source: Source) -> Result<Self, ModelError> {
-        for key in PTH_KEYS.iter().map(|k| Some(*k)).chain([None]) {
-            let pth = match candle_core::pickle::PthTensors::new(path, key) {
-                Ok(p) => p,
-                // A missing wrapper key is the expected miss; anything else is a broken file.
-                Err(e)
-                    if key
-                        .is_some_and(|k| e.to_string().contains(&format!("key {k} not found"))) =>
-                {
-                    continue
-                }
-                Err(e) => {
-                    return Err(ModelError::file(
-                        &source,
-                        &format!("unreadable PyTorch archive: {e}"),
-                    ))
-                }
-            };
+        let unreadable =
+            |e: String| ModelError::file(&source, &format!("unreadable PyTorch archive: {e}"));
+        let keys = pth_top_level_keys(path).map_err(unreadable)?;
+        // The wrappers present, in order of preference, then the object itself as a bare
+        // state dict.
+        let wrappers = PTH_KEYS.iter().filter(|k| keys.iter().any(|key| key == *k));
+        for key in wrappers.map(|k| Some(*k)).chain([None]) {
+            let pth = candle_core::pickle::PthTensors::new(path, key)
+                .map_err(|e| unreadable(e.to_string()))?;
             if pth.tensor_infos().is_empty() {
                 continue;
             }
@@ -165,6 +157,36 @@ impl Checkpoint {
             wrapper,
         })
     }
+}
+
+/// The string keys of a `.pth`'s pickled top-level object when it is a dict (a wrapped
+/// checkpoint such as `{"params_ema": state_dict, ...}`), empty otherwise. Read before asking
+/// candle for a wrapper, because candle reports a missing key only as an error message.
+fn pth_top_level_keys(path: &Path) -> Result<Vec<String>, String> {
+    use candle_core::pickle::{Object, Stack};
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file)).map_err(|e| e.to_string())?;
+    let pickle = zip
+        .file_names()
+        .filter_map(Result::ok)
+        .find(|n| n.ends_with("data.pkl"))
+        .map(|n| n.into_owned())
+        .ok_or("no data.pkl in the archive")?;
+    let entry = zip.by_name(&pickle).map_err(|e| e.to_string())?;
+    let mut stack = Stack::empty();
+    stack
+        .read_loop(&mut std::io::BufReader::new(entry))
+        .map_err(|e| e.to_string())?;
+    Ok(match stack.finalize().map_err(|e| e.to_string())? {
+        Object::Dict(entries) => entries
+            .into_iter()
+            .filter_map(|(k, _)| match k {
+                Object::Unicode(s) => Some(s),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    })
 }
 
 /// Buffers the official model registers: derived data that we recompute, never weights.
