@@ -204,6 +204,7 @@ fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
         batch: None,
         blend: Default::default(),
         quiet: true,
+        tta: false,
     };
     let small = engine.tile_options(&settings, 64, 48);
     assert_eq!(small.tile, 0, "a small image runs whole");
@@ -244,4 +245,60 @@ fn embedded_model_is_the_committed_file() {
     let file = std::fs::read(root.join("models/default_x4.safetensors")).unwrap();
     let (_, bytes) = upscale::engine::embedded_model().unwrap();
     assert!(bytes == file.as_slice());
+}
+
+/// `--tta` is the mean of the eight symmetric runs, each mapped back: an input and its mirror
+/// image give mirrored outputs, and the ensemble stays close to the plain output (a symmetry
+/// undone the wrong way would land far from it).
+#[test]
+fn self_ensemble_is_symmetric_and_close_to_the_plain_output() {
+    use upscale::engine::image::{TileChoice, TileSettings};
+    use upscale::engine::lanes::Lanes;
+    use upscale::engine::Engine;
+    use upscale::io::{Decoded, Format};
+    use upscale::planar::Planar;
+
+    // The trained default model: a random-weight fixture has no reason to be near-symmetric.
+    let (input, _) = load_io(&golden_dir().join("default_x4.io.safetensors"));
+    let (_, c, h, w) = input.dims4().unwrap();
+    let rgb = Planar::new(c, h, w, input.flatten_all().unwrap().to_vec1().unwrap());
+    let weights = common::repo().join("models/default_x4.safetensors");
+    let engine = Engine::new(
+        upscale::model::Checkpoint::load(&weights).unwrap(),
+        Device::Cpu,
+        DType::F32,
+    )
+    .unwrap();
+    let lanes = Lanes::single(engine);
+    let settings = |tta| TileSettings {
+        choice: TileChoice::Fixed(0),
+        overlap: 0,
+        batch: None,
+        blend: Default::default(),
+        quiet: true,
+        tta,
+    };
+    let run = |img: &Planar, tta: bool| {
+        let dec = Decoded {
+            rgb: img.clone(),
+            alpha: None,
+            gray: false,
+            bit_depth: 8,
+            format: Format::Png,
+        };
+        lanes.upscale_decoded(&dec, &settings(tta)).unwrap().rgb
+    };
+    let plain = run(&rgb, false);
+    let ens = run(&rgb, true);
+    let mirrored = run(&rgb.transformed(1), true);
+    let diff = |a: &Planar, b: &Planar| {
+        a.data
+            .iter()
+            .zip(&b.data)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    assert!(diff(&mirrored.transformed(1), &ens) < 1e-5, "not symmetric");
+    let d = diff(&ens, &plain);
+    assert!(d > 0.0 && d < 0.1, "ensemble vs plain: {d}");
 }

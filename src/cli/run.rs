@@ -453,6 +453,7 @@ mod tests {
             batch: None,
             blend: crate::tile::BlendMode::Hann,
             quiet: true,
+            tta: false,
         };
         let choice = EncodeChoice {
             bit_depth: None,

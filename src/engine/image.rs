@@ -1,7 +1,7 @@
 //! One decoded image through the network: colour, alpha and tile settings.
 
 use crate::io::Decoded;
-use crate::planar::Planar;
+use crate::planar::{Planar, SYMMETRIES};
 use crate::tile::lanes::merge_lane_stats;
 use crate::tile::{LaneStats, TileOptions, TileStats};
 
@@ -33,6 +33,9 @@ pub struct TileSettings {
     pub batch: Option<usize>,
     pub blend: crate::tile::BlendMode,
     pub quiet: bool,
+    /// Test-time self-ensemble: the colour output is the mean over the eight flips and
+    /// transpositions of the input, each undone on its output (8x the work).
+    pub tta: bool,
 }
 
 impl Engine {
@@ -127,7 +130,11 @@ impl Lanes {
         settings: &TileSettings,
     ) -> anyhow::Result<Upscaled> {
         let opts = self.tile_options(settings, img.rgb.height, img.rgb.width);
-        let (rgb, stats, mut lanes) = self.run(&img.rgb, &opts)?;
+        let (rgb, stats, mut lanes) = if settings.tta {
+            self.run_ensemble(&img.rgb, settings)?
+        } else {
+            self.run(&img.rgb, &opts)?
+        };
         let alpha = match &img.alpha {
             None => None,
             Some(a) => Some(self.upscale_alpha(a, &opts, &mut lanes)?),
@@ -138,6 +145,42 @@ impl Lanes {
             stats,
             lanes,
         })
+    }
+
+    /// The mean of the outputs for the eight symmetries of `img`, each mapped back. The
+    /// symmetries are exact permutations, so averaging cancels some of the network's
+    /// orientation-dependent error at eight times the cost.
+    fn run_ensemble(
+        &self,
+        img: &Planar,
+        settings: &TileSettings,
+    ) -> anyhow::Result<(Planar, TileStats, Vec<LaneStats>)> {
+        let mut sum: Option<Planar> = None;
+        let mut stats = TileStats::default();
+        let mut lanes = Vec::new();
+        for k in 0..SYMMETRIES {
+            let t = img.transformed(k);
+            let opts = self.tile_options(settings, t.height, t.width);
+            let (out, s, l) = self.run(&t, &opts)?;
+            let out = out.untransformed(k);
+            merge_lane_stats(&mut lanes, &l);
+            stats.tiles += s.tiles;
+            stats.batches += s.batches;
+            stats.oom_retries += s.oom_retries;
+            (stats.tile_shape, stats.batch) = (s.tile_shape, s.batch);
+            match &mut sum {
+                None => sum = Some(out),
+                Some(acc) => acc
+                    .data
+                    .iter_mut()
+                    .zip(&out.data)
+                    .for_each(|(a, v)| *a += v),
+            }
+        }
+        let mut mean = sum.expect("eight symmetries");
+        let n = f32::from(SYMMETRIES);
+        mean.data.iter_mut().for_each(|v| *v /= n);
+        Ok((mean, stats, lanes))
     }
 
     fn upscale_alpha(
