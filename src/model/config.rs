@@ -176,25 +176,9 @@ impl DrctConfig {
     }
 
     /// Infer the config from tensor names and shapes, then check every tensor against it.
-    /// Errors are plain sentences naming the tensor; the caller adds the file name.
     pub fn infer(shapes: &BTreeMap<String, Vec<usize>>) -> Result<Self, String> {
-        let get = |name: &str| -> Result<&Vec<usize>, String> {
-            shapes
-                .get(name)
-                .ok_or_else(|| format!("missing tensor {name} (not a DRCT checkpoint?)"))
-        };
-        // The output width a layer's weight declares; a crafted file can hold a scalar or an
-        // empty tensor where a matrix belongs.
-        let width = |name: &str| -> Result<usize, String> {
-            let shape = get(name)?;
-            match shape.first() {
-                Some(&n) if n > 0 && shape.len() >= 2 => Ok(n),
-                _ => Err(format!(
-                    "tensor {name} has shape {shape:?}; expected a non-empty weight matrix"
-                )),
-            }
-        };
-        let cf = get("conv_first.weight")?;
+        let t = Shapes(shapes);
+        let cf = t.get("conv_first.weight")?;
         if cf.len() != 4 || cf[0] == 0 || cf[1] != 3 || cf[2] != 3 || cf[3] != 3 {
             return Err(format!(
                 "tensor conv_first.weight has shape {cf:?}; a DRCT RGB model has [E, 3, 3, 3]"
@@ -207,87 +191,16 @@ impl DrctConfig {
         if shapes.keys().any(|k| k.starts_with("conv_after_body.0.")) {
             return Err("the '3conv' residual connection is not supported".into());
         }
-
-        let mut groups = 0;
-        for key in shapes.keys() {
-            if let Some(rest) = key.strip_prefix("layers.") {
-                let idx = rest.split('.').next().unwrap_or("");
-                let i: usize = idx
-                    .parse()
-                    .map_err(|_| format!("unexpected tensor {key}"))?;
-                groups = groups.max(i + 1);
-            }
-        }
-        if groups == 0 {
-            return Err("no residual groups (layers.N.*) found: not a DRCT checkpoint".into());
-        }
-
-        let table = get("layers.0.swin1.attn.relative_position_bias_table")?;
-        if table.len() != 2 {
-            return Err(format!(
-                "tensor layers.0.swin1.attn.relative_position_bias_table has shape {table:?}; expected 2 dims"
-            ));
-        }
-        let side = isqrt(table[0]);
-        if side * side != table[0] || side.is_multiple_of(2) {
-            return Err(format!(
-                "tensor layers.0.swin1.attn.relative_position_bias_table has {} rows; expected (2*window-1)^2",
-                table[0]
-            ));
-        }
-        let window = side.div_ceil(2);
-
-        let growth = width("layers.0.adjust1.weight")?;
-        let mut heads = vec![[0; BLOCKS_PER_GROUP]; groups];
+        let groups = t.groups()?;
+        let window = t.window()?;
+        let growth = t.width("layers.0.adjust1.weight")?;
+        let heads = t.heads(groups, embed_dim, growth)?;
         let mut mlp_hidden = [0; BLOCKS_PER_GROUP];
-        for (g, group_heads) in heads.iter_mut().enumerate() {
-            for (k, h) in group_heads.iter_mut().enumerate() {
-                let p = format!("layers.{g}.swin{}", k + 1);
-                let t = get(&format!("{p}.attn.relative_position_bias_table"))?;
-                *h = *t.get(1).ok_or_else(|| {
-                    format!("tensor {p}.attn.relative_position_bias_table has shape {t:?}")
-                })?;
-                let d = embed_dim + k * growth;
-                if *h == 0 || d % *h != 0 {
-                    return Err(format!(
-                        "block {p} has width {d} and {h} heads: the width must divide evenly"
-                    ));
-                }
-            }
-        }
         for (k, hidden) in mlp_hidden.iter_mut().enumerate() {
-            *hidden = width(&format!("layers.0.swin{}.mlp.fc1.weight", k + 1))?;
+            *hidden = t.width(&format!("layers.0.swin{}.mlp.fc1.weight", k + 1))?;
         }
-
-        let num_feat = width("conv_before_upsample.0.weight")?;
-        let mut scale = 1;
-        let mut stage = 0;
-        while shapes.contains_key(&format!("upsample.{}.weight", 2 * stage)) {
-            let name = format!("upsample.{}.weight", 2 * stage);
-            let w = get(&name)?;
-            let r2 = width(&name)? / num_feat;
-            let r = isqrt(r2);
-            if r * r * num_feat != w[0] || !(r == 2 || r == 3) {
-                return Err(format!(
-                    "tensor upsample.{}.weight has shape {w:?}: not a pixel-shuffle stage of 2 or 3 over {num_feat} channels",
-                    2 * stage
-                ));
-            }
-            scale *= r;
-            stage += 1;
-        }
-        if stage == 0 {
-            return Err(
-                "missing tensor upsample.0.weight (only the pixel-shuffle upsampler is supported)"
-                    .into(),
-            );
-        }
-        if !(scale == 3 || (scale.is_power_of_two() && scale >= 2)) || (scale % 3 == 0 && stage > 1)
-        {
-            return Err(format!(
-                "unsupported upsampler: scale {scale} from {stage} stages"
-            ));
-        }
+        let num_feat = t.width("conv_before_upsample.0.weight")?;
+        let scale = t.upsampler_scale(num_feat)?;
 
         let cfg = DrctConfig {
             embed_dim,
@@ -329,6 +242,128 @@ impl DrctConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// A state dict's shapes, read the way config inference needs them: every miss or odd
+/// shape is an error naming the tensor.
+struct Shapes<'a>(&'a BTreeMap<String, Vec<usize>>);
+
+impl Shapes<'_> {
+    fn get(&self, name: &str) -> Result<&Vec<usize>, String> {
+        self.0
+            .get(name)
+            .ok_or_else(|| format!("missing tensor {name} (not a DRCT checkpoint?)"))
+    }
+
+    /// The output width a layer's weight declares; a crafted file can hold a scalar or an
+    /// empty tensor where a matrix belongs.
+    fn width(&self, name: &str) -> Result<usize, String> {
+        let shape = self.get(name)?;
+        match shape.first() {
+            Some(&n) if n > 0 && shape.len() >= 2 => Ok(n),
+            _ => Err(format!(
+                "tensor {name} has shape {shape:?}; expected a non-empty weight matrix"
+            )),
+        }
+    }
+
+    /// Residual groups: one past the highest `layers.N`.
+    fn groups(&self) -> Result<usize, String> {
+        let mut groups = 0;
+        for key in self.0.keys() {
+            if let Some(rest) = key.strip_prefix("layers.") {
+                let idx = rest.split('.').next().unwrap_or("");
+                let i: usize = idx
+                    .parse()
+                    .map_err(|_| format!("unexpected tensor {key}"))?;
+                groups = groups.max(i + 1);
+            }
+        }
+        if groups == 0 {
+            return Err("no residual groups (layers.N.*) found: not a DRCT checkpoint".into());
+        }
+        Ok(groups)
+    }
+
+    /// The window side, from the `(2w-1)^2` rows of the first bias table.
+    fn window(&self) -> Result<usize, String> {
+        let name = "layers.0.swin1.attn.relative_position_bias_table";
+        let table = self.get(name)?;
+        if table.len() != 2 {
+            return Err(format!(
+                "tensor {name} has shape {table:?}; expected 2 dims"
+            ));
+        }
+        let side = isqrt(table[0]);
+        if side * side != table[0] || side.is_multiple_of(2) {
+            return Err(format!(
+                "tensor {name} has {} rows; expected (2*window-1)^2",
+                table[0]
+            ));
+        }
+        Ok(side.div_ceil(2))
+    }
+
+    /// Heads of every block: the columns of its bias table, which must divide its width.
+    fn heads(
+        &self,
+        groups: usize,
+        embed_dim: usize,
+        growth: usize,
+    ) -> Result<Vec<[usize; BLOCKS_PER_GROUP]>, String> {
+        let mut heads = vec![[0; BLOCKS_PER_GROUP]; groups];
+        for (g, group_heads) in heads.iter_mut().enumerate() {
+            for (k, h) in group_heads.iter_mut().enumerate() {
+                let p = format!("layers.{g}.swin{}", k + 1);
+                let t = self.get(&format!("{p}.attn.relative_position_bias_table"))?;
+                *h = *t.get(1).ok_or_else(|| {
+                    format!("tensor {p}.attn.relative_position_bias_table has shape {t:?}")
+                })?;
+                let d = embed_dim + k * growth;
+                if *h == 0 || !d.is_multiple_of(*h) {
+                    return Err(format!(
+                        "block {p} has width {d} and {h} heads: the width must divide evenly"
+                    ));
+                }
+            }
+        }
+        Ok(heads)
+    }
+
+    /// The product of the pixel-shuffle stages (`upsample.0`, `upsample.2`, ...).
+    fn upsampler_scale(&self, num_feat: usize) -> Result<usize, String> {
+        let mut scale = 1;
+        let mut stage = 0;
+        while self
+            .0
+            .contains_key(&format!("upsample.{}.weight", 2 * stage))
+        {
+            let name = format!("upsample.{}.weight", 2 * stage);
+            let w = self.get(&name)?;
+            let r2 = self.width(&name)? / num_feat;
+            let r = isqrt(r2);
+            if r * r * num_feat != w[0] || !(r == 2 || r == 3) {
+                return Err(format!(
+                    "tensor {name} has shape {w:?}: not a pixel-shuffle stage of 2 or 3 over {num_feat} channels"
+                ));
+            }
+            scale *= r;
+            stage += 1;
+        }
+        if stage == 0 {
+            return Err(
+                "missing tensor upsample.0.weight (only the pixel-shuffle upsampler is supported)"
+                    .into(),
+            );
+        }
+        if !(scale == 3 || (scale.is_power_of_two() && scale >= 2)) || (scale % 3 == 0 && stage > 1)
+        {
+            return Err(format!(
+                "unsupported upsampler: scale {scale} from {stage} stages"
+            ));
+        }
+        Ok(scale)
     }
 }
 
