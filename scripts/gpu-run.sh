@@ -14,7 +14,8 @@
 # matrix: precision x batch x attention for DRCT-L, and tile 512.
 # Each part is planned to finish well inside one 10-minute call; the first GPU session should
 # run them as three calls (check first: if it fails, fix that before measuring anything).
-# Every step's output goes to OUTDIR/<step>.log; each measurement is one JSON line in
+# Every step's output goes to OUTDIR/logs/<step>.log (packed into OUTDIR/logs.tar.gz on the
+# GPU machine, which returns few files); each measurement is one JSON line in
 # OUTDIR/results.jsonl; OUTDIR/summary.md tabulates them. A failing step is recorded and the
 # run goes on. With --smoke, PACK may name a folder holding a CPU build's `upscale`.
 set -uo pipefail
@@ -33,13 +34,20 @@ out=$(cd "$out" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 results="$out/results.jsonl"
+logs="$out/logs"
+mkdir -p "$logs"
 : > "$results"
 PY=${PYTHON:-python3}
 export UPSCALE_REPO=$PWD
 
 unpack() { # PACK/NAME(.xz) -> an executable path
   if [ -f "$pack/$1.xz" ]; then
-    xz -dc "$pack/$1.xz" > "$work/$1" && chmod +x "$work/$1" && echo "$work/$1"
+    if command -v xz >/dev/null; then
+      xz -dc "$pack/$1.xz" > "$work/$1"
+    else
+      "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$pack/$1.xz" "$work/$1"
+    fi
+    chmod +x "$work/$1" && echo "$work/$1"
   elif [ -x "$pack/$1" ]; then
     echo "$pack/$1"
   fi
@@ -85,7 +93,7 @@ run() {
   shift 2
   local t0 t1 status
   t0=$(date +%s.%N)
-  timeout "$limit" "$@" >> "$out/$step.log" 2>&1
+  timeout "$limit" "$@" >> "$logs/$step.log" 2>&1
   status=$?
   t1=$(date +%s.%N)
   echo "{\"step\":\"$step\",\"status\":$status,\"wall_s\":$(awk "BEGIN {print $t1 - $t0}")}" >> "$results"
@@ -97,7 +105,7 @@ bench() {
   local step=$1 label=$2 model=$3
   shift 3
   local line
-  line=$(timeout 240 "$up" bench -m "$model" --device "$device" --json "${peak[@]}" "$@" 2>> "$out/$step.log" | tail -n 1)
+  line=$(timeout 240 "$up" bench -m "$model" --device "$device" --json "${peak[@]}" "$@" 2>> "$logs/$step.log" | tail -n 1)
   if [ -n "$line" ]; then
     record "$step" "$line" "\"label\":\"$label\",\"args\":\"$*\""
   else
@@ -114,8 +122,8 @@ models() {
   else
     drct="$work/drct.safetensors"
     drct_l="$work/drct-l.safetensors"
-    [ -f "$drct" ] || "$PY" benches/torch_drct.py make-weights "$drct" --preset drct --scale 4 --seed 0 >> "$out/weights.log" 2>&1
-    [ -f "$drct_l" ] || "$PY" benches/torch_drct.py make-weights "$drct_l" --preset drct-l --scale 4 --seed 0 >> "$out/weights.log" 2>&1
+    [ -f "$drct" ] || "$PY" benches/torch_drct.py make-weights "$drct" --preset drct --scale 4 --seed 0 >> "$logs/weights.log" 2>&1
+    [ -f "$drct_l" ] || "$PY" benches/torch_drct.py make-weights "$drct_l" --preset drct-l --scale 4 --seed 0 >> "$logs/weights.log" 2>&1
   fi
 }
 
@@ -127,23 +135,33 @@ else
 fi
 peak=()
 
+# The GPU's bf16/fp16/tf32 matmul rate, measured once per OUTDIR; bench gets --peak_tflops.
+measure_peak() {
+  if [ ! -f "$out/peak.json" ]; then
+    if [ "$have_torch" = 1 ] && [ "$smoke" = 0 ]; then
+      run peak 120 "$PY" benches/matmul_peak.py --json "$out/peak.json"
+      [ -f "$out/peak.json" ] && record peak "$(cat "$out/peak.json")"
+    else
+      record peak "skipped: needs PyTorch and a GPU"
+    fi
+  fi
+  if [ -f "$out/peak.json" ]; then
+    peak=(--peak_tflops "$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["bf16_tflops"])' "$out/peak.json")")
+  fi
+}
+
 check() {
   echo "== facts"
-  { nvidia-smi || true; nvidia-smi -q -d CLOCK,MEMORY,POWER || true; uname -a; nproc; } > "$out/facts.log" 2>&1
+  { nvidia-smi || true; nvidia-smi -q -d CLOCK,MEMORY,POWER || true; uname -a; nproc; } > "$logs/facts.log" 2>&1
   record facts "$(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi ($device run)")"
 
   echo "== matmul peak"
-  if [ "$have_torch" = 1 ] && [ "$smoke" = 0 ]; then
-    run peak 120 "$PY" benches/matmul_peak.py --json "$out/peak.json"
-    [ -f "$out/peak.json" ] && record peak "$(cat "$out/peak.json")"
-  else
-    record peak "skipped: needs PyTorch and a GPU"
-  fi
+  measure_peak
 
   echo "== CUDA tests"
   if [ -n "$tests" ]; then
     run tests 300 "$tests" --test-threads=1 --nocapture
-    record tests "$(grep -E '^test result|passed|FAILED|panicked' "$out/tests.log" | tail -n 20)"
+    record tests "$(grep -E '^test result|passed|FAILED|panicked' "$logs/tests.log" | tail -n 20)"
   else
     record tests "no test binary in the pack"
   fi
@@ -153,7 +171,7 @@ check() {
     run memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
       fused_kernel_matches_the_cpu_in_f32 cuda_blend_kernel_matches_the_host_accumulator \
       --test-threads=1
-    record memcheck "$(grep -E 'ERROR SUMMARY|test result' "$out/memcheck.log" | tail -n 4)"
+    record memcheck "$(grep -E 'ERROR SUMMARY|test result' "$logs/memcheck.log" | tail -n 4)"
   else
     record memcheck "skipped: needs the CUDA test binary and compute-sanitizer"
   fi
@@ -168,7 +186,7 @@ check() {
   run psnr_ref 300 "$up" --device "$device" --precision fp32 -q --overwrite "$photos" -o "$ref"
   for p in bf16 fp16; do
     local line
-    line=$(timeout 300 "$up" eval --device "$device" --precision "$p" --hr "$ref" --lr "$photos" --scale 4 --json 2>> "$out/psnr.log" | tail -n 1)
+    line=$(timeout 300 "$up" eval --device "$device" --precision "$p" --hr "$ref" --lr "$photos" --scale 4 --json 2>> "$logs/psnr.log" | tail -n 1)
     record psnr "${line:-failed}" "\"precision\":\"$p\",\"against\":\"fp32\""
   done
 
@@ -179,9 +197,7 @@ check() {
 
 bench_part() {
   models
-  if [ -f "$out/peak.json" ]; then
-    peak=(--peak_tflops "$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["bf16_tflops"])' "$out/peak.json")")
-  fi
+  measure_peak
   echo "== side by side: DRCT-L x4 960x540 and DRCT x4 640x480, bf16, tile 256, batch 4"
   for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
     set -- $m
@@ -190,7 +206,7 @@ bench_part() {
       local line
       line=$(timeout 300 "$PY" benches/torch_gpu_reference.py --device cuda --preset "$1" --weights "$2" \
         --dtype bf16 --height "${3%x*}" --width "${3#*x}" --tile "$t256" --overlap "$ov" --tile-batch 4 \
-        --reps "$reps" 2>> "$out/side.log" | tail -n 1)
+        --reps "$reps" 2>> "$logs/side.log" | tail -n 1)
       record side "${line:-failed}" "\"label\":\"$1-bf16-pytorch\""
     else
       record side "skipped: the PyTorch reference needs PyTorch and a GPU" "\"label\":\"$1-bf16-pytorch\""
@@ -208,7 +224,7 @@ bench_part() {
     for f in tests/photos/*.png; do cp "$f" "$folder/$(basename "${f%.png}")-$i.png"; done
   done
   for s in 1 2; do
-    local util="$out/util-s$s.csv" sampler=""
+    local util="$logs/util-s$s.csv" sampler=""
     if [ "$smoke" = 0 ] && command -v nvidia-smi >/dev/null; then
       nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$util" 2>/dev/null &
       sampler=$!
@@ -224,9 +240,7 @@ bench_part() {
 
 matrix_part() {
   models
-  if [ -f "$out/peak.json" ]; then
-    peak=(--peak_tflops "$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["bf16_tflops"])' "$out/peak.json")")
-  fi
+  measure_peak
   echo "== precision x batch x attention (DRCT-L, tile 256)"
   for p in bf16 fp16 fp32; do
     for b in 1 4 8; do
@@ -252,6 +266,10 @@ case $part in
 esac
 "$PY" scripts/gpu_summary.py "$results" > "$out/summary.md"
 cat "$out/summary.md"
+# A GPU call brings back only a few files: the step logs travel as one archive.
+if [ "$smoke" = 0 ]; then
+  tar czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$logs"
+fi
 # Any failed step fails the run (so CI's smoke run catches a script that has rotted), after
 # everything else has run and been recorded.
 if grep -qE '"status":[1-9]|"result":"failed' "$results"; then
