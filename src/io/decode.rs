@@ -208,7 +208,7 @@ fn classify(path: &Path, format: Format, err: ImageError) -> IoError {
     }
 }
 
-fn to_planar(img: DynamicImage, format: Format) -> Decoded {
+pub(crate) fn to_planar(img: DynamicImage, format: Format) -> Decoded {
     let (w, h) = (img.width() as usize, img.height() as usize);
     let lut8: Vec<f32> = (0..=255u8).map(|v| f32::from(v) / 255.0).collect();
     let from8 = |v: u8| lut8[usize::from(v)];

@@ -2,8 +2,8 @@
 //! that never leave partial files, expanding INPUT arguments, naming outputs and sharding.
 
 mod atomic;
-mod decode;
-mod encode;
+pub(crate) mod decode;
+pub(crate) mod encode;
 mod error;
 mod format;
 mod naming;

@@ -41,7 +41,8 @@ const CONV_CHUNK_ELEMS_GPU: usize = 128 << 20;
 ///
 /// The patch matrix is built with nine contiguous copies along the channel axis and fed to
 /// one matmul per chunk of rows, so the work is a large GEMM on the CPU and on CUDA alike,
-/// with memory bounded by [`CONV_CHUNK_ELEMS`] however large the feature map.
+/// with memory bounded by `CONV_CHUNK_ELEMS` (`CONV_CHUNK_ELEMS_GPU` on a GPU) however large
+/// the feature map.
 pub struct Conv3x3 {
     /// `(9 * cin, cout)`, rows ordered (dy, dx, cin) to match the patch matrix.
     weight: Tensor,

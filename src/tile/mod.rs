@@ -30,7 +30,7 @@ use crate::planar::Planar;
 /// A super-resolution model as the tiler sees it.
 pub trait TileModel {
     fn scale(&self) -> usize;
-    /// x: (B, C, h, w) f32 on the model's device, values in [0,1]; returns (B, C, h*s, w*s).
+    /// x: (B, C, h, w) f32 on the model's device, values in \[0, 1\]; returns (B, C, h*s, w*s).
     /// The model pads to its window multiple itself, so any tile size is valid input.
     fn forward_batch(&self, x: &Tensor) -> candle_core::Result<Tensor>;
     fn device(&self) -> &Device;

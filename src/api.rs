@@ -1,0 +1,148 @@
+//! The library's front door: open a DRCT model once, then upscale images held in memory.
+//!
+//! ```
+//! use upscale::{Options, Upscaler};
+//!
+//! // The embedded default model (x4) on the CPU; `Upscaler::open(Some(path), ..)` takes
+//! // official `.pth` or `.safetensors` weights.
+//! let opts = Options { device: upscale::DeviceChoice::Cpu, ..Options::default() };
+//! let up = Upscaler::open(None, &opts)?;
+//! let small = image::DynamicImage::ImageRgb8(image::RgbImage::from_fn(24, 16, |x, y| {
+//!     image::Rgb([(x * 10) as u8, (y * 15) as u8, 128])
+//! }));
+//! let big = up.upscale(&small)?;
+//! assert_eq!((big.width(), big.height()), (96, 64));
+//! # Ok::<(), upscale::Error>(())
+//! ```
+//!
+//! Everything the command-line tool does per image happens here too: tiling with Hann
+//! blending, alpha and grayscale handling, 8- or 16-bit output following the input.
+
+use std::path::Path;
+
+use image::DynamicImage;
+
+use crate::engine::image::{TileChoice, TileSettings};
+use crate::engine::lanes::Lanes;
+use crate::engine::{choose_dtype, open_device, read_checkpoint, DeviceChoice, Precision};
+use crate::io::{EncodeOptions, Format};
+use crate::model::fused::Attention;
+use crate::model::ModelError;
+use crate::tile::BlendMode;
+
+/// How to run the model. `Options::default()` is what the command line does without flags.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// CPU, a GPU, several GPUs, or the first GPU that answers (else the CPU).
+    pub device: DeviceChoice,
+    /// `Auto` is bf16 on a GPU and fp32 on the CPU.
+    pub precision: Precision,
+    /// Window attention on a GPU: the fused kernel or candle's op graph.
+    pub attention: Attention,
+    /// Lanes per GPU (each its own CUDA stream and copy of the weights).
+    pub streams: usize,
+    /// Tile side in input pixels (0: the whole image); `None` chooses from free memory.
+    pub tile: Option<usize>,
+    /// Input pixels shared by neighbouring tiles.
+    pub overlap: usize,
+    /// Tiles per forward pass; `None` chooses with the tile.
+    pub batch: Option<usize>,
+    pub blend: BlendMode,
+    /// Test-time self-ensemble over the eight flips and transpositions (8x the time).
+    pub tta: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            device: DeviceChoice::Auto,
+            precision: Precision::Auto,
+            attention: Attention::default(),
+            streams: 1,
+            tile: None,
+            overlap: 32,
+            batch: None,
+            blend: BlendMode::default(),
+            tta: false,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The weights could not be read or do not describe a DRCT model.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The device could not be opened or the model not placed on it.
+    #[error("{0}")]
+    Device(String),
+    /// The network or the tiling failed on this image.
+    #[error("{0}")]
+    Upscale(String),
+}
+
+/// A model loaded on its device(s), ready for any number of images.
+pub struct Upscaler {
+    lanes: Lanes,
+    settings: TileSettings,
+    warnings: Vec<String>,
+}
+
+impl Upscaler {
+    /// Opens `model` (a `.pth` or `.safetensors` file; `None` for the embedded default model)
+    /// as `opts` asks.
+    pub fn open(model: Option<&Path>, opts: &Options) -> Result<Self, Error> {
+        let mut warnings = Vec::new();
+        let device = open_device(&opts.device, &mut |w| warnings.push(w))
+            .map_err(|e| Error::Device(format!("{e:#}")))?;
+        let dtype = choose_dtype(opts.precision, &device, &mut |w| warnings.push(w));
+        let ck = read_checkpoint(model)?;
+        let lanes = Lanes::open(
+            ck,
+            device,
+            (dtype, opts.attention),
+            &opts.device,
+            opts.streams.max(1),
+            &mut |w| warnings.push(w),
+        )
+        .map_err(|e| Error::Device(format!("{e:#}")))?;
+        let settings = TileSettings {
+            choice: opts.tile.map_or(TileChoice::Auto, TileChoice::Fixed),
+            overlap: opts.overlap,
+            batch: opts.batch,
+            blend: opts.blend,
+            quiet: true,
+            tta: opts.tta,
+        };
+        Ok(Self {
+            lanes,
+            settings,
+            warnings,
+        })
+    }
+
+    /// The model's upscaling factor.
+    pub fn scale(&self) -> usize {
+        self.lanes.scale()
+    }
+
+    /// What opening the model fell back from (a GPU that did not answer, a precision the
+    /// device lacks).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// `img` upscaled by [`Upscaler::scale`]: gray stays gray, alpha is kept (upscaled through
+    /// the network too), and the sample depth follows the input (16-bit in, 16-bit out).
+    pub fn upscale(&self, img: &DynamicImage) -> Result<DynamicImage, Error> {
+        let dec = crate::io::decode::to_planar(img.clone(), Format::Png);
+        let up = self
+            .lanes
+            .upscale_decoded(&dec, &self.settings)
+            .map_err(|e| Error::Upscale(format!("{e:#}")))?;
+        let mut opts = EncodeOptions::new(Format::Png);
+        opts.bit_depth = dec.bit_depth;
+        crate::io::encode::to_image(&up.rgb, up.alpha.as_ref(), dec.gray, &opts)
+            .map_err(Error::Upscale)
+    }
+}
