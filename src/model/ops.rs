@@ -323,7 +323,8 @@ pub fn window_attention(
     } else {
         gemm::Parallelism::Rayon(0)
     };
-    // Left uninitialised: the GEMMs below write every element (each head its d columns of
+    let shape = WindowShape { n, c, heads, inner };
+    // Left uninitialised: `attend_window` writes every element (each head its d columns of
     // every row) without reading it.
     let mut out: Vec<f32> = Vec::with_capacity(bw * n * c);
     out.spare_capacity_mut()
@@ -332,45 +333,72 @@ pub fn window_attention(
         .for_each_init(
             || vec![0f32; n * n],
             |scores, (win, out)| {
-                let base = &qkv_data[win * n * c3..(win + 1) * n * c3];
-                let win_mask = mask_data.map(|m| &m[(win % nw) * n * n..(win % nw + 1) * n * n]);
-                for h in 0..heads {
-                    let q = base[h * d..].as_ptr();
-                    let k = base[c + h * d..].as_ptr();
-                    let v = base[2 * c + h * d..].as_ptr();
-                    // SAFETY: every access stays inside `base` (n rows of c3 starting at the
-                    // head's column), `scores` (n x n) and `out` (n rows of c); the pointers
-                    // do not alias and no other task touches this window's `out`.
-                    unsafe {
-                        // scores = q · kᵀ; kᵀ is read through k's strides, never copied.
-                        gemm_f32(
-                            (n, n, d),
-                            strided(scores.as_mut_ptr(), n, 1),
-                            false,
-                            strided(q, c3, 1),
-                            strided(k, 1, c3),
-                            inner,
-                        );
-                    }
-                    attention_probs(scores, &bias_data[h * n * n..(h + 1) * n * n], win_mask, n);
-                    // SAFETY: as above; the head's d output columns of this window.
-                    unsafe {
-                        gemm_f32(
-                            (n, d, n),
-                            strided(out[h * d..].as_mut_ptr().cast::<f32>(), c, 1),
-                            false,
-                            strided(scores.as_ptr(), n, 1),
-                            strided(v, c3, 1),
-                            inner,
-                        );
-                    }
-                }
+                let qkv = &qkv_data[win * n * 3 * c..(win + 1) * n * 3 * c];
+                let mask = mask_data.map(|m| &m[(win % nw) * n * n..(win % nw + 1) * n * n]);
+                attend_window(&shape, qkv, bias_data, mask, scores, out);
             },
         );
-    // SAFETY: see above; all bw * n * c elements were written.
+    // SAFETY: `attend_window` wrote all bw * n * c elements.
     unsafe { out.set_len(bw * n * c) };
     drop((qkv_guard, bias_guard, mask_parts));
     Ok(Some(Tensor::from_vec(out, (bw, n, c), qkv.device())?))
+}
+
+/// The sizes one window's attention needs.
+struct WindowShape {
+    /// Tokens per window.
+    n: usize,
+    /// Channels (all heads).
+    c: usize,
+    heads: usize,
+    inner: gemm::Parallelism,
+}
+
+/// Attention of one window: for each head, scores = q · kᵀ straight from the strided `qkv`
+/// rows (`n` rows of q | k | v), + bias (+ mask), softmax in place, then the head's `d`
+/// output columns = probabilities · v. Writes every element of `out` (`n` rows of `c`).
+fn attend_window(
+    s: &WindowShape,
+    qkv: &[f32],
+    bias: &[f32],
+    mask: Option<&[f32]>,
+    scores: &mut [f32],
+    out: &mut [std::mem::MaybeUninit<f32>],
+) {
+    let (n, c) = (s.n, s.c);
+    let (c3, d) = (3 * c, c / s.heads);
+    assert!(qkv.len() >= n * c3 && out.len() >= n * c && scores.len() >= n * n);
+    for h in 0..s.heads {
+        let q = qkv[h * d..].as_ptr();
+        let k = qkv[c + h * d..].as_ptr();
+        let v = qkv[2 * c + h * d..].as_ptr();
+        // SAFETY: every access stays inside `qkv` (n rows of c3 starting at the head's
+        // column), `scores` (n x n) and `out` (n rows of c), as asserted above; the pointers do
+        // not alias and no other task touches this window's `out`.
+        unsafe {
+            // kᵀ is read through k's strides, never copied.
+            gemm_f32(
+                (n, n, d),
+                strided(scores.as_mut_ptr(), n, 1),
+                false,
+                strided(q, c3, 1),
+                strided(k, 1, c3),
+                s.inner,
+            );
+        }
+        attention_probs(scores, &bias[h * n * n..(h + 1) * n * n], mask, n);
+        // SAFETY: as above; the head's d output columns of this window.
+        unsafe {
+            gemm_f32(
+                (n, d, n),
+                strided(out[h * d..].as_mut_ptr().cast::<f32>(), c, 1),
+                false,
+                strided(scores.as_ptr(), n, 1),
+                strided(v, c3, 1),
+                s.inner,
+            );
+        }
+    }
 }
 
 /// `x · wᵀ + b` on the CPU with the bias written first and accumulated by the GEMM, so the
