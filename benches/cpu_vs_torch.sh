@@ -4,6 +4,8 @@
 # both see the same machine load. Prints each rep and the ratio of medians (PyTorch / ours).
 #
 # usage: benches/cpu_vs_torch.sh [REPS] [PRESET] [SIZE]     (PRESET: drct | drct-l)
+#        PRECISION=bf16 compares `--precision bf16` with PyTorch in pure bf16 (model and input
+#        cast to bfloat16); TILE=N passes --tile N (default 0: the whole input at once).
 # needs: python3 with torch, spandrel, safetensors, numpy, pillow  (PYTHON=... to choose one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +14,13 @@ REPS=${1:-5}
 PRESET=${2:-drct}
 SIZE=${3:-64}
 THREADS=${THREADS:-$(nproc)}
+PRECISION=${PRECISION:-fp32}
+TILE=${TILE:-0}
+case "$PRECISION" in
+  fp32) TORCH_DTYPE=float32 ;;
+  bf16) TORCH_DTYPE=bfloat16 ;;
+  *) echo "PRECISION must be fp32 or bf16" >&2; exit 2 ;;
+esac
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -33,22 +42,24 @@ ours=(); torch=()
 for i in $(seq "$REPS"); do
   t0=$(date +%s.%N)
   RAYON_NUM_THREADS=$THREADS ./target/release/upscale -m "$work/w.safetensors" "$work/in.png" \
-    -o "$work/out.png" --device cpu --precision fp32 --tile 0 --overwrite -q
+    -o "$work/out.png" --device cpu --precision "$PRECISION" --tile "$TILE" --overwrite -q
   t1=$(date +%s.%N)
   o=$(echo "$t1 - $t0" | bc -l)
   t=$("$PY" benches/torch_drct.py time --preset "$PRESET" --weights "$work/w.safetensors" \
-        --size "$SIZE" --threads "$THREADS" --reps 1 --warmup 1 | tail -n 1 |
+        --size "$SIZE" --threads "$THREADS" --reps 1 --warmup 1 --dtype "$TORCH_DTYPE" | tail -n 1 |
       "$PY" -c 'import json,sys; print(json.load(sys.stdin)["median_s"])')
   ours+=("$o"); torch+=("$t")
   printf 'rep %d: upscale %.3f s (whole process), pytorch %.3f s (forward)\n' "$i" "$o" "$t"
 done
-"$PY" - "$PRESET" "$SIZE" "$THREADS" "${ours[*]}" "${torch[*]}" <<'PYEOF'
+"$PY" - "$PRESET" "$SIZE" "$THREADS" "${ours[*]}" "${torch[*]}" "$PRECISION" "$TILE" <<'PYEOF'
 import json, statistics, sys
 preset, size, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ours = [float(v) for v in sys.argv[4].split()]
 torch = [float(v) for v in sys.argv[5].split()]
+precision, tile = sys.argv[6], int(sys.argv[7])
 mo, mt = statistics.median(ours), statistics.median(torch)
 print(json.dumps({"preset": preset, "input": [size, size], "threads": threads,
+                  "precision": precision, "tile": tile,
                   "upscale_median_s": round(mo, 3), "pytorch_median_s": round(mt, 3),
                   "ratio_pytorch_over_upscale": round(mt / mo, 3)}))
 PYEOF

@@ -32,11 +32,65 @@ fn f32_matches_float64_reference_on_every_fixture() {
     assert!(scales.is_superset(&[2, 3, 4].into_iter().collect()));
 }
 
+/// bf16 on the CPU (bf16 weights and matrix-product operands, f32 sums and everything else
+/// f32) against the float64 reference, on every fixture and the default model. Stated
+/// tolerance: PSNR over the [0, 1] range of at least [`BF16_MIN_PSNR`] dB and no value off by
+/// more than [`BF16_MAX_ABS`]. On a CPU without bf16 arithmetic the model must refuse bf16
+/// with a clear error instead.
+#[test]
+fn cpu_bf16_stays_close_to_the_float64_reference() {
+    let mut cases: Vec<(String, std::path::PathBuf, std::path::PathBuf)> = cases()
+        .into_iter()
+        .map(|c| (c.name, c.weights, c.io))
+        .collect();
+    cases.push((
+        "default_x4".into(),
+        common::repo().join("models/default_x4.safetensors"),
+        golden_dir().join("default_x4.io.safetensors"),
+    ));
+    if !upscale::model::bf16::supported() {
+        let err = Model::load(&cases[0].1, DType::BF16, &Device::Cpu)
+            .err()
+            .expect("bf16 without bf16 instructions must be refused");
+        assert!(err.to_string().contains("AVX512-BF16"), "{err}");
+        eprintln!("this CPU has no bf16 arithmetic: checked that bf16 is refused");
+        return;
+    }
+    let mut failures = Vec::new();
+    for (name, weights, io) in &cases {
+        let model = Model::load(weights, DType::BF16, &Device::Cpu)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (input, expected) = load_io(io);
+        let out = model.net.forward(&input).unwrap();
+        assert_eq!(out.dtype(), DType::F32, "{name}: activations stay f32");
+        let d = max_abs_diff(&out, &expected);
+        let mse = (&out.to_dtype(DType::F64).unwrap() - &expected.to_dtype(DType::F64).unwrap())
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        let psnr = -10.0 * mse.log10();
+        eprintln!("{name:<28} bf16: max |bf16 - f64| = {d:.3e}, PSNR {psnr:.1} dB");
+        if !(d <= BF16_MAX_ABS && psnr >= BF16_MIN_PSNR) {
+            failures.push(format!("{name}: max {d:.3e}, {psnr:.1} dB"));
+        }
+    }
+    assert!(failures.is_empty(), "bf16 out of tolerance: {failures:?}");
+}
+
+/// See [`cpu_bf16_stays_close_to_the_float64_reference`]: bf16 keeps 8 significant bits, so
+/// single values may move by a few 1e-3 while the image as a whole stays far above what the
+/// eye or an 8-bit file can show (an 8-bit quantisation alone is ~59 dB).
+const BF16_MIN_PSNR: f64 = 45.0;
+const BF16_MAX_ABS: f64 = 0.05;
+
 #[test]
 fn f16_weights_stay_close() {
     // f16 weights are converted at load and, on the CPU, the arithmetic runs in f16 too; the
-    // bar is loose, but a broken conversion or a dtype mix-up lands far outside it. (bf16 is
-    // a GPU path: candle's CPU backend has no bf16 convolution.)
+    // bar is loose, but a broken conversion or a dtype mix-up lands far outside it.
     let case = &cases()[0];
     let (input, expected) = load_io(&case.io);
     let model = Model::load(&case.weights, DType::F16, &Device::Cpu).unwrap();

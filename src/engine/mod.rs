@@ -104,17 +104,23 @@ pub fn open_device(choice: &DeviceChoice, warn: &mut dyn FnMut(String)) -> anyho
     }
 }
 
-/// The dtype the model runs in. The CPU path is f32: candle's CPU backend has no bf16
-/// convolution and its f16 kernels are slower than f32, so a half-precision request there
-/// falls back with a warning.
+/// The dtype the model runs in. On the CPU, bf16 means f32 activations with bf16 weights and
+/// products (AVX512-BF16 or AMX), and falls back to fp32 with a warning on CPUs without them;
+/// fp16 always does: no x86 CPU multiplies fp16 with f32 sums, and converting to f32 first
+/// would only be fp32 with rounded weights.
 pub fn choose_dtype(p: Precision, device: &Device, warn: &mut dyn FnMut(String)) -> DType {
     match (p, device.is_cpu()) {
         (Precision::Fp32, _) | (Precision::Auto, true) => DType::F32,
-        (Precision::Fp16 | Precision::Bf16, true) => {
-            let name = if p == Precision::Fp16 { "fp16" } else { "bf16" };
-            warn(format!(
-                "--precision {name} is not available on the CPU; using fp32"
-            ));
+        (Precision::Bf16, true) if crate::model::bf16::supported() => DType::BF16,
+        (Precision::Bf16, true) => {
+            warn(
+                "--precision bf16: this CPU has no bf16 arithmetic (AVX512-BF16 or AMX); using fp32"
+                    .into(),
+            );
+            DType::F32
+        }
+        (Precision::Fp16, true) => {
+            warn("--precision fp16 is not available on the CPU; using fp32".into());
             DType::F32
         }
         (Precision::Auto | Precision::Bf16, false) => DType::BF16,
@@ -202,7 +208,10 @@ impl Engine {
     /// one warning per run), so an overflow costs that tile's time, never a black tile. The
     /// result is in the engine's dtype, or f32 when a tile was redone.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = self.model.net.forward(&x.to_dtype(self.dtype)?)?;
+        let y = self
+            .model
+            .net
+            .forward(&x.to_dtype(self.model.net.dtype())?)?;
         let Some(weights) = &self.fp32_weights else {
             return Ok(y);
         };
@@ -319,7 +328,7 @@ impl Engine {
         let tokens = scores + 6.0 * d + c.mlp_hidden.iter().copied().max().unwrap_or(0) as f64;
         let s2 = (c.scale * c.scale) as f64;
         let upsampler = 3.0 * c.num_feat as f64 * s2;
-        (tokens + upsampler) * self.dtype.size_in_bytes() as f64
+        (tokens + upsampler) * self.model.net.dtype().size_in_bytes() as f64
     }
 
     fn measure_bytes_per_pixel(&self) -> Option<f64> {
@@ -400,12 +409,22 @@ mod tests {
     }
 
     #[test]
-    fn cpu_falls_back_to_fp32_with_a_warning() {
+    fn cpu_half_precision_is_bf16_where_the_cpu_has_it_else_fp32_with_a_warning() {
         let mut warnings = Vec::new();
         let d = choose_dtype(Precision::Bf16, &Device::Cpu, &mut |w| warnings.push(w));
+        if crate::model::bf16::supported() {
+            assert_eq!(d, DType::BF16);
+            assert!(warnings.is_empty());
+        } else {
+            assert_eq!(d, DType::F32);
+            assert_eq!(warnings.len(), 1);
+            assert!(warnings[0].contains("bf16"));
+        }
+        warnings.clear();
+        let d = choose_dtype(Precision::Fp16, &Device::Cpu, &mut |w| warnings.push(w));
         assert_eq!(d, DType::F32);
         assert_eq!(warnings.len(), 1);
-        assert!(warnings[0].contains("bf16"));
+        assert!(warnings[0].contains("fp16"));
         let d = choose_dtype(Precision::Auto, &Device::Cpu, &mut |w| warnings.push(w));
         assert_eq!(d, DType::F32);
         assert_eq!(warnings.len(), 1);

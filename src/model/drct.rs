@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 
+use super::bf16::{Isa, PackedB};
 use super::cache::{relative_position_bias, WindowCache};
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
 use super::fused::{fused_window_attention, Attention};
@@ -48,6 +49,8 @@ pub struct Conv3x3 {
     weight: Tensor,
     bias: Tensor,
     cin: usize,
+    /// The weight in bf16, for bf16 products on the CPU ([`Drct::use_bf16_products`]).
+    bf16: Option<(Isa, PackedB)>,
 }
 
 impl Conv3x3 {
@@ -61,7 +64,21 @@ impl Conv3x3 {
             weight,
             bias: vb.get(cout, "bias")?,
             cin,
+            bf16: None,
         })
+    }
+
+    /// Computes with bf16 products from now on and drops the f32 weight. Narrow
+    /// convolutions (the RGB output) keep f32: they are computed directly, not as a GEMM.
+    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+        let (k, cout) = self.weight.dims2()?;
+        if cout <= super::ops::NARROW_CONV {
+            return Ok(());
+        }
+        let w = self.weight.to_dtype(DType::F32)?.to_vec2::<f32>()?.concat();
+        self.bf16 = Some((isa, PackedB::new(&w, (k, cout), (cout, 1))));
+        self.weight = Tensor::zeros(0, DType::F32, self.weight.device())?;
+        Ok(())
     }
 
     /// The same convolution with output channel k computing the old channel `order[k]`.
@@ -70,7 +87,7 @@ impl Conv3x3 {
         Ok(Self {
             weight: self.weight.index_select(&idx, 1)?,
             bias: self.bias.index_select(&idx, 0)?,
-            cin: self.cin,
+            ..self
         })
     }
 
@@ -98,6 +115,15 @@ impl Conv3x3 {
 impl Module for Conv3x3 {
     /// `x`: `(B, H, W, cin)`; returns `(B, H, W, cout)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some((isa, w)) = &self.bf16 {
+            return super::ops::conv3x3_bf16(
+                &x.contiguous()?,
+                *isa,
+                w,
+                &self.bias,
+                CONV_CHUNK_ELEMS,
+            );
+        }
         if let Some(y) =
             super::ops::conv3x3(&x.contiguous()?, &self.weight, &self.bias, CONV_CHUNK_ELEMS)?
         {
@@ -160,16 +186,21 @@ fn shuffle_order(c_out: usize, r: usize) -> Vec<u32> {
 }
 
 /// A linear layer (`nn.Linear` keys). On the CPU in f32 the bias is folded into the GEMM
-/// ([`super::ops::linear`]); elsewhere it is candle's layer.
-pub struct Dense {
-    inner: Linear,
+/// ([`super::ops::linear`]), in bf16 the weights are packed for it; elsewhere it is candle's
+/// layer.
+pub enum Dense {
+    Candle(Linear),
+    Bf16 {
+        isa: Isa,
+        /// `(k, n)`: the weight transposed and packed.
+        weight: PackedB,
+        bias: Tensor,
+    },
 }
 
 impl Dense {
     pub fn new(weight: Tensor, bias: Tensor) -> Self {
-        Self {
-            inner: Linear::new(weight, Some(bias)),
-        }
+        Self::Candle(Linear::new(weight, Some(bias)))
     }
 
     pub fn load(cin: usize, cout: usize, vb: VarBuilder) -> Result<Self> {
@@ -178,13 +209,40 @@ impl Dense {
             vb.get(cout, "bias")?,
         ))
     }
+
+    /// Computes with bf16 products from now on; the f32 weight is dropped.
+    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+        if let Self::Candle(inner) = self {
+            let (n, k) = inner.weight().dims2()?;
+            let w = inner
+                .weight()
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?
+                .concat();
+            let bias = match inner.bias() {
+                Some(b) => b.to_dtype(DType::F32)?,
+                None => Tensor::zeros(n, DType::F32, inner.weight().device())?,
+            };
+            *self = Self::Bf16 {
+                isa,
+                weight: PackedB::new(&w, (k, n), (1, k)),
+                bias,
+            };
+        }
+        Ok(())
+    }
 }
 
 impl Module for Dense {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match super::ops::linear(x, self.inner.weight(), self.inner.bias())? {
-            Some(y) => Ok(y),
-            None => self.inner.forward(x),
+        match self {
+            Self::Candle(inner) => match super::ops::linear(x, inner.weight(), inner.bias())? {
+                Some(y) => Ok(y),
+                None => inner.forward(x),
+            },
+            Self::Bf16 { isa, weight, bias } => {
+                super::ops::linear_bf16(&x.contiguous()?, *isa, weight, bias)
+            }
         }
     }
 }
@@ -209,6 +267,13 @@ impl Mlp {
     }
 }
 
+impl Mlp {
+    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+        self.fc1.use_bf16(isa)?;
+        self.fc2.use_bf16(isa)
+    }
+}
+
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // The official model uses nn.GELU(): the exact erf form, not the tanh approximation.
@@ -226,6 +291,8 @@ pub struct WindowAttention {
     /// `(heads, N, N)`, gathered from the table once at load.
     bias: Tensor,
     attention: Attention,
+    /// bf16 products on the CPU, on these instructions.
+    bf16: Option<Isa>,
 }
 
 impl WindowAttention {
@@ -262,7 +329,15 @@ impl WindowAttention {
             window: ws,
             bias: relative_position_bias(&table, ws)?,
             attention,
+            bf16: None,
         })
+    }
+
+    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+        self.qkv.use_bf16(isa)?;
+        self.proj.use_bf16(isa)?;
+        self.bf16 = Some(isa);
+        Ok(())
     }
 
     /// Whether [`Self::forward_fused`] is the path for inputs on `device`: the CPU keeps its
@@ -292,7 +367,9 @@ impl WindowAttention {
     pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
         let (bw, n, c) = x.dims3()?;
         let qkv = self.qkv.forward(x)?;
-        if let Some(out) = super::ops::window_attention(&qkv, &self.bias, mask, self.heads)? {
+        if let Some(out) =
+            super::ops::window_attention(&qkv, &self.bias, mask, self.heads, self.bf16)?
+        {
             return self.proj.forward(&out);
         }
         let qkv = qkv
@@ -345,6 +422,13 @@ impl SwinBlock {
             shifted: k % 2 == 1,
             windows: windows.clone(),
         })
+    }
+}
+
+impl SwinBlock {
+    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+        self.attn.use_bf16(isa)?;
+        self.mlp.use_bf16(isa)
     }
 }
 
@@ -424,6 +508,18 @@ impl Rdg {
     }
 }
 
+impl Rdg {
+    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+        for b in &mut self.blocks {
+            b.use_bf16(isa)?;
+        }
+        for a in &mut self.adjust {
+            a.use_bf16(isa)?;
+        }
+        Ok(())
+    }
+}
+
 impl Module for Rdg {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut dense = x.clone();
@@ -455,6 +551,7 @@ pub struct Drct {
     windows: WindowCache,
     dtype: DType,
     device: Device,
+    bf16: Option<Isa>,
 }
 
 impl Drct {
@@ -503,6 +600,7 @@ impl Drct {
             windows,
             dtype: vb.dtype(),
             device: vb.device().clone(),
+            bf16: None,
         })
     }
 
@@ -516,6 +614,34 @@ impl Drct {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Runs every matrix product (linear layers, convolutions as GEMMs, both attention
+    /// products) with bf16 operands and f32 sums on `isa`, with the weights kept in bf16
+    /// only; everything else stays f32. CPU networks built in f32 only.
+    pub fn use_bf16_products(&mut self, isa: Isa) -> Result<()> {
+        if !self.device.is_cpu() || self.dtype != DType::F32 {
+            candle_core::bail!("bf16 products are for f32 networks on the CPU");
+        }
+        self.conv_first.use_bf16(isa)?;
+        for layer in &mut self.layers {
+            layer.use_bf16(isa)?;
+        }
+        for conv in [&mut self.conv_after_body]
+            .into_iter()
+            .flatten()
+            .chain([&mut self.conv_before_upsample, &mut self.conv_last])
+            .chain(self.upsample.iter_mut().map(|(c, _)| c))
+        {
+            conv.use_bf16(isa)?;
+        }
+        self.bf16 = Some(isa);
+        Ok(())
+    }
+
+    /// The instructions of bf16 products, where [`Self::use_bf16_products`] was called.
+    pub fn bf16_products(&self) -> Option<Isa> {
+        self.bf16
     }
 
     /// Number of distinct padded sizes whose shift mask is cached.

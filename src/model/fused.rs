@@ -477,7 +477,7 @@ mod tests {
         let (qkv, bias) = inputs(windows, n, heads, d)?;
         let cache = WindowCache::new(ws, DType::F32, &dev);
         let mask = shifted.then(|| cache.mask(h, w)).transpose()?;
-        let want = crate::model::ops::window_attention(&qkv, &bias, mask.as_ref(), heads)?
+        let want = crate::model::ops::window_attention(&qkv, &bias, mask.as_ref(), heads, None)?
             .expect("the CPU f32 kernel applies");
         let ours = fused_window_attention(&qkv, &bias, heads, ws, (h, w), shifted)?;
         assert_eq!(ours.dims(), want.dims());
@@ -509,7 +509,7 @@ mod tests {
         let windows = b * (h / ws) * (w / ws);
         let (qkv, bias) = inputs(windows, n, heads, d)?;
         let mask = WindowCache::new(ws, DType::F32, &dev).mask(h, w)?;
-        let want = crate::model::ops::window_attention(&qkv, &bias, Some(&mask), heads)?
+        let want = crate::model::ops::window_attention(&qkv, &bias, Some(&mask), heads, None)?
             .expect("the CPU f32 kernel applies");
         let unmasked = fused_window_attention(&qkv, &bias, heads, ws, (h, w), false)?;
         assert!(max_abs_diff(&unmasked, &want)? > 1e-2);

@@ -1,5 +1,6 @@
 //! The DRCT model: config inference, checkpoint reading, the network and its caches.
 
+pub mod bf16;
 pub mod cache;
 pub mod checkpoint;
 pub mod config;
@@ -59,7 +60,8 @@ pub struct Model {
 }
 
 impl Model {
-    /// Build the network from a validated checkpoint, converting weights to `dtype` on `device`.
+    /// Build the network from a validated checkpoint, converting weights to `dtype` on `device`
+    /// (bf16 on the CPU: f32 activations, bf16 weights and products).
     pub fn from_checkpoint(
         ck: Checkpoint,
         dtype: DType,
@@ -75,12 +77,30 @@ impl Model {
         device: &Device,
         attention: Attention,
     ) -> Result<Self, ModelError> {
-        let vb = VarBuilder::from_tensors(ck.tensors, dtype, device);
-        let net =
-            Drct::with_attention(&ck.config, vb, attention).map_err(|e| ModelError::Build {
-                origin: ck.source.to_string(),
-                msg: e.to_string(),
-            })?;
+        let build_error = |msg: String| ModelError::Build {
+            origin: ck.source.to_string(),
+            msg,
+        };
+        // bf16 on the CPU keeps f32 activations and runs the products in bf16: the weights
+        // are read in f32 and packed by the network.
+        let cpu_bf16 = dtype == DType::BF16 && device.is_cpu();
+        let isa = match (cpu_bf16, bf16::isa()) {
+            (false, _) => None,
+            (true, Some(isa)) => Some(isa),
+            (true, None) => {
+                return Err(build_error(
+                    "bf16 on the CPU needs AVX512-BF16 or AMX, which this CPU lacks".into(),
+                ))
+            }
+        };
+        let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
+        let vb = VarBuilder::from_tensors(ck.tensors, vb_dtype, device);
+        let mut net = Drct::with_attention(&ck.config, vb, attention)
+            .map_err(|e| build_error(e.to_string()))?;
+        if let Some(isa) = isa {
+            net.use_bf16_products(isa)
+                .map_err(|e| build_error(e.to_string()))?;
+        }
         Ok(Self {
             net,
             source: ck.source,

@@ -9,6 +9,8 @@
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::bf16::{Isa, PackedB};
+
 /// exp(x) for x <= 0: 2^n * p(r) with a Cody-Waite reduction and a degree-6 polynomial;
 /// relative error ~2e-7. Inputs below -87 return 0 exactly (no denormals downstream).
 #[inline(always)]
@@ -269,6 +271,54 @@ unsafe fn gemm_f32(
     }
 }
 
+/// A layer's weights as the products read them: f32 as stored (a `k x n` view through
+/// strides), or packed bf16 ([`super::bf16`]).
+#[derive(Clone, Copy)]
+pub enum Weights<'a> {
+    F32(&'a [f32]),
+    Bf16(Isa, &'a PackedB),
+}
+
+/// `dst (+)= lhs · rhs` for a row-major `m x k` lhs (rows `lda` apart) into a row-major
+/// `m x n` dst (rows `ldc` apart), in f32 or bf16 as `rhs` says; `f32_strides` are the
+/// strides of an f32 rhs.
+///
+/// # Safety
+/// As [`gemm_f32`] and [`super::bf16::gemm`]: every addressed element inside live
+/// allocations, dst not overlapping the inputs, initialised where `accumulate` is set.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(
+    (m, n, k): (usize, usize, usize),
+    (dst, ldc): (*mut f32, usize),
+    accumulate: bool,
+    (lhs, lda): (*const f32, usize),
+    rhs: Weights,
+    f32_strides: (usize, usize),
+    parallel: bool,
+) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        match rhs {
+            Weights::F32(w) => gemm_f32(
+                (m, n, k),
+                strided(dst, ldc, 1),
+                accumulate,
+                strided(lhs, lda, 1),
+                strided(w.as_ptr(), f32_strides.0, f32_strides.1),
+                if parallel {
+                    gemm::Parallelism::Rayon(0)
+                } else {
+                    gemm::Parallelism::None
+                },
+            ),
+            Weights::Bf16(isa, w) => {
+                debug_assert_eq!((w.rows(), w.cols()), (k, n));
+                super::bf16::gemm(isa, m, dst, ldc, accumulate, (lhs, lda), w, parallel)
+            }
+        }
+    }
+}
+
 /// Shifted-window multi-head attention on the CPU, fused per window: both matmuls go to the
 /// GEMM directly from strided views of the `qkv` projection, and the bias, the mask and the
 /// softmax are applied to a score matrix that stays in cache. The unfused graph writes and
@@ -277,12 +327,14 @@ unsafe fn gemm_f32(
 /// `qkv`: `(B*nW, N, 3C)` (q, k, v, then heads, then head dim, as the official reshape reads
 /// it), q already scaled; `bias`: `(heads, N, N)`; `mask`: `(nW, N, N)`. Returns `(B*nW, N, C)`
 /// with heads concatenated, or `None` where the kernel does not apply (another device or
-/// dtype), so the caller runs the generic graph.
+/// dtype), so the caller runs the generic graph. With `bf16`, both products take bf16
+/// operands (f32 sums); the softmax stays f32.
 pub fn window_attention(
     qkv: &Tensor,
     bias: &Tensor,
     mask: Option<&Tensor>,
     heads: usize,
+    bf16: Option<Isa>,
 ) -> Result<Option<Tensor>> {
     let all_f32_cpu = [Some(qkv), Some(bias), mask]
         .into_iter()
@@ -323,7 +375,13 @@ pub fn window_attention(
     } else {
         gemm::Parallelism::Rayon(0)
     };
-    let shape = WindowShape { n, c, heads, inner };
+    let shape = WindowShape {
+        n,
+        c,
+        heads,
+        inner,
+        bf16,
+    };
     // Left uninitialised: `attend_window` writes every element (each head its d columns of
     // every row) without reading it.
     let mut out: Vec<f32> = Vec::with_capacity(bw * n * c);
@@ -331,11 +389,14 @@ pub fn window_attention(
         .par_chunks_mut(n * c)
         .enumerate()
         .for_each_init(
-            || vec![0f32; n * n],
-            |scores, (win, out)| {
+            || Scratch {
+                scores: vec![0f32; n * n],
+                ..Scratch::default()
+            },
+            |scratch, (win, out)| {
                 let qkv = &qkv_data[win * n * 3 * c..(win + 1) * n * 3 * c];
                 let mask = mask_data.map(|m| &m[(win % nw) * n * n..(win % nw + 1) * n * n]);
-                attend_window(&shape, qkv, bias_data, mask, scores, out);
+                attend_window(&shape, qkv, bias_data, mask, scratch, out);
             },
         );
     // SAFETY: `attend_window` wrote all bw * n * c elements.
@@ -352,6 +413,17 @@ struct WindowShape {
     c: usize,
     heads: usize,
     inner: gemm::Parallelism,
+    /// Products in bf16 on these instructions, else f32.
+    bf16: Option<Isa>,
+}
+
+/// One task's working memory: a window's score matrix, and the bf16 operands kᵀ and v of
+/// one head.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    kt: PackedB,
+    v: PackedB,
 }
 
 /// Attention of one window: for each head, scores = q · kᵀ straight from the strided `qkv`
@@ -362,41 +434,70 @@ fn attend_window(
     qkv: &[f32],
     bias: &[f32],
     mask: Option<&[f32]>,
-    scores: &mut [f32],
+    scratch: &mut Scratch,
     out: &mut [std::mem::MaybeUninit<f32>],
 ) {
     let (n, c) = (s.n, s.c);
     let (c3, d) = (3 * c, c / s.heads);
+    let scores = &mut scratch.scores;
     assert!(qkv.len() >= n * c3 && out.len() >= n * c && scores.len() >= n * n);
     for h in 0..s.heads {
         let q = qkv[h * d..].as_ptr();
-        let k = qkv[c + h * d..].as_ptr();
-        let v = qkv[2 * c + h * d..].as_ptr();
-        // SAFETY: every access stays inside `qkv` (n rows of c3 starting at the head's
-        // column), `scores` (n x n) and `out` (n rows of c), as asserted above; the pointers do
-        // not alias and no other task touches this window's `out`.
-        unsafe {
-            // kᵀ is read through k's strides, never copied.
-            gemm_f32(
-                (n, n, d),
-                strided(scores.as_mut_ptr(), n, 1),
-                false,
-                strided(q, c3, 1),
-                strided(k, 1, c3),
-                s.inner,
-            );
+        let k = &qkv[c + h * d..];
+        let v = &qkv[2 * c + h * d..];
+        let head_out = out[h * d..].as_mut_ptr().cast::<f32>();
+        // SAFETY (both products): every access stays inside `qkv` (n rows of c3 starting at
+        // the head's column), `scores` (n x n) and `out` (n rows of c), as asserted above; the
+        // pointers do not alias and no other task touches this window's `out`.
+        let scores_ptr = scores.as_mut_ptr();
+        match s.bf16 {
+            None => unsafe {
+                // kᵀ is read through k's strides, never copied.
+                gemm_f32(
+                    (n, n, d),
+                    strided(scores_ptr, n, 1),
+                    false,
+                    strided(q, c3, 1),
+                    strided(k.as_ptr(), 1, c3),
+                    s.inner,
+                );
+            },
+            Some(isa) => {
+                scratch.kt.repack(k, (d, n), (1, c3));
+                // SAFETY: as above; the CPU has `isa` (the caller chose it from `bf16::isa`).
+                unsafe {
+                    super::bf16::gemm(isa, n, scores_ptr, n, false, (q, c3), &scratch.kt, false)
+                };
+            }
         }
         attention_probs(scores, &bias[h * n * n..(h + 1) * n * n], mask, n);
-        // SAFETY: as above; the head's d output columns of this window.
-        unsafe {
-            gemm_f32(
-                (n, d, n),
-                strided(out[h * d..].as_mut_ptr().cast::<f32>(), c, 1),
-                false,
-                strided(scores.as_ptr(), n, 1),
-                strided(v, c3, 1),
-                s.inner,
-            );
+        match s.bf16 {
+            None => unsafe {
+                gemm_f32(
+                    (n, d, n),
+                    strided(head_out, c, 1),
+                    false,
+                    strided(scores.as_ptr(), n, 1),
+                    strided(v.as_ptr(), c3, 1),
+                    s.inner,
+                );
+            },
+            Some(isa) => {
+                scratch.v.repack(v, (n, d), (c3, 1));
+                // SAFETY: as above.
+                unsafe {
+                    super::bf16::gemm(
+                        isa,
+                        n,
+                        head_out,
+                        c,
+                        false,
+                        (scores.as_ptr(), n),
+                        &scratch.v,
+                        false,
+                    )
+                };
+            }
         }
     }
 }
@@ -409,15 +510,43 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tenso
         return Ok(None);
     }
     let (n, k) = w.dims2()?;
+    let (w_guard, w_layout) = w.storage_and_layout();
+    let ws = cpu_slice(&w_guard, w_layout)?;
+    // wᵀ is read through w's strides.
+    let y = linear_with(x, Weights::F32(ws), (k, n), (1, k), b)?;
+    drop(w_guard);
+    Ok(Some(y))
+}
+
+/// [`linear`] with the weights packed in bf16 (`k x n`, already transposed); `x` and `b` are
+/// f32 on the CPU.
+pub fn linear_bf16(x: &Tensor, isa: Isa, w: &PackedB, b: &Tensor) -> Result<Tensor> {
+    if !use_kernel(x) || !use_kernel(b) {
+        candle_core::bail!("bf16 linear: f32 tensors on the CPU only");
+    }
+    linear_with(
+        x,
+        Weights::Bf16(isa, w),
+        (w.rows(), w.cols()),
+        (0, 0),
+        Some(b),
+    )
+}
+
+fn linear_with(
+    x: &Tensor,
+    w: Weights,
+    (k, n): (usize, usize),
+    f32_strides: (usize, usize),
+    b: Option<&Tensor>,
+) -> Result<Tensor> {
     let dims = x.dims();
     if dims.last() != Some(&k) || b.is_some_and(|b| b.dims() != [n]) {
-        candle_core::bail!("linear: input {dims:?}, weight {:?}", w.dims());
+        candle_core::bail!("linear: input {dims:?}, weight {k}x{n}");
     }
     let m = x.elem_count() / k.max(1);
     let (x_guard, x_layout) = x.storage_and_layout();
-    let (w_guard, w_layout) = w.storage_and_layout();
     let xs = cpu_slice(&x_guard, x_layout)?;
-    let ws = cpu_slice(&w_guard, w_layout)?;
     // Every output element is written exactly once before the GEMM (bias or zero): a zeroed
     // allocation followed by the bias rows would be two passes over the largest tensor.
     let bias = b.map(|b| b.storage_and_layout());
@@ -432,23 +561,24 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tenso
     let mut out = par_rows(m, n, |_, w| w.write_row(first));
     drop(bias);
     if m > 0 && n > 0 {
-        // SAFETY: dst is m x n row-major in `out`, lhs m x k row-major in `xs`, and rhs the
-        // k x n transpose of `ws` read through its strides; all inside their slices.
+        // SAFETY: dst is m x n row-major in `out`, lhs m x k row-major in `xs`, and the
+        // weights k x n (f32 through `f32_strides`, or packed to exactly k x n).
         unsafe {
-            gemm_f32(
+            product(
                 (m, n, k),
-                strided(out.as_mut_ptr(), n, 1),
+                (out.as_mut_ptr(), n),
                 b.is_some(),
-                strided(xs.as_ptr(), k, 1),
-                strided(ws.as_ptr(), 1, k),
-                gemm::Parallelism::Rayon(0),
+                (xs.as_ptr(), k),
+                w,
+                f32_strides,
+                true,
             );
         }
     }
-    drop((x_guard, w_guard));
+    drop(x_guard);
     let mut shape = dims.to_vec();
     *shape.last_mut().expect("checked above") = n;
-    Ok(Some(Tensor::from_vec(out, shape, x.device())?))
+    Tensor::from_vec(out, shape, x.device())
 }
 
 /// A 3x3 convolution (stride 1, zero padding 1) on channels-last features, on the CPU: the
@@ -467,32 +597,69 @@ pub fn conv3x3(x: &Tensor, w: &Tensor, b: &Tensor, chunk_elems: usize) -> Result
     if k != 9 * cin || b.dims() != [cout] {
         candle_core::bail!("conv3x3: input {:?}, weight {:?}", x.dims(), w.dims());
     }
-    let (x_guard, x_layout) = x.storage_and_layout();
     let (w_guard, w_layout) = w.storage_and_layout();
+    let ws = cpu_slice(&w_guard, w_layout)?;
+    if cout > NARROW_CONV {
+        let y = conv3x3_with(x, Weights::F32(ws), (k, cout), b, chunk_elems)?;
+        drop(w_guard);
+        return Ok(Some(y));
+    }
+    let (x_guard, x_layout) = x.storage_and_layout();
     let (b_guard, b_layout) = b.storage_and_layout();
     let xs = cpu_slice(&x_guard, x_layout)?;
-    let ws = cpu_slice(&w_guard, w_layout)?;
+    let bs = cpu_slice(&b_guard, b_layout)?;
+    let mut out = par_rows(batch * h * wd, cout, |_, w| w.write_row(bs));
+    let wt = transpose(ws, k, cout);
+    out.par_chunks_mut(wd * cout)
+        .enumerate()
+        .for_each(|(row, dst)| {
+            let (bi, y) = (row / h, row % h);
+            let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
+            conv_row_narrow(image, &wt, dst, y, h, wd, cin);
+        });
+    drop((x_guard, w_guard, b_guard));
+    Ok(Some(Tensor::from_vec(
+        out,
+        (batch, h, wd, cout),
+        x.device(),
+    )?))
+}
+
+/// [`conv3x3`] with the weights packed in bf16 (`9 cin x cout`); `x` and `b` are f32 on the
+/// CPU.
+pub fn conv3x3_bf16(
+    x: &Tensor,
+    isa: Isa,
+    w: &PackedB,
+    b: &Tensor,
+    chunk_elems: usize,
+) -> Result<Tensor> {
+    if !use_kernel(x) || !use_kernel(b) {
+        candle_core::bail!("bf16 conv3x3: f32 tensors on the CPU only");
+    }
+    let k = w.rows();
+    if k != 9 * x.dim(3)? || b.dims() != [w.cols()] {
+        candle_core::bail!("conv3x3: input {:?}, weight {k}x{}", x.dims(), w.cols());
+    }
+    conv3x3_with(x, Weights::Bf16(isa, w), (k, w.cols()), b, chunk_elems)
+}
+
+/// The patch-matrix GEMM of [`conv3x3`], for f32 (`k x cout` row-major) or bf16 weights.
+fn conv3x3_with(
+    x: &Tensor,
+    w: Weights,
+    (k, cout): (usize, usize),
+    b: &Tensor,
+    chunk_elems: usize,
+) -> Result<Tensor> {
+    let (batch, h, wd, cin) = x.dims4()?;
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let (b_guard, b_layout) = b.storage_and_layout();
+    let xs = cpu_slice(&x_guard, x_layout)?;
     let bs = cpu_slice(&b_guard, b_layout)?;
 
     let pixels = batch * h * wd;
     let mut out = par_rows(pixels, cout, |_, w| w.write_row(bs));
-
-    if cout <= NARROW_CONV {
-        let wt = transpose(ws, k, cout);
-        out.par_chunks_mut(wd * cout)
-            .enumerate()
-            .for_each(|(row, dst)| {
-                let (bi, y) = (row / h, row % h);
-                let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
-                conv_row_narrow(image, &wt, dst, y, h, wd, cin);
-            });
-        drop((x_guard, w_guard, b_guard));
-        return Ok(Some(Tensor::from_vec(
-            out,
-            (batch, h, wd, cout),
-            x.device(),
-        )?));
-    }
 
     let row_elems = wd * k;
     let rows = (chunk_elems / row_elems.max(1)).clamp(1, h.max(1));
@@ -516,33 +683,30 @@ pub fn conv3x3(x: &Tensor, w: &Tensor, b: &Tensor, chunk_elems: usize) -> Result
                 }
             });
             let dst = &mut out[((bi * h + y0) * wd) * cout..((bi * h + y0 + n) * wd) * cout];
-            // SAFETY: dst is (n*wd) x cout row-major, cols (n*wd) x k row-major, ws k x cout
-            // row-major; all three are exactly those sizes.
+            // SAFETY: dst is (n*wd) x cout row-major, cols (n*wd) x k row-major, and the
+            // weights k x cout (row-major f32, or packed to exactly that).
             unsafe {
-                gemm_f32(
+                product(
                     (n * wd, cout, k),
-                    strided(dst.as_mut_ptr(), cout, 1),
+                    (dst.as_mut_ptr(), cout),
                     true,
-                    strided(cols.as_ptr(), k, 1),
-                    strided(ws.as_ptr(), cout, 1),
-                    gemm::Parallelism::Rayon(0),
+                    (cols.as_ptr(), k),
+                    w,
+                    (cout, 1),
+                    true,
                 );
             }
             y0 += n;
         }
     }
-    drop((x_guard, w_guard, b_guard));
-    Ok(Some(Tensor::from_vec(
-        out,
-        (batch, h, wd, cout),
-        x.device(),
-    )?))
+    drop((x_guard, b_guard));
+    Tensor::from_vec(out, (batch, h, wd, cout), x.device())
 }
 
 /// Up to this many output channels (the final RGB convolution) a 3x3 convolution is computed
 /// directly: a patch matrix would be 9x the input for a GEMM the width of a few columns, which
 /// only streams memory.
-const NARROW_CONV: usize = 4;
+pub(crate) const NARROW_CONV: usize = 4;
 
 fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut t = vec![0f32; m.len()];
@@ -858,7 +1022,7 @@ mod tests {
             } else {
                 None
             };
-            let ours = window_attention(&qkv, &bias, mask.as_ref(), heads)?
+            let ours = window_attention(&qkv, &bias, mask.as_ref(), heads, None)?
                 .expect("the CPU f32 kernel applies");
             let want = attention_reference(&qkv, &bias, mask.as_ref(), heads)?;
             let diff = max_abs_diff(&ours, &want)?;
@@ -874,7 +1038,7 @@ mod tests {
     fn fused_window_attention_declines_other_dtypes() -> Result<()> {
         let qkv = Tensor::zeros((1, 4, 6), DType::F16, &Device::Cpu)?;
         let bias = Tensor::zeros((1, 4, 4), DType::F16, &Device::Cpu)?;
-        assert!(window_attention(&qkv, &bias, None, 1)?.is_none());
+        assert!(window_attention(&qkv, &bias, None, 1, None)?.is_none());
         Ok(())
     }
 

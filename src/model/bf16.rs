@@ -1,0 +1,792 @@
+//! bf16 matrix products on the CPU: inputs rounded to bf16, products accumulated in f32.
+//!
+//! Two kernels, chosen once at run time: Intel AMX tiles (`tdpbf16ps`, a 16 x 16 x 32 product
+//! per instruction) where the CPU and the OS allow them, else AVX512-BF16 (`vdpbf16ps`, pairs
+//! of products into 16 f32 lanes). Without either, the CPU has no bf16 arithmetic and callers
+//! stay in f32.
+//!
+//! The right-hand side (a layer's weights, or an attention operand) is packed into panels of
+//! [`NR`] columns holding pairs of consecutive rows, the layout both instructions read: each
+//! 32-bit lane is (row 2p, row 2p+1) of one column. The left-hand side stays f32 in memory
+//! and is rounded while it is packed for each product, so activations, softmax, LayerNorm
+//! and residual sums stay f32.
+
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+/// Columns per packed panel: two 16-lane vectors, or two AMX tiles side by side.
+pub const NR: usize = 32;
+/// Row pairs are padded to a multiple of this: one AMX tile holds 16 pairs (32 bf16) per row.
+const KP_ALIGN: usize = 16;
+/// AVX512 kernel: rows per micro-kernel call (2 x 12 accumulators leave registers for the
+/// operands), and row pairs per cache block (a `KC x NR` panel block, 16 KiB, stays in L1).
+const MR: usize = 12;
+const KC: usize = 128;
+/// AMX kernel: rows per output block (two tiles of 16 rows).
+const AMX_ROWS: usize = 32;
+/// Rows per parallel task.
+const MC: usize = 96;
+
+/// The bf16 instructions a product runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Amx,
+    Avx512,
+}
+
+/// The fastest bf16 instructions this CPU (and OS) offers, if any. `UPSCALE_BF16_ISA=avx512`
+/// chooses the vector kernel on an AMX machine (to compare the two).
+pub fn isa() -> Option<Isa> {
+    static ISA: OnceLock<Option<Isa>> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        let avx512 = avx512_bf16();
+        let forced = std::env::var("UPSCALE_BF16_ISA").ok();
+        if forced.as_deref() == Some("avx512") && avx512 {
+            return Some(Isa::Avx512);
+        }
+        if amx_bf16() {
+            Some(Isa::Amx)
+        } else if avx512 {
+            Some(Isa::Avx512)
+        } else {
+            None
+        }
+    })
+}
+
+/// Whether this CPU has bf16 arithmetic that [`gemm`] can use.
+pub fn supported() -> bool {
+    isa().is_some()
+}
+
+fn avx512_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// AMX-BF16 in the CPU (CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE), and Linux's
+/// permission for this process to use the tile registers, which must be asked for.
+fn amx_bf16() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        // Leaf 7 exists where the maximum leaf (leaf 0's EAX) reaches it.
+        use std::arch::x86_64::__cpuid_count;
+        if __cpuid_count(0, 0).eax < 7 {
+            return false;
+        }
+        let edx = __cpuid_count(7, 0).edx;
+        if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+            return false;
+        }
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a plain system call with integer arguments; it changes only whether this
+        // process may use the AMX state (for all its threads).
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        };
+        r == 0
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    {
+        false
+    }
+}
+
+/// f32 bits to bf16 bits, rounding to nearest even. Plain integer arithmetic, so loops over
+/// it vectorise; NaN payloads are not preserved (activations are finite here).
+#[inline(always)]
+fn bf16_bits(x: f32) -> u32 {
+    let b = x.to_bits();
+    b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16
+}
+
+/// Two values as the (low, high) bf16 halves of one lane.
+#[inline(always)]
+fn pair(lo: f32, hi: f32) -> u32 {
+    bf16_bits(lo) | (bf16_bits(hi) << 16)
+}
+
+/// A `k x n` right-hand side in bf16, packed in panels of [`NR`] columns, each `pairs` rows
+/// of `NR` lanes; rows past `k` and columns past `n` are zero, so they add nothing.
+#[derive(Clone, Default)]
+pub struct PackedB {
+    k: usize,
+    n: usize,
+    pairs: usize,
+    data: Vec<u32>,
+}
+
+impl PackedB {
+    /// Packs `b[r][c] = src[r * rs + c * cs]` for `r < k`, `c < n`.
+    pub fn new(src: &[f32], (k, n): (usize, usize), (rs, cs): (usize, usize)) -> Self {
+        let mut p = Self::default();
+        p.repack(src, (k, n), (rs, cs));
+        p
+    }
+
+    /// [`PackedB::new`] reusing this buffer (attention packs an operand per window and head).
+    pub fn repack(&mut self, src: &[f32], (k, n): (usize, usize), (rs, cs): (usize, usize)) {
+        if k > 0 && n > 0 {
+            assert!(
+                (k - 1) * rs + (n - 1) * cs < src.len(),
+                "operand out of bounds"
+            );
+        }
+        let kp = k.div_ceil(2).next_multiple_of(KP_ALIGN);
+        self.k = k;
+        self.n = n;
+        self.pairs = kp;
+        self.data.clear();
+        self.data.resize(n.div_ceil(NR) * kp * NR, 0);
+        for (panel, out) in self.data.chunks_exact_mut(kp * NR).enumerate() {
+            let cols = (n - panel * NR).min(NR);
+            for (p, row) in out.chunks_exact_mut(NR).take(k.div_ceil(2)).enumerate() {
+                let r = 2 * p;
+                let lo = &src[r * rs..];
+                if r + 1 < k {
+                    let hi = &src[(r + 1) * rs..];
+                    for (j, v) in row[..cols].iter_mut().enumerate() {
+                        let c = (panel * NR + j) * cs;
+                        *v = pair(lo[c], hi[c]);
+                    }
+                } else {
+                    for (j, v) in row[..cols].iter_mut().enumerate() {
+                        *v = bf16_bits(lo[(panel * NR + j) * cs]);
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.k
+    }
+
+    pub fn cols(&self) -> usize {
+        self.n
+    }
+}
+
+/// The operands' raw pointers, shared by parallel tasks; each reads and writes only its own
+/// rows.
+#[derive(Clone, Copy)]
+struct Rows {
+    a: *const f32,
+    dst: *mut f32,
+}
+// SAFETY: tasks touch disjoint rows (see `gemm`).
+unsafe impl Send for Rows {}
+unsafe impl Sync for Rows {}
+
+impl Rows {
+    fn get(&self) -> (*const f32, *mut f32) {
+        (self.a, self.dst)
+    }
+}
+
+thread_local! {
+    /// The left-hand side of one task, packed: reused across calls on each thread.
+    static A_PACK: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `dst (+)= a · b` with `a` an `m x k` f32 matrix (rows `lda` apart, unit column stride) and
+/// `dst` `m x b.cols()` (rows `ldc` apart); `accumulate` adds onto dst's contents. Row blocks
+/// run in parallel when `parallel` is set.
+///
+/// # Safety
+/// `isa` must be one this CPU offers ([`isa`]). `a` must hold `m` rows of `k = b.rows()`
+/// values `lda` apart, and `dst` `m` rows of `b.cols()` values `ldc` apart, not overlapping
+/// `a` nor written by anyone else meanwhile, initialised where `accumulate` is set.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm(
+    isa: Isa,
+    m: usize,
+    dst: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+    (a, lda): (*const f32, usize),
+    b: &PackedB,
+    parallel: bool,
+) {
+    if m == 0 || b.n == 0 {
+        return;
+    }
+    let ptrs = Rows { a, dst };
+    let block = |i0: usize| {
+        let (a, dst) = ptrs.get();
+        let rows = MC.min(m - i0);
+        A_PACK.with_borrow_mut(|buf| {
+            // SAFETY: rows i0..i0+rows of a and dst, inside the caller's bounds; each block
+            // writes only its own rows of dst; the caller vouches for the ISA.
+            unsafe {
+                let a = a.add(i0 * lda);
+                let dst = dst.add(i0 * ldc);
+                match isa {
+                    Isa::Amx => {
+                        pack_a_rows(buf, a, lda, rows, b.k, b.pairs);
+                        amx::block_product(buf, rows, b, dst, ldc, accumulate);
+                    }
+                    Isa::Avx512 => {
+                        pack_a_interleaved(buf, a, lda, rows, b.k, b.pairs);
+                        block_product(buf, rows, b, dst, ldc, accumulate);
+                    }
+                }
+            }
+        });
+    };
+    let blocks = m.div_ceil(MC);
+    if parallel && blocks > 1 {
+        (0..blocks).into_par_iter().for_each(|i| block(i * MC));
+    } else {
+        (0..blocks).for_each(|i| block(i * MC));
+    }
+}
+
+/// Packs `rows` rows of `k` f32 values as bf16 rows of `kp` pairs, padded with zero rows to
+/// a multiple of [`AMX_ROWS`]: the layout an AMX tile loads, 16 rows at a stride.
+///
+/// # Safety
+/// `a` must hold `rows` rows of `k` values `lda` apart.
+unsafe fn pack_a_rows(
+    buf: &mut Vec<u32>,
+    a: *const f32,
+    lda: usize,
+    rows: usize,
+    k: usize,
+    kp: usize,
+) {
+    buf.clear();
+    buf.resize(rows.next_multiple_of(AMX_ROWS) * kp, 0);
+    for (r, out) in buf.chunks_exact_mut(kp).take(rows).enumerate() {
+        // SAFETY: row r of the caller's rows.
+        let row = unsafe { std::slice::from_raw_parts(a.add(r * lda), k) };
+        let (whole, rest) = row.as_chunks::<2>();
+        for (v, two) in out.iter_mut().zip(whole) {
+            *v = pair(two[0], two[1]);
+        }
+        if let [last] = rest {
+            out[whole.len()] = bf16_bits(*last);
+        }
+    }
+}
+
+/// Packs `rows` rows of `k` f32 values into groups of [`MR`] rows: for each group, each pair
+/// index p holds the MR rows' (2p, 2p+1) values, the operand one broadcast reads. Rows past
+/// `rows` and values past `k` are zero.
+///
+/// # Safety
+/// `a` must hold `rows` rows of `k` values `lda` apart.
+unsafe fn pack_a_interleaved(
+    buf: &mut Vec<u32>,
+    a: *const f32,
+    lda: usize,
+    rows: usize,
+    k: usize,
+    kp: usize,
+) {
+    let groups = rows.div_ceil(MR);
+    buf.clear();
+    buf.resize(groups * kp * MR, 0);
+    for r in 0..rows {
+        // SAFETY: row r of the caller's rows.
+        let row = unsafe { std::slice::from_raw_parts(a.add(r * lda), k) };
+        let group = &mut buf[(r / MR) * kp * MR..][..kp * MR];
+        let lane = r % MR;
+        for (p, two) in row.chunks(2).enumerate() {
+            group[p * MR + lane] = pair(two[0], two.get(1).copied().unwrap_or(0.0));
+        }
+    }
+}
+
+/// All of one packed row block times `b` with the AVX512 kernel, cache block by cache block.
+///
+/// # Safety
+/// `dst` holds `rows` rows of `b.cols()` values `ldc` apart (initialised if `accumulate`).
+unsafe fn block_product(
+    apack: &[u32],
+    rows: usize,
+    b: &PackedB,
+    dst: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    let kp = b.pairs;
+    for p0 in (0..kp).step_by(KC) {
+        let kc = KC.min(kp - p0);
+        let load_c = accumulate || p0 > 0;
+        for (panel, bp) in b.data.chunks_exact(kp * NR).enumerate() {
+            let cols = (b.n - panel * NR).min(NR);
+            for (g, ap) in apack.chunks_exact(kp * MR).enumerate() {
+                let r = (rows - g * MR).min(MR);
+                // SAFETY: kc pairs from p0 lie inside both packed panels; the output tile is
+                // r rows of `cols` columns inside dst.
+                unsafe {
+                    micro(
+                        kc,
+                        ap[p0 * MR..].as_ptr(),
+                        bp[p0 * NR..].as_ptr(),
+                        dst.add(g * MR * ldc + panel * NR),
+                        ldc,
+                        (r, cols),
+                        load_c,
+                    );
+                }
+            }
+        }
+    }
+}
+/// One `MR x NR` output tile over `kc` pairs: `MR * 2` vector accumulators, each step a
+/// broadcast pair of `a` against two vectors of `b`.
+///
+/// # Safety
+/// `a` holds `kc * MR` and `b` `kc * NR` values; `c` the tile's `rows x cols` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn micro(
+    kc: usize,
+    a: *const u32,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    (rows, cols): (usize, usize),
+    load_c: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for p in 0..kc {
+        // SAFETY: inside the caller's kc * NR / kc * MR values; the bf16 vectors are the
+        // same 512 bits reinterpreted.
+        unsafe {
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_epi32(b.add(p * NR).cast()));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_epi32(b.add(p * NR + 16).cast()));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(p * MR + r) as i32));
+                acc[0] = _mm512_dpbf16_ps(acc[0], x, b0);
+                acc[1] = _mm512_dpbf16_ps(acc[1], x, b1);
+            }
+        }
+    }
+    let m0: __mmask16 = if cols >= 16 { 0xffff } else { (1 << cols) - 1 };
+    let m1: __mmask16 = if cols >= 32 {
+        0xffff
+    } else if cols > 16 {
+        (1 << (cols - 16)) - 1
+    } else {
+        0
+    };
+    for (r, acc) in acc.iter().enumerate().take(rows) {
+        // SAFETY: row r < rows of the tile, masked to its columns.
+        unsafe {
+            let row = c.add(r * ldc);
+            let (mut v0, mut v1) = (acc[0], acc[1]);
+            if load_c {
+                v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, row));
+                v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, row.add(16)));
+            }
+            _mm512_mask_storeu_ps(row, m0, v0);
+            _mm512_mask_storeu_ps(row.add(16), m1, v1);
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro(
+    _: usize,
+    _: *const u32,
+    _: *const u32,
+    _: *mut f32,
+    _: usize,
+    _: (usize, usize),
+    _: bool,
+) {
+    unreachable!("bf16 products are only offered where `supported()` is true")
+}
+
+/// The AMX kernel: tile registers 0-3 hold a 32 x 32 f32 output block (2 x 2 tiles of
+/// 16 x 16), 4-5 two 16-row slices of the left operand, 6-7 two 16-column slices of the
+/// right one; each step of 16 pairs is four `tdpbf16ps`.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod amx {
+    use std::arch::asm;
+
+    use super::{PackedB, AMX_ROWS, KP_ALIGN, NR};
+
+    /// Palette 1, every tile 16 rows of 64 bytes.
+    #[repr(C, align(64))]
+    struct TileConfig([u8; 64]);
+
+    const CONFIG: TileConfig = {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        let mut t = 0;
+        while t < 8 {
+            c[16 + 2 * t] = 64;
+            c[48 + t] = 16;
+            t += 1;
+        }
+        TileConfig(c)
+    };
+
+    /// An output block that does not fit the tiles exactly goes through this buffer.
+    #[repr(C, align(64))]
+    struct Block([f32; AMX_ROWS * NR]);
+
+    /// # Safety
+    /// The CPU has AMX-BF16 and the process has the OS's permission ([`super::isa`]);
+    /// `apack` holds rows padded to a multiple of `AMX_ROWS`, `b.pairs` pairs each; `dst`
+    /// holds `rows` rows of `b.cols()` values `ldc` apart (initialised if `accumulate`).
+    pub(super) unsafe fn block_product(
+        apack: &[u32],
+        rows: usize,
+        b: &PackedB,
+        dst: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        let kp = b.pairs;
+        debug_assert!(
+            kp.is_multiple_of(KP_ALIGN) && apack.len() >= rows.next_multiple_of(AMX_ROWS) * kp
+        );
+        let mut spill = Block([0.0; AMX_ROWS * NR]);
+        // SAFETY: the configuration is a valid palette-1 layout.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) CONFIG.0.as_ptr(), options(nostack)) };
+        for (panel, bp) in b.data.chunks_exact(kp * NR).enumerate() {
+            let cols = (b.n - panel * NR).min(NR);
+            for (g, ap) in apack.chunks_exact(AMX_ROWS * kp).enumerate() {
+                let r = (rows - g * AMX_ROWS).min(AMX_ROWS);
+                // SAFETY: the tile rows read lie in `ap` (32 rows of kp pairs) and `bp` (kp
+                // rows of NR lanes); the block written is r x cols inside dst, or `spill`.
+                unsafe {
+                    let out = dst.add(g * AMX_ROWS * ldc + panel * NR);
+                    if r == AMX_ROWS && cols == NR {
+                        tile_block(ap, bp, kp, out, ldc, accumulate);
+                    } else {
+                        for i in 0..r {
+                            let row = &mut spill.0[i * NR..(i + 1) * NR];
+                            row.fill(0.0);
+                            if accumulate {
+                                let src = std::slice::from_raw_parts(out.add(i * ldc), cols);
+                                row[..cols].copy_from_slice(src);
+                            }
+                        }
+                        tile_block(ap, bp, kp, spill.0.as_mut_ptr(), NR, true);
+                        for i in 0..r {
+                            let dst = std::slice::from_raw_parts_mut(out.add(i * ldc), cols);
+                            dst.copy_from_slice(&spill.0[i * NR..i * NR + cols]);
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: releases this thread's tile state.
+        unsafe { asm!("tilerelease", options(nostack)) };
+    }
+
+    /// One 32 x 32 block: `c (+)= a · b` over all `kp` pairs, `c` rows `ldc` apart.
+    ///
+    /// # Safety
+    /// As [`block_product`], with the tile configuration loaded; `c` holds 32 rows of 32.
+    unsafe fn tile_block(a: &[u32], b: &[u32], kp: usize, c: *mut f32, ldc: usize, load: bool) {
+        let cs = ldc * 4;
+        let c1 = c.wrapping_add(16);
+        let c2 = c.wrapping_add(16 * ldc);
+        let c3 = c2.wrapping_add(16);
+        // SAFETY: four 16 x 16 f32 tiles inside the caller's 32 x 32 block.
+        unsafe {
+            if load {
+                asm!(
+                    "tileloadd tmm0, [{c0} + {s}*1]",
+                    "tileloadd tmm1, [{c1} + {s}*1]",
+                    "tileloadd tmm2, [{c2} + {s}*1]",
+                    "tileloadd tmm3, [{c3} + {s}*1]",
+                    c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3,
+                    s = in(reg) cs, options(nostack, readonly),
+                );
+            } else {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem)
+                );
+            }
+        }
+        let a0 = a.as_ptr();
+        let a1 = a[16 * kp..].as_ptr();
+        let (astride, bstride) = (kp * 4, NR * 4);
+        for p in (0..kp).step_by(KP_ALIGN) {
+            // SAFETY: 16 rows of 16 pairs from pair p of both operands: inside `a` (32 rows of
+            // kp) and `b` (kp rows of NR lanes, the two tiles' columns side by side).
+            unsafe {
+                asm!(
+                    "tileloadd tmm4, [{a0} + {as}*1]",
+                    "tileloadd tmm5, [{a1} + {as}*1]",
+                    "tileloadd tmm6, [{b0} + {bs}*1]",
+                    "tileloadd tmm7, [{b1} + {bs}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a0.add(p), a1 = in(reg) a1.add(p),
+                    b0 = in(reg) b.as_ptr().add(p * NR), b1 = in(reg) b.as_ptr().add(p * NR + 16),
+                    as = in(reg) astride, bs = in(reg) bstride,
+                    options(nostack, readonly),
+                );
+            }
+        }
+        // SAFETY: as the loads above.
+        unsafe {
+            asm!(
+                "tilestored [{c0} + {s}*1], tmm0",
+                "tilestored [{c1} + {s}*1], tmm1",
+                "tilestored [{c2} + {s}*1], tmm2",
+                "tilestored [{c3} + {s}*1], tmm3",
+                c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3,
+                s = in(reg) cs, options(nostack),
+            );
+        }
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+mod amx {
+    pub(super) unsafe fn block_product(
+        _: &[u32],
+        _: usize,
+        _: &super::PackedB,
+        _: *mut f32,
+        _: usize,
+        _: bool,
+    ) {
+        unreachable!("AMX is only offered on x86-64 Linux")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both kernels where the CPU has them: an AMX machine also runs the vector kernel.
+    fn available() -> Vec<Isa> {
+        let mut v = Vec::new();
+        if isa() == Some(Isa::Amx) {
+            v.push(Isa::Amx);
+        }
+        if avx512_bf16() {
+            v.push(Isa::Avx512);
+        }
+        v
+    }
+
+    fn round(x: f32) -> f32 {
+        half::bf16::from_f32(x).to_f32()
+    }
+
+    /// Deterministic values in [-2, 2) with all mantissa bits in use.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    /// The product of the bf16-rounded operands in f64: what the kernel computes up to the
+    /// order of its f32 sums.
+    fn reference(a: &[f32], lda: usize, b: &[f32], (m, k, n): (usize, usize, usize)) -> Vec<f64> {
+        let mut out = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k)
+                    .map(|t| f64::from(round(a[i * lda + t])) * f64::from(round(b[t * n + j])))
+                    .sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn products_match_the_rounded_operands_on_awkward_shapes() {
+        let isas = available();
+        if isas.is_empty() {
+            eprintln!("bf16 kernels not tested: this CPU has no bf16 arithmetic");
+        }
+        // Sizes below, at and past the vector, micro-tile and cache-block edges, odd k.
+        for (m, k, n) in [
+            (1, 1, 1),
+            (5, 3, 17),
+            (12, 30, 32),
+            (13, 31, 33),
+            (97, 257, 48),
+            (200, 300, 70),
+            (64, 576, 256),
+        ] {
+            let lda = k + 3;
+            let a = values(m * lda, (m * k) as u64);
+            let b = values(k * n, (k + n) as u64);
+            let packed = PackedB::new(&b, (k, n), (n, 1));
+            let want = reference(&a, lda, &b, (m, k, n));
+            for (isa, accumulate, parallel) in isas
+                .iter()
+                .flat_map(|&i| [(i, false, false), (i, true, true)])
+            {
+                let base = values(m * n, 7);
+                let mut dst = if accumulate {
+                    base.clone()
+                } else {
+                    vec![f32::NAN; m * n]
+                };
+                // SAFETY: the CPU has the instructions; a is m x k with row stride lda, dst
+                // m x n, both inside their vectors.
+                unsafe {
+                    gemm(
+                        isa,
+                        m,
+                        dst.as_mut_ptr(),
+                        n,
+                        accumulate,
+                        (a.as_ptr(), lda),
+                        &packed,
+                        parallel,
+                    )
+                };
+                for i in 0..m * n {
+                    let w = want[i] + if accumulate { f64::from(base[i]) } else { 0.0 };
+                    let tol = 1e-5 * (k as f64).sqrt() * 4.0;
+                    assert!(
+                        (f64::from(dst[i]) - w).abs() <= tol,
+                        "{isa:?} {m}x{k}x{n} at {i}: {} vs {w}",
+                        dst[i]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn transposed_packing_reads_the_strides() {
+        // b given as its transpose (n x k row-major): packing with swapped strides must give
+        // the same panels as packing the k x n matrix itself.
+        let (k, n) = (7, 35);
+        let b = values(k * n, 3);
+        let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+        let direct = PackedB::new(&b, (k, n), (n, 1));
+        let strided = PackedB::new(&bt, (k, n), (1, k));
+        assert_eq!(direct.data, strided.data);
+        // And each lane holds (row 2p, row 2p+1) of its column: row 6 of column 33 sits in
+        // panel 1, pair 3, lane 1, low half; the high half is the zero row past k.
+        let kp = direct.pairs;
+        let lane = direct.data[kp * NR + 3 * NR + 1];
+        assert_eq!(lane & 0xffff, bf16_bits(b[6 * n + 33]));
+        assert_eq!(lane >> 16, 0);
+    }
+}
+
+#[cfg(test)]
+mod throughput {
+    use super::*;
+
+    /// GFLOP/s of each kernel and of the f32 GEMM on the shapes of DRCT's layers (qkv, fc2,
+    /// the widest dense-group 1x1, an upsampler conv, both attention products of a 16x16
+    /// window). Run: `cargo test --release --lib product_throughput -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn product_throughput() {
+        let shapes = [
+            (4096, 180, 540),
+            (4096, 360, 180),
+            (4096, 308, 32),
+            (16384, 576, 256),
+            (256, 30, 256),
+            (256, 256, 30),
+        ];
+        for (m, k, n) in shapes {
+            let a: Vec<f32> = (0..m * k).map(|i| (i % 97) as f32 * 0.01).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| (i % 89) as f32 * 0.01).collect();
+            let packed = PackedB::new(&b, (k, n), (n, 1));
+            let mut c = vec![0f32; m * n];
+            let parallel = m > 1000;
+            let reps = 20;
+            let flops = 2.0 * (m * n * k) as f64 * reps as f64;
+            let rate = |run: &mut dyn FnMut()| {
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    run();
+                }
+                flops / t.elapsed().as_secs_f64() / 1e9
+            };
+            let mut line = format!("{m}x{k}x{n}:");
+            for isa in [Isa::Amx, Isa::Avx512] {
+                let usable = match isa {
+                    Isa::Amx => super::isa() == Some(Isa::Amx),
+                    Isa::Avx512 => avx512_bf16(),
+                };
+                if usable {
+                    // SAFETY: the CPU has `isa`; a is m x k, c m x n.
+                    let g = rate(&mut || unsafe {
+                        gemm(
+                            isa,
+                            m,
+                            c.as_mut_ptr(),
+                            n,
+                            false,
+                            (a.as_ptr(), k),
+                            &packed,
+                            parallel,
+                        )
+                    });
+                    line += &format!(" {isa:?} {g:.0}");
+                }
+            }
+            let par = if parallel {
+                gemm::Parallelism::Rayon(0)
+            } else {
+                gemm::Parallelism::None
+            };
+            // SAFETY: all three matrices are row-major with exactly these sizes.
+            let g = rate(&mut || unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    c.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    a.as_ptr(),
+                    1,
+                    k as isize,
+                    b.as_ptr(),
+                    1,
+                    n as isize,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    par,
+                )
+            });
+            eprintln!("{line} f32 {g:.0} GFLOP/s");
+        }
+    }
+}
