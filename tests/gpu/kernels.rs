@@ -153,9 +153,10 @@ fn fused_kernel_matches_the_cpu_in_f32() {
                     .mask(c.height, c.width)
                     .unwrap()
             });
-            let stored = upscale::model::ops::window_attention(&qkv, &bias, mask.as_ref(), c.heads)
-                .unwrap()
-                .expect("the CPU f32 kernel applies");
+            let stored =
+                upscale::model::ops::window_attention(&qkv, &bias, mask.as_ref(), c.heads, None)
+                    .unwrap()
+                    .expect("the CPU f32 kernel applies");
             let (d_twin, d_stored) = (max_abs_diff(&ours, &twin), max_abs_diff(&ours, &stored));
             eprintln!(
                 "{c:?} shifted {shifted}: {d_twin:.2e} vs twin, {d_stored:.2e} vs stored mask"
