@@ -302,35 +302,60 @@ fn quiet_success_prints_nothing() {
     }
 }
 
+/// The product's main command on the CPU: `--precision bf16` computes in bf16 where the CPU
+/// has bf16 arithmetic (no warning, pixels within a few levels of fp32) and falls back to
+/// fp32 with a warning elsewhere; `--streams` only matters on a GPU.
 #[test]
-fn gpu_only_settings_fall_back_on_the_cpu() {
+fn main_command_runs_on_the_cpu_in_bf16_or_says_it_falls_back() {
     let d = tempdir();
     let dir = d.path();
     with_input(dir);
-    let run = upscale(dir)
-        .args([
-            "in.png",
-            "--precision",
-            "bf16",
-            "--streams",
-            "2",
-            "--tile_batch_size",
-            "4",
-            "--tile",
-            "16",
-            "--tile_overlap",
-            "4",
-        ])
-        .output()
-        .unwrap();
+    let main_command = |precision: &str, out: &str| {
+        upscale(dir)
+            .args([
+                "in.png",
+                "--precision",
+                precision,
+                "--streams",
+                "2",
+                "--tile_batch_size",
+                "4",
+                "--tile",
+                "16",
+                "--tile_overlap",
+                "4",
+                "-o",
+                out,
+            ])
+            .output()
+            .unwrap()
+    };
+    let run = main_command("bf16", "bf16.png");
     assert_success(&run);
-    let err = stderr(&run);
-    assert!(
-        err.lines()
-            .any(|l| l.starts_with("warning:") && l.contains("bf16")),
-        "no fallback warning:\n{err}"
+    let warned = stderr(&run)
+        .lines()
+        .any(|l| l.starts_with("warning:") && l.contains("bf16"));
+    assert_eq!(
+        warned,
+        !upscale::model::bf16::supported(),
+        "bf16 warning:\n{}",
+        stderr(&run)
     );
-    assert_eq!(open(&dir.join("in_x2.png")).dimensions(), (40, 32));
+    assert_success(&main_command("fp32", "fp32.png"));
+    let (a, b) = (
+        open(&dir.join("bf16.png")).to_rgb8(),
+        open(&dir.join("fp32.png")).to_rgb8(),
+    );
+    assert_eq!(a.dimensions(), (40, 32));
+    assert_eq!(a.dimensions(), b.dimensions());
+    let worst = a
+        .as_raw()
+        .iter()
+        .zip(b.as_raw())
+        .map(|(x, y)| x.abs_diff(*y))
+        .max()
+        .unwrap();
+    assert!(worst <= 12, "bf16 is {worst} levels from fp32");
 }
 
 /// `--attention` picks the CUDA attention path; the CPU runs its own kernel either way, so
