@@ -35,11 +35,14 @@ fn assert_rejected(dir: &Path, cmd: &mut assert_cmd::Command, code: i32, needles
     }
     for line in err.lines().filter(|l| !l.trim().is_empty()) {
         let tally = line.contains(" upscaled, ") && line.contains(" failed in ");
+        // clap lists the choices and names the closest one under its error line.
+        let clap_hint = line.starts_with("  [possible values: ") || line.starts_with("  tip: ");
         assert!(
             line.starts_with("error:")
                 || line.starts_with("warning:")
                 || line.starts_with("For more information")
-                || tally,
+                || tally
+                || clap_hint,
             "unexpected stderr line {line:?} in:\n{err}"
         );
     }
@@ -819,6 +822,81 @@ fn bad_device() {
 #[test]
 fn bad_blend() {
     flag_case(&["--blend", "foo"], &["foo", "--blend"]);
+}
+
+/// A near miss is answered with clap's list of choices and the closest one.
+#[test]
+fn blend_typo_gets_a_suggestion() {
+    let d = tempdir();
+    with_input(d.path());
+    let run = upscale(d.path())
+        .args(["in.png", "--blend", "hanm"])
+        .output()
+        .unwrap();
+    assert_no_panic(&run);
+    assert_eq!(run.status.code(), Some(2));
+    let err = stderr(&run);
+    assert!(
+        err.contains("possible values: hann, average, none"),
+        "{err}"
+    );
+    assert!(err.contains("a similar value exists: 'hann'"), "{err}");
+    assert_eq!(
+        files_under(d.path()).len(),
+        1,
+        "a refused run wrote something"
+    );
+}
+
+#[test]
+fn help_lists_the_choices_of_typed_flags() {
+    let d = tempdir();
+    let run = bare(d.path()).arg("--help").output().unwrap();
+    assert_success(&run);
+    let help = stdout(&run);
+    for choices in [
+        "[possible values: auto, fp32, fp16, bf16]",
+        "[possible values: png, jpg, webp, tiff]",
+        "average",
+        "<K/N>",
+        "<auto|cpu|cuda[:N[,M...]]>",
+    ] {
+        assert!(help.contains(choices), "--help lacks {choices:?}:\n{help}");
+    }
+}
+
+/// The spellings accepted before the flags had fixed choices still work: other cases, the
+/// short and long names of formats, the older names of precisions and blends.
+#[test]
+fn older_spellings_of_typed_flags_still_work() {
+    let d = tempdir();
+    let dir = d.path();
+    write_png(&dir.join("in.png"), 12, 10);
+    let run = bare(dir)
+        .arg("-m")
+        .arg(golden(FAST_MODEL))
+        .args(["in.png", "--precision", "float32", "--blend", "AVG"])
+        .args(["--format", "JPEG", "--shard", " 0/1 ", "--device", "CPU"])
+        .args(["-o", "out.jpg"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert_eq!(
+        image::ImageReader::open(dir.join("out.jpg"))
+            .unwrap()
+            .with_guessed_format()
+            .unwrap()
+            .format(),
+        Some(ImageFormat::Jpeg)
+    );
+    let run = upscale(dir)
+        .args(["in.png", "--precision", "F32", "--format", "tif", "-o", "t"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let tiff = fs::read(dir.join("t")).unwrap();
+    let img = image::load_from_memory_with_format(&tiff, ImageFormat::Tiff).unwrap();
+    assert_eq!(img.dimensions(), (24, 20));
 }
 
 #[test]

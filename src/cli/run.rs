@@ -37,24 +37,14 @@ struct Done {
 
 pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
     let files = io::walk(&args.inputs, args.recursive)?;
-    let format = args
-        .format
-        .as_deref()
-        .map(|f| f.parse::<Format>())
-        .transpose()
-        .map_err(|e| anyhow::anyhow!("--format: {e}"))?;
-    let shard = args
-        .shard
-        .as_deref()
-        .map(io::parse_shard)
-        .transpose()
-        .map_err(|e| anyhow::anyhow!("--shard: {e}"))?;
+    let format = args.format;
+    let shard = args.shard;
 
     if files.is_empty() {
         anyhow::bail!("no images found in {}", display_list(&args.inputs));
     }
-    if let (Some(f), Some(name)) = (format, &args.format) {
-        check_depth(args.bit_depth, f, &format!("--format {name}"))?;
+    if let Some(f) = format {
+        check_depth(args.bit_depth, f, &format!("--format {}", f.extension()))?;
     }
 
     let (engine, settings) = super::setup(&args.infer, log)?;
