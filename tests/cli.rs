@@ -513,6 +513,153 @@ fn rgba_keeps_alpha() {
     assert!(flat.pixels().all(|p| p.0[3] == 128));
 }
 
+// ---------------------------------------------------------------- pipes
+
+fn png_bytes(w: u32, h: u32) -> Vec<u8> {
+    let mut out = std::io::Cursor::new(Vec::new());
+    rgb_image(w, h)
+        .write_to(&mut out, ImageFormat::Png)
+        .unwrap();
+    out.into_inner()
+}
+
+/// Decodes what a run wrote on stdout, which must be one whole image and nothing else.
+fn stdout_image(run: &std::process::Output) -> (ImageFormat, image::DynamicImage) {
+    let format = image::guess_format(&run.stdout).expect("stdout is not an image");
+    let img = image::load_from_memory(&run.stdout).expect("stdout does not decode");
+    (format, img)
+}
+
+/// `-` in, `-o -` out: the image goes through pipes, log lines (even with -v) stay on
+/// stderr, and nothing is written to the folder.
+#[test]
+fn stdin_to_stdout_round_trip() {
+    let d = tempdir();
+    let dir = d.path();
+    let run = upscale(dir)
+        .args(["-", "-o", "-", "-v"])
+        .write_stdin(png_bytes(16, 12))
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let (format, img) = stdout_image(&run);
+    assert_eq!(format, ImageFormat::Png);
+    assert_eq!(img.dimensions(), (32, 24));
+    assert!(stderr(&run).contains("1 upscaled"), "{}", stderr(&run));
+    assert!(files_under(dir).is_empty(), "{:?}", files_under(dir));
+
+    // The same pixels as the run over a file.
+    fs::write(dir.join("in.png"), png_bytes(16, 12)).unwrap();
+    upscale(dir)
+        .args(["in.png", "-o", "file.png"])
+        .assert()
+        .success();
+    assert_eq!(open(&dir.join("file.png")).to_rgb8(), img.to_rgb8());
+}
+
+/// `-o -` takes its format from --format, PNG without it (not the input's: stdout has no
+/// name to say otherwise); an input file's format does not carry over.
+#[test]
+fn stdout_format_is_format_flag_or_png() {
+    let d = tempdir();
+    let dir = d.path();
+    write_jpeg(&dir.join("in.jpg"), 16, 12);
+    let run = upscale(dir).args(["in.jpg", "-o", "-"]).output().unwrap();
+    assert_success(&run);
+    assert_eq!(stdout_image(&run).0, ImageFormat::Png);
+    let run = upscale(dir)
+        .args(["in.jpg", "-o", "-", "--format", "webp"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let (format, img) = stdout_image(&run);
+    assert_eq!((format, img.dimensions()), (ImageFormat::WebP, (32, 24)));
+    assert_eq!(files_under(dir).len(), 1);
+}
+
+/// Standard input to a file: the extension picks the format, else the input's content.
+#[test]
+fn stdin_to_a_file() {
+    let d = tempdir();
+    let dir = d.path();
+    let run = upscale(dir)
+        .args(["-", "-o", "out.tif", "--json"])
+        .write_stdin(png_bytes(16, 12))
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert_eq!(open(&dir.join("out.tif")).dimensions(), (32, 24));
+    let lines = json_lines(&run);
+    assert_eq!(lines[0]["input"], "-");
+    assert_eq!(lines[0]["output_size"], serde_json::json!([32, 24]));
+
+    upscale(dir)
+        .args(["-", "-o", "plain"])
+        .write_stdin(png_bytes(16, 12))
+        .assert()
+        .success();
+    assert_eq!(
+        image::guess_format(&fs::read(dir.join("plain")).unwrap()).unwrap(),
+        ImageFormat::Png
+    );
+}
+
+#[test]
+fn json_with_stdout_is_refused() {
+    let d = tempdir();
+    with_input(d.path());
+    let mut cmd = upscale(d.path());
+    cmd.args(["in.png", "--json", "-o", "-"]);
+    assert_rejected(
+        d.path(),
+        &mut cmd,
+        2,
+        &["--json", "-o -", "standard output"],
+    );
+    let out = cmd.output().unwrap();
+    assert!(out.stdout.is_empty(), "something reached stdout");
+}
+
+#[test]
+fn stdin_without_output_is_refused() {
+    let d = tempdir();
+    let mut cmd = upscale(d.path());
+    cmd.arg("-").write_stdin(png_bytes(8, 8));
+    assert_rejected(d.path(), &mut cmd, 2, &["standard input", "-o"]);
+}
+
+#[test]
+fn stdin_beside_other_inputs_is_refused() {
+    let d = tempdir();
+    with_input(d.path());
+    let mut cmd = upscale(d.path());
+    cmd.args(["-", "in.png", "-o", "out"])
+        .write_stdin(png_bytes(8, 8));
+    assert_rejected(d.path(), &mut cmd, 2, &["standard input", "only input"]);
+}
+
+#[test]
+fn stdout_from_a_folder_is_refused() {
+    let d = tempdir();
+    write_png(&d.path().join("in/a.png"), 8, 8);
+    let mut cmd = upscale(d.path());
+    cmd.args(["in", "-o", "-"]);
+    assert_rejected(d.path(), &mut cmd, 2, &["-o -", "one input file"]);
+}
+
+/// Bad bytes on standard input fail that image (exit 1), named as standard input.
+#[test]
+fn garbage_on_stdin() {
+    let d = tempdir();
+    let mut cmd = upscale(d.path());
+    cmd.args(["-", "-o", "-"])
+        .write_stdin(b"not an image at all".to_vec());
+    assert_rejected(d.path(), &mut cmd, 1, &["standard input", "not an image"]);
+    let mut cmd = upscale(d.path());
+    cmd.args(["-", "-o", "-"]).write_stdin(Vec::new());
+    assert_rejected(d.path(), &mut cmd, 1, &["standard input"]);
+}
+
 // ---------------------------------------------------------------- bad inputs
 
 #[test]

@@ -49,7 +49,7 @@ pub fn plan_outputs(files: &[InputFile], opts: &NamingOptions) -> Result<Vec<Job
     let mut jobs = Vec::with_capacity(files.len());
     match &opts.output {
         Some(out) if single && !is_folder_like(out) => {
-            let format = file_output_format(out, &files[0].path, opts.format)?;
+            let format = file_output_format(out, opts.format, || input_format(&files[0].path))?;
             jobs.push(job(&files[0], out.clone(), format));
         }
         Some(dir) => {
@@ -98,12 +98,19 @@ fn job(input: &InputFile, output: PathBuf, format: Format) -> Job {
     }
 }
 
-fn is_folder_like(out: &Path) -> bool {
+/// `-o` names a folder: an existing one, or any path ending with a separator.
+pub fn is_folder_like(out: &Path) -> bool {
     let s = out.as_os_str().to_string_lossy();
     out.is_dir() || s.ends_with(MAIN_SEPARATOR) || s.ends_with('/')
 }
 
-fn file_output_format(out: &Path, input: &Path, asked: Option<Format>) -> Result<Format, IoError> {
+/// The format of an output file named `out`: its extension's, else `asked` (`--format`),
+/// else `input()`'s. An extension that disagrees with `asked` is an error.
+pub fn file_output_format(
+    out: &Path,
+    asked: Option<Format>,
+    input: impl FnOnce() -> Format,
+) -> Result<Format, IoError> {
     match (Format::from_path(out), asked) {
         (Some(by_name), Some(asked)) if by_name != asked => Err(IoError::bad_output(
             out,
@@ -111,7 +118,7 @@ fn file_output_format(out: &Path, input: &Path, asked: Option<Format>) -> Result
         )),
         (Some(by_name), _) => Ok(by_name),
         (None, Some(asked)) => Ok(asked),
-        (None, None) => Ok(input_format(input)),
+        (None, None) => Ok(input()),
     }
 }
 
