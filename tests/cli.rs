@@ -513,6 +513,106 @@ fn rgba_keeps_alpha() {
     assert!(flat.pixels().all(|p| p.0[3] == 128));
 }
 
+// ---------------------------------------------------------------- final size
+
+/// `-s/--outscale` with the embedded x4 model: the result is round(input × F) on each side,
+/// named by that factor.
+#[test]
+fn outscale_resizes_the_models_output() {
+    let d = tempdir();
+    let dir = d.path();
+    write_png(&dir.join("in.png"), 16, 12);
+    for (flag, f, name, size) in [
+        ("-s", "2", "in_x2.png", (32, 24)),
+        ("--outscale", "3.5", "in_x3.5.png", (56, 42)),
+        ("-s", "4", "in_x4.png", (64, 48)),
+    ] {
+        let run = bare(dir)
+            .args(["in.png", "--device", "cpu", flag, f, "--json"])
+            .output()
+            .unwrap();
+        assert_success(&run);
+        assert_eq!(open(&dir.join(name)).dimensions(), size, "{flag} {f}");
+        let lines = json_lines(&run);
+        assert_eq!(lines[0]["output_size"], serde_json::json!([size.0, size.1]));
+    }
+}
+
+/// --width and/or --height: one keeps the aspect ratio, both give exactly that size; the
+/// names say which. Alpha is resampled with the colour.
+#[test]
+fn width_and_height_fit_the_output() {
+    let d = tempdir();
+    let dir = d.path();
+    write_png(&dir.join("in.png"), 16, 12);
+    for (flags, name, size) in [
+        (&["--width", "40"][..], "in_w40.png", (40, 30)),
+        (&["--height", "6"][..], "in_h6.png", (8, 6)),
+        (&["--width", "7", "--height", "5"][..], "in_7x5.png", (7, 5)),
+    ] {
+        let run = upscale(dir).arg("in.png").args(flags).output().unwrap();
+        assert_success(&run);
+        assert_eq!(open(&dir.join(name)).dimensions(), size, "{flags:?}");
+    }
+
+    rgba_image(16, 12).save(dir.join("alpha.png")).unwrap();
+    let run = upscale(dir)
+        .args(["alpha.png", "--width", "24", "-o", "a.png"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let img = open(&dir.join("a.png"));
+    assert_eq!(
+        (img.dimensions(), img.color()),
+        ((24, 18), ColorType::Rgba8)
+    );
+
+    // Through pipes too.
+    let run = upscale(dir)
+        .args(["-", "-o", "-", "--height", "3"])
+        .write_stdin(fs::read(dir.join("in.png")).unwrap())
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert_eq!(
+        image::load_from_memory(&run.stdout).unwrap().dimensions(),
+        (4, 3)
+    );
+}
+
+#[test]
+fn outscale_excludes_width_and_height() {
+    let d = tempdir();
+    with_input(d.path());
+    for other in ["--width", "--height"] {
+        let run = upscale(d.path())
+            .args(["in.png", "-s", "2", other, "10"])
+            .output()
+            .unwrap();
+        assert_no_panic(&run);
+        assert_eq!(run.status.code(), Some(2));
+        let errors = error_lines(&run);
+        assert_eq!(errors.len(), 1, "{}", stderr(&run));
+        assert!(
+            errors[0].contains("--outscale") && errors[0].contains(other),
+            "{}",
+            errors[0]
+        );
+    }
+    assert_eq!(files_under(d.path()).len(), 1);
+}
+
+#[test]
+fn outscale_not_a_positive_number() {
+    flag_case(&["--outscale", "0"], &["'0'", "--outscale"]);
+    flag_case(&["-s", "x2"], &["'x2'", "--outscale"]);
+}
+
+#[test]
+fn zero_width() {
+    flag_case(&["--width", "0"], &["'0'", "--width"]);
+}
+
 // ---------------------------------------------------------------- pipes
 
 fn png_bytes(w: u32, h: u32) -> Vec<u8> {

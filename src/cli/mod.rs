@@ -155,6 +155,17 @@ pub struct RunArgs {
     pub output: Option<PathBuf>,
     #[command(flatten)]
     pub infer: InferArgs,
+    /// Final scale when it is not the model's (2 or 3.5 with a x4 model, say): the model's
+    /// output is resampled (Lanczos3) to round(input × F).
+    #[arg(short = 's', long, value_name = "F", value_parser = crate::size::parse_factor,
+          conflicts_with_all = ["width", "height"])]
+    pub outscale: Option<f64>,
+    /// Final width in pixels; the height keeps the aspect ratio unless --height is given.
+    #[arg(long, value_name = "W", value_parser = clap::value_parser!(u32).range(1..))]
+    pub width: Option<u32>,
+    /// Final height in pixels; the width keeps the aspect ratio unless --width is given.
+    #[arg(long, value_name = "H", value_parser = clap::value_parser!(u32).range(1..))]
+    pub height: Option<u32>,
     /// Output bit depth: 8 or 16; the input's when omitted.
     #[arg(long = "bit-depth", alias = "bit_depth", value_parser = parse_bit_depth)]
     pub bit_depth: Option<u8>,

@@ -15,6 +15,7 @@ use super::{Logger, RunArgs};
 use crate::engine::image::{TileSettings, Upscaled};
 use crate::engine::lanes::Lanes;
 use crate::io::{self, Decoded, EncodeOptions, Format, InputFile, Job};
+use crate::size::{self, OutputSize};
 use crate::tile::lanes::merge_lane_stats;
 use crate::tile::LaneStats;
 
@@ -51,12 +52,13 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
     }
 
     let (engine, settings) = super::setup(&args.infer, log)?;
+    let size = OutputSize::from_flags(args.outscale, args.width, args.height);
     let (mut jobs, stdin) = match stream {
         Some(s) => (vec![s.job], s.stdin),
         None => {
             let naming = io::NamingOptions {
                 output: args.output.clone(),
-                scale: engine.scale() as u32,
+                tag: size.tag(engine.scale()),
                 format,
                 overwrite: args.overwrite,
             };
@@ -97,6 +99,7 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         choice: &encode,
         write: &write,
         stdin: &stdin,
+        size,
     };
     let progress = progress_bar(jobs.len(), log, args.json);
     let start = Instant::now();
@@ -272,6 +275,8 @@ struct Stages<'a> {
     write: WriteFn<'a>,
     /// Standard input's bytes, when the input is `-`.
     stdin: &'a Mutex<Option<Vec<u8>>>,
+    /// The final size, when not the model's.
+    size: OutputSize,
 }
 
 /// Runs one stage of one image, turning a panic (a bug, in our code or a library's) into an
@@ -300,10 +305,16 @@ fn encode_options(job: &Job, dec_depth: u8, choice: &EncodeChoice) -> EncodeOpti
     opts
 }
 
-fn process(engine: &Lanes, settings: &TileSettings, dec: &Decoded) -> Result<Upscaled, String> {
-    engine
-        .upscale_decoded(dec, settings)
-        .map_err(|e| format!("{e:#}"))
+fn process(st: &Stages, dec: &Decoded) -> Result<Upscaled, String> {
+    let mut up = st
+        .engine
+        .upscale_decoded(dec, st.settings)
+        .map_err(|e| format!("{e:#}"))?;
+    let (w, h) = st
+        .size
+        .dims(dec.rgb.width, dec.rgb.height, st.engine.scale());
+    (up.rgb, up.alpha) = size::resize(up.rgb, up.alpha.take(), w, h)?;
+    Ok(up)
 }
 
 fn write(job: &Job, dec: &Decoded, up: &Upscaled, choice: &EncodeChoice) -> Result<(), String> {
@@ -355,7 +366,7 @@ fn run_inline(
             let t = Instant::now();
             let input = &job.input.path;
             let result = guarded(input, || decode_input(input, st.stdin)).and_then(|dec| {
-                let up = guarded(input, || process(st.engine, st.settings, &dec))
+                let up = guarded(input, || process(st, &dec))
                     .map_err(|e| format!("{}: {e}", input.display()))?;
                 guarded(&job.output, || (st.write)(&job, &dec, &up, st.choice))?;
                 Ok(outcome(&dec, &up, t.elapsed().as_secs_f64()))
@@ -425,7 +436,7 @@ fn run_pipelined(st: &Stages, jobs: Vec<Job>, report: &(dyn Fn(&Outcome) + Sync)
                 }
                 Ok(dec) => {
                     let input = &job.input.path;
-                    let up = guarded(input, || process(st.engine, st.settings, &dec))
+                    let up = guarded(input, || process(st, &dec))
                         .map_err(|e| format!("{}: {e}", input.display()));
                     if enc_tx.send((job, t, dec, up)).is_err() {
                         break;
@@ -592,12 +603,13 @@ mod tests {
             choice: &choice,
             write: &writer,
             stdin: &stdin,
+            size: OutputSize::Model,
         };
         for pipelined in [false, true] {
             let out = dir.path().join(format!("out-{pipelined}"));
             let naming = io::NamingOptions {
                 output: Some(out.clone()),
-                scale: 2,
+                tag: "x2".into(),
                 format: None,
                 overwrite: true,
             };

@@ -1,13 +1,14 @@
 //! Where each input's result goes.
 //!
-//! * One named file, no `-o`: `<stem>_x<scale>.<ext>` beside it.
+//! * One named file, no `-o`: `<stem>_<tag>.<ext>` beside it, the tag naming the size:
+//!   `x4` (the model's scale), `x3.5` (`--outscale`), `w1920`, `h1080`, `640x480`.
 //! * One named file, `-o FILE`: that file; its extension picks the format (it must agree
 //!   with `--format` if both are given). `-o` is a folder instead when it is an existing
 //!   folder or ends with a path separator.
 //! * Otherwise `-o DIR`: folder inputs keep their relative paths under DIR, named files go
 //!   to `DIR/<name>`. File names are kept; only the extension changes, with the format.
-//! * A folder, no `-o`: the results go to a sibling folder `<folder>_x<scale>`, with the
-//!   same relative paths and names (as `-o <folder>_x<scale>`). Writing beside each input
+//! * A folder, no `-o`: the results go to a sibling folder `<folder>_<tag>`, with the
+//!   same relative paths and names (as `-o <folder>_<tag>`). Writing beside each input
 //!   instead would make the next run over the folder pick the results up as inputs.
 //!
 //! The format is `--format`, else the input's own, judged by its extension (by its content
@@ -26,7 +27,9 @@ use super::{Format, InputFile, IoError};
 pub struct NamingOptions {
     /// `-o`: a file for one named input, else a folder.
     pub output: Option<PathBuf>,
-    pub scale: u32,
+    /// What names results made without `-o`: `x4`, `x3.5`, `w1920`, `640x480`
+    /// ([`crate::OutputSize::tag`]).
+    pub tag: String,
     /// `--format`.
     pub format: Option<Format>,
     pub overwrite: bool,
@@ -72,12 +75,12 @@ pub fn plan_outputs(files: &[InputFile], opts: &NamingOptions) -> Result<Vec<Job
             for f in files {
                 let (output, format) = match &f.root {
                     None => {
-                        let (name, format) = suffixed_name(f, opts.scale, opts.format);
+                        let (name, format) = suffixed_name(f, &opts.tag, opts.format);
                         (f.path.with_file_name(name), format)
                     }
                     Some(root) => {
                         let (name, format) = same_name(f, opts.format);
-                        let dir = sibling_folder(root, opts.scale)?;
+                        let dir = sibling_folder(root, &opts.tag)?;
                         (dir.join(f.rel.with_file_name(name)), format)
                     }
                 };
@@ -168,13 +171,13 @@ fn same_name(f: &InputFile, asked: Option<Format>) -> (OsString, Format) {
     build_name(f, "", asked)
 }
 
-fn suffixed_name(f: &InputFile, scale: u32, asked: Option<Format>) -> (OsString, Format) {
-    build_name(f, &format!("_x{scale}"), asked)
+fn suffixed_name(f: &InputFile, tag: &str, asked: Option<Format>) -> (OsString, Format) {
+    build_name(f, &format!("_{tag}"), asked)
 }
 
 /// `photos` -> `photos_x4` next to it. `.` and `..` have no name of their own, so those are
 /// resolved first.
-fn sibling_folder(root: &Path, scale: u32) -> Result<PathBuf, IoError> {
+fn sibling_folder(root: &Path, tag: &str) -> Result<PathBuf, IoError> {
     let named = match root.file_name() {
         Some(_) => root.to_path_buf(),
         None => fs::canonicalize(root).map_err(|e| IoError::os(root, e))?,
@@ -186,7 +189,7 @@ fn sibling_folder(root: &Path, scale: u32) -> Result<PathBuf, IoError> {
         ));
     };
     let mut out = name.to_os_string();
-    out.push(format!("_x{scale}"));
+    out.push(format!("_{tag}"));
     Ok(named.with_file_name(out))
 }
 
@@ -284,7 +287,7 @@ mod tests {
     fn opts(output: Option<&Path>, format: Option<Format>) -> NamingOptions {
         NamingOptions {
             output: output.map(Path::to_path_buf),
-            scale: 4,
+            tag: "x4".into(),
             format,
             overwrite: false,
         }
@@ -359,6 +362,29 @@ mod tests {
             one(&files, &opts(None, None)),
             (d.join("scan.v2_x4.png"), Format::Png)
         );
+    }
+
+    /// A size other than the model's names results by that size, beside files and for
+    /// folders alike.
+    #[test]
+    fn tags_name_the_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a.png");
+        touch(&file);
+        let root = dir.path().join("photos");
+        touch(&root.join("b.png"));
+        for tag in ["x3.5", "w1920", "640x480"] {
+            let o = NamingOptions {
+                tag: tag.into(),
+                ..opts(None, None)
+            };
+            let jobs = plan_outputs(&walk(std::slice::from_ref(&file), false).unwrap(), &o);
+            let name = format!("a_{tag}.png");
+            assert_eq!(jobs.unwrap()[0].output, dir.path().join(name));
+            let jobs = plan_outputs(&walk(std::slice::from_ref(&root), false).unwrap(), &o);
+            let folder = dir.path().join(format!("photos_{tag}"));
+            assert_eq!(jobs.unwrap()[0].output, folder.join("b.png"));
+        }
     }
 
     #[test]
