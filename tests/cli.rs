@@ -760,6 +760,64 @@ fn garbage_on_stdin() {
     assert_rejected(d.path(), &mut cmd, 1, &["standard input"]);
 }
 
+// ---------------------------------------------------------------- completions, man page
+
+#[test]
+fn completions_for_every_shell() {
+    let d = tempdir();
+    let run = bare(d.path())
+        .args(["completions", "bash"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let bash = stdout(&run);
+    for sub in ["info", "convert", "bench", "eval", "completions", "man"] {
+        assert!(
+            bash.contains(&format!("upscale,{sub})")),
+            "bash completion lacks the subcommand {sub}"
+        );
+    }
+    assert!(bash.contains("--outscale") && bash.contains("--blend"));
+    for shell in ["zsh", "fish", "powershell", "elvish"] {
+        let run = bare(d.path())
+            .args(["completions", shell])
+            .output()
+            .unwrap();
+        assert_success(&run);
+        assert!(stdout(&run).contains("outscale"), "{shell}");
+    }
+    let run = bare(d.path())
+        .args(["completions", "tcsh"])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+    assert!(
+        stderr(&run).contains("possible values: bash"),
+        "{}",
+        stderr(&run)
+    );
+}
+
+#[test]
+fn man_page() {
+    let d = tempdir();
+    let run = bare(d.path()).arg("man").output().unwrap();
+    assert_success(&run);
+    let page = stdout(&run);
+    assert!(page.contains(".TH upscale 1"), "{page}");
+    // roff escapes the dashes of flag names.
+    for flag in [r"\-\-outscale", r"\-\-blend", r"\-\-json"] {
+        assert!(page.contains(flag), "no {flag} in the man page");
+    }
+
+    let run = bare(d.path()).args(["man", "--dir", "."]).output().unwrap();
+    assert_success(&run);
+    let pages = files_under(d.path());
+    for name in ["upscale.1", "upscale-info.1", "upscale-eval.1"] {
+        assert!(pages.iter().any(|p| p.ends_with(name)), "{pages:?}");
+    }
+}
+
 // ---------------------------------------------------------------- bad inputs
 
 #[test]

@@ -13,7 +13,7 @@ pub mod run;
 use std::path::PathBuf;
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 
 use crate::engine::{parse_device, parse_precision, DeviceChoice, Precision};
 use crate::io::{parse_shard, Format, Shard};
@@ -57,6 +57,19 @@ pub enum Command {
     Bench(BenchArgs),
     /// PSNR/SSIM on HR images as SR papers report them; gate against a baseline.
     Eval(eval::EvalArgs),
+    /// Print a shell completion script (e.g. `upscale completions bash >
+    /// ~/.local/share/bash-completion/completions/upscale`).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page in roff (e.g. `upscale man > ~/.local/share/man/man1/upscale.1`).
+    Man {
+        /// Write upscale.1 and a page for each subcommand (upscale-info.1, ...) into this
+        /// existing folder instead.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -352,6 +365,23 @@ pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
                 println!("{}", r.json);
             } else {
                 println!("{}", serde_json::to_string_pretty(&r.json)?);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Completions { shell }) => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "upscale",
+                &mut std::io::stdout(),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Man { dir }) => {
+            match dir {
+                Some(dir) => clap_mangen::generate_to(Cli::command(), &dir)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?,
+                None => clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?,
             }
             Ok(ExitCode::SUCCESS)
         }
