@@ -818,6 +818,86 @@ fn man_page() {
     }
 }
 
+// ---------------------------------------------------------------- exit codes
+
+/// The exit codes of the README's table, each from a run that should give it: 0 for help,
+/// version and a run whose only output existed already; 1 when one of two inputs fails,
+/// the other still written; 2 for a usage error.
+#[test]
+fn exit_codes_as_documented() {
+    let d = tempdir();
+    let dir = d.path();
+    for flag in ["--help", "-h", "--version", "-V"] {
+        let run = bare(dir).arg(flag).output().unwrap();
+        assert_eq!(run.status.code(), Some(0), "{flag}");
+        assert!(!run.stdout.is_empty(), "{flag} printed nothing");
+    }
+
+    write_png(&dir.join("good.png"), 8, 8);
+    fs::write(dir.join("bad.png"), b"\x89PNG\r\n\x1a\nbroken").unwrap();
+    let run = upscale(dir)
+        .args(["good.png", "bad.png", "-o", "out"])
+        .output()
+        .unwrap();
+    assert_no_panic(&run);
+    assert_eq!(run.status.code(), Some(1), "{}", stderr(&run));
+    let errors = error_lines(&run);
+    assert!(
+        errors.len() == 1 && errors[0].contains("bad.png"),
+        "{errors:?}"
+    );
+    assert_eq!(open(&dir.join("out/good.png")).dimensions(), (16, 16));
+
+    let run = upscale(dir)
+        .args(["good.png", "-o", "out/good.png"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert!(stderr(&run).contains("skipped"), "{}", stderr(&run));
+
+    let run = upscale(dir)
+        .args(["good.png", "--no-such-flag"])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+}
+
+/// A reader that goes away (`upscale ... --json | head -1`) ends the run by SIGPIPE, as it
+/// would `cat`, not with an error message about a failed write.
+#[cfg(unix)]
+#[test]
+fn closed_stdout_ends_the_run_by_sigpipe() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let d = tempdir();
+    let dir = d.path();
+    for name in ["a.png", "b.png", "c.png"] {
+        write_png(&dir.join(name), 8, 8);
+    }
+    let mut child = std::process::Command::new(bin())
+        .current_dir(dir)
+        .arg("-m")
+        .arg(golden(FAST_MODEL))
+        .args([
+            "--device", "cpu", "a.png", "b.png", "c.png", "--json", "-o", "out",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Closed before the first line is written.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    assert!(error_lines(&out).is_empty(), "{}", stderr(&out));
+}
+
 // ---------------------------------------------------------------- bad inputs
 
 #[test]

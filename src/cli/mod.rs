@@ -150,7 +150,7 @@ pub struct InferArgs {
     pub tf32: bool,
     /// Window attention on CUDA: fused (one kernel per block, no score tensors) or reference
     /// (candle's matmul/softmax graph). The CPU runs its own kernel either way.
-    #[arg(long, value_enum, default_value_t = Attention::Fused)]
+    #[arg(long, value_enum, ignore_case = true, default_value_t = Attention::Fused)]
     pub attention: Attention,
     /// Test-time self-ensemble: average the outputs for the eight flips and transpositions
     /// of the input (+0.04 dB PSNR-Y on the default model's held-out photos, at 8x the time).
