@@ -28,6 +28,7 @@ use crate::engine::{choose_dtype, open_device, read_checkpoint, DeviceChoice, Pr
 use crate::io::{EncodeOptions, Format};
 use crate::model::fused::Attention;
 use crate::model::ModelError;
+use crate::size::OutputSize;
 use crate::tile::BlendMode;
 
 /// How to run the model. `Options::default()` is what the command line does without flags.
@@ -50,6 +51,9 @@ pub struct Options {
     pub blend: BlendMode,
     /// Test-time self-ensemble over the eight flips and transpositions (8x the time).
     pub tta: bool,
+    /// The size of the results: the model's scale, or the model's output resampled
+    /// (Lanczos3) to another factor or to a width and/or height.
+    pub size: OutputSize,
 }
 
 impl Default for Options {
@@ -64,6 +68,7 @@ impl Default for Options {
             batch: None,
             blend: BlendMode::default(),
             tta: false,
+            size: OutputSize::Model,
         }
     }
 }
@@ -85,6 +90,7 @@ pub enum Error {
 pub struct Upscaler {
     lanes: Lanes,
     settings: TileSettings,
+    size: OutputSize,
     warnings: Vec<String>,
 }
 
@@ -117,6 +123,7 @@ impl Upscaler {
         Ok(Self {
             lanes,
             settings,
+            size: opts.size,
             warnings,
         })
     }
@@ -132,17 +139,19 @@ impl Upscaler {
         &self.warnings
     }
 
-    /// `img` upscaled by [`Upscaler::scale`]: gray stays gray, alpha is kept (upscaled through
-    /// the network too), and the sample depth follows the input (16-bit in, 16-bit out).
+    /// `img` upscaled by [`Upscaler::scale`] (then resampled to [`Options::size`]): gray
+    /// stays gray, alpha is kept (upscaled through the network too), and the sample depth
+    /// follows the input (16-bit in, 16-bit out).
     pub fn upscale(&self, img: &DynamicImage) -> Result<DynamicImage, Error> {
         let dec = crate::io::decode::to_planar(img.clone(), Format::Png);
         let up = self
             .lanes
             .upscale_decoded(&dec, &self.settings)
             .map_err(|e| Error::Upscale(format!("{e:#}")))?;
+        let (w, h) = self.size.dims(dec.rgb.width, dec.rgb.height, self.scale());
+        let (rgb, alpha) = crate::size::resize(up.rgb, up.alpha, w, h).map_err(Error::Upscale)?;
         let mut opts = EncodeOptions::new(Format::Png);
         opts.bit_depth = dec.bit_depth;
-        crate::io::encode::to_image(&up.rgb, up.alpha.as_ref(), dec.gray, &opts)
-            .map_err(Error::Upscale)
+        crate::io::encode::to_image(&rgb, alpha.as_ref(), dec.gray, &opts).map_err(Error::Upscale)
     }
 }

@@ -19,9 +19,11 @@ pub mod io;
 pub mod metrics;
 pub mod model;
 pub mod planar;
+pub mod size;
 pub mod tile;
 
 pub use api::{Error, Options, Upscaler};
 pub use engine::{DeviceChoice, Precision};
 pub use model::fused::Attention;
+pub use size::OutputSize;
 pub use tile::BlendMode;

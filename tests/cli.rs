@@ -35,11 +35,14 @@ fn assert_rejected(dir: &Path, cmd: &mut assert_cmd::Command, code: i32, needles
     }
     for line in err.lines().filter(|l| !l.trim().is_empty()) {
         let tally = line.contains(" upscaled, ") && line.contains(" failed in ");
+        // clap lists the choices and names the closest one under its error line.
+        let clap_hint = line.starts_with("  [possible values: ") || line.starts_with("  tip: ");
         assert!(
             line.starts_with("error:")
                 || line.starts_with("warning:")
                 || line.starts_with("For more information")
-                || tally,
+                || tally
+                || clap_hint,
             "unexpected stderr line {line:?} in:\n{err}"
         );
     }
@@ -535,6 +538,391 @@ fn rgba_keeps_alpha() {
     assert!(flat.pixels().all(|p| p.0[3] == 128));
 }
 
+// ---------------------------------------------------------------- final size
+
+/// `-s/--outscale` with the embedded x4 model: the result is round(input × F) on each side,
+/// named by that factor.
+#[test]
+fn outscale_resizes_the_models_output() {
+    let d = tempdir();
+    let dir = d.path();
+    write_png(&dir.join("in.png"), 16, 12);
+    for (flag, f, name, size) in [
+        ("-s", "2", "in_x2.png", (32, 24)),
+        ("--outscale", "3.5", "in_x3.5.png", (56, 42)),
+        ("-s", "4", "in_x4.png", (64, 48)),
+    ] {
+        let run = bare(dir)
+            .args(["in.png", "--device", "cpu", flag, f, "--json"])
+            .output()
+            .unwrap();
+        assert_success(&run);
+        assert_eq!(open(&dir.join(name)).dimensions(), size, "{flag} {f}");
+        let lines = json_lines(&run);
+        assert_eq!(lines[0]["output_size"], serde_json::json!([size.0, size.1]));
+    }
+}
+
+/// --width and/or --height: one keeps the aspect ratio, both give exactly that size; the
+/// names say which. Alpha is resampled with the colour.
+#[test]
+fn width_and_height_fit_the_output() {
+    let d = tempdir();
+    let dir = d.path();
+    write_png(&dir.join("in.png"), 16, 12);
+    for (flags, name, size) in [
+        (&["--width", "40"][..], "in_w40.png", (40, 30)),
+        (&["--height", "6"][..], "in_h6.png", (8, 6)),
+        (&["--width", "7", "--height", "5"][..], "in_7x5.png", (7, 5)),
+    ] {
+        let run = upscale(dir).arg("in.png").args(flags).output().unwrap();
+        assert_success(&run);
+        assert_eq!(open(&dir.join(name)).dimensions(), size, "{flags:?}");
+    }
+
+    rgba_image(16, 12).save(dir.join("alpha.png")).unwrap();
+    let run = upscale(dir)
+        .args(["alpha.png", "--width", "24", "-o", "a.png"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let img = open(&dir.join("a.png"));
+    assert_eq!(
+        (img.dimensions(), img.color()),
+        ((24, 18), ColorType::Rgba8)
+    );
+
+    // Through pipes too.
+    let run = upscale(dir)
+        .args(["-", "-o", "-", "--height", "3"])
+        .write_stdin(fs::read(dir.join("in.png")).unwrap())
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert_eq!(
+        image::load_from_memory(&run.stdout).unwrap().dimensions(),
+        (4, 3)
+    );
+}
+
+#[test]
+fn outscale_excludes_width_and_height() {
+    let d = tempdir();
+    with_input(d.path());
+    for other in ["--width", "--height"] {
+        let run = upscale(d.path())
+            .args(["in.png", "-s", "2", other, "10"])
+            .output()
+            .unwrap();
+        assert_no_panic(&run);
+        assert_eq!(run.status.code(), Some(2));
+        let errors = error_lines(&run);
+        assert_eq!(errors.len(), 1, "{}", stderr(&run));
+        assert!(
+            errors[0].contains("--outscale") && errors[0].contains(other),
+            "{}",
+            errors[0]
+        );
+    }
+    assert_eq!(files_under(d.path()).len(), 1);
+}
+
+#[test]
+fn outscale_not_a_positive_number() {
+    flag_case(&["--outscale", "0"], &["'0'", "--outscale"]);
+    flag_case(&["-s", "x2"], &["'x2'", "--outscale"]);
+}
+
+#[test]
+fn zero_width() {
+    flag_case(&["--width", "0"], &["'0'", "--width"]);
+}
+
+// ---------------------------------------------------------------- pipes
+
+fn png_bytes(w: u32, h: u32) -> Vec<u8> {
+    let mut out = std::io::Cursor::new(Vec::new());
+    rgb_image(w, h)
+        .write_to(&mut out, ImageFormat::Png)
+        .unwrap();
+    out.into_inner()
+}
+
+/// Decodes what a run wrote on stdout, which must be one whole image and nothing else.
+fn stdout_image(run: &std::process::Output) -> (ImageFormat, image::DynamicImage) {
+    let format = image::guess_format(&run.stdout).expect("stdout is not an image");
+    let img = image::load_from_memory(&run.stdout).expect("stdout does not decode");
+    (format, img)
+}
+
+/// `-` in, `-o -` out: the image goes through pipes, log lines (even with -v) stay on
+/// stderr, and nothing is written to the folder.
+#[test]
+fn stdin_to_stdout_round_trip() {
+    let d = tempdir();
+    let dir = d.path();
+    let run = upscale(dir)
+        .args(["-", "-o", "-", "-v"])
+        .write_stdin(png_bytes(16, 12))
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let (format, img) = stdout_image(&run);
+    assert_eq!(format, ImageFormat::Png);
+    assert_eq!(img.dimensions(), (32, 24));
+    assert!(stderr(&run).contains("1 upscaled"), "{}", stderr(&run));
+    assert!(files_under(dir).is_empty(), "{:?}", files_under(dir));
+
+    // The same pixels as the run over a file.
+    fs::write(dir.join("in.png"), png_bytes(16, 12)).unwrap();
+    upscale(dir)
+        .args(["in.png", "-o", "file.png"])
+        .assert()
+        .success();
+    assert_eq!(open(&dir.join("file.png")).to_rgb8(), img.to_rgb8());
+}
+
+/// `-o -` takes its format from --format, PNG without it (not the input's: stdout has no
+/// name to say otherwise); an input file's format does not carry over.
+#[test]
+fn stdout_format_is_format_flag_or_png() {
+    let d = tempdir();
+    let dir = d.path();
+    write_jpeg(&dir.join("in.jpg"), 16, 12);
+    let run = upscale(dir).args(["in.jpg", "-o", "-"]).output().unwrap();
+    assert_success(&run);
+    assert_eq!(stdout_image(&run).0, ImageFormat::Png);
+    let run = upscale(dir)
+        .args(["in.jpg", "-o", "-", "--format", "webp"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let (format, img) = stdout_image(&run);
+    assert_eq!((format, img.dimensions()), (ImageFormat::WebP, (32, 24)));
+    assert_eq!(files_under(dir).len(), 1);
+}
+
+/// Standard input to a file: the extension picks the format, else the input's content.
+#[test]
+fn stdin_to_a_file() {
+    let d = tempdir();
+    let dir = d.path();
+    let run = upscale(dir)
+        .args(["-", "-o", "out.tif", "--json"])
+        .write_stdin(png_bytes(16, 12))
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert_eq!(open(&dir.join("out.tif")).dimensions(), (32, 24));
+    let lines = json_lines(&run);
+    assert_eq!(lines[0]["input"], "-");
+    assert_eq!(lines[0]["output_size"], serde_json::json!([32, 24]));
+
+    upscale(dir)
+        .args(["-", "-o", "plain"])
+        .write_stdin(png_bytes(16, 12))
+        .assert()
+        .success();
+    assert_eq!(
+        image::guess_format(&fs::read(dir.join("plain")).unwrap()).unwrap(),
+        ImageFormat::Png
+    );
+}
+
+#[test]
+fn json_with_stdout_is_refused() {
+    let d = tempdir();
+    with_input(d.path());
+    let mut cmd = upscale(d.path());
+    cmd.args(["in.png", "--json", "-o", "-"]);
+    assert_rejected(
+        d.path(),
+        &mut cmd,
+        2,
+        &["--json", "-o -", "standard output"],
+    );
+    let out = cmd.output().unwrap();
+    assert!(out.stdout.is_empty(), "something reached stdout");
+}
+
+#[test]
+fn stdin_without_output_is_refused() {
+    let d = tempdir();
+    let mut cmd = upscale(d.path());
+    cmd.arg("-").write_stdin(png_bytes(8, 8));
+    assert_rejected(d.path(), &mut cmd, 2, &["standard input", "-o"]);
+}
+
+#[test]
+fn stdin_beside_other_inputs_is_refused() {
+    let d = tempdir();
+    with_input(d.path());
+    let mut cmd = upscale(d.path());
+    cmd.args(["-", "in.png", "-o", "out"])
+        .write_stdin(png_bytes(8, 8));
+    assert_rejected(d.path(), &mut cmd, 2, &["standard input", "only input"]);
+}
+
+#[test]
+fn stdout_from_a_folder_is_refused() {
+    let d = tempdir();
+    write_png(&d.path().join("in/a.png"), 8, 8);
+    let mut cmd = upscale(d.path());
+    cmd.args(["in", "-o", "-"]);
+    assert_rejected(d.path(), &mut cmd, 2, &["-o -", "one input file"]);
+}
+
+/// Bad bytes on standard input fail that image (exit 1), named as standard input.
+#[test]
+fn garbage_on_stdin() {
+    let d = tempdir();
+    let mut cmd = upscale(d.path());
+    cmd.args(["-", "-o", "-"])
+        .write_stdin(b"not an image at all".to_vec());
+    assert_rejected(d.path(), &mut cmd, 1, &["standard input", "not an image"]);
+    let mut cmd = upscale(d.path());
+    cmd.args(["-", "-o", "-"]).write_stdin(Vec::new());
+    assert_rejected(d.path(), &mut cmd, 1, &["standard input"]);
+}
+
+// ---------------------------------------------------------------- completions, man page
+
+#[test]
+fn completions_for_every_shell() {
+    let d = tempdir();
+    let run = bare(d.path())
+        .args(["completions", "bash"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let bash = stdout(&run);
+    for sub in ["info", "convert", "bench", "eval", "completions", "man"] {
+        assert!(
+            bash.contains(&format!("upscale,{sub})")),
+            "bash completion lacks the subcommand {sub}"
+        );
+    }
+    assert!(bash.contains("--outscale") && bash.contains("--blend"));
+    for shell in ["zsh", "fish", "powershell", "elvish"] {
+        let run = bare(d.path())
+            .args(["completions", shell])
+            .output()
+            .unwrap();
+        assert_success(&run);
+        assert!(stdout(&run).contains("outscale"), "{shell}");
+    }
+    let run = bare(d.path())
+        .args(["completions", "tcsh"])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+    assert!(
+        stderr(&run).contains("possible values: bash"),
+        "{}",
+        stderr(&run)
+    );
+}
+
+#[test]
+fn man_page() {
+    let d = tempdir();
+    let run = bare(d.path()).arg("man").output().unwrap();
+    assert_success(&run);
+    let page = stdout(&run);
+    assert!(page.contains(".TH upscale 1"), "{page}");
+    // roff escapes the dashes of flag names.
+    for flag in [r"\-\-outscale", r"\-\-blend", r"\-\-json"] {
+        assert!(page.contains(flag), "no {flag} in the man page");
+    }
+
+    let run = bare(d.path()).args(["man", "--dir", "."]).output().unwrap();
+    assert_success(&run);
+    let pages = files_under(d.path());
+    for name in ["upscale.1", "upscale-info.1", "upscale-eval.1"] {
+        assert!(pages.iter().any(|p| p.ends_with(name)), "{pages:?}");
+    }
+}
+
+// ---------------------------------------------------------------- exit codes
+
+/// The exit codes of the README's table, each from a run that should give it: 0 for help,
+/// version and a run whose only output existed already; 1 when one of two inputs fails,
+/// the other still written; 2 for a usage error.
+#[test]
+fn exit_codes_as_documented() {
+    let d = tempdir();
+    let dir = d.path();
+    for flag in ["--help", "-h", "--version", "-V"] {
+        let run = bare(dir).arg(flag).output().unwrap();
+        assert_eq!(run.status.code(), Some(0), "{flag}");
+        assert!(!run.stdout.is_empty(), "{flag} printed nothing");
+    }
+
+    write_png(&dir.join("good.png"), 8, 8);
+    fs::write(dir.join("bad.png"), b"\x89PNG\r\n\x1a\nbroken").unwrap();
+    let run = upscale(dir)
+        .args(["good.png", "bad.png", "-o", "out"])
+        .output()
+        .unwrap();
+    assert_no_panic(&run);
+    assert_eq!(run.status.code(), Some(1), "{}", stderr(&run));
+    let errors = error_lines(&run);
+    assert!(
+        errors.len() == 1 && errors[0].contains("bad.png"),
+        "{errors:?}"
+    );
+    assert_eq!(open(&dir.join("out/good.png")).dimensions(), (16, 16));
+
+    let run = upscale(dir)
+        .args(["good.png", "-o", "out/good.png"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert!(stderr(&run).contains("skipped"), "{}", stderr(&run));
+
+    let run = upscale(dir)
+        .args(["good.png", "--no-such-flag"])
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(2));
+}
+
+/// A reader that goes away (`upscale ... --json | head -1`) ends the run by SIGPIPE, as it
+/// would `cat`, not with an error message about a failed write.
+#[cfg(unix)]
+#[test]
+fn closed_stdout_ends_the_run_by_sigpipe() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let d = tempdir();
+    let dir = d.path();
+    for name in ["a.png", "b.png", "c.png"] {
+        write_png(&dir.join(name), 8, 8);
+    }
+    let mut child = std::process::Command::new(bin())
+        .current_dir(dir)
+        .arg("-m")
+        .arg(golden(FAST_MODEL))
+        .args([
+            "--device", "cpu", "a.png", "b.png", "c.png", "--json", "-o", "out",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Closed before the first line is written.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?}\n{}",
+        out.status,
+        stderr(&out)
+    );
+    assert!(error_lines(&out).is_empty(), "{}", stderr(&out));
+}
+
 // ---------------------------------------------------------------- bad inputs
 
 #[test]
@@ -844,6 +1232,81 @@ fn bad_device() {
 #[test]
 fn bad_blend() {
     flag_case(&["--blend", "foo"], &["foo", "--blend"]);
+}
+
+/// A near miss is answered with clap's list of choices and the closest one.
+#[test]
+fn blend_typo_gets_a_suggestion() {
+    let d = tempdir();
+    with_input(d.path());
+    let run = upscale(d.path())
+        .args(["in.png", "--blend", "hanm"])
+        .output()
+        .unwrap();
+    assert_no_panic(&run);
+    assert_eq!(run.status.code(), Some(2));
+    let err = stderr(&run);
+    assert!(
+        err.contains("possible values: hann, average, none"),
+        "{err}"
+    );
+    assert!(err.contains("a similar value exists: 'hann'"), "{err}");
+    assert_eq!(
+        files_under(d.path()).len(),
+        1,
+        "a refused run wrote something"
+    );
+}
+
+#[test]
+fn help_lists_the_choices_of_typed_flags() {
+    let d = tempdir();
+    let run = bare(d.path()).arg("--help").output().unwrap();
+    assert_success(&run);
+    let help = stdout(&run);
+    for choices in [
+        "[possible values: auto, fp32, fp16, bf16]",
+        "[possible values: png, jpg, webp, tiff]",
+        "average",
+        "<K/N>",
+        "<auto|cpu|cuda[:N[,M...]]>",
+    ] {
+        assert!(help.contains(choices), "--help lacks {choices:?}:\n{help}");
+    }
+}
+
+/// The spellings accepted before the flags had fixed choices still work: other cases, the
+/// short and long names of formats, the older names of precisions and blends.
+#[test]
+fn older_spellings_of_typed_flags_still_work() {
+    let d = tempdir();
+    let dir = d.path();
+    write_png(&dir.join("in.png"), 12, 10);
+    let run = bare(dir)
+        .arg("-m")
+        .arg(golden(FAST_MODEL))
+        .args(["in.png", "--precision", "float32", "--blend", "AVG"])
+        .args(["--format", "JPEG", "--shard", " 0/1 ", "--device", "CPU"])
+        .args(["-o", "out.jpg"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert_eq!(
+        image::ImageReader::open(dir.join("out.jpg"))
+            .unwrap()
+            .with_guessed_format()
+            .unwrap()
+            .format(),
+        Some(ImageFormat::Jpeg)
+    );
+    let run = upscale(dir)
+        .args(["in.png", "--precision", "F32", "--format", "tif", "-o", "t"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let tiff = fs::read(dir.join("t")).unwrap();
+    let img = image::load_from_memory_with_format(&tiff, ImageFormat::Tiff).unwrap();
+    assert_eq!(img.dimensions(), (24, 20));
 }
 
 #[test]

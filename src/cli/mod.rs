@@ -12,10 +12,13 @@ pub mod run;
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 
 use crate::engine::{parse_device, parse_precision, DeviceChoice, Precision};
+use crate::io::{parse_shard, Format, Shard};
 use crate::model::Attention;
+use crate::tile::BlendMode;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -54,6 +57,19 @@ pub enum Command {
     Bench(BenchArgs),
     /// PSNR/SSIM on HR images as SR papers report them; gate against a baseline.
     Eval(eval::EvalArgs),
+    /// Print a shell completion script (e.g. `upscale completions bash >
+    /// ~/.local/share/bash-completion/completions/upscale`).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page in roff (e.g. `upscale man > ~/.local/share/man/man1/upscale.1`).
+    Man {
+        /// Write upscale.1 and a page for each subcommand (upscale-info.1, ...) into this
+        /// existing folder instead.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -97,10 +113,15 @@ pub struct InferArgs {
     #[arg(short = 'm', long)]
     pub model: Option<PathBuf>,
     /// auto, cpu, cuda, cuda:N or cuda:N,M,...
-    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    #[arg(
+        long,
+        default_value = "auto",
+        value_name = "auto|cpu|cuda[:N[,M...]]",
+        value_parser = parse_device
+    )]
     pub device: DeviceChoice,
-    /// auto (bf16 on capable GPUs, fp32 on the CPU), fp32, fp16 or bf16.
-    #[arg(long, default_value = "auto", value_parser = parse_precision)]
+    /// auto: bf16 on capable GPUs, fp32 on the CPU.
+    #[arg(long, default_value = "auto", ignore_case = true, value_parser = precision_parser())]
     pub precision: Precision,
     /// Tile size in input pixels; 0 = the whole image at once. Automatic when omitted.
     #[arg(long)]
@@ -118,9 +139,9 @@ pub struct InferArgs {
     /// the tiles of every image. Ignored on the CPU.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub streams: u32,
-    /// How overlapping tiles are merged: hann, average or none.
-    #[arg(long, default_value = "hann")]
-    pub blend: String,
+    /// How overlapping tiles are merged.
+    #[arg(long, value_enum, ignore_case = true, default_value_t = BlendMode::Hann)]
+    pub blend: BlendMode,
     /// Same as --blend hann.
     #[arg(long = "hann_blend", alias = "hann-blend")]
     pub hann_blend: bool,
@@ -129,7 +150,7 @@ pub struct InferArgs {
     pub tf32: bool,
     /// Window attention on CUDA: fused (one kernel per block, no score tensors) or reference
     /// (candle's matmul/softmax graph). The CPU runs its own kernel either way.
-    #[arg(long, value_enum, default_value_t = Attention::Fused)]
+    #[arg(long, value_enum, ignore_case = true, default_value_t = Attention::Fused)]
     pub attention: Attention,
     /// Test-time self-ensemble: average the outputs for the eight flips and transpositions
     /// of the input (+0.04 dB PSNR-Y on the default model's held-out photos, at 8x the time).
@@ -147,12 +168,23 @@ pub struct RunArgs {
     pub output: Option<PathBuf>,
     #[command(flatten)]
     pub infer: InferArgs,
+    /// Final scale when it is not the model's (2 or 3.5 with a x4 model, say): the model's
+    /// output is resampled (Lanczos3) to round(input × F).
+    #[arg(short = 's', long, value_name = "F", value_parser = crate::size::parse_factor,
+          conflicts_with_all = ["width", "height"])]
+    pub outscale: Option<f64>,
+    /// Final width in pixels; the height keeps the aspect ratio unless --height is given.
+    #[arg(long, value_name = "W", value_parser = clap::value_parser!(u32).range(1..))]
+    pub width: Option<u32>,
+    /// Final height in pixels; the width keeps the aspect ratio unless --width is given.
+    #[arg(long, value_name = "H", value_parser = clap::value_parser!(u32).range(1..))]
+    pub height: Option<u32>,
     /// Output bit depth: 8 or 16; the input's when omitted.
     #[arg(long = "bit-depth", alias = "bit_depth", value_parser = parse_bit_depth)]
     pub bit_depth: Option<u8>,
-    /// Output format: png, jpg, webp or tiff; the input's when omitted.
-    #[arg(long)]
-    pub format: Option<String>,
+    /// Output format; the input's when omitted.
+    #[arg(long, value_enum, ignore_case = true)]
+    pub format: Option<Format>,
     /// JPEG quality, 1-100.
     #[arg(long, default_value_t = 95, value_parser = clap::value_parser!(u8).range(1..=100))]
     pub quality: u8,
@@ -163,8 +195,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub overwrite: bool,
     /// Process only shard K of N (0 <= K < N) of the sorted input list.
-    #[arg(long)]
-    pub shard: Option<String>,
+    #[arg(long, value_name = "K/N", value_parser = parse_shard)]
+    pub shard: Option<Shard>,
     /// One JSON line per image and a summary line on stdout.
     #[arg(long)]
     pub json: bool,
@@ -177,6 +209,18 @@ pub struct RunArgs {
     /// More detail on stderr.
     #[arg(short = 'v', long)]
     pub verbose: bool,
+}
+
+/// The precisions as clap choices, so that `--help` lists them and a typo gets a suggestion;
+/// the older spellings stay accepted as aliases.
+fn precision_parser() -> impl TypedValueParser<Value = Precision> {
+    PossibleValuesParser::new([
+        PossibleValue::new("auto"),
+        PossibleValue::new("fp32").aliases(["f32", "float32"]),
+        PossibleValue::new("fp16").aliases(["f16", "half"]),
+        PossibleValue::new("bf16").alias("bfloat16"),
+    ])
+    .try_map(|s| parse_precision(&s))
 }
 
 fn parse_bit_depth(s: &str) -> Result<u8, String> {
@@ -227,11 +271,9 @@ pub fn setup(
 )> {
     use crate::engine::image::{TileChoice, TileSettings};
     let blend = if args.hann_blend {
-        crate::tile::BlendMode::Hann
+        BlendMode::Hann
     } else {
         args.blend
-            .parse::<crate::tile::BlendMode>()
-            .map_err(|e| anyhow::anyhow!("--blend: {e}"))?
     };
     let mut warn = |m: String| log.warn(m);
     let device = crate::engine::open_device(&args.device, &mut warn)?;
@@ -323,6 +365,23 @@ pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
                 println!("{}", r.json);
             } else {
                 println!("{}", serde_json::to_string_pretty(&r.json)?);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Completions { shell }) => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "upscale",
+                &mut std::io::stdout(),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Man { dir }) => {
+            match dir {
+                Some(dir) => clap_mangen::generate_to(Cli::command(), &dir)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?,
+                None => clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?,
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -1,19 +1,21 @@
 //! `upscale INPUT...`: files and folders through one loaded model, with decoding and
 //! encoding on worker threads so the model never waits for the disk.
 
-use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::Mutex;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 use serde_json::json;
 
 use super::{Logger, RunArgs};
 use crate::engine::image::{TileSettings, Upscaled};
 use crate::engine::lanes::Lanes;
-use crate::io::{self, Decoded, EncodeOptions, Format, Job};
+use crate::io::{self, Decoded, EncodeOptions, Format, InputFile, Job};
+use crate::size::{self, OutputSize};
 use crate::tile::lanes::merge_lane_stats;
 use crate::tile::LaneStats;
 
@@ -36,45 +38,43 @@ struct Done {
 }
 
 pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
-    let files = io::walk(&args.inputs, args.recursive)?;
-    let format = args
-        .format
-        .as_deref()
-        .map(|f| f.parse::<Format>())
-        .transpose()
-        .map_err(|e| anyhow::anyhow!("--format: {e}"))?;
-    let shard = args
-        .shard
-        .as_deref()
-        .map(io::parse_shard)
-        .transpose()
-        .map_err(|e| anyhow::anyhow!("--shard: {e}"))?;
-
-    if files.is_empty() {
-        anyhow::bail!("no images found in {}", display_list(&args.inputs));
+    let format = args.format;
+    if let Some(f) = format {
+        check_depth(args.bit_depth, f, &format!("--format {}", f.extension()))?;
     }
-    if let (Some(f), Some(name)) = (format, &args.format) {
-        check_depth(args.bit_depth, f, &format!("--format {name}"))?;
+    let stream = plan_stream(&args)?;
+    let files = match stream {
+        Some(_) => Vec::new(),
+        None => io::walk(&args.inputs, args.recursive)?,
+    };
+    if stream.is_none() && files.is_empty() {
+        bail!("no images found in {}", display_list(&args.inputs));
     }
 
     let (engine, settings) = super::setup(&args.infer, log)?;
-    let naming = io::NamingOptions {
-        output: args.output.clone(),
-        scale: engine.scale() as u32,
-        format,
-        overwrite: args.overwrite,
+    let size = OutputSize::from_flags(args.outscale, args.width, args.height);
+    let (mut jobs, stdin) = match stream {
+        Some(s) => (vec![s.job], s.stdin),
+        None => {
+            let naming = io::NamingOptions {
+                output: args.output.clone(),
+                tag: size.tag(engine.scale()),
+                format,
+                overwrite: args.overwrite,
+            };
+            (io::plan_outputs(&files, &naming)?, None)
+        }
     };
-    let mut jobs = io::plan_outputs(&files, &naming)?;
     if let [job] = jobs.as_slice() {
         if args.output.as_ref() == Some(&job.output) {
-            check_depth(
-                args.bit_depth,
-                job.format,
-                &job.output.display().to_string(),
-            )?;
+            let what = match is_dash(&job.output) {
+                true => "-o -".to_string(),
+                false => job.output.display().to_string(),
+            };
+            check_depth(args.bit_depth, job.format, &what)?;
         }
     }
-    if let Some(shard) = shard {
+    if let Some(shard) = args.shard {
         // Split before dropping finished jobs, so every shard sees the same partition.
         jobs = io::select_shard(jobs, shard);
     }
@@ -92,11 +92,14 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         quality: args.quality,
         quiet: log.quiet,
     };
+    let stdin = Mutex::new(stdin);
     let stages = Stages {
         engine: &engine,
         settings: &settings,
         choice: &encode,
         write: &write,
+        stdin: &stdin,
+        size,
     };
     let progress = progress_bar(jobs.len(), log, args.json);
     let start = Instant::now();
@@ -136,6 +139,112 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
     })
 }
 
+/// `-` on the command line: standard input as an input, standard output as `-o`.
+fn is_dash(p: &Path) -> bool {
+    p.as_os_str() == "-"
+}
+
+/// What names standard input in messages.
+const STDIN_NAME: &str = "standard input";
+
+/// The one job of a run through standard input or output.
+struct Stream {
+    job: Job,
+    /// All of standard input, when it is the input.
+    stdin: Option<Vec<u8>>,
+}
+
+/// Checks a run that reads `-` or writes `-o -` and reads standard input; `None` for a run
+/// over files only. Every refusal comes before the model is loaded.
+fn plan_stream(args: &RunArgs) -> Result<Option<Stream>> {
+    let from_stdin = args.inputs.iter().any(|p| is_dash(p));
+    let to_stdout = args.output.as_deref().is_some_and(is_dash);
+    if !from_stdin && !to_stdout {
+        return Ok(None);
+    }
+    if to_stdout && args.json {
+        bail!("--json and -o - would both write to standard output; write the image to a file to get the report");
+    }
+    if from_stdin && args.inputs.len() > 1 {
+        bail!("- (standard input) must be the only input");
+    }
+    if to_stdout && std::io::stdout().is_terminal() {
+        bail!("-o -: standard output is a terminal; redirect it to a file or a pipe");
+    }
+    let input = if from_stdin {
+        InputFile {
+            path: PathBuf::from("-"),
+            root: None,
+            rel: PathBuf::from("-"),
+        }
+    } else {
+        match io::walk(&args.inputs, args.recursive)?.as_slice() {
+            [one] if one.root.is_none() => one.clone(),
+            _ => bail!("-o - (standard output) takes one input file, not a folder or a list"),
+        }
+    };
+    let output = match args.output.as_deref() {
+        None => bail!(
+            "standard input has no file name to name the output after; give -o FILE, or -o - for standard output"
+        ),
+        Some(out) => out,
+    };
+    if !to_stdout {
+        if io::is_folder_like(output) {
+            bail!(
+                "-o {}: with standard input, -o must name a file (or - for standard output)",
+                output.display()
+            );
+        }
+        io::check_output_parent(output)?;
+    }
+    let stdin = from_stdin.then(read_stdin).transpose()?;
+    let format = if to_stdout {
+        args.format.unwrap_or(Format::Png)
+    } else {
+        let sniffed = stdin.as_deref().and_then(Format::sniff);
+        io::file_output_format(output, args.format, || sniffed.unwrap_or(Format::Png))?
+    };
+    let skip = !to_stdout && output.exists() && !args.overwrite;
+    Ok(Some(Stream {
+        job: Job {
+            input,
+            output: output.to_path_buf(),
+            format,
+            skip,
+        },
+        stdin,
+    }))
+}
+
+/// All of standard input, up to one byte past what decoding accepts (so that decoding
+/// reports an oversized image as too large instead of reading without end).
+fn read_stdin() -> Result<Vec<u8>> {
+    let limit = io::DecodeLimits::default().max_alloc;
+    let mut bytes = Vec::new();
+    std::io::stdin()
+        .lock()
+        .take(limit + 1)
+        .read_to_end(&mut bytes)
+        .context("reading standard input")?;
+    Ok(bytes)
+}
+
+/// Decodes a job's input: its file, or the bytes read from standard input (taken, so they
+/// are held once).
+fn decode_input(path: &Path, stdin: &Mutex<Option<Vec<u8>>>) -> Result<Decoded, String> {
+    if !is_dash(path) {
+        return io::decode(path).map_err(|e| e.to_string());
+    }
+    let bytes = stdin
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .take()
+        .unwrap_or_default();
+    io::decode_bytes(Path::new(STDIN_NAME), &bytes, &io::DecodeLimits::default())
+        .map_err(|e| e.to_string())
+}
+
 /// An explicit 16-bit request for a format that cannot hold it is a usage error, caught
 /// before any image is processed; `what` is the flag or file that chose the format.
 fn check_depth(bit_depth: Option<u8>, format: Format, what: &str) -> Result<()> {
@@ -164,6 +273,10 @@ struct Stages<'a> {
     settings: &'a TileSettings,
     choice: &'a EncodeChoice,
     write: WriteFn<'a>,
+    /// Standard input's bytes, when the input is `-`.
+    stdin: &'a Mutex<Option<Vec<u8>>>,
+    /// The final size, when not the model's.
+    size: OutputSize,
 }
 
 /// Runs one stage of one image, turning a panic (a bug, in our code or a library's) into an
@@ -192,10 +305,16 @@ fn encode_options(job: &Job, dec_depth: u8, choice: &EncodeChoice) -> EncodeOpti
     opts
 }
 
-fn process(engine: &Lanes, settings: &TileSettings, dec: &Decoded) -> Result<Upscaled, String> {
-    engine
-        .upscale_decoded(dec, settings)
-        .map_err(|e| format!("{e:#}"))
+fn process(st: &Stages, dec: &Decoded) -> Result<Upscaled, String> {
+    let mut up = st
+        .engine
+        .upscale_decoded(dec, st.settings)
+        .map_err(|e| format!("{e:#}"))?;
+    let (w, h) = st
+        .size
+        .dims(dec.rgb.width, dec.rgb.height, st.engine.scale());
+    (up.rgb, up.alpha) = size::resize(up.rgb, up.alpha.take(), w, h)?;
+    Ok(up)
 }
 
 fn write(job: &Job, dec: &Decoded, up: &Upscaled, choice: &EncodeChoice) -> Result<(), String> {
@@ -213,6 +332,15 @@ fn write(job: &Job, dec: &Decoded, up: &Upscaled, choice: &EncodeChoice) -> Resu
             job.output.display(),
             job.format
         ));
+    }
+    if is_dash(&job.output) {
+        let bytes = io::encode_to_vec(&up.rgb, up.alpha.as_ref(), dec.gray, &opts)
+            .map_err(|e| format!("standard output: {e}"))?;
+        let mut out = std::io::stdout().lock();
+        return out
+            .write_all(&bytes)
+            .and_then(|()| out.flush())
+            .map_err(|e| format!("standard output: {e}"));
     }
     io::encode(&job.output, &up.rgb, up.alpha.as_ref(), dec.gray, &opts).map_err(|e| e.to_string())
 }
@@ -237,13 +365,12 @@ fn run_inline(
         .map(|job| {
             let t = Instant::now();
             let input = &job.input.path;
-            let result =
-                guarded(input, || io::decode(input).map_err(|e| e.to_string())).and_then(|dec| {
-                    let up = guarded(input, || process(st.engine, st.settings, &dec))
-                        .map_err(|e| format!("{}: {e}", input.display()))?;
-                    guarded(&job.output, || (st.write)(&job, &dec, &up, st.choice))?;
-                    Ok(outcome(&dec, &up, t.elapsed().as_secs_f64()))
-                });
+            let result = guarded(input, || decode_input(input, st.stdin)).and_then(|dec| {
+                let up = guarded(input, || process(st, &dec))
+                    .map_err(|e| format!("{}: {e}", input.display()))?;
+                guarded(&job.output, || (st.write)(&job, &dec, &up, st.choice))?;
+                Ok(outcome(&dec, &up, t.elapsed().as_secs_f64()))
+            });
             sink(Outcome {
                 input: job.input.path.clone(),
                 output: job.output.clone(),
@@ -272,7 +399,7 @@ fn run_pipelined(st: &Stages, jobs: Vec<Job>, report: &(dyn Fn(&Outcome) + Sync)
             for job in jobs {
                 let t = Instant::now();
                 let input = &job.input.path;
-                let dec = guarded(input, || io::decode(input).map_err(|e| e.to_string()));
+                let dec = guarded(input, || decode_input(input, st.stdin));
                 if dec_tx.send((job, t, dec)).is_err() {
                     break;
                 }
@@ -309,7 +436,7 @@ fn run_pipelined(st: &Stages, jobs: Vec<Job>, report: &(dyn Fn(&Outcome) + Sync)
                 }
                 Ok(dec) => {
                     let input = &job.input.path;
-                    let up = guarded(input, || process(st.engine, st.settings, &dec))
+                    let up = guarded(input, || process(st, &dec))
                         .map_err(|e| format!("{}: {e}", input.display()));
                     if enc_tx.send((job, t, dec, up)).is_err() {
                         break;
@@ -400,7 +527,11 @@ fn progress_bar(len: usize, log: &Logger, json: bool) -> indicatif::ProgressBar 
 const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(600);
 
 fn remove_leftovers(jobs: &[Job], log: &Logger) {
-    let outputs: Vec<&std::path::Path> = jobs.iter().map(|j| j.output.as_path()).collect();
+    let outputs: Vec<&std::path::Path> = jobs
+        .iter()
+        .map(|j| j.output.as_path())
+        .filter(|p| !is_dash(p))
+        .collect();
     match io::remove_stale_temporaries(&outputs, STALE_TEMPORARY) {
         Ok(removed) => {
             for path in removed {
@@ -426,7 +557,6 @@ mod tests {
     use crate::engine::Engine;
     use crate::model::Checkpoint;
     use candle_core::{DType, Device};
-    use std::sync::Mutex;
 
     /// Three images through both pipelines with a writer that panics on the second: that
     /// image fails with the panic's message, the others are written, and every image has
@@ -466,17 +596,20 @@ mod tests {
             }
             write(job, dec, up, c)
         };
+        let stdin = Mutex::new(None);
         let stages = Stages {
             engine: &lanes,
             settings: &settings,
             choice: &choice,
             write: &writer,
+            stdin: &stdin,
+            size: OutputSize::Model,
         };
         for pipelined in [false, true] {
             let out = dir.path().join(format!("out-{pipelined}"));
             let naming = io::NamingOptions {
                 output: Some(out.clone()),
-                scale: 2,
+                tag: "x2".into(),
                 format: None,
                 overwrite: true,
             };

@@ -5,7 +5,7 @@
 //! set, so the model always sees RGB and the caller can write gray again.
 
 use std::fs::File;
-use std::io::{BufReader, ErrorKind, Read, Seek, SeekFrom};
+use std::io::{BufRead, BufReader, Cursor, ErrorKind, Read, Seek, SeekFrom};
 use std::path::Path;
 
 use image::metadata::Orientation;
@@ -82,7 +82,34 @@ pub fn decode_with_limits(path: &Path, limits: &DecodeLimits) -> Result<Decoded,
     }
 
     let file = File::open(path).map_err(|e| IoError::os(path, e))?;
-    let mut reader = BufReader::new(file);
+    decode_reader(path, BufReader::new(file), limits)
+}
+
+/// An image held in memory (read from a pipe, say); `name` stands for it in error messages.
+pub fn decode_bytes(name: &Path, bytes: &[u8], limits: &DecodeLimits) -> Result<Decoded, IoError> {
+    if bytes.is_empty() {
+        return Err(IoError::Empty {
+            path: name.to_path_buf(),
+        });
+    }
+    if bytes.len() as u64 > limits.max_alloc {
+        return Err(too_large(
+            name,
+            format!(
+                "the data is {} MiB, the limit is {} MiB",
+                mib(bytes.len() as u64),
+                mib(limits.max_alloc)
+            ),
+        ));
+    }
+    decode_reader(name, Cursor::new(bytes), limits)
+}
+
+fn decode_reader<R: BufRead + Seek>(
+    path: &Path,
+    mut reader: R,
+    limits: &DecodeLimits,
+) -> Result<Decoded, IoError> {
     let head = read_head(&mut reader).map_err(|e| IoError::os(path, e))?;
     let format = match Format::sniff(&head) {
         Some(f) => f,
@@ -135,7 +162,7 @@ pub fn decode_with_limits(path: &Path, limits: &DecodeLimits) -> Result<Decoded,
     Ok(to_planar(img, format))
 }
 
-fn read_head(reader: &mut BufReader<File>) -> std::io::Result<Vec<u8>> {
+fn read_head<R: Read + Seek>(reader: &mut R) -> std::io::Result<Vec<u8>> {
     let mut head = Vec::with_capacity(16);
     reader.by_ref().take(16).read_to_end(&mut head)?;
     reader.seek(SeekFrom::Start(0))?;

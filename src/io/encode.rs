@@ -90,6 +90,19 @@ pub fn encode(
     })
 }
 
+/// The encoded file's bytes, for a destination that is not a file (a pipe, say).
+pub fn encode_to_vec(
+    rgb: &Planar,
+    alpha: Option<&Planar>,
+    gray: bool,
+    opts: &EncodeOptions,
+) -> Result<Vec<u8>, String> {
+    let img = to_image(rgb, alpha, gray, opts)?;
+    let mut out = std::io::Cursor::new(Vec::new());
+    write_image(&mut out, &img, opts).map_err(|e| innermost_message(&e))?;
+    Ok(out.into_inner())
+}
+
 /// Encodes an already built image; for callers that write somewhere else than a file.
 pub fn write_image<W: Write + Seek>(
     w: &mut W,

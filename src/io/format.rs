@@ -7,11 +7,17 @@ use std::str::FromStr;
 /// Extensions (lower case) that folder walks pick up.
 pub const IMAGE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg", "webp", "tif", "tiff"];
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Also a command-line value (`--format`), spelt as the extensions we write, the long
+/// extensions accepted as aliases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum Format {
+    #[value(name = "png")]
     Png,
+    #[value(name = "jpg", alias = "jpeg")]
     Jpeg,
+    #[value(name = "webp")]
     Webp,
+    #[value(name = "tiff", alias = "tif")]
     Tiff,
 }
 

@@ -1,13 +1,14 @@
 //! Where each input's result goes.
 //!
-//! * One named file, no `-o`: `<stem>_x<scale>.<ext>` beside it.
+//! * One named file, no `-o`: `<stem>_<tag>.<ext>` beside it, the tag naming the size:
+//!   `x4` (the model's scale), `x3.5` (`--outscale`), `w1920`, `h1080`, `640x480`.
 //! * One named file, `-o FILE`: that file; its extension picks the format (it must agree
 //!   with `--format` if both are given). `-o` is a folder instead when it is an existing
 //!   folder or ends with a path separator.
 //! * Otherwise `-o DIR`: folder inputs keep their relative paths under DIR, named files go
 //!   to `DIR/<name>`. File names are kept; only the extension changes, with the format.
-//! * A folder, no `-o`: the results go to a sibling folder `<folder>_x<scale>`, with the
-//!   same relative paths and names (as `-o <folder>_x<scale>`). Writing beside each input
+//! * A folder, no `-o`: the results go to a sibling folder `<folder>_<tag>`, with the
+//!   same relative paths and names (as `-o <folder>_<tag>`). Writing beside each input
 //!   instead would make the next run over the folder pick the results up as inputs.
 //!
 //! The format is `--format`, else the input's own, judged by its extension (by its content
@@ -26,7 +27,9 @@ use super::{Format, InputFile, IoError};
 pub struct NamingOptions {
     /// `-o`: a file for one named input, else a folder.
     pub output: Option<PathBuf>,
-    pub scale: u32,
+    /// What names results made without `-o`: `x4`, `x3.5`, `w1920`, `640x480`
+    /// ([`crate::OutputSize::tag`]).
+    pub tag: String,
     /// `--format`.
     pub format: Option<Format>,
     pub overwrite: bool,
@@ -49,7 +52,7 @@ pub fn plan_outputs(files: &[InputFile], opts: &NamingOptions) -> Result<Vec<Job
     let mut jobs = Vec::with_capacity(files.len());
     match &opts.output {
         Some(out) if single && !is_folder_like(out) => {
-            let format = file_output_format(out, &files[0].path, opts.format)?;
+            let format = file_output_format(out, opts.format, || input_format(&files[0].path))?;
             jobs.push(job(&files[0], out.clone(), format));
         }
         Some(dir) => {
@@ -72,12 +75,12 @@ pub fn plan_outputs(files: &[InputFile], opts: &NamingOptions) -> Result<Vec<Job
             for f in files {
                 let (output, format) = match &f.root {
                     None => {
-                        let (name, format) = suffixed_name(f, opts.scale, opts.format);
+                        let (name, format) = suffixed_name(f, &opts.tag, opts.format);
                         (f.path.with_file_name(name), format)
                     }
                     Some(root) => {
                         let (name, format) = same_name(f, opts.format);
-                        let dir = sibling_folder(root, opts.scale)?;
+                        let dir = sibling_folder(root, &opts.tag)?;
                         (dir.join(f.rel.with_file_name(name)), format)
                     }
                 };
@@ -98,12 +101,19 @@ fn job(input: &InputFile, output: PathBuf, format: Format) -> Job {
     }
 }
 
-fn is_folder_like(out: &Path) -> bool {
+/// `-o` names a folder: an existing one, or any path ending with a separator.
+pub fn is_folder_like(out: &Path) -> bool {
     let s = out.as_os_str().to_string_lossy();
     out.is_dir() || s.ends_with(MAIN_SEPARATOR) || s.ends_with('/')
 }
 
-fn file_output_format(out: &Path, input: &Path, asked: Option<Format>) -> Result<Format, IoError> {
+/// The format of an output file named `out`: its extension's, else `asked` (`--format`),
+/// else `input()`'s. An extension that disagrees with `asked` is an error.
+pub fn file_output_format(
+    out: &Path,
+    asked: Option<Format>,
+    input: impl FnOnce() -> Format,
+) -> Result<Format, IoError> {
     match (Format::from_path(out), asked) {
         (Some(by_name), Some(asked)) if by_name != asked => Err(IoError::bad_output(
             out,
@@ -111,7 +121,7 @@ fn file_output_format(out: &Path, input: &Path, asked: Option<Format>) -> Result
         )),
         (Some(by_name), _) => Ok(by_name),
         (None, Some(asked)) => Ok(asked),
-        (None, None) => Ok(input_format(input)),
+        (None, None) => Ok(input()),
     }
 }
 
@@ -161,13 +171,13 @@ fn same_name(f: &InputFile, asked: Option<Format>) -> (OsString, Format) {
     build_name(f, "", asked)
 }
 
-fn suffixed_name(f: &InputFile, scale: u32, asked: Option<Format>) -> (OsString, Format) {
-    build_name(f, &format!("_x{scale}"), asked)
+fn suffixed_name(f: &InputFile, tag: &str, asked: Option<Format>) -> (OsString, Format) {
+    build_name(f, &format!("_{tag}"), asked)
 }
 
 /// `photos` -> `photos_x4` next to it. `.` and `..` have no name of their own, so those are
 /// resolved first.
-fn sibling_folder(root: &Path, scale: u32) -> Result<PathBuf, IoError> {
+fn sibling_folder(root: &Path, tag: &str) -> Result<PathBuf, IoError> {
     let named = match root.file_name() {
         Some(_) => root.to_path_buf(),
         None => fs::canonicalize(root).map_err(|e| IoError::os(root, e))?,
@@ -179,7 +189,7 @@ fn sibling_folder(root: &Path, scale: u32) -> Result<PathBuf, IoError> {
         ));
     };
     let mut out = name.to_os_string();
-    out.push(format!("_x{scale}"));
+    out.push(format!("_{tag}"));
     Ok(named.with_file_name(out))
 }
 
@@ -277,7 +287,7 @@ mod tests {
     fn opts(output: Option<&Path>, format: Option<Format>) -> NamingOptions {
         NamingOptions {
             output: output.map(Path::to_path_buf),
-            scale: 4,
+            tag: "x4".into(),
             format,
             overwrite: false,
         }
@@ -352,6 +362,29 @@ mod tests {
             one(&files, &opts(None, None)),
             (d.join("scan.v2_x4.png"), Format::Png)
         );
+    }
+
+    /// A size other than the model's names results by that size, beside files and for
+    /// folders alike.
+    #[test]
+    fn tags_name_the_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a.png");
+        touch(&file);
+        let root = dir.path().join("photos");
+        touch(&root.join("b.png"));
+        for tag in ["x3.5", "w1920", "640x480"] {
+            let o = NamingOptions {
+                tag: tag.into(),
+                ..opts(None, None)
+            };
+            let jobs = plan_outputs(&walk(std::slice::from_ref(&file), false).unwrap(), &o);
+            let name = format!("a_{tag}.png");
+            assert_eq!(jobs.unwrap()[0].output, dir.path().join(name));
+            let jobs = plan_outputs(&walk(std::slice::from_ref(&root), false).unwrap(), &o);
+            let folder = dir.path().join(format!("photos_{tag}"));
+            assert_eq!(jobs.unwrap()[0].output, folder.join("b.png"));
+        }
     }
 
     #[test]

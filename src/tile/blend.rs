@@ -9,13 +9,14 @@ use std::sync::Arc;
 
 use super::plan::Span;
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum BlendMode {
     /// Raised-cosine crossfade over the middle half of each overlap; the outer quarter at a
     /// tile's inner edge gets no weight, since the model saw little context there.
     #[default]
     Hann,
     /// Uniform average of all tiles covering a pixel, as the official inference script does.
+    #[value(alias = "avg")]
     Average,
     /// Crop and paste: every output pixel comes from one tile, seams mid-overlap.
     None,
