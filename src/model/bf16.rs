@@ -152,35 +152,20 @@ impl PackedB {
         self.pairs = kp;
         self.data.clear();
         self.data.resize(n.div_ceil(NR) * kp * NR, 0);
-        if rs == 1 {
-            // Columns are contiguous runs of k values (kᵀ of attention, a linear layer's
-            // weight): round each run once, then deal its pairs out to the panel rows.
-            let mut run = vec![0u16; 2 * kp];
-            for c in 0..n {
-                round_row(&src[c * cs..c * cs + k], &mut run[..k]);
-                let (panel, j) = (c / NR, c % NR);
-                let out = &mut self.data[panel * kp * NR..(panel + 1) * kp * NR];
-                for (p, two) in run.chunks_exact(2).enumerate() {
-                    out[p * NR + j] = u32::from(two[0]) | (u32::from(two[1]) << 16);
-                }
-            }
-            return;
-        }
         for (panel, out) in self.data.chunks_exact_mut(kp * NR).enumerate() {
-            let c0 = panel * NR;
-            let cols = (n - c0).min(NR);
+            let cols = (n - panel * NR).min(NR);
             for (p, row) in out.chunks_exact_mut(NR).take(k.div_ceil(2)).enumerate() {
                 let r = 2 * p;
                 let lo = &src[r * rs..];
-                let hi = (r + 1 < k).then(|| &src[(r + 1) * rs..]);
-                if cs == 1 {
-                    let zeros = [0f32; NR];
-                    let hi = hi.map_or(&zeros[..cols], |h| &h[c0..c0 + cols]);
-                    interleave(&lo[c0..c0 + cols], hi, &mut row[..cols]);
+                if r + 1 < k {
+                    let hi = &src[(r + 1) * rs..];
+                    for (j, v) in row[..cols].iter_mut().enumerate() {
+                        let c = (panel * NR + j) * cs;
+                        *v = pair(lo[c], hi[c]);
+                    }
                 } else {
                     for (j, v) in row[..cols].iter_mut().enumerate() {
-                        let c = (c0 + j) * cs;
-                        *v = pair(lo[c], hi.map_or(0.0, |h| h[c]));
+                        *v = bf16_bits(lo[(panel * NR + j) * cs]);
                     }
                 }
             }
@@ -193,29 +178,6 @@ impl PackedB {
 
     pub fn cols(&self) -> usize {
         self.n
-    }
-}
-
-/// `dst[j] = (lo[j], hi[j])` as bf16 pairs.
-fn interleave(lo: &[f32], hi: &[f32], dst: &mut [u32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw")]
-        fn wide(lo: &[f32], hi: &[f32], dst: &mut [u32]) {
-            pairs(lo, hi, dst)
-        }
-        if std::arch::is_x86_feature_detected!("avx512bw") {
-            // SAFETY: the CPU has the features `wide` is compiled for.
-            return unsafe { wide(lo, hi, dst) };
-        }
-    }
-    pairs(lo, hi, dst)
-}
-
-#[inline(always)]
-fn pairs(lo: &[f32], hi: &[f32], dst: &mut [u32]) {
-    for ((d, l), h) in dst.iter_mut().zip(lo).zip(hi) {
-        *d = pair(*l, *h);
     }
 }
 
@@ -312,34 +274,13 @@ unsafe fn pack_a_rows(
     for (r, out) in buf.chunks_exact_mut(kp).take(rows).enumerate() {
         // SAFETY: row r of the caller's rows.
         let row = unsafe { std::slice::from_raw_parts(a.add(r * lda), k) };
-        // A row of pairs is the row's bf16 values in order (low half first).
-        // SAFETY: u16 has a weaker alignment than u32 and the view covers `out` exactly.
-        let halves =
-            unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u16>(), 2 * kp) };
-        round_row(row, &mut halves[..k]);
-    }
-}
-
-/// bf16 bits of `src` into `dst` (same length).
-fn round_row(src: &[f32], dst: &mut [u16]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw")]
-        fn wide(src: &[f32], dst: &mut [u16]) {
-            narrow(src, dst)
+        let (whole, rest) = row.as_chunks::<2>();
+        for (v, two) in out.iter_mut().zip(whole) {
+            *v = pair(two[0], two[1]);
         }
-        if std::arch::is_x86_feature_detected!("avx512bw") {
-            // SAFETY: the CPU has the features `wide` is compiled for.
-            return unsafe { wide(src, dst) };
+        if let [last] = rest {
+            out[whole.len()] = bf16_bits(*last);
         }
-    }
-    narrow(src, dst)
-}
-
-#[inline(always)]
-fn narrow(src: &[f32], dst: &mut [u16]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = bf16_bits(*s) as u16;
     }
 }
 
