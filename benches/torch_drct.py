@@ -104,18 +104,21 @@ def cmd_make_weights(a):
 
 def cmd_time(a):
     torch.set_num_threads(a.threads)
-    model = build_model(a.preset, a.scale, a.seed)
+    h = a.height or a.size
+    w = a.width or a.size
+    window = PRESETS[a.preset]["window"]
+    # Built for the padded input size, so the shift mask is the stored buffer (cast with the
+    # model); for other sizes spandrel computes it in f32, which pure bf16 cannot add.
+    side = -(-max(h, w) // window) * window
+    model = build_model(a.preset, a.scale, a.seed, img_size=side)
     if a.weights:
         load_weights(model, a.weights)
     g = torch.Generator().manual_seed(a.seed + 1)
-    h = a.height or a.size
-    w = a.width or a.size
     x = torch.rand((a.batch, 3, h, w), generator=g, dtype=torch.float32)
     # "bfloat16" is pure bf16 (weights and activations), PyTorch's fastest CPU mode.
     dtype = getattr(torch, a.dtype)
     model = model.to(dtype)
     x = x.to(dtype)
-    window = PRESETS[a.preset]["window"]
 
     def once():
         t0 = time.perf_counter()

@@ -271,6 +271,17 @@ fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
         bytes <= engine.free_memory() as f64,
         "{huge:?} needs {bytes} bytes"
     );
+    // On the CPU the plan stays within 4 GiB (half of it for one pass's activations), however
+    // much memory is free: larger tiles are no faster there.
+    let (h, w) = (1024, 1024);
+    let big = engine.tile_options(&settings, h, w);
+    let pass = if big.tile == 0 {
+        h * w
+    } else {
+        big.tile.min(h) * big.tile.min(w) * big.batch
+    };
+    let bytes = pass as f64 * cost;
+    assert!(bytes <= (2u64 << 30) as f64, "{big:?} needs {bytes} bytes");
 }
 
 /// The shipped default model against its float64 reference (made by
