@@ -120,7 +120,8 @@ pub struct InferArgs {
         value_parser = parse_device
     )]
     pub device: DeviceChoice,
-    /// auto: bf16 on capable GPUs, fp32 on the CPU.
+    /// auto: bf16 on capable GPUs, fp32 on the CPU. bf16 on the CPU needs AMX or
+    /// AVX512-BF16 (activations stay f32) and falls back to fp32 without them, as fp16 does.
     #[arg(long, default_value = "auto", ignore_case = true, value_parser = precision_parser())]
     pub precision: Precision,
     /// Tile size in input pixels; 0 = the whole image at once. Automatic when omitted.
