@@ -56,7 +56,7 @@ pub fn isa() -> Option<Isa> {
     })
 }
 
-/// Whether this CPU has bf16 arithmetic that [`gemm`] can use.
+/// Whether this CPU has bf16 arithmetic that [`gemm()`] can use.
 pub fn supported() -> bool {
     isa().is_some()
 }
