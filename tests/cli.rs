@@ -1614,6 +1614,32 @@ fn metadata_jpeg_orientation_applied_and_reset_icc_kept() {
     assert_eq!(got_exif, Some(exif_with_orientation(1)));
 }
 
+/// `--strip` writes neither the profile nor the EXIF, and the pixels are still upright.
+#[test]
+fn metadata_strip_drops_icc_and_exif() {
+    let d = tempdir();
+    let dir = d.path();
+    let jpeg = with_metadata(
+        &rgb_image(20, 12),
+        ImageFormat::Jpeg,
+        Some(fake_icc(b"RGB ")),
+        Some(exif_with_orientation(6)),
+    );
+    fs::write(dir.join("in.jpg"), &jpeg).unwrap();
+    for out in ["out.png", "out.jpg", "out.webp"] {
+        upscale(dir)
+            .args(["in.jpg", "--strip", "-o", out])
+            .assert()
+            .success();
+        let bytes = fs::read(dir.join(out)).unwrap();
+        assert_eq!(metadata_of(&bytes), (None, None), "{out}");
+        assert_eq!(
+            image::load_from_memory(&bytes).unwrap().dimensions(),
+            (2 * 12, 2 * 20)
+        );
+    }
+}
+
 /// The profile survives PNG to PNG, and goes into JPEG, WebP and TIFF outputs too; EXIF goes
 /// wherever the writer can store it, and `-v` names what was left out (TIFF's EXIF).
 #[test]

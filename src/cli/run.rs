@@ -92,6 +92,7 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         quality: args.quality,
         quiet: log.quiet,
         verbose: log.verbose && !log.quiet,
+        strip: args.strip,
     };
     let stdin = Mutex::new(stdin);
     let stages = Stages {
@@ -264,6 +265,8 @@ struct EncodeChoice {
     quiet: bool,
     /// `-v`: also say what metadata an output could not take.
     verbose: bool,
+    /// `--strip`: no ICC profile or EXIF in the outputs.
+    strip: bool,
 }
 
 /// Writes one upscaled image; the product's is [`write`], tests put in others.
@@ -336,7 +339,8 @@ fn write(job: &Job, dec: &Decoded, up: &Upscaled, choice: &EncodeChoice) -> Resu
             job.format
         ));
     }
-    let meta = &dec.metadata;
+    let none = io::Metadata::default();
+    let meta = if choice.strip { &none } else { &dec.metadata };
     let left_out = if is_dash(&job.output) {
         let (bytes, left_out) =
             io::encode_to_vec(&up.rgb, up.alpha.as_ref(), dec.gray, meta, &opts)
@@ -614,6 +618,7 @@ mod tests {
             quality: 90,
             quiet: true,
             verbose: false,
+            strip: false,
         };
         let writer = |job: &Job, dec: &Decoded, up: &Upscaled, c: &EncodeChoice| {
             if job.input.path.ends_with("1.png") {
