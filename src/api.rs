@@ -16,7 +16,10 @@
 //! ```
 //!
 //! Everything the command-line tool does per image happens here too: tiling with Hann
-//! blending, alpha and grayscale handling, 8- or 16-bit output following the input.
+//! blending, alpha and grayscale handling, 8- or 16-bit output following the input. File
+//! metadata is not: a `DynamicImage` holds no ICC profile or EXIF, so carrying them is the
+//! caller's part (the tool does it with [`crate::io::Decoded::metadata`] and
+//! [`crate::io::encode`]).
 
 use std::path::Path;
 

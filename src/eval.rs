@@ -231,6 +231,7 @@ pub fn evaluate_pair(
         gray: false,
         bit_depth: 8,
         format: Format::Png,
+        metadata: Default::default(),
     };
     let sr = engine
         .upscale_decoded(&input, settings)

@@ -1494,3 +1494,248 @@ fn quiet_silences_the_alpha_warning() {
     assert_success(&quiet);
     assert_eq!(stderr(&quiet), "");
 }
+
+// ---------------------------------------------------------------- metadata
+
+/// A stand-in ICC profile: a 128-byte header naming `space` (all a reader checks) and a
+/// recognisable body.
+fn fake_icc(space: &[u8; 4]) -> Vec<u8> {
+    let mut icc: Vec<u8> = (0..200u32).map(|i| (i * 7 % 251) as u8).collect();
+    icc[..4].copy_from_slice(&200u32.to_be_bytes());
+    icc[16..20].copy_from_slice(space);
+    icc[36..40].copy_from_slice(b"acsp");
+    icc
+}
+
+/// Big-endian EXIF with a camera make, `orientation` and a software tag around it.
+fn exif_with_orientation(orientation: u16) -> Vec<u8> {
+    let mut b = b"MM\0\x2a\0\0\0\x08".to_vec();
+    b.extend(3u16.to_be_bytes());
+    for (tag, kind, value) in [
+        (0x010fu16, 2u16, *b"Ab\0\0"),
+        (0x0112, 3, [0; 4]),
+        (0x0131, 2, *b"Cd\0\0"),
+    ] {
+        b.extend(tag.to_be_bytes());
+        b.extend(kind.to_be_bytes());
+        b.extend(if kind == 3 { 1u32 } else { 3 }.to_be_bytes());
+        if kind == 3 {
+            b.extend(orientation.to_be_bytes());
+            b.extend([0, 0]);
+        } else {
+            b.extend(value);
+        }
+    }
+    b.extend(0u32.to_be_bytes());
+    b
+}
+
+/// Writes `img` as `format` with the given profile and EXIF.
+fn with_metadata(
+    img: &image::RgbImage,
+    format: ImageFormat,
+    icc: Option<Vec<u8>>,
+    exif: Option<Vec<u8>>,
+) -> Vec<u8> {
+    use image::codecs::{jpeg::JpegEncoder, png::PngEncoder};
+    use image::ImageEncoder;
+    fn write<E: ImageEncoder>(
+        mut e: E,
+        img: &image::RgbImage,
+        icc: Option<Vec<u8>>,
+        exif: Option<Vec<u8>>,
+    ) {
+        if let Some(icc) = icc {
+            e.set_icc_profile(icc).unwrap();
+        }
+        if let Some(exif) = exif {
+            e.set_exif_metadata(exif).unwrap();
+        }
+        e.write_image(
+            img.as_raw(),
+            img.width(),
+            img.height(),
+            image::ExtendedColorType::Rgb8,
+        )
+        .unwrap();
+    }
+    let mut out = Vec::new();
+    match format {
+        ImageFormat::Jpeg => write(JpegEncoder::new_with_quality(&mut out, 95), img, icc, exif),
+        ImageFormat::Png => write(PngEncoder::new(&mut out), img, icc, exif),
+        other => panic!("no writer for {other:?}"),
+    }
+    out
+}
+
+/// The ICC profile and EXIF a file holds, as the image crate reads them back.
+fn metadata_of(bytes: &[u8]) -> (Option<Vec<u8>>, Option<Vec<u8>>) {
+    use image::ImageDecoder;
+    if image::guess_format(bytes).unwrap() == ImageFormat::Tiff {
+        // Through ImageReader the profile of a small TIFF is cut by its limits.
+        let mut dec = image::codecs::tiff::TiffDecoder::new(std::io::Cursor::new(bytes)).unwrap();
+        return (dec.icc_profile().unwrap(), dec.exif_metadata().unwrap());
+    }
+    let mut dec = image::ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .unwrap()
+        .into_decoder()
+        .unwrap();
+    (dec.icc_profile().unwrap(), dec.exif_metadata().unwrap())
+}
+
+/// A JPEG whose EXIF says "rotate 90° clockwise" comes out upright as PNG: the sides are
+/// swapped, the EXIF is kept with its orientation now 1 (and nothing else changed), and the
+/// ICC profile is the same bytes.
+#[test]
+fn metadata_jpeg_orientation_applied_and_reset_icc_kept() {
+    let d = tempdir();
+    let dir = d.path();
+    let icc = fake_icc(b"RGB ");
+    let jpeg = with_metadata(
+        &rgb_image(20, 12),
+        ImageFormat::Jpeg,
+        Some(icc.clone()),
+        Some(exif_with_orientation(6)),
+    );
+    fs::write(dir.join("in.jpg"), &jpeg).unwrap();
+    upscale(dir)
+        .args(["in.jpg", "-o", "out.png"])
+        .assert()
+        .success();
+    let out = fs::read(dir.join("out.png")).unwrap();
+    assert_eq!(image::guess_format(&out).unwrap(), ImageFormat::Png);
+    assert_eq!(
+        image::load_from_memory(&out).unwrap().dimensions(),
+        (2 * 12, 2 * 20)
+    );
+    let (got_icc, got_exif) = metadata_of(&out);
+    assert_eq!(got_icc, Some(icc));
+    assert_eq!(got_exif, Some(exif_with_orientation(1)));
+}
+
+/// `--strip` writes neither the profile nor the EXIF, and the pixels are still upright.
+#[test]
+fn metadata_strip_drops_icc_and_exif() {
+    let d = tempdir();
+    let dir = d.path();
+    let jpeg = with_metadata(
+        &rgb_image(20, 12),
+        ImageFormat::Jpeg,
+        Some(fake_icc(b"RGB ")),
+        Some(exif_with_orientation(6)),
+    );
+    fs::write(dir.join("in.jpg"), &jpeg).unwrap();
+    for out in ["out.png", "out.jpg", "out.webp"] {
+        upscale(dir)
+            .args(["in.jpg", "--strip", "-o", out])
+            .assert()
+            .success();
+        let bytes = fs::read(dir.join(out)).unwrap();
+        assert_eq!(metadata_of(&bytes), (None, None), "{out}");
+        assert_eq!(
+            image::load_from_memory(&bytes).unwrap().dimensions(),
+            (2 * 12, 2 * 20)
+        );
+    }
+}
+
+/// The profile survives PNG to PNG, and goes into JPEG, WebP and TIFF outputs too; EXIF goes
+/// wherever the writer can store it, and `-v` names what was left out (TIFF's EXIF).
+#[test]
+fn metadata_icc_kept_in_every_output_format() {
+    let d = tempdir();
+    let dir = d.path();
+    let icc = fake_icc(b"RGB ");
+    let exif = exif_with_orientation(1);
+    let png = with_metadata(
+        &rgb_image(16, 12),
+        ImageFormat::Png,
+        Some(icc.clone()),
+        Some(exif.clone()),
+    );
+    fs::write(dir.join("in.png"), &png).unwrap();
+    for (out, format, keeps_exif) in [
+        ("out.png", ImageFormat::Png, true),
+        ("out.jpg", ImageFormat::Jpeg, true),
+        ("out.webp", ImageFormat::WebP, true),
+        ("out.tif", ImageFormat::Tiff, false),
+    ] {
+        let run = upscale(dir)
+            .args(["in.png", "-v", "-o", out])
+            .output()
+            .unwrap();
+        assert_success(&run);
+        let bytes = fs::read(dir.join(out)).unwrap();
+        assert_eq!(image::guess_format(&bytes).unwrap(), format);
+        let (got_icc, got_exif) = metadata_of(&bytes);
+        assert_eq!(got_icc.as_ref(), Some(&icc), "{out}");
+        if keeps_exif {
+            assert_eq!(got_exif.as_ref(), Some(&exif), "{out}");
+        }
+        assert_eq!(
+            stderr(&run).contains("EXIF left out"),
+            !keeps_exif,
+            "{out}: {}",
+            stderr(&run)
+        );
+    }
+    // And back from TIFF, whose small images the image crate reads without their profile.
+    upscale(dir)
+        .args(["out.tif", "-o", "back.png"])
+        .assert()
+        .success();
+    assert_eq!(
+        metadata_of(&fs::read(dir.join("back.png")).unwrap()).0,
+        Some(icc)
+    );
+}
+
+/// A profile for other pixels than those written (a CMYK JPEG's, decoded to RGB) is not
+/// copied: it would make viewers misread the colours.
+#[test]
+fn metadata_icc_for_other_pixels_is_left_out() {
+    let d = tempdir();
+    let dir = d.path();
+    let png = with_metadata(
+        &rgb_image(16, 12),
+        ImageFormat::Png,
+        Some(fake_icc(b"CMYK")),
+        None,
+    );
+    fs::write(dir.join("in.png"), &png).unwrap();
+    let run = upscale(dir)
+        .args(["in.png", "-v", "-o", "out.png"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert_eq!(
+        metadata_of(&fs::read(dir.join("out.png")).unwrap()),
+        (None, None)
+    );
+    assert!(
+        stderr(&run).contains("ICC profile left out"),
+        "{}",
+        stderr(&run)
+    );
+}
+
+/// Through pipes the profile is kept as through files.
+#[test]
+fn metadata_stdin_to_stdout_keeps_icc() {
+    let d = tempdir();
+    let icc = fake_icc(b"RGB ");
+    let png = with_metadata(
+        &rgb_image(16, 12),
+        ImageFormat::Png,
+        Some(icc.clone()),
+        None,
+    );
+    let run = upscale(d.path())
+        .args(["-", "-o", "-"])
+        .write_stdin(png)
+        .output()
+        .unwrap();
+    assert_success(&run);
+    assert_eq!(metadata_of(&run.stdout).0, Some(icc));
+}

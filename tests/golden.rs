@@ -350,6 +350,7 @@ fn self_ensemble_is_symmetric_and_close_to_the_plain_output() {
             gray: false,
             bit_depth: 8,
             format: Format::Png,
+            metadata: Default::default(),
         };
         lanes.upscale_decoded(&dec, &settings(tta)).unwrap().rgb
     };

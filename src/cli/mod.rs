@@ -189,6 +189,10 @@ pub struct RunArgs {
     /// JPEG quality, 1-100.
     #[arg(long, default_value_t = 95, value_parser = clap::value_parser!(u8).range(1..=100))]
     pub quality: u8,
+    /// Write no ICC colour profile and no EXIF (by default both are copied from the input
+    /// where the output format can hold them, the EXIF orientation reset to upright).
+    #[arg(long)]
+    pub strip: bool,
     /// Descend into sub-folders.
     #[arg(short = 'r', long)]
     pub recursive: bool,

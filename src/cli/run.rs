@@ -91,6 +91,8 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         bit_depth: args.bit_depth,
         quality: args.quality,
         quiet: log.quiet,
+        verbose: log.verbose && !log.quiet,
+        strip: args.strip,
     };
     let stdin = Mutex::new(stdin);
     let stages = Stages {
@@ -261,6 +263,10 @@ struct EncodeChoice {
     quality: u8,
     /// `-q`: no warnings either.
     quiet: bool,
+    /// `-v`: also say what metadata an output could not take.
+    verbose: bool,
+    /// `--strip`: no ICC profile or EXIF in the outputs.
+    strip: bool,
 }
 
 /// Writes one upscaled image; the product's is [`write`], tests put in others.
@@ -333,16 +339,38 @@ fn write(job: &Job, dec: &Decoded, up: &Upscaled, choice: &EncodeChoice) -> Resu
             job.format
         ));
     }
-    if is_dash(&job.output) {
-        let bytes = io::encode_to_vec(&up.rgb, up.alpha.as_ref(), dec.gray, &opts)
-            .map_err(|e| format!("standard output: {e}"))?;
+    let none = io::Metadata::default();
+    let meta = if choice.strip { &none } else { &dec.metadata };
+    let left_out = if is_dash(&job.output) {
+        let (bytes, left_out) =
+            io::encode_to_vec(&up.rgb, up.alpha.as_ref(), dec.gray, meta, &opts)
+                .map_err(|e| format!("standard output: {e}"))?;
         let mut out = std::io::stdout().lock();
-        return out
-            .write_all(&bytes)
+        out.write_all(&bytes)
             .and_then(|()| out.flush())
-            .map_err(|e| format!("standard output: {e}"));
+            .map_err(|e| format!("standard output: {e}"))?;
+        left_out
+    } else {
+        io::encode(
+            &job.output,
+            &up.rgb,
+            up.alpha.as_ref(),
+            dec.gray,
+            meta,
+            &opts,
+        )
+        .map_err(|e| e.to_string())?
+    };
+    if choice.verbose {
+        let name = match is_dash(&job.output) {
+            true => "standard output".to_string(),
+            false => job.output.display().to_string(),
+        };
+        for note in left_out {
+            eprintln!("{name}: {note}");
+        }
     }
-    io::encode(&job.output, &up.rgb, up.alpha.as_ref(), dec.gray, &opts).map_err(|e| e.to_string())
+    Ok(())
 }
 
 fn outcome(dec: &Decoded, up: &Upscaled, seconds: f64) -> Done {
@@ -589,6 +617,8 @@ mod tests {
             bit_depth: None,
             quality: 90,
             quiet: true,
+            verbose: false,
+            strip: false,
         };
         let writer = |job: &Job, dec: &Decoded, up: &Upscaled, c: &EncodeChoice| {
             if job.input.path.ends_with("1.png") {

@@ -1,7 +1,8 @@
 //! Reading an image file into planar f32 RGB plus optional alpha.
 //!
 //! The format is taken from the file's first bytes, not its name. EXIF orientation is applied,
-//! so the planes are upright. Grayscale sources come back as three equal planes with `gray`
+//! so the planes are upright, and the ICC profile and EXIF are kept for the encoder (the EXIF
+//! orientation reset to match). Grayscale sources come back as three equal planes with `gray`
 //! set, so the model always sees RGB and the caller can write gray again.
 
 use std::fs::File;
@@ -12,7 +13,7 @@ use image::metadata::Orientation;
 use image::{DynamicImage, ImageDecoder, ImageError, ImageReader};
 
 use super::error::{innermost_message, one_line};
-use super::{Format, IoError};
+use super::{Format, IoError, Metadata};
 use crate::planar::Planar;
 
 /// Bounds checked before any pixel buffer is allocated, so that a small file declaring a huge
@@ -51,6 +52,8 @@ pub struct Decoded {
     pub bit_depth: u8,
     /// The format found from the file's content.
     pub format: Format,
+    /// The colour profile and EXIF to write out again.
+    pub metadata: Metadata,
 }
 
 pub fn decode(path: &Path) -> Result<Decoded, IoError> {
@@ -116,6 +119,11 @@ fn decode_reader<R: BufRead + Seek>(
         None => return Err(unknown_format(path, &head)),
     };
 
+    let tiff_icc = match format {
+        Format::Tiff => tiff_icc(&mut reader).map_err(|e| IoError::os(path, e))?,
+        _ => None,
+    };
+
     // Dimensions are checked by hand below for a clearer message; only the allocation limit
     // goes to the decoder (PNG needs it at construction).
     let mut image_limits = image::Limits::default();
@@ -155,11 +163,27 @@ fn decode_reader<R: BufRead + Seek>(
         ));
     }
 
-    // A damaged EXIF block should not cost the picture: fall back to "as stored".
+    // Damaged metadata should not cost the picture: without it the pixels are still right
+    // as stored.
+    let icc = tiff_icc.or_else(|| decoder.icc_profile().ok().flatten());
+    let exif = decoder.exif_metadata().ok().flatten();
     let orientation = decoder.orientation().unwrap_or(Orientation::NoTransforms);
     let mut img = DynamicImage::from_decoder(decoder).map_err(|e| classify(path, format, e))?;
     img.apply_orientation(orientation);
-    Ok(to_planar(img, format))
+    let mut decoded = to_planar(img, format);
+    decoded.metadata = Metadata::with_exif(icc, exif);
+    Ok(decoded)
+}
+
+/// A TIFF's ICC profile, read before the decoder gets its limits: with them the image crate
+/// caps every tag at the pixel buffer's size, which drops the profile of a small image (a
+/// 3 KiB sRGB profile on a 100x100 RGB one, say). The tiff crate's own caps still hold.
+fn tiff_icc<R: BufRead + Seek>(reader: &mut R) -> std::io::Result<Option<Vec<u8>>> {
+    let icc = image::codecs::tiff::TiffDecoder::new(&mut *reader)
+        .ok()
+        .and_then(|mut d| d.icc_profile().ok().flatten());
+    reader.seek(SeekFrom::Start(0))?;
+    Ok(icc)
 }
 
 fn read_head<R: Read + Seek>(reader: &mut R) -> std::io::Result<Vec<u8>> {
@@ -262,6 +286,7 @@ pub(crate) fn to_planar(img: DynamicImage, format: Format) -> Decoded {
         gray: !color.has_color(),
         bit_depth: depth,
         format,
+        metadata: Metadata::default(),
     }
 }
 

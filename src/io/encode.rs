@@ -4,6 +4,9 @@
 //! (NaN becomes 0). A gray source is written gray again: decoding replicated its luma into R,
 //! G and B, so any weights summing to 1 undo that exactly; we take the plain mean, which
 //! also averages out the model's independent per-channel deviations best.
+//!
+//! The input's ICC profile and EXIF ([`Metadata`]) go into the file where the format can hold
+//! them; a piece it cannot hold is left out, never failing the image, and reported back.
 
 use std::io::{Seek, Write};
 use std::path::Path;
@@ -12,10 +15,11 @@ use image::codecs::jpeg::JpegEncoder;
 use image::codecs::png::{CompressionType, FilterType, PngEncoder};
 use image::codecs::tiff::TiffEncoder;
 use image::codecs::webp::WebPEncoder;
-use image::{DynamicImage, ImageBuffer, ImageResult};
+use image::{DynamicImage, ImageBuffer, ImageEncoder, ImageResult};
 
 use super::error::innermost_message;
-use super::{write_atomic, Format, IoError};
+use super::metadata::{icc_fits, icc_space};
+use super::{write_atomic, Format, IoError, Metadata};
 use crate::planar::Planar;
 
 pub const DEFAULT_JPEG_QUALITY: u8 = 95;
@@ -68,57 +72,108 @@ impl EncodeOptions {
 /// creating missing parent folders. With `gray`, R, G and B are averaged into one luma
 /// channel. JPEG has no alpha, so alpha is dropped there ([`Format::supports_alpha`] lets the
 /// caller warn); TIFF has no gray+alpha layout in the image crate, so gray with alpha is
-/// written to TIFF as RGBA.
+/// written to TIFF as RGBA. `meta` goes in as far as the format allows; what did not is
+/// returned, one message per piece.
 pub fn encode(
     path: &Path,
     rgb: &Planar,
     alpha: Option<&Planar>,
     gray: bool,
+    meta: &Metadata,
     opts: &EncodeOptions,
-) -> Result<(), IoError> {
+) -> Result<Vec<String>, IoError> {
     let img = to_image(rgb, alpha, gray, opts).map_err(|detail| IoError::Encode {
         path: path.to_path_buf(),
         format: opts.format,
         detail,
     })?;
+    let mut left_out = Vec::new();
     write_atomic(path, |w| {
-        write_image(w, &img, opts).map_err(|e| IoError::Encode {
+        left_out = write_image(w, &img, meta, opts).map_err(|e| IoError::Encode {
             path: path.to_path_buf(),
             format: opts.format,
             detail: innermost_message(&e),
-        })
-    })
+        })?;
+        Ok(())
+    })?;
+    Ok(left_out)
 }
 
-/// The encoded file's bytes, for a destination that is not a file (a pipe, say).
+/// The encoded file's bytes, for a destination that is not a file (a pipe, say), and what
+/// of `meta` was left out.
 pub fn encode_to_vec(
     rgb: &Planar,
     alpha: Option<&Planar>,
     gray: bool,
+    meta: &Metadata,
     opts: &EncodeOptions,
-) -> Result<Vec<u8>, String> {
+) -> Result<(Vec<u8>, Vec<String>), String> {
     let img = to_image(rgb, alpha, gray, opts)?;
     let mut out = std::io::Cursor::new(Vec::new());
-    write_image(&mut out, &img, opts).map_err(|e| innermost_message(&e))?;
-    Ok(out.into_inner())
+    let left_out = write_image(&mut out, &img, meta, opts).map_err(|e| innermost_message(&e))?;
+    Ok((out.into_inner(), left_out))
 }
 
-/// Encodes an already built image; for callers that write somewhere else than a file.
+/// Encodes an already built image with `meta`, for callers that write somewhere else than a
+/// file; returns a message for each piece of `meta` the format could not take.
 pub fn write_image<W: Write + Seek>(
     w: &mut W,
     img: &DynamicImage,
+    meta: &Metadata,
     opts: &EncodeOptions,
-) -> ImageResult<()> {
-    match opts.format {
-        Format::Png => img.write_with_encoder(PngEncoder::new_with_quality(
-            w,
-            opts.png_compression,
-            opts.png_filter,
-        )),
-        Format::Jpeg => img.write_with_encoder(JpegEncoder::new_with_quality(w, opts.quality)),
-        Format::Webp => img.write_with_encoder(WebPEncoder::new_lossless(w)),
-        Format::Tiff => img.write_with_encoder(TiffEncoder::new(w)),
+) -> ImageResult<Vec<String>> {
+    let format = opts.format;
+    match format {
+        Format::Png => with_metadata(
+            img,
+            PngEncoder::new_with_quality(w, opts.png_compression, opts.png_filter),
+            meta,
+            format,
+        ),
+        Format::Jpeg => with_metadata(
+            img,
+            JpegEncoder::new_with_quality(w, opts.quality),
+            meta,
+            format,
+        ),
+        Format::Webp => with_metadata(img, WebPEncoder::new_lossless(w), meta, format),
+        Format::Tiff => with_metadata(img, TiffEncoder::new(w), meta, format),
     }
+}
+
+fn with_metadata<E: ImageEncoder>(
+    img: &DynamicImage,
+    mut encoder: E,
+    meta: &Metadata,
+    format: Format,
+) -> ImageResult<Vec<String>> {
+    let mut left_out = Vec::new();
+    if let Some(icc) = &meta.icc {
+        let rgb = img.color().has_color();
+        if !icc_fits(icc, rgb) {
+            left_out.push(format!(
+                "ICC profile left out: it is for {}, the output is {}",
+                icc_space(icc),
+                if rgb { "RGB" } else { "gray" }
+            ));
+        } else if encoder.set_icc_profile(icc.clone()).is_err() {
+            left_out.push(format!(
+                "ICC profile left out: the {format} writer cannot store one"
+            ));
+        }
+    }
+    if let Some(exif) = &meta.exif {
+        if encoder.set_exif_metadata(exif.clone()).is_err() {
+            left_out.push(format!(
+                "EXIF left out: the {format} writer cannot store it"
+            ));
+        }
+    }
+    if meta.exif_dropped {
+        left_out.push("EXIF left out: its orientation could not be reset safely".into());
+    }
+    img.write_with_encoder(encoder)?;
+    Ok(left_out)
 }
 
 /// Quantizes the planes into the pixel layout `opts.format` will take. The error is a

@@ -6,6 +6,7 @@ pub(crate) mod decode;
 pub(crate) mod encode;
 mod error;
 mod format;
+mod metadata;
 mod naming;
 mod shard;
 mod walk;
@@ -18,6 +19,7 @@ pub use encode::{
 };
 pub use error::IoError;
 pub use format::{is_image_path, Format, IMAGE_EXTENSIONS};
+pub use metadata::{upright_exif, Metadata};
 pub use naming::{
     check_output_parent, create_output_parent, file_output_format, is_folder_like, plan_outputs,
     Job, NamingOptions,

@@ -87,7 +87,7 @@ fn planes8(img: &DynamicImage) -> (Vec<f32>, Option<Vec<f32>>) {
 fn write_back(d: &Decoded, path: &Path, format: Format, depth: u8) -> DynamicImage {
     let mut opts = EncodeOptions::new(format);
     opts.bit_depth = depth;
-    encode(path, &d.rgb, d.alpha.as_ref(), d.gray, &opts).unwrap();
+    encode(path, &d.rgb, d.alpha.as_ref(), d.gray, &d.metadata, &opts).unwrap();
     image::open(path).unwrap()
 }
 
@@ -246,7 +246,7 @@ fn jpeg_quality_is_used() {
         let out = dir.path().join(format!("q{q}.jpg"));
         let mut opts = EncodeOptions::new(Format::Jpeg);
         opts.quality = q;
-        encode(&out, &d.rgb, None, false, &opts).unwrap();
+        encode(&out, &d.rgb, None, false, &Metadata::default(), &opts).unwrap();
         std::fs::metadata(out).unwrap().len()
     };
     assert!(size(40) < size(95));
@@ -295,7 +295,7 @@ fn sixteen_bits_for_jpeg_or_webp_is_an_error() {
         let out = dir.path().join(format!("x.{}", format.extension()));
         let mut opts = EncodeOptions::new(format);
         opts.bit_depth = 16;
-        let e = encode(&out, &rgb, None, false, &opts).unwrap_err();
+        let e = encode(&out, &rgb, None, false, &Metadata::default(), &opts).unwrap_err();
         assert!(matches!(e, IoError::Encode { .. }), "{e}");
         assert!(e.to_string().contains("8-bit only"), "{e}");
         assert!(!out.exists());
@@ -325,7 +325,15 @@ fn out_of_range_samples_are_clamped_and_rounded() {
         ],
     );
     let out = dir.path().join("c.png");
-    encode(&out, &rgb, None, false, &EncodeOptions::new(Format::Png)).unwrap();
+    encode(
+        &out,
+        &rgb,
+        None,
+        false,
+        &Metadata::default(),
+        &EncodeOptions::new(Format::Png),
+    )
+    .unwrap();
     let img = image::open(&out).unwrap().to_rgb8();
     let r: Vec<u8> = img.pixels().map(|p| p[0]).collect();
     let g: Vec<u8> = img.pixels().map(|p| p[1]).collect();
@@ -638,7 +646,15 @@ fn failing_encode_leaves_nothing_behind() {
     let out = dir.path().join("wide.jpg");
     // JPEG sides stop at 65535: the encoder fails after the temporary was opened.
     let rgb = Planar::zeros(1, 1, 65_536);
-    let e = encode(&out, &rgb, None, true, &EncodeOptions::new(Format::Jpeg)).unwrap_err();
+    let e = encode(
+        &out,
+        &rgb,
+        None,
+        true,
+        &Metadata::default(),
+        &EncodeOptions::new(Format::Jpeg),
+    )
+    .unwrap_err();
     assert!(matches!(e, IoError::Encode { .. }), "{e}");
     assert_names(&e, &out);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
@@ -669,7 +685,7 @@ fn png_speed() {
             for _ in 0..2 {
                 let mut buf = std::io::Cursor::new(Vec::new());
                 let t = std::time::Instant::now();
-                write_image(&mut buf, &img, &opts).unwrap();
+                write_image(&mut buf, &img, &Metadata::default(), &opts).unwrap();
                 best = best.min(t.elapsed().as_secs_f64());
                 size = buf.get_ref().len();
             }
