@@ -24,6 +24,8 @@ import torch.nn.functional as F
 PRESETS = {
     "drct": dict(groups=6, embed_dim=180, window=16, heads=6, gc=32, mlp_ratio=2.0),
     "drct-l": dict(groups=12, embed_dim=180, window=16, heads=6, gc=32, mlp_ratio=2.0),
+    # the embedded default model's shape (models/default_x4.safetensors: pass it as --weights)
+    "default": dict(groups=2, embed_dim=48, window=8, heads=4, gc=16, mlp_ratio=2.0),
     # small enough for a CPU smoke test
     "tiny": dict(groups=1, embed_dim=24, window=8, heads=6, gc=10, mlp_ratio=2.0),
 }
