@@ -375,12 +375,15 @@ pub fn window_attention(
     } else {
         gemm::Parallelism::Rayon(0)
     };
+    let products = match bf16 {
+        Some(isa) => Products::Bf16(isa),
+        None => Products::F32(inner),
+    };
     let shape = WindowShape {
         n,
         c,
         heads,
-        inner,
-        bf16,
+        products,
     };
     // Left uninitialised: `attend_window` writes every element (each head its d columns of
     // every row) without reading it.
@@ -412,9 +415,14 @@ struct WindowShape {
     /// Channels (all heads).
     c: usize,
     heads: usize,
-    inner: gemm::Parallelism,
-    /// Products in bf16 on these instructions, else f32.
-    bf16: Option<Isa>,
+    products: Products,
+}
+
+/// How a window's two products run: f32 (split across threads or not), or bf16.
+#[derive(Clone, Copy)]
+enum Products {
+    F32(gemm::Parallelism),
+    Bf16(Isa),
 }
 
 /// One task's working memory: a window's score matrix, and the bf16 operands kᵀ and v of
@@ -439,64 +447,71 @@ fn attend_window(
 ) {
     let (n, c) = (s.n, s.c);
     let (c3, d) = (3 * c, c / s.heads);
-    let scores = &mut scratch.scores;
+    let Scratch { scores, kt, v } = scratch;
     assert!(qkv.len() >= n * c3 && out.len() >= n * c && scores.len() >= n * n);
     for h in 0..s.heads {
         let q = qkv[h * d..].as_ptr();
-        let k = &qkv[c + h * d..];
-        let v = &qkv[2 * c + h * d..];
+        let keys = &qkv[c + h * d..];
+        let values = &qkv[2 * c + h * d..];
         let head_out = out[h * d..].as_mut_ptr().cast::<f32>();
         // SAFETY (both products): every access stays inside `qkv` (n rows of c3 starting at
         // the head's column), `scores` (n x n) and `out` (n rows of c), as asserted above; the
-        // pointers do not alias and no other task touches this window's `out`.
-        let scores_ptr = scores.as_mut_ptr();
-        match s.bf16 {
-            None => unsafe {
-                // kᵀ is read through k's strides, never copied.
-                gemm_f32(
-                    (n, n, d),
-                    strided(scores_ptr, n, 1),
-                    false,
-                    strided(q, c3, 1),
-                    strided(k.as_ptr(), 1, c3),
-                    s.inner,
-                );
-            },
-            Some(isa) => {
-                scratch.kt.repack(k, (d, n), (1, c3));
-                // SAFETY: as above; the CPU has `isa` (the caller chose it from `bf16::isa`).
-                unsafe {
-                    super::bf16::gemm(isa, n, scores_ptr, n, false, (q, c3), &scratch.kt, false)
-                };
-            }
-        }
+        // pointers do not alias and no other task touches this window's `out`. kᵀ is k read
+        // through swapped strides.
+        unsafe {
+            head_product(
+                s.products,
+                (n, d, n),
+                (q, c3),
+                (keys, 1, c3),
+                kt,
+                (scores.as_mut_ptr(), n),
+            )
+        };
         attention_probs(scores, &bias[h * n * n..(h + 1) * n * n], mask, n);
-        match s.bf16 {
-            None => unsafe {
-                gemm_f32(
-                    (n, d, n),
-                    strided(head_out, c, 1),
-                    false,
-                    strided(scores.as_ptr(), n, 1),
-                    strided(v.as_ptr(), c3, 1),
-                    s.inner,
-                );
-            },
-            Some(isa) => {
-                scratch.v.repack(v, (n, d), (c3, 1));
-                // SAFETY: as above.
-                unsafe {
-                    super::bf16::gemm(
-                        isa,
-                        n,
-                        head_out,
-                        c,
-                        false,
-                        (scores.as_ptr(), n),
-                        &scratch.v,
-                        false,
-                    )
-                };
+        // SAFETY: as above.
+        unsafe {
+            head_product(
+                s.products,
+                (n, n, d),
+                (scores.as_ptr(), n),
+                (values, c3, 1),
+                v,
+                (head_out, c),
+            )
+        };
+    }
+}
+
+/// `dst = lhs · rhs` for one head: `lhs` is `m x k` (rows `lda` apart), `rhs` the `k x cols`
+/// view `src[r * rs + c * cs]`, `dst` rows `ldc` apart. In f32 the GEMM reads `rhs` through its
+/// strides; in bf16 it is packed into `packed` first.
+///
+/// # Safety
+/// `lhs` and `dst` must hold those rows, `dst` overlapping neither input; with bf16 the CPU
+/// must have the instructions.
+unsafe fn head_product(
+    products: Products,
+    (m, k, cols): (usize, usize, usize),
+    (lhs, lda): (*const f32, usize),
+    (src, rs, cs): (&[f32], usize, usize),
+    packed: &mut PackedB,
+    (dst, ldc): (*mut f32, usize),
+) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        match products {
+            Products::F32(inner) => gemm_f32(
+                (m, cols, k),
+                strided(dst, ldc, 1),
+                false,
+                strided(lhs, lda, 1),
+                strided(src.as_ptr(), rs, cs),
+                inner,
+            ),
+            Products::Bf16(isa) => {
+                packed.repack(src, (k, cols), (rs, cs));
+                super::bf16::gemm(isa, m, dst, ldc, false, (lhs, lda), packed, false)
             }
         }
     }
