@@ -332,47 +332,13 @@ pub fn setup(
 pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
     use std::process::ExitCode;
     match cli.command {
-        Some(Command::Info { model, json }) => {
-            let ck = crate::engine::read_checkpoint(model.as_deref())?;
-            let v = info::describe(&ck);
-            if json {
-                println!("{v}");
-            } else {
-                print!("{}", info::render_text(&v));
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        Some(Command::Info { model, json }) => show_info(model.as_deref(), json)?,
         Some(Command::Convert {
             input,
             output,
             dtype,
-        }) => {
-            convert::convert(&input, &output, dtype)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Some(Command::Bench(b)) => {
-            let log = Logger {
-                quiet: b.json,
-                verbose: false,
-            };
-            let (engine, settings) = setup(&b.infer, &log)?;
-            let image = crate::engine::probe::pattern(b.size.0, b.size.1);
-            let opts = engine.tile_options(&settings, b.size.0, b.size.1);
-            let r = bench::run(
-                &engine,
-                &image,
-                &opts,
-                b.warmup,
-                b.reps as usize,
-                b.peak_tflops,
-            )?;
-            if b.json {
-                println!("{}", r.json);
-            } else {
-                println!("{}", serde_json::to_string_pretty(&r.json)?);
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        }) => convert::convert(&input, &output, dtype)?,
+        Some(Command::Bench(b)) => run_bench(&b)?,
         Some(Command::Completions { shell }) => {
             clap_complete::generate(
                 shell,
@@ -380,29 +346,69 @@ pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
                 "upscale",
                 &mut std::io::stdout(),
             );
-            Ok(ExitCode::SUCCESS)
         }
-        Some(Command::Man { dir }) => {
-            match dir {
-                Some(dir) => clap_mangen::generate_to(Cli::command(), &dir)
-                    .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?,
-                None => clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?,
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        Some(Command::Man { dir }) => write_man(dir.as_deref())?,
         Some(Command::Eval(e)) => {
             let log = Logger {
                 quiet: false,
                 verbose: false,
             };
-            eval::run(e, &log)
+            return eval::run(e, &log);
         }
         None => {
             let log = Logger {
                 quiet: cli.run.quiet,
                 verbose: cli.run.verbose,
             };
-            run::run(cli.run, &log)
+            return run::run(cli.run, &log);
         }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `upscale info`: the configuration read from the weights, as text or one JSON line.
+fn show_info(model: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {
+    let ck = crate::engine::read_checkpoint(model)?;
+    let v = info::describe(&ck);
+    if json {
+        println!("{v}");
+    } else {
+        print!("{}", info::render_text(&v));
+    }
+    Ok(())
+}
+
+/// `upscale bench`: one configuration on a synthetic image of the requested size.
+fn run_bench(b: &BenchArgs) -> anyhow::Result<()> {
+    let log = Logger {
+        quiet: b.json,
+        verbose: false,
+    };
+    let (engine, settings) = setup(&b.infer, &log)?;
+    let image = crate::engine::probe::pattern(b.size.0, b.size.1);
+    let opts = engine.tile_options(&settings, b.size.0, b.size.1);
+    let r = bench::run(
+        &engine,
+        &image,
+        &opts,
+        b.warmup,
+        b.reps as usize,
+        b.peak_tflops,
+    )?;
+    if b.json {
+        println!("{}", r.json);
+    } else {
+        println!("{}", serde_json::to_string_pretty(&r.json)?);
+    }
+    Ok(())
+}
+
+/// `upscale man`: the man page on stdout, or one page per command into `dir`.
+fn write_man(dir: Option<&std::path::Path>) -> anyhow::Result<()> {
+    match dir {
+        Some(dir) => clap_mangen::generate_to(Cli::command(), dir)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?,
+        None => clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?,
+    }
+    Ok(())
 }
