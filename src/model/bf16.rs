@@ -172,6 +172,30 @@ impl PackedB {
         }
     }
 
+    /// Columns `first..first + cols` as a packed matrix of their own, where `first` starts a
+    /// panel (`None` otherwise).
+    pub fn column_block(&self, first: usize, cols: usize) -> Option<Self> {
+        if !first.is_multiple_of(NR) || first + cols > self.n {
+            return None;
+        }
+        let panel = self.pairs * NR;
+        let start = first / NR * panel;
+        let mut data = self.data[start..start + cols.div_ceil(NR) * panel].to_vec();
+        // Lanes past `cols` in the last panel belong to the next block: zero them.
+        if !cols.is_multiple_of(NR) {
+            let last = data.len() - panel;
+            for row in data[last..].chunks_exact_mut(NR) {
+                row[cols % NR..].fill(0);
+            }
+        }
+        Some(Self {
+            k: self.k,
+            n: cols,
+            pairs: self.pairs,
+            data,
+        })
+    }
+
     pub fn rows(&self) -> usize {
         self.k
     }
@@ -680,6 +704,21 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn column_blocks_are_the_columns_alone() {
+        let (k, n) = (5, 80);
+        let b = values(k * n, 9);
+        let whole = PackedB::new(&b, (k, n), (n, 1));
+        // Columns 32..72: panel 1 whole, panel 2 cut after 8 lanes.
+        let block = whole.column_block(32, 40).expect("starts a panel");
+        let sub: Vec<f32> = (0..k)
+            .flat_map(|r| b[r * n + 32..r * n + 72].to_vec())
+            .collect();
+        assert_eq!(block.data, PackedB::new(&sub, (k, 40), (40, 1)).data);
+        assert!(whole.column_block(16, 32).is_none(), "not a panel start");
+        assert!(whole.column_block(64, 32).is_none(), "past the last column");
     }
 
     #[test]

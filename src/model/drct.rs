@@ -91,6 +91,25 @@ impl Conv3x3 {
         })
     }
 
+    /// This convolution followed by PixelShuffle by `r`, its outputs being in (i, j, c)
+    /// order ([`Self::reorder_outputs`] with [`shuffle_order`]). On the CPU the products are
+    /// written into the shuffled layout directly.
+    fn forward_shuffled(&self, x: &Tensor, r: usize) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let fused = match &self.bf16 {
+            Some((isa, w)) => {
+                super::ops::conv3x3_shuffled_bf16(&x, *isa, w, &self.bias, r, CONV_CHUNK_ELEMS)?
+            }
+            None => {
+                super::ops::conv3x3_shuffled(&x, &self.weight, &self.bias, r, CONV_CHUNK_ELEMS)?
+            }
+        };
+        match fused {
+            Some(y) => Ok(y),
+            None => pixel_shuffle_nhwc_reordered(&self.forward(&x)?, r),
+        }
+    }
+
     /// The same convolution with `shift` added to its bias.
     fn add_to_bias(self, shift: &Tensor) -> Result<Self> {
         Ok(Self {
@@ -679,7 +698,7 @@ impl Module for Drct {
             UPSAMPLE_SLOPE,
         )?;
         for (conv, r) in &self.upsample {
-            y = pixel_shuffle_nhwc_reordered(&conv.forward(&y)?, *r)?;
+            y = conv.forward_shuffled(&y, *r)?;
         }
         // conv_last's bias already includes the RGB mean the model adds back.
         let y = self.conv_last.forward(&y)?;

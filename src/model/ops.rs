@@ -685,18 +685,7 @@ fn conv3x3_with(
         while y0 < h {
             let n = rows.min(h - y0);
             let cols = &mut cols[..n * row_elems];
-            cols.par_chunks_mut(k).enumerate().for_each(|(p, patch)| {
-                let (y, x) = (y0 + p / wd, p % wd);
-                for (tap, dst) in patch.chunks_exact_mut(cin).enumerate() {
-                    let (sy, sx) = ((y + tap / 3) as isize - 1, (x + tap % 3) as isize - 1);
-                    if sy < 0 || sx < 0 || sy as usize >= h || sx as usize >= wd {
-                        dst.fill(0.0);
-                    } else {
-                        let src = (sy as usize * wd + sx as usize) * cin;
-                        dst.copy_from_slice(&image[src..src + cin]);
-                    }
-                }
-            });
+            gather_patches(image, (h, wd, cin), y0, cols);
             let dst = &mut out[((bi * h + y0) * wd) * cout..((bi * h + y0 + n) * wd) * cout];
             // SAFETY: dst is (n*wd) x cout row-major, cols (n*wd) x k row-major, and the
             // weights k x cout (row-major f32, or packed to exactly that).
@@ -716,6 +705,159 @@ fn conv3x3_with(
     }
     drop((x_guard, b_guard));
     Tensor::from_vec(out, (batch, h, wd, cout), x.device())
+}
+
+/// The 3x3 patch matrix of image rows `y0..` (as many as `cols` holds: `wd` patches of
+/// `9 cin` values per row, taps ordered (dy, dx, cin)), zeros outside the image.
+fn gather_patches(image: &[f32], (h, wd, cin): (usize, usize, usize), y0: usize, cols: &mut [f32]) {
+    cols.par_chunks_mut(9 * cin)
+        .enumerate()
+        .for_each(|(p, patch)| {
+            let (y, x) = (y0 + p / wd, p % wd);
+            for (tap, dst) in patch.chunks_exact_mut(cin).enumerate() {
+                let (sy, sx) = ((y + tap / 3) as isize - 1, (x + tap % 3) as isize - 1);
+                if sy < 0 || sx < 0 || sy as usize >= h || sx as usize >= wd {
+                    dst.fill(0.0);
+                } else {
+                    let src = (sy as usize * wd + sx as usize) * cin;
+                    dst.copy_from_slice(&image[src..src + cin]);
+                }
+            }
+        });
+}
+
+/// [`conv3x3`] followed by PixelShuffle by `r`, for a convolution whose output channels are
+/// in (i, j, c) order (see [`pixel_shuffle_reordered`]): the products of each input row are
+/// written straight into the `r` output rows they become (column block i of the weights
+/// gives output row `y*r + i`, where each pixel's `r*c` values are already contiguous), so
+/// the unshuffled map, as large as the output, is never allocated nor copied.
+/// `None` where the kernel does not apply.
+pub fn conv3x3_shuffled(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    r: usize,
+    chunk_elems: usize,
+) -> Result<Option<Tensor>> {
+    if ![x, w, b].into_iter().all(use_kernel) {
+        return Ok(None);
+    }
+    let (k, cout) = w.dims2()?;
+    let (w_guard, w_layout) = w.storage_and_layout();
+    let ws = cpu_slice(&w_guard, w_layout)?;
+    let c = cout / (r * r).max(1);
+    let blocks: Vec<Weights> = (0..r).map(|i| Weights::F32(&ws[i * r * c..])).collect();
+    let y = conv3x3_shuffled_with(x, &blocks, (k, cout), (cout, 1), b, r, chunk_elems)?;
+    drop(w_guard);
+    Ok(Some(y))
+}
+
+/// [`conv3x3_shuffled`] with the weights packed in bf16; `None` where a column block does
+/// not start a packed panel (`r * c` not a multiple of 32), so the caller shuffles after.
+pub fn conv3x3_shuffled_bf16(
+    x: &Tensor,
+    isa: Isa,
+    w: &PackedB,
+    b: &Tensor,
+    r: usize,
+    chunk_elems: usize,
+) -> Result<Option<Tensor>> {
+    if !use_kernel(x) || !use_kernel(b) {
+        candle_core::bail!("bf16 conv3x3: f32 tensors on the CPU only");
+    }
+    let (k, cout) = (w.rows(), w.cols());
+    let c = cout / (r * r).max(1);
+    let Some(owned) = (0..r)
+        .map(|i| w.column_block(i * r * c, r * c))
+        .collect::<Option<Vec<_>>>()
+    else {
+        return Ok(None);
+    };
+    let blocks: Vec<Weights> = owned.iter().map(|p| Weights::Bf16(isa, p)).collect();
+    conv3x3_shuffled_with(x, &blocks, (k, cout), (0, 0), b, r, chunk_elems).map(Some)
+}
+
+/// `dst` rows shared by the parallel row tasks of [`conv3x3_shuffled_with`].
+#[derive(Clone, Copy)]
+struct OutRows(*mut f32);
+// SAFETY: each task writes only the output rows of its own input row.
+unsafe impl Send for OutRows {}
+unsafe impl Sync for OutRows {}
+
+impl OutRows {
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// The body of both shuffled convolutions; `blocks[i]` is the weights' column block i
+/// (`k x r*c`), for f32 read through `f32_strides`.
+fn conv3x3_shuffled_with(
+    x: &Tensor,
+    blocks: &[Weights],
+    (k, cout): (usize, usize),
+    f32_strides: (usize, usize),
+    b: &Tensor,
+    r: usize,
+    chunk_elems: usize,
+) -> Result<Tensor> {
+    let (batch, h, wd, cin) = x.dims4()?;
+    let c = cout / (r * r).max(1);
+    if k != 9 * cin || c * r * r != cout || b.dims() != [cout] || blocks.len() != r {
+        candle_core::bail!(
+            "conv3x3 shuffled: input {:?}, weight {k}x{cout}, r {r}",
+            x.dims()
+        );
+    }
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let (b_guard, b_layout) = b.storage_and_layout();
+    let xs = cpu_slice(&x_guard, x_layout)?;
+    let bs = cpu_slice(&b_guard, b_layout)?;
+    let block = r * c;
+    // Output row y*r + i holds, for every input pixel, bias block i then its products.
+    let out_row = wd * block;
+    let mut out = par_rows(batch * h * r, out_row, |row, w| {
+        let i = row % r;
+        for _ in 0..wd {
+            w.write_row(&bs[i * block..(i + 1) * block]);
+        }
+    });
+    let rows = (chunk_elems / (wd * k).max(1)).clamp(1, h.max(1));
+    let mut cols = vec![0f32; rows * wd * k];
+    let dst = OutRows(out.as_mut_ptr());
+    for bi in 0..batch {
+        let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
+        let mut y0 = 0;
+        while y0 < h {
+            let n = rows.min(h - y0);
+            let cols = &mut cols[..n * wd * k];
+            gather_patches(image, (h, wd, cin), y0, cols);
+            let cols = &*cols;
+            (0..n).into_par_iter().for_each(|yy| {
+                for (i, w) in blocks.iter().enumerate() {
+                    let row = (bi * h + y0 + yy) * r + i;
+                    // SAFETY: output row `row` (wd pixels of `block` values, each pixel's
+                    // values contiguous) lies in `out` and is written by this task only; the
+                    // patches of input row yy are wd rows of k in `cols`; the block's
+                    // weights are k x block.
+                    unsafe {
+                        product(
+                            (wd, block, k),
+                            (dst.at(row * out_row), block),
+                            true,
+                            (cols[yy * wd * k..].as_ptr(), k),
+                            *w,
+                            f32_strides,
+                            false,
+                        );
+                    }
+                }
+            });
+            y0 += n;
+        }
+    }
+    drop((x_guard, b_guard));
+    Tensor::from_vec(out, (batch, h * r, wd * r, c), x.device())
 }
 
 /// Up to this many output channels (the final RGB convolution) a 3x3 convolution is computed
@@ -1106,6 +1248,40 @@ mod tests {
                 .permute((0, 2, 3, 1))?;
             let diff = max_abs_diff(&ours, &want)?;
             assert!(diff < 1e-5, "{b}x{h}x{w}x{cin} chunk {chunk}: {diff}");
+        }
+        Ok(())
+    }
+
+    /// The shuffled convolution against the convolution followed by the shuffle, in f32 and
+    /// (where the CPU has it) bf16, for both factors and bands of one and several rows.
+    #[test]
+    fn shuffled_conv_matches_conv_then_shuffle() -> Result<()> {
+        let dev = Device::Cpu;
+        for (b, h, w, cin, c, r, chunk) in [
+            (2, 5, 7, 6, 16, 2, 1 << 20),
+            (1, 4, 3, 5, 32, 3, 1),
+            (1, 3, 9, 8, 16, 2, 200),
+        ] {
+            let cout = r * r * c;
+            let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
+            let w9 = Tensor::randn(0f32, 0.3, (9 * cin, cout), &dev)?;
+            let bias = Tensor::randn(0f32, 1.0, cout, &dev)?;
+            let plain = conv3x3(&x, &w9, &bias, chunk)?.expect("f32 kernel");
+            let want = pixel_shuffle_reordered(&plain, r)?.expect("f32 kernel");
+            let ours = conv3x3_shuffled(&x, &w9, &bias, r, chunk)?.expect("f32 kernel");
+            assert_eq!(ours.dims(), [b, h * r, w * r, c]);
+            let diff = max_abs_diff(&ours, &want)?;
+            assert!(diff < 1e-5, "f32 {b}x{h}x{w}x{cin} r {r}: {diff}");
+            if let Some(isa) = super::super::bf16::isa() {
+                let ws = w9.flatten_all()?.to_vec1::<f32>()?;
+                let packed = PackedB::new(&ws, (9 * cin, cout), (cout, 1));
+                let plain = conv3x3_bf16(&x, isa, &packed, &bias, chunk)?;
+                let want = pixel_shuffle_reordered(&plain, r)?.expect("f32 kernel");
+                let ours = conv3x3_shuffled_bf16(&x, isa, &packed, &bias, r, chunk)?
+                    .expect("blocks of 32 and 96 columns start panels");
+                let diff = max_abs_diff(&ours, &want)?;
+                assert!(diff < 1e-5, "bf16 {b}x{h}x{w}x{cin} r {r}: {diff}");
+            }
         }
         Ok(())
     }
