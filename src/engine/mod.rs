@@ -105,7 +105,8 @@ pub fn open_device(choice: &DeviceChoice, warn: &mut dyn FnMut(String)) -> anyho
 }
 
 /// The dtype the model runs in. On the CPU, bf16 means f32 activations with bf16 weights and
-/// products (AVX512-BF16 or AMX), and falls back to fp32 with a warning on CPUs without them;
+/// products (AMX, or AVX512-BF16 where it beats f32), and falls back to fp32 with a warning
+/// on CPUs without them;
 /// fp16 always does: no x86 CPU multiplies fp16 with f32 sums, and converting to f32 first
 /// would only be fp32 with rounded weights.
 pub fn choose_dtype(p: Precision, device: &Device, warn: &mut dyn FnMut(String)) -> DType {
@@ -114,7 +115,8 @@ pub fn choose_dtype(p: Precision, device: &Device, warn: &mut dyn FnMut(String))
         (Precision::Bf16, true) if crate::model::bf16::supported() => DType::BF16,
         (Precision::Bf16, true) => {
             warn(
-                "--precision bf16: this CPU has no bf16 arithmetic (AVX512-BF16 or AMX); using fp32"
+                "--precision bf16: this CPU has no fast bf16 arithmetic (AMX, or AVX512-BF16 \
+                 faster than f32); using fp32"
                     .into(),
             );
             DType::F32

@@ -36,8 +36,9 @@ pub enum Isa {
     Avx512,
 }
 
-/// The fastest bf16 instructions this CPU (and OS) offers, if any. `UPSCALE_BF16_ISA=avx512`
-/// chooses the vector kernel on an AMX machine (to compare the two).
+/// The bf16 instructions worth using on this CPU (and OS), if any: AMX where present, else
+/// AVX512-BF16 where it outruns the f32 GEMM. `UPSCALE_BF16_ISA=avx512` chooses the vector
+/// kernel unconditionally (to compare the two on an AMX machine).
 pub fn isa() -> Option<Isa> {
     static ISA: OnceLock<Option<Isa>> = OnceLock::new();
     *ISA.get_or_init(|| {
@@ -48,7 +49,7 @@ pub fn isa() -> Option<Isa> {
         }
         if amx_bf16() {
             Some(Isa::Amx)
-        } else if avx512 {
+        } else if avx512 && vector_kernel_pays_off() {
             Some(Isa::Avx512)
         } else {
             None
@@ -56,7 +57,68 @@ pub fn isa() -> Option<Isa> {
     })
 }
 
-/// Whether this CPU has bf16 arithmetic that [`gemm()`] can use.
+/// Whether the AVX512-BF16 kernel beats the f32 GEMM here. `vdpbf16ps` does twice the
+/// multiply-adds of an f32 FMA per instruction, but some CPUs issue it at well under half the
+/// FMA's rate (on a Sapphire Rapids Xeon the kernel reaches 0.45x the f32 GEMM), and there
+/// bf16 would only lose time and precision. Timed once per process, on one thread, on a
+/// product the size of a small layer (a few milliseconds).
+fn vector_kernel_pays_off() -> bool {
+    let (m, k, n) = (192, 256, 256);
+    let a = vec![0.5f32; m * k];
+    let b = vec![0.25f32; k * n];
+    let packed = PackedB::new(&b, (k, n), (n, 1));
+    let mut c = vec![0f32; m * n];
+    let mut best = |run: &mut dyn FnMut(&mut [f32])| {
+        (0..3)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                run(&mut c);
+                t.elapsed()
+            })
+            .min()
+            .unwrap_or_default()
+    };
+    // SAFETY: the CPU has AVX512-BF16 (checked by the caller); a is m x k, c m x n.
+    let bf16 = best(&mut |c| unsafe {
+        gemm(
+            Isa::Avx512,
+            m,
+            c.as_mut_ptr(),
+            n,
+            false,
+            (a.as_ptr(), k),
+            &packed,
+            false,
+        )
+    });
+    // SAFETY: all three matrices are row-major with exactly these sizes.
+    let f32 = best(&mut |c| unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            1,
+            n as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    });
+    bf16 < f32
+}
+
+/// Whether this CPU has bf16 arithmetic worth using that [`gemm()`] can run.
 pub fn supported() -> bool {
     isa().is_some()
 }

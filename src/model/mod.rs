@@ -87,11 +87,10 @@ impl Model {
         let isa = match (cpu_bf16, bf16::isa()) {
             (false, _) => None,
             (true, Some(isa)) => Some(isa),
-            (true, None) => {
-                return Err(build_error(
-                    "bf16 on the CPU needs AVX512-BF16 or AMX, which this CPU lacks".into(),
-                ))
-            }
+            (true, None) => return Err(build_error(
+                "bf16 on the CPU needs AMX, or AVX512-BF16 faster than f32; this CPU has neither"
+                    .into(),
+            )),
         };
         let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
         let vb = VarBuilder::from_tensors(ck.tensors, vb_dtype, device);
