@@ -91,8 +91,21 @@ fn vector_kernel_pays_off() -> bool {
             false,
         )
     });
-    // SAFETY: all three matrices are row-major with exactly these sizes.
-    let f32 = best(&mut |c| unsafe {
+    let f32 = best(&mut |c| f32_product((m, k, n), c, &a, &b, gemm::Parallelism::None));
+    bf16 < f32
+}
+
+/// `c = a · b` in f32 for row-major `m x k` and `k x n` operands: what bf16 competes with.
+fn f32_product(
+    (m, k, n): (usize, usize, usize),
+    c: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    parallelism: gemm::Parallelism,
+) {
+    assert!(c.len() >= m * n && a.len() >= m * k && b.len() >= k * n);
+    // SAFETY: all three matrices are row-major with exactly these sizes (asserted).
+    unsafe {
         gemm::gemm(
             m,
             n,
@@ -112,10 +125,9 @@ fn vector_kernel_pays_off() -> bool {
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         )
-    });
-    bf16 < f32
+    }
 }
 
 /// Whether this CPU has bf16 arithmetic worth using that [`gemm()`] can run.
@@ -863,30 +875,7 @@ mod throughput {
             } else {
                 gemm::Parallelism::None
             };
-            // SAFETY: all three matrices are row-major with exactly these sizes.
-            let g = rate(&mut || unsafe {
-                gemm::gemm(
-                    m,
-                    n,
-                    k,
-                    c.as_mut_ptr(),
-                    1,
-                    n as isize,
-                    false,
-                    a.as_ptr(),
-                    1,
-                    k as isize,
-                    b.as_ptr(),
-                    1,
-                    n as isize,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    par,
-                )
-            });
+            let g = rate(&mut || f32_product((m, k, n), &mut c, &a, &b, par));
             eprintln!("{line} f32 {g:.0} GFLOP/s");
         }
     }

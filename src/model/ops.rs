@@ -498,22 +498,27 @@ unsafe fn head_product(
     packed: &mut PackedB,
     (dst, ldc): (*mut f32, usize),
 ) {
+    let (rhs, parallel) = match products {
+        Products::F32(inner) => (
+            Weights::F32(src),
+            matches!(inner, gemm::Parallelism::Rayon(_)),
+        ),
+        Products::Bf16(isa) => {
+            packed.repack(src, (k, cols), (rs, cs));
+            (Weights::Bf16(isa, packed), false)
+        }
+    };
     // SAFETY: forwarded to the caller.
     unsafe {
-        match products {
-            Products::F32(inner) => gemm_f32(
-                (m, cols, k),
-                strided(dst, ldc, 1),
-                false,
-                strided(lhs, lda, 1),
-                strided(src.as_ptr(), rs, cs),
-                inner,
-            ),
-            Products::Bf16(isa) => {
-                packed.repack(src, (k, cols), (rs, cs));
-                super::bf16::gemm(isa, m, dst, ldc, false, (lhs, lda), packed, false)
-            }
-        }
+        product(
+            (m, cols, k),
+            (dst, ldc),
+            false,
+            (lhs, lda),
+            rhs,
+            (rs, cs),
+            parallel,
+        )
     }
 }
 
