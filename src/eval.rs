@@ -19,10 +19,11 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
-use crate::engine::image::TileSettings;
+use crate::engine::image::{TileSettings, Upscaled};
 use crate::engine::lanes::Lanes;
 use crate::io::{self, Decoded, Format};
 use crate::metrics::{self, ImageMetrics};
+use crate::pipeline;
 use crate::planar::Planar;
 
 /// One ground-truth image and, when LR images are given, its LR partner.
@@ -150,8 +151,10 @@ pub fn load_pair(pair: &Pair, scale: usize) -> Result<(Planar, Planar), String> 
     let hr = io::decode(&pair.hr).map_err(|e| e.to_string())?.rgb;
     if hr.height < scale || hr.width < scale {
         return Err(format!(
-            "{}x{} (WxH) is smaller than the scale {scale}",
-            hr.width, hr.height
+            "{}: {}x{} (WxH) is smaller than the scale {scale}",
+            pair.hr.display(),
+            hr.width,
+            hr.height
         ));
     }
     let (h, w) = (hr.height / scale * scale, hr.width / scale * scale);
@@ -216,28 +219,52 @@ pub fn measure(
     })
 }
 
-/// Loads, upscales and measures one pair. Errors are one line, for the report.
-pub fn evaluate_pair(
-    engine: &Lanes,
-    settings: &TileSettings,
-    pair: &Pair,
-    scale: usize,
-) -> Result<ImageResult, String> {
-    let (hr, lr) = load_pair(pair, scale)?;
-    // Alpha is not measured, so none is passed on for the engine to upscale.
-    let input = Decoded {
-        rgb: lr,
-        alpha: None,
-        gray: false,
-        bit_depth: 8,
-        format: Format::Png,
-        metadata: Default::default(),
-    };
-    let sr = engine
-        .upscale_decoded(&input, settings)
-        .map_err(|e| format!("{e:#}"))?
-        .rgb;
-    measure(&pair.name, &hr, &input.rgb, &sr, scale)
+/// `upscale eval` as [`pipeline::Stages`]: read a pair, upscale its LR image, measure
+/// the result. Errors are one line, for the report.
+pub struct EvalStages<'a> {
+    pub engine: &'a Lanes,
+    pub settings: &'a TileSettings,
+    pub scale: usize,
+}
+
+impl pipeline::Stages for EvalStages<'_> {
+    type Task = Pair;
+    /// The HR image and the LR input.
+    type Read = (Planar, Decoded);
+    type Done = ImageResult;
+
+    fn name<'t>(&self, pair: &'t Pair) -> &'t Path {
+        &pair.hr
+    }
+
+    fn read(&self, pair: &Pair) -> Result<(Planar, Decoded), String> {
+        let (hr, lr) = load_pair(pair, self.scale)?;
+        // Alpha is not measured, so none is passed on for the engine to upscale.
+        let input = Decoded {
+            rgb: lr,
+            alpha: None,
+            gray: false,
+            bit_depth: 8,
+            format: Format::Png,
+            metadata: Default::default(),
+        };
+        Ok((hr, input))
+    }
+
+    fn upscale(&self, _: &Pair, (_, lr): &(Planar, Decoded)) -> Result<Upscaled, String> {
+        self.engine
+            .upscale_decoded(lr, self.settings)
+            .map_err(|e| format!("{e:#}"))
+    }
+
+    fn finish(
+        &self,
+        pair: &Pair,
+        (hr, lr): (Planar, Decoded),
+        sr: Upscaled,
+    ) -> Result<ImageResult, String> {
+        measure(&pair.name, &hr, &lr.rgb, &sr.rgb, self.scale)
+    }
 }
 
 /// The outcome of an evaluation run.

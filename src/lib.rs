@@ -18,6 +18,7 @@ pub mod gpu;
 pub mod io;
 pub mod metrics;
 pub mod model;
+pub mod pipeline;
 pub mod planar;
 pub mod size;
 pub mod tile;

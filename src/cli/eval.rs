@@ -73,13 +73,20 @@ pub fn run(args: EvalArgs, log: &Logger) -> Result<ExitCode> {
         scale,
         ..Report::default()
     };
-    for pair in &pairs {
-        match eval::evaluate_pair(&engine, &settings, pair, scale) {
+    let stages = eval::EvalStages {
+        engine: &engine,
+        settings: &settings,
+        scale,
+    };
+    let outcomes = crate::pipeline::run_threaded(&stages, pairs, &|(_, result)| {
+        if let Err(msg) = result {
+            log.error(msg);
+        }
+    });
+    for (pair, result) in outcomes {
+        match result {
             Ok(r) => report.images.push(r),
-            Err(msg) => {
-                log.error(format!("{}: {msg}", pair.hr.display()));
-                report.failed.push((pair.name.clone(), msg));
-            }
+            Err(msg) => report.failed.push((pair.name, msg)),
         }
     }
 

@@ -21,8 +21,8 @@ pub use error::IoError;
 pub use format::{is_image_path, Format, IMAGE_EXTENSIONS};
 pub use metadata::{upright_exif, Metadata};
 pub use naming::{
-    check_output_parent, create_output_parent, file_output_format, is_folder_like, plan_outputs,
-    Job, NamingOptions,
+    check_output_parent, create_output_parent, file_output_format, is_dash, is_folder_like,
+    plan_outputs, Job, NamingOptions, STDIN_NAME,
 };
 pub use shard::{parse_shard, select_shard, Shard, ShardError};
 pub use walk::{walk, InputFile};

@@ -35,6 +35,14 @@ pub struct NamingOptions {
     pub overwrite: bool,
 }
 
+/// `-` on the command line: standard input as an input, standard output as `-o`.
+pub fn is_dash(p: &Path) -> bool {
+    p.as_os_str() == "-"
+}
+
+/// What names standard input in messages.
+pub const STDIN_NAME: &str = "standard input";
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Job {
     pub input: InputFile,

@@ -1,0 +1,403 @@
+//! Many images through one loaded model: each task is read, upscaled and finished, with
+//! the reading and the finishing on worker threads so the model never waits for the disk.
+//!
+//! The runner knows nothing of files. What a task is and what its stages do is a
+//! [`Stages`]: [`FileStages`] decodes an input file (or standard input), upscales it and
+//! encodes the result to its output for `upscale INPUT...`; `upscale eval` reads a
+//! ground-truth pair and measures the result instead of writing it. A stage that fails or
+//! panics fails its task alone, and every task gets exactly one outcome.
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::mpsc::sync_channel;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use crate::engine::image::{TileSettings, Upscaled};
+use crate::engine::lanes::Lanes;
+use crate::io::{self, Decoded, EncodeOptions, Job};
+use crate::size::{self, OutputSize};
+use crate::tile::LaneStats;
+
+/// Tasks waiting between stages: enough to hide a slow file, few enough to bound memory.
+const QUEUE_DEPTH: usize = 2;
+
+/// What happens to each task. `read` and `finish` run on worker threads, `upscale` on the
+/// caller's (the one that owns the model).
+pub(crate) trait Stages: Sync {
+    type Task: Send + Clone;
+    type Read: Send;
+    type Done: Send;
+    /// Names the task in messages.
+    fn name<'t>(&self, task: &'t Self::Task) -> &'t Path;
+    fn read(&self, task: &Self::Task) -> Result<Self::Read, String>;
+    fn upscale(&self, task: &Self::Task, read: &Self::Read) -> Result<Upscaled, String>;
+    fn finish(
+        &self,
+        task: &Self::Task,
+        read: Self::Read,
+        up: Upscaled,
+    ) -> Result<Self::Done, String>;
+}
+
+/// A task and how it ended.
+pub(crate) type Outcome<S> = (<S as Stages>::Task, Result<<S as Stages>::Done, String>);
+
+/// Runs one stage of one task, turning a panic (a bug, in our code or a library's) into an
+/// error for that task alone: the others go on, and the caller counts it as failed instead
+/// of the outcome going missing.
+fn guarded<T>(what: &Path, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(format!("{}: internal error: {msg}", what.display()))
+        }
+    }
+}
+
+fn upscale_one<S: Stages>(st: &S, task: &S::Task, read: &S::Read) -> Result<Upscaled, String> {
+    let name = st.name(task);
+    guarded(name, || st.upscale(task, read)).map_err(|e| format!("{}: {e}", name.display()))
+}
+
+/// Every stage on this thread, one task after another. `report` sees each outcome as it
+/// happens.
+pub(crate) fn run_inline<S: Stages>(
+    st: &S,
+    tasks: Vec<S::Task>,
+    report: &mut dyn FnMut(&Outcome<S>),
+) -> Vec<Outcome<S>> {
+    tasks
+        .into_iter()
+        .map(|task| {
+            let name = st.name(&task);
+            let result = guarded(name, || st.read(&task)).and_then(|read| {
+                let up = upscale_one(st, &task, &read)?;
+                guarded(name, || st.finish(&task, read, up))
+            });
+            let o = (task, result);
+            report(&o);
+            o
+        })
+        .collect()
+}
+
+/// Reader thread -> model (this thread) -> finisher thread, with bounded queues between.
+/// Outcomes come back in task order; a task lost with a thread that died outside the
+/// guarded stages is reported as failed.
+pub(crate) fn run_threaded<S: Stages>(
+    st: &S,
+    tasks: Vec<S::Task>,
+    report: &(dyn Fn(&Outcome<S>) + Sync),
+) -> Vec<Outcome<S>> {
+    let count = tasks.len();
+    let all = tasks.clone();
+    type Slot<S> = Mutex<Vec<Option<Outcome<S>>>>;
+    let slots: Slot<S> = Mutex::new((0..count).map(|_| None).collect());
+    let done = |i: usize, o: Outcome<S>| {
+        report(&o);
+        slots.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(o);
+    };
+    std::thread::scope(|scope| {
+        let (read_tx, read_rx) = sync_channel(QUEUE_DEPTH);
+        let (up_tx, up_rx) = sync_channel::<(usize, S::Task, S::Read, Upscaled)>(QUEUE_DEPTH);
+        scope.spawn(move || {
+            for (i, task) in tasks.into_iter().enumerate() {
+                let read = guarded(st.name(&task), || st.read(&task));
+                if read_tx.send((i, task, read)).is_err() {
+                    break;
+                }
+            }
+        });
+        let done = &done;
+        scope.spawn(move || {
+            for (i, task, read, up) in up_rx {
+                let result = guarded(st.name(&task), || st.finish(&task, read, up));
+                done(i, (task, result));
+            }
+        });
+        for (i, task, read) in read_rx {
+            let up = read.and_then(|read| {
+                let up = upscale_one(st, &task, &read)?;
+                Ok((read, up))
+            });
+            match up {
+                Ok((read, up)) => {
+                    if up_tx.send((i, task, read, up)).is_err() {
+                        break;
+                    }
+                }
+                Err(e) => done(i, (task, Err(e))),
+            }
+        }
+    });
+    let slots = slots.into_inner().unwrap_or_else(|p| p.into_inner());
+    slots
+        .into_iter()
+        .zip(all)
+        .map(|(slot, task)| {
+            slot.unwrap_or_else(|| {
+                let msg = format!(
+                    "{}: lost by a failed worker thread",
+                    st.name(&task).display()
+                );
+                let o = (task, Err(msg));
+                report(&o);
+                o
+            })
+        })
+        .collect()
+}
+
+/// How outputs are encoded.
+pub(crate) struct EncodeChoice {
+    /// `None`: follow the input (8 or 16 bits) where the format can.
+    pub bit_depth: Option<u8>,
+    pub quality: u8,
+    /// No ICC profile or EXIF in the outputs.
+    pub strip: bool,
+}
+
+/// What one image came to.
+#[derive(Clone, Debug)]
+pub(crate) struct Written {
+    pub in_size: (usize, usize),
+    pub out_size: (usize, usize),
+    pub seconds: f64,
+    pub tiles: usize,
+    pub lanes: Vec<LaneStats>,
+}
+
+/// Writes one upscaled image in place of [`FileStages::write`] (tests use it to plant
+/// failures).
+pub(crate) type WriteFn<'a> =
+    &'a (dyn Fn(&FileStages, &Job, &Decoded, &Upscaled) -> Result<(), String> + Sync);
+
+/// `upscale INPUT...`: decode each job's input, upscale (and resample to the requested
+/// size), encode to its output through a temporary file.
+pub(crate) struct FileStages<'a> {
+    pub engine: &'a Lanes,
+    pub settings: &'a TileSettings,
+    pub encode: EncodeChoice,
+    pub size: OutputSize,
+    /// Standard input's bytes, when the input is `-` (taken by the first read).
+    pub stdin: Mutex<Option<Vec<u8>>>,
+    /// Warnings about an output (transparency it cannot hold).
+    pub warn: &'a (dyn Fn(String) + Sync),
+    /// Details for `-v` (metadata an output could not take).
+    pub detail: &'a (dyn Fn(String) + Sync),
+    pub writer: Option<WriteFn<'a>>,
+}
+
+/// When each job started, so a job's time covers all three stages.
+pub(crate) type Timed = (Instant, Decoded);
+
+impl Stages for FileStages<'_> {
+    type Task = Job;
+    type Read = Timed;
+    type Done = Written;
+
+    fn name<'t>(&self, job: &'t Job) -> &'t Path {
+        &job.input.path
+    }
+
+    fn read(&self, job: &Job) -> Result<Timed, String> {
+        let t = Instant::now();
+        let path = &job.input.path;
+        if !io::is_dash(path) {
+            return io::decode(path).map(|d| (t, d)).map_err(|e| e.to_string());
+        }
+        let bytes = self
+            .stdin
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+            .unwrap_or_default();
+        io::decode_bytes(
+            Path::new(io::STDIN_NAME),
+            &bytes,
+            &io::DecodeLimits::default(),
+        )
+        .map(|d| (t, d))
+        .map_err(|e| e.to_string())
+    }
+
+    fn upscale(&self, _job: &Job, (_, dec): &Timed) -> Result<Upscaled, String> {
+        let mut up = self
+            .engine
+            .upscale_decoded(dec, self.settings)
+            .map_err(|e| format!("{e:#}"))?;
+        let (w, h) = self
+            .size
+            .dims(dec.rgb.width, dec.rgb.height, self.engine.scale());
+        (up.rgb, up.alpha) = size::resize(up.rgb, up.alpha.take(), w, h)?;
+        Ok(up)
+    }
+
+    fn finish(&self, job: &Job, (t, dec): Timed, up: Upscaled) -> Result<Written, String> {
+        match self.writer {
+            Some(writer) => writer(self, job, &dec, &up)?,
+            None => self.write(job, &dec, &up)?,
+        }
+        Ok(Written {
+            in_size: (dec.rgb.width, dec.rgb.height),
+            out_size: (up.rgb.width, up.rgb.height),
+            seconds: t.elapsed().as_secs_f64(),
+            tiles: up.stats.tiles,
+            lanes: up.lanes,
+        })
+    }
+}
+
+impl FileStages<'_> {
+    fn encode_options(&self, job: &Job, dec_depth: u8) -> EncodeOptions {
+        let mut opts = EncodeOptions::new(job.format);
+        opts.bit_depth = self
+            .encode
+            .bit_depth
+            .unwrap_or_else(|| job.format.default_bit_depth(dec_depth));
+        opts.quality = self.encode.quality;
+        opts
+    }
+
+    /// Encodes `up` to the job's output (a file through a temporary, or standard output).
+    pub(crate) fn write(&self, job: &Job, dec: &Decoded, up: &Upscaled) -> Result<(), String> {
+        let opts = self.encode_options(job, dec.bit_depth);
+        let to_stdout = io::is_dash(&job.output);
+        let name = match to_stdout {
+            true => "standard output".to_string(),
+            false => job.output.display().to_string(),
+        };
+        if up.alpha.is_some() && !job.format.supports_alpha() {
+            (self.warn)(format!(
+                "{name}: {} has no alpha channel; transparency is dropped",
+                job.format
+            ));
+        }
+        if opts.bit_depth == 16 && !job.format.supports_16bit() {
+            return Err(format!(
+                "{name}: {} cannot hold 16-bit samples (use --bit-depth 8 or --format png|tiff)",
+                job.format
+            ));
+        }
+        let none = io::Metadata::default();
+        let meta = if self.encode.strip {
+            &none
+        } else {
+            &dec.metadata
+        };
+        let left_out = if to_stdout {
+            let (bytes, left_out) =
+                io::encode_to_vec(&up.rgb, up.alpha.as_ref(), dec.gray, meta, &opts)
+                    .map_err(|e| format!("{name}: {e}"))?;
+            let mut out = std::io::stdout().lock();
+            out.write_all(&bytes)
+                .and_then(|()| out.flush())
+                .map_err(|e| format!("{name}: {e}"))?;
+            left_out
+        } else {
+            io::encode(
+                &job.output,
+                &up.rgb,
+                up.alpha.as_ref(),
+                dec.gray,
+                meta,
+                &opts,
+            )
+            .map_err(|e| e.to_string())?
+        };
+        for note in left_out {
+            (self.detail)(format!("{name}: {note}"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::engine::image::TileChoice;
+    use crate::engine::Engine;
+    use crate::model::Checkpoint;
+    use candle_core::{DType, Device};
+
+    /// Three images through both runners with a writer that panics on the second: that
+    /// image fails with the panic's message, the others are written, and every image has
+    /// exactly one outcome, reported once.
+    #[test]
+    fn a_panicking_writer_fails_its_image_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let inputs: Vec<PathBuf> = (0..3)
+            .map(|i| dir.path().join(format!("{i}.png")))
+            .collect();
+        for p in &inputs {
+            image::RgbImage::from_fn(12, 10, |x, y| image::Rgb([x as u8 * 20, y as u8 * 20, 7]))
+                .save(p)
+                .unwrap();
+        }
+        let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/x2_w8_b2.safetensors");
+        let engine =
+            Engine::new(Checkpoint::load(&model).unwrap(), Device::Cpu, DType::F32).unwrap();
+        let lanes = Lanes::single(engine);
+        let settings = TileSettings {
+            choice: TileChoice::Fixed(0),
+            overlap: 0,
+            batch: None,
+            blend: crate::tile::BlendMode::Hann,
+            quiet: true,
+            tta: false,
+        };
+        let writer = |st: &FileStages, job: &Job, dec: &Decoded, up: &Upscaled| {
+            if job.input.path.ends_with("1.png") {
+                panic!("encoder bug");
+            }
+            st.write(job, dec, up)
+        };
+        let stages = FileStages {
+            engine: &lanes,
+            settings: &settings,
+            encode: EncodeChoice {
+                bit_depth: None,
+                quality: 90,
+                strip: false,
+            },
+            size: OutputSize::Model,
+            stdin: Mutex::new(None),
+            warn: &|_| {},
+            detail: &|_| {},
+            writer: Some(&writer),
+        };
+        for threaded in [false, true] {
+            let out = dir.path().join(format!("out-{threaded}"));
+            let naming = io::NamingOptions {
+                output: Some(out.clone()),
+                tag: "x2".into(),
+                format: None,
+                overwrite: true,
+            };
+            let jobs = io::plan_outputs(&io::walk(&inputs, false).unwrap(), &naming).unwrap();
+            let reported = Mutex::new(0);
+            let outcomes = if threaded {
+                run_threaded(&stages, jobs, &|_| *reported.lock().unwrap() += 1)
+            } else {
+                run_inline(&stages, jobs, &mut |_| *reported.lock().unwrap() += 1)
+            };
+            assert_eq!(outcomes.len(), 3, "threaded {threaded}");
+            assert_eq!(*reported.lock().unwrap(), 3);
+            for (job, result) in &outcomes {
+                let second = job.input.path.ends_with("1.png");
+                match result {
+                    Err(e) => assert!(second && e.contains("encoder bug"), "{e}"),
+                    Ok(_) => assert!(!second && job.output.exists()),
+                }
+            }
+        }
+    }
+}
