@@ -20,12 +20,13 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
 export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
 
 cargo build --release --features cuda --bin upscale
-# The CUDA tests live in one test target (tests/gpu.rs) so one binary carries them all.
-tests=$(cargo test --release --features cuda --test gpu --no-run --message-format=json |
+# The CUDA tests are unit tests of the library (src/tests/gpu/, named tests::gpu::...), so the
+# library's test binary carries them all.
+tests=$(cargo test --release --features cuda --lib --no-run --message-format=json |
   python3 -c 'import json, sys
 for line in sys.stdin:
     j = json.loads(line)
-    if j.get("reason") == "compiler-artifact" and j.get("executable") and j["target"]["name"] == "gpu":
+    if j.get("reason") == "compiler-artifact" and j.get("executable") and j["target"]["kind"] == ["lib"]:
         print(j["executable"])')
 [ -n "$tests" ] || { echo "no CUDA test binary was built" >&2; exit 1; }
 

@@ -160,7 +160,7 @@ check() {
 
   echo "== CUDA tests"
   if [ -n "$tests" ]; then
-    run tests 300 "$tests" --test-threads=1 --nocapture
+    run tests 300 "$tests" tests::gpu:: --test-threads=1 --nocapture
     record tests "$(grep -E '^test result|passed|FAILED|panicked' "$logs/tests.log" | tail -n 20)"
   else
     record tests "no test binary in the pack"

@@ -18,8 +18,7 @@
 //! Everything the command-line tool does per image happens here too: tiling with Hann
 //! blending, alpha and grayscale handling, 8- or 16-bit output following the input. File
 //! metadata is not: a `DynamicImage` holds no ICC profile or EXIF, so carrying them is the
-//! caller's part (the tool does it with [`crate::io::Decoded::metadata`] and
-//! [`crate::io::encode`]).
+//! caller's part (the command-line tool carries both).
 
 use std::path::Path;
 
@@ -157,4 +156,10 @@ impl Upscaler {
         opts.bit_depth = dec.bit_depth;
         crate::io::encode::to_image(&rgb, alpha.as_ref(), dec.gray, &opts).map_err(Error::Upscale)
     }
+}
+
+/// Whether `Precision::Bf16` on the CPU computes in bf16 on this machine (AMX, or
+/// AVX512-BF16 where it outruns f32); elsewhere it runs in fp32 with a warning.
+pub fn cpu_computes_bf16() -> bool {
+    crate::model::bf16::supported()
 }

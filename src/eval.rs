@@ -16,7 +16,6 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
 use crate::engine::image::{TileSettings, Upscaled};
@@ -25,6 +24,19 @@ use crate::io::{self, Decoded, Format};
 use crate::metrics::{self, ImageMetrics};
 use crate::pipeline;
 use crate::planar::Planar;
+
+/// Why an evaluation could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    /// A folder or its images, as named by a flag.
+    #[error("{0}")]
+    Input(String),
+    #[error(transparent)]
+    Io(#[from] io::IoError),
+    /// The baseline file, and what is wrong with it.
+    #[error("--baseline {}: {what}", path.display())]
+    Baseline { path: PathBuf, what: String },
+}
 
 /// One ground-truth image and, when LR images are given, its LR partner.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -46,7 +58,7 @@ pub fn find_pairs(
     hr_dir: &Path,
     lr_dir: Option<&Path>,
     scale: usize,
-) -> anyhow::Result<(Vec<Pair>, Vec<PathBuf>)> {
+) -> Result<(Vec<Pair>, Vec<PathBuf>), EvalError> {
     let hr_files = image_files(hr_dir, "--hr")?;
     let Some(lr_dir) = lr_dir else {
         let pairs = hr_files
@@ -89,38 +101,46 @@ pub fn find_pairs(
                     hr,
                 });
             }
-            many => bail!(
-                "{} matches several LR files: {}",
-                hr.display(),
-                many.iter()
-                    .map(|p| file_name(p))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
+            many => {
+                return Err(EvalError::Input(format!(
+                    "{} matches several LR files: {}",
+                    hr.display(),
+                    many.iter()
+                        .map(|p| file_name(p))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )))
+            }
         }
     }
     if !missing.is_empty() {
-        bail!(
+        return Err(EvalError::Input(format!(
             "no LR image in {} for {} of the HR images: {} (expected NAME, NAMEx{scale} or NAME_x{scale})",
             lr_dir.display(),
             missing.len(),
             shorten(&missing)
-        );
+        )));
     }
     let unused = lr_files.into_iter().filter(|f| !used.contains(f)).collect();
     Ok((pairs, unused))
 }
 
-fn image_files(dir: &Path, flag: &str) -> anyhow::Result<Vec<PathBuf>> {
+fn image_files(dir: &Path, flag: &str) -> Result<Vec<PathBuf>, EvalError> {
     if !dir.is_dir() {
-        bail!("{flag} {}: not a folder", dir.display());
+        return Err(EvalError::Input(format!(
+            "{flag} {}: not a folder",
+            dir.display()
+        )));
     }
     let files: Vec<PathBuf> = io::walk(&[dir.to_path_buf()], false)?
         .into_iter()
         .map(|f| f.path)
         .collect();
     if files.is_empty() {
-        bail!("{flag} {}: no images found", dir.display());
+        return Err(EvalError::Input(format!(
+            "{flag} {}: no images found",
+            dir.display()
+        )));
     }
     Ok(files)
 }
@@ -426,36 +446,40 @@ pub struct Baseline {
 }
 
 impl Baseline {
-    pub fn read(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("--baseline {}", path.display()))?;
-        Self::parse(&text).with_context(|| format!("--baseline {}", path.display()))
+    pub fn read(path: &Path) -> Result<Self, EvalError> {
+        let failed = |what: String| EvalError::Baseline {
+            path: path.to_path_buf(),
+            what,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| failed(e.to_string()))?;
+        Self::parse(&text).map_err(failed)
     }
 
     /// Reads the fields the gate needs from a report's JSON; other fields are ignored.
-    pub fn parse(text: &str) -> anyhow::Result<Self> {
-        let v: Value = serde_json::from_str(text).context("not valid JSON")?;
+    /// The error says what is missing or wrong.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let mean_psnr_y = v
             .get("mean_psnr_y")
             .and_then(read_number)
-            .context("no numeric \"mean_psnr_y\"")?;
+            .ok_or("no numeric \"mean_psnr_y\"")?;
         let list = v
             .get("images")
             .and_then(Value::as_array)
-            .context("no \"images\" list")?;
+            .ok_or("no \"images\" list")?;
         let mut images = Vec::new();
         let mut seen = HashSet::new();
         for (i, item) in list.iter().enumerate() {
             let name = item
                 .get("name")
                 .and_then(Value::as_str)
-                .with_context(|| format!("images[{i}] has no \"name\""))?;
+                .ok_or_else(|| format!("images[{i}] has no \"name\""))?;
             let psnr = item
                 .get("psnr_y")
                 .and_then(read_number)
-                .with_context(|| format!("images[{i}] ({name}) has no numeric \"psnr_y\""))?;
+                .ok_or_else(|| format!("images[{i}] ({name}) has no numeric \"psnr_y\""))?;
             if !seen.insert(name.to_string()) {
-                bail!("image {name} is listed twice");
+                return Err(format!("image {name} is listed twice"));
             }
             images.push((name.to_string(), psnr));
         }
@@ -464,7 +488,7 @@ impl Baseline {
             Some(s) => Some(
                 s.as_u64()
                     .and_then(|s| usize::try_from(s).ok())
-                    .context("\"scale\" is not a positive integer")?,
+                    .ok_or("\"scale\" is not a positive integer")?,
             ),
         };
         Ok(Self {

@@ -2,28 +2,38 @@
 //!
 //! Programs that embed it need [`Upscaler`] and its [`Options`]: open a model once (official
 //! `.pth`/`.safetensors` weights or the embedded default), then upscale `image` crate images
-//! in memory. The modules below are the command-line tool's own building blocks.
+//! in memory. Everything else is the command-line tool's own machinery and private to it;
+//! [`main`] is the tool itself (feature `cli`, on by default).
 //!
-//! Data flow: `io` decodes a file into a [`planar::Planar`] image, `tile` plans and stitches
+//! Data flow: `io` decodes a file into a `planar::Planar` image, `tile` plans and stitches
 //! overlapping tiles, `model` runs the DRCT network on batches of tiles, `io` encodes the
 //! result through a temporary file and a rename. `metrics` holds the BasicSR-exact PSNR/SSIM
 //! and the MATLAB-style bicubic resize used by `upscale eval`.
 
-mod api;
-pub mod cli;
-pub mod engine;
-pub mod eval;
-#[cfg(feature = "cuda")]
-pub mod gpu;
-pub mod io;
-pub mod metrics;
-pub mod model;
-pub mod pipeline;
-pub mod planar;
-pub mod size;
-pub mod tile;
+// Without the command-line tool, the machinery that only it drives (folder runs, eval, bench
+// figures) is still compiled, unused.
+#![cfg_attr(not(feature = "cli"), allow(dead_code, unused_imports))]
 
-pub use api::{Error, Options, Upscaler};
+mod api;
+#[cfg(feature = "cli")]
+mod cli;
+mod engine;
+mod eval;
+#[cfg(feature = "cuda")]
+mod gpu;
+mod io;
+mod metrics;
+mod model;
+mod pipeline;
+mod planar;
+mod size;
+#[cfg(test)]
+mod tests;
+mod tile;
+
+pub use api::{cpu_computes_bf16, Error, Options, Upscaler};
+#[cfg(feature = "cli")]
+pub use cli::main;
 pub use engine::{DeviceChoice, Precision};
 pub use model::fused::Attention;
 pub use size::OutputSize;

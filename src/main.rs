@@ -1,8 +1,5 @@
 use std::process::ExitCode;
 
-use clap::Parser;
-use upscale::cli::Cli;
-
 /// Keep freed activation buffers in the process instead of returning them to the kernel:
 /// every layer allocates fresh tensors of the same few sizes, and glibc's default of mapping
 /// each large block anew costs page faults on every one of them.
@@ -28,12 +25,5 @@ fn default_sigpipe() {
 fn main() -> ExitCode {
     keep_freed_memory();
     default_sigpipe();
-    let cli = Cli::parse();
-    match upscale::cli::run(cli) {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(2)
-        }
-    }
+    upscale::main()
 }

@@ -340,7 +340,7 @@ fn main_command_runs_on_the_cpu_in_bf16_or_says_it_falls_back() {
         .any(|l| l.starts_with("warning:") && l.contains("bf16"));
     assert_eq!(
         warned,
-        !upscale::model::bf16::supported(),
+        !upscale::cpu_computes_bf16(),
         "bf16 warning:\n{}",
         stderr(&run)
     );
@@ -1614,6 +1614,64 @@ fn metadata_jpeg_orientation_applied_and_reset_icc_kept() {
     assert_eq!(got_exif, Some(exif_with_orientation(1)));
 }
 
+/// A folder run carries each image's own metadata to its own output, on the worker threads
+/// and inline alike: two JPEGs with different profiles and orientations, one PNG with none.
+#[test]
+fn metadata_folder_run_keeps_each_images_own() {
+    let d = tempdir();
+    let dir = d.path();
+    fs::create_dir(dir.join("in")).unwrap();
+    let icc_a = fake_icc(b"RGB ");
+    let mut icc_b = icc_a.clone();
+    icc_b[150] ^= 0xff;
+    let a = with_metadata(
+        &rgb_image(20, 12),
+        ImageFormat::Jpeg,
+        Some(icc_a.clone()),
+        Some(exif_with_orientation(6)),
+    );
+    let b = with_metadata(
+        &rgb_image(16, 10),
+        ImageFormat::Jpeg,
+        Some(icc_b.clone()),
+        Some(exif_with_orientation(1)),
+    );
+    fs::write(dir.join("in/a.jpg"), a).unwrap();
+    fs::write(dir.join("in/b.jpg"), b).unwrap();
+    write_png(&dir.join("in/c.png"), 8, 8);
+    for io_threads in ["0", "1"] {
+        let out = format!("out{io_threads}");
+        upscale(dir)
+            .args([
+                "in",
+                "-o",
+                &out,
+                "--format",
+                "png",
+                "--io_threads",
+                io_threads,
+            ])
+            .assert()
+            .success();
+        let read = |name: &str| fs::read(dir.join(&out).join(name)).unwrap();
+        let (got_a, got_b) = (read("a.png"), read("b.png"));
+        assert_eq!(
+            image::load_from_memory(&got_a).unwrap().dimensions(),
+            (2 * 12, 2 * 20),
+            "a is turned upright"
+        );
+        assert_eq!(
+            metadata_of(&got_a),
+            (Some(icc_a.clone()), Some(exif_with_orientation(1)))
+        );
+        assert_eq!(
+            metadata_of(&got_b),
+            (Some(icc_b.clone()), Some(exif_with_orientation(1)))
+        );
+        assert_eq!(metadata_of(&read("c.png")), (None, None));
+    }
+}
+
 /// `--strip` writes neither the profile nor the EXIF, and the pixels are still upright.
 #[test]
 fn metadata_strip_drops_icc_and_exif() {
@@ -1738,4 +1796,72 @@ fn metadata_stdin_to_stdout_keeps_icc() {
         .unwrap();
     assert_success(&run);
     assert_eq!(metadata_of(&run.stdout).0, Some(icc));
+}
+
+/// End to end through the binary: a 16-bit PNG in, `--tile 0 --bit-depth 16` out, against the
+/// reference output clamped and quantised the same way. The fixture inputs are 8-bit photo
+/// crops (k/255), which 16-bit PNG holds exactly (k*257/65535), so only the output rounding
+/// differs: at most one level.
+#[test]
+fn cli_sixteen_bit_png_end_to_end() {
+    // The x4 golden case: its weights, and its input with the float64 reference output.
+    let weights = golden("x4_w8_g2.safetensors");
+    let io = candle_core::safetensors::load(golden("x4_w8_g2.io.safetensors"), &Device::Cpu)
+        .expect("io fixture");
+    let (input, expected) = (&io["input"], &io["output"]);
+    let (_, _, h, w) = input.dims4().unwrap();
+    let x = input.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut img = image::ImageBuffer::<image::Rgb<u16>, Vec<u16>>::new(w as u32, h as u32);
+    for (px, py, p) in img.enumerate_pixels_mut() {
+        for c in 0..3 {
+            let v = x[(c * h + py as usize) * w + px as usize];
+            let level = (v * 65535.0).round();
+            assert!(
+                (level / 65535.0 - v).abs() < 1e-6,
+                "fixture input is not 16-bit exact"
+            );
+            p.0[c] = level as u16;
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("in.png");
+    let dst = dir.path().join("out.png");
+    img.save(&src).unwrap();
+    let status = std::process::Command::new(bin())
+        .args(["-m", weights.to_str().unwrap()])
+        .args([
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--tile",
+            "0",
+            "--bit-depth",
+            "16",
+            "-q",
+        ])
+        .arg(&src)
+        .arg("-o")
+        .arg(&dst)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = image::open(&dst).unwrap();
+    let out = out.as_rgb16().expect("a 16-bit RGB PNG");
+    let s = 4;
+    assert_eq!(
+        (out.width() as usize, out.height() as usize),
+        (w * s, h * s)
+    );
+    let reference = expected.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let (oh, ow) = (h * s, w * s);
+    let mut worst = 0i64;
+    for (px, py, p) in out.enumerate_pixels() {
+        for c in 0..3 {
+            let r = reference[(c * oh + py as usize) * ow + px as usize];
+            let want = (r.clamp(0.0, 1.0) * 65535.0).round() as i64;
+            worst = worst.max((p.0[c] as i64 - want).abs());
+        }
+    }
+    assert!(worst <= 1, "16-bit output off by {worst} levels");
 }

@@ -1,19 +1,23 @@
-//! Any bytes as a safetensors checkpoint: loading, validation and building the network must
-//! return an error or a model, never panic; a model that loads must run on a tiny input.
+//! Any bytes as a `.safetensors` checkpoint, through the library's front door as a program that
+//! embeds it would call it: opening must return an error or a model, never panic, and a model
+//! that opens must upscale a tiny image.
 #![no_main]
 
-use candle_core::{DType, Device, Module, Tensor};
 use libfuzzer_sys::fuzz_target;
-use upscale::model::{Checkpoint, Model, Source};
+use upscale::{DeviceChoice, Options, Precision, Upscaler};
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(ck) = Checkpoint::from_safetensors_bytes(data, Source::Embedded("fuzz")) else {
+    let path = std::env::temp_dir().join(format!("upscale-fuzz-{}.safetensors", std::process::id()));
+    if std::fs::write(&path, data).is_err() {
         return;
-    };
-    let Ok(model) = Model::from_checkpoint(ck, DType::F32, &Device::Cpu) else {
-        return;
-    };
-    if let Ok(x) = Tensor::zeros((1, 3, 8, 8), DType::F32, &Device::Cpu) {
-        let _ = model.net.forward(&x);
     }
+    let opts = Options {
+        device: DeviceChoice::Cpu,
+        precision: Precision::Fp32,
+        ..Options::default()
+    };
+    if let Ok(up) = Upscaler::open(Some(&path), &opts) {
+        let _ = up.upscale(&image::DynamicImage::new_rgb8(8, 8));
+    }
+    let _ = std::fs::remove_file(&path);
 });

@@ -14,7 +14,6 @@ use crate::tile::lanes::merge_lane_stats;
 use crate::tile::TileOptions;
 
 pub struct BenchResult {
-    pub seconds: Vec<f64>,
     pub json: serde_json::Value,
 }
 
@@ -80,5 +79,5 @@ pub fn run(
         "lanes": engine.count(),
         "lane_stats": lanes,
     });
-    Ok(BenchResult { seconds, json })
+    Ok(BenchResult { json })
 }

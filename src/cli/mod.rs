@@ -328,8 +328,19 @@ pub fn setup(
     Ok((engine, settings))
 }
 
-/// Exit codes: 0 all done, 1 some inputs failed, 2 usage or model error (clap uses 2 too).
-pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
+/// The `upscale` command: parses the process's arguments and runs them. Exit codes: 0 all
+/// done, 1 some inputs failed, 2 usage or model error (clap uses 2 too).
+pub fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
     use std::process::ExitCode;
     match cli.command {
         Some(Command::Info { model, json }) => show_info(model.as_deref(), json)?,

@@ -3,7 +3,7 @@
 use crate::io::Decoded;
 use crate::planar::{Planar, SYMMETRIES};
 use crate::tile::lanes::merge_lane_stats;
-use crate::tile::{LaneStats, TileOptions, TileStats};
+use crate::tile::{LaneStats, TileError, TileOptions, TileStats};
 
 use super::lanes::Lanes;
 use super::Engine;
@@ -45,6 +45,7 @@ pub struct TileSettings {
 const CPU_TILE_BUDGET: u64 = 4 << 30;
 
 impl Engine {
+    #[cfg(test)]
     /// Concrete tile options for an `h x w` image. However they were chosen, no forward pass
     /// exceeds [`Engine::max_pass_pixels`].
     pub fn tile_options(&self, settings: &TileSettings, h: usize, w: usize) -> TileOptions {
@@ -138,7 +139,7 @@ impl Lanes {
         &self,
         img: &Decoded,
         settings: &TileSettings,
-    ) -> anyhow::Result<Upscaled> {
+    ) -> Result<Upscaled, TileError> {
         let opts = self.tile_options(settings, img.rgb.height, img.rgb.width);
         let (rgb, stats, mut lanes) = if settings.tta {
             self.run_ensemble(&img.rgb, settings)?
@@ -164,7 +165,7 @@ impl Lanes {
         &self,
         img: &Planar,
         settings: &TileSettings,
-    ) -> anyhow::Result<(Planar, TileStats, Vec<LaneStats>)> {
+    ) -> Result<(Planar, TileStats, Vec<LaneStats>), TileError> {
         let mut sum: Option<Planar> = None;
         let mut stats = TileStats::default();
         let mut lanes = Vec::new();
@@ -198,7 +199,7 @@ impl Lanes {
         a: &Planar,
         opts: &TileOptions,
         lanes: &mut Vec<LaneStats>,
-    ) -> anyhow::Result<Planar> {
+    ) -> Result<Planar, TileError> {
         let s = self.scale();
         let (h, w) = (a.height * s, a.width * s);
         let first = a.data.first().copied().unwrap_or(1.0);

@@ -15,12 +15,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::{DType, Device};
 
 use super::image::TileSettings;
-use super::{DeviceChoice, Engine};
+use super::{DeviceChoice, Engine, EngineError};
 use crate::model::fused::Attention;
 use crate::model::Checkpoint;
 use crate::planar::Planar;
 use crate::tile::lanes::device_label;
-use crate::tile::{run_lanes, run_tiled, LaneStats, TileOptions, TileStats};
+use crate::tile::{run_lanes, run_tiled, LaneStats, TileError, TileOptions, TileStats};
 
 pub struct Lanes {
     /// Never empty; the first answers every question about the model (scale, config, cost).
@@ -37,8 +37,10 @@ impl Lanes {
     }
 
     /// Lanes over engines the caller built, each on its own device handle.
-    pub fn from_engines(engines: Vec<Engine>) -> anyhow::Result<Self> {
-        anyhow::ensure!(!engines.is_empty(), "at least one lane is needed");
+    pub fn from_engines(engines: Vec<Engine>) -> Result<Self, EngineError> {
+        if engines.is_empty() {
+            return Err(EngineError::Device("at least one lane is needed".into()));
+        }
         Ok(Self {
             engines,
             warned_canvas: AtomicBool::new(false),
@@ -54,7 +56,7 @@ impl Lanes {
         choice: &DeviceChoice,
         streams: usize,
         warn: &mut dyn FnMut(String),
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, EngineError> {
         if device.is_cpu() {
             return Ok(Self::single(Engine::with_attention(
                 ck, device, dtype, attention,
@@ -76,8 +78,9 @@ impl Lanes {
         let mut engines = Vec::with_capacity(ids.len() * streams);
         for &id in &ids {
             for _ in 0..streams.max(1) {
-                let lane = Device::new_cuda_with_stream(id)
-                    .map_err(|e| anyhow::anyhow!("cuda:{id}: {}", super::first_line(&e)))?;
+                let lane = Device::new_cuda_with_stream(id).map_err(|e| {
+                    EngineError::Device(format!("cuda:{id}: {}", super::first_line(&e)))
+                })?;
                 keep_pool_memory(&lane, warn);
                 engines.push(Engine::with_attention(ck.clone(), lane, dtype, attention)?);
             }
@@ -87,6 +90,7 @@ impl Lanes {
         Self::from_engines(engines)
     }
 
+    #[cfg(test)]
     pub fn engines(&self) -> &[Engine] {
         &self.engines
     }
@@ -120,7 +124,7 @@ impl Lanes {
         &self,
         image: &Planar,
         opts: &TileOptions,
-    ) -> anyhow::Result<(Planar, TileStats, Vec<LaneStats>)> {
+    ) -> Result<(Planar, TileStats, Vec<LaneStats>), TileError> {
         let engine = &self.engines[0];
         if self.count() == 1 && engine.device.is_cpu() {
             return host_run(engine, image, opts);
@@ -146,11 +150,6 @@ impl Lanes {
         canvas.saturating_mul(self.per_device() as u64) <= self.free_memory() / 2
     }
 
-    /// Tiles whose fp16 output was non-finite and were redone in fp32, over all lanes.
-    pub fn fp16_overflows(&self) -> usize {
-        self.engines.iter().map(Engine::fp16_overflows).sum()
-    }
-
     /// The distinct devices under the lanes, one handle each.
     pub fn devices(&self) -> Vec<&Device> {
         let mut seen = Vec::new();
@@ -171,7 +170,7 @@ fn host_run(
     engine: &Engine,
     image: &Planar,
     opts: &TileOptions,
-) -> anyhow::Result<(Planar, TileStats, Vec<LaneStats>)> {
+) -> Result<(Planar, TileStats, Vec<LaneStats>), TileError> {
     let start = std::time::Instant::now();
     let (out, stats) = run_tiled(engine, image, opts)?;
     let lane = LaneStats {
@@ -229,6 +228,7 @@ pub fn pool_peak(device: &Device) -> Option<PoolPeak> {
     })
 }
 
+#[cfg(feature = "cuda")]
 /// Bytes the pool holds but no allocation uses: free for the next batch, though the
 /// driver's free-memory count no longer shows them.
 pub fn pool_idle_bytes(device: &Device) -> u64 {
@@ -326,10 +326,6 @@ mod pool {
     }
 
     pub fn peaks(_: &Device) -> Result<(u64, u64), String> {
-        Err(NO_CUDA.into())
-    }
-
-    pub fn idle(_: &Device) -> Result<u64, String> {
         Err(NO_CUDA.into())
     }
 }

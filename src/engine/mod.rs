@@ -75,9 +75,22 @@ pub(crate) fn first_line(e: &candle_core::Error) -> String {
     e.to_string().lines().next().unwrap_or_default().to_string()
 }
 
+/// Why a model could not be placed on its device(s).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The device could not be opened, or this build lacks it.
+    #[error("{0}")]
+    Device(String),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
 /// Open the requested device (the first one of a list: [`lanes::Lanes`] opens the rest).
 /// `auto` takes the first GPU when this build has CUDA and one answers, else the CPU.
-pub fn open_device(choice: &DeviceChoice, warn: &mut dyn FnMut(String)) -> anyhow::Result<Device> {
+pub fn open_device(
+    choice: &DeviceChoice,
+    warn: &mut dyn FnMut(String),
+) -> Result<Device, EngineError> {
     match choice {
         DeviceChoice::Cpu => Ok(Device::Cpu),
         DeviceChoice::Auto => {
@@ -94,12 +107,13 @@ pub fn open_device(choice: &DeviceChoice, warn: &mut dyn FnMut(String)) -> anyho
         }
         DeviceChoice::Cuda(ids) => {
             if !candle_core::utils::cuda_is_available() {
-                anyhow::bail!(
+                return Err(EngineError::Device(
                     "--device cuda: this binary was built without CUDA support (build with --features cuda)"
-                );
+                        .into(),
+                ));
             }
             Device::new_cuda(ids[0])
-                .map_err(|e| anyhow::anyhow!("cuda:{}: {}", ids[0], first_line(&e)))
+                .map_err(|e| EngineError::Device(format!("cuda:{}: {}", ids[0], first_line(&e))))
         }
     }
 }
@@ -174,6 +188,7 @@ pub struct Engine {
 }
 
 impl Engine {
+    #[cfg(test)]
     pub fn new(ck: Checkpoint, device: Device, dtype: DType) -> Result<Self, ModelError> {
         Self::with_attention(ck, device, dtype, Attention::default())
     }
@@ -201,6 +216,7 @@ impl Engine {
         })
     }
 
+    #[cfg(test)]
     /// Tiles whose fp16 output was non-finite and were redone in fp32.
     pub fn fp16_overflows(&self) -> usize {
         self.fp16_overflows.load(Ordering::Relaxed)

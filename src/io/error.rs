@@ -61,6 +61,7 @@ pub enum IoError {
 }
 
 impl IoError {
+    #[cfg(test)]
     /// The file or folder the error is about.
     pub fn path(&self) -> &Path {
         match self {

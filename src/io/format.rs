@@ -4,25 +4,23 @@ use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
-/// Extensions (lower case) that folder walks pick up.
-pub const IMAGE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg", "webp", "tif", "tiff"];
-
 /// Also a command-line value (`--format`), spelt as the extensions we write, the long
 /// extensions accepted as aliases.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Format {
-    #[value(name = "png")]
+    #[cfg_attr(feature = "cli", value(name = "png"))]
     Png,
-    #[value(name = "jpg", alias = "jpeg")]
+    #[cfg_attr(feature = "cli", value(name = "jpg", alias = "jpeg"))]
     Jpeg,
-    #[value(name = "webp")]
+    #[cfg_attr(feature = "cli", value(name = "webp"))]
     Webp,
-    #[value(name = "tiff", alias = "tif")]
+    #[cfg_attr(feature = "cli", value(name = "tiff", alias = "tif"))]
     Tiff,
 }
 
 impl Format {
-    /// Case-insensitive; `None` for anything that is not one of [`IMAGE_EXTENSIONS`].
+    /// Case-insensitive; `None` for anything that is not an extension folder walks pick up (png, jpg, jpeg, webp, tif, tiff).
     pub fn from_extension(ext: &str) -> Option<Format> {
         match ext.to_ascii_lowercase().as_str() {
             "png" => Some(Format::Png),
@@ -97,7 +95,7 @@ impl Format {
     }
 }
 
-/// True when the path's extension is one of [`IMAGE_EXTENSIONS`].
+/// True when the path's extension is an extension folder walks pick up (png, jpg, jpeg, webp, tif, tiff).
 pub fn is_image_path(path: &Path) -> bool {
     Format::from_path(path).is_some()
 }

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use image::codecs::png::PngEncoder;
 use image::{DynamicImage, GrayImage, ImageBuffer, ImageEncoder, Luma, LumaA, Rgb, RgbImage, Rgba};
 
+use super::decode::decode_with_limits;
+use super::encode::write_image;
 use super::*;
 use crate::planar::Planar;
 

@@ -22,7 +22,7 @@ mod resize;
 #[cfg(test)]
 mod tests;
 
-pub use quality::{psnr, rgb_to_y, ssim, Measure};
+pub use quality::{psnr, ssim, Measure};
 pub use resize::{bicubic_lr, imresize};
 
 use crate::planar::Planar;

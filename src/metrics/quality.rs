@@ -20,6 +20,7 @@ struct Plane {
     data: Vec<f64>,
 }
 
+#[cfg(test)]
 /// BT.601 studio-swing luma of an RGB image, on the 0..255 scale, row-major `height * width`.
 ///
 /// `Y = 16 + 65.481 R + 128.553 G + 24.966 B` with R, G, B in [0, 1], computed in f64 and

@@ -1,6 +1,7 @@
 //! Checks against fixtures computed by independent implementations (numpy/scipy,
 //! scikit-image, BasicSR's `imresize`); see tests/fixtures/metrics/make_metrics_fixtures.py.
 
+use super::quality::rgb_to_y;
 use super::*;
 use serde_json::Value;
 use std::path::PathBuf;

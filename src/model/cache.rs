@@ -222,18 +222,16 @@ impl WindowCache {
         })
     }
 
+    #[cfg(test)]
     /// Number of sizes with a cached mask.
     pub fn len(&self) -> usize {
         self.masks.lock().entries.len()
     }
 
+    #[cfg(test)]
     /// Number of cached window orderings (per size and shift).
     pub fn partitions(&self) -> usize {
         self.partitions.lock().entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

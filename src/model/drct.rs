@@ -567,6 +567,8 @@ pub struct Drct {
     conv_last: Conv3x3,
     mean: Tensor,
     config: DrctConfig,
+    /// Shared with every block; kept here to report its size.
+    #[cfg_attr(not(test), allow(dead_code))]
     windows: WindowCache,
     dtype: DType,
     device: Device,
@@ -574,10 +576,6 @@ pub struct Drct {
 }
 
 impl Drct {
-    pub fn new(cfg: &DrctConfig, vb: VarBuilder) -> Result<Self> {
-        Self::with_attention(cfg, vb, Attention::default())
-    }
-
     /// The network with window attention run as `attention` says on CUDA devices.
     pub fn with_attention(cfg: &DrctConfig, vb: VarBuilder, attention: Attention) -> Result<Self> {
         let e = cfg.embed_dim;
@@ -631,10 +629,6 @@ impl Drct {
         self.dtype
     }
 
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
     /// Runs every matrix product (linear layers, convolutions as GEMMs, both attention
     /// products) with bf16 operands and f32 sums on `isa`, with the weights kept in bf16
     /// only; everything else stays f32. CPU networks built in f32 only.
@@ -658,11 +652,7 @@ impl Drct {
         Ok(())
     }
 
-    /// The instructions of bf16 products, where [`Self::use_bf16_products`] was called.
-    pub fn bf16_products(&self) -> Option<Isa> {
-        self.bf16
-    }
-
+    #[cfg(test)]
     /// Number of distinct padded sizes whose shift mask is cached.
     pub fn cached_masks(&self) -> usize {
         self.windows.len()

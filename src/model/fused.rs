@@ -15,7 +15,8 @@ use rayon::prelude::*;
 
 /// How window attention runs on CUDA devices. The CPU always runs its own fused f32 kernel
 /// (or candle's graph in other dtypes), whatever the choice.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Attention {
     /// One kernel per block: scores stay on chip, the shift mask is computed, not stored.
     #[default]

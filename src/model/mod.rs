@@ -8,8 +8,6 @@ pub mod drct;
 pub mod fused;
 pub mod ops;
 
-use std::path::Path;
-
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 
@@ -51,15 +49,13 @@ impl ModelError {
     }
 }
 
-/// A network ready to run, with what it was built from.
+/// A network ready to run.
 pub struct Model {
     pub net: Drct,
-    pub source: Source,
-    pub metadata: std::collections::BTreeMap<String, String>,
-    pub wrapper: Option<String>,
 }
 
 impl Model {
+    #[cfg(test)]
     /// Build the network from a validated checkpoint, converting weights to `dtype` on `device`
     /// (bf16 on the CPU: f32 activations, bf16 weights and products).
     pub fn from_checkpoint(
@@ -100,15 +96,11 @@ impl Model {
             net.use_bf16_products(isa)
                 .map_err(|e| build_error(e.to_string()))?;
         }
-        Ok(Self {
-            net,
-            source: ck.source,
-            metadata: ck.metadata,
-            wrapper: ck.wrapper,
-        })
+        Ok(Self { net })
     }
 
-    pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<Self, ModelError> {
+    #[cfg(test)]
+    pub fn load(path: &std::path::Path, dtype: DType, device: &Device) -> Result<Self, ModelError> {
         Self::from_checkpoint(Checkpoint::load(path)?, dtype, device)
     }
 

@@ -9,14 +9,15 @@ use std::sync::Arc;
 
 use super::plan::Span;
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum BlendMode {
     /// Raised-cosine crossfade over the middle half of each overlap; the outer quarter at a
     /// tile's inner edge gets no weight, since the model saw little context there.
     #[default]
     Hann,
     /// Uniform average of all tiles covering a pixel, as the official inference script does.
-    #[value(alias = "avg")]
+    #[cfg_attr(feature = "cli", value(alias = "avg"))]
     Average,
     /// Crop and paste: every output pixel comes from one tile, seams mid-overlap.
     None,
@@ -102,6 +103,7 @@ impl Weights {
             .clone()
     }
 
+    #[cfg(test)]
     pub fn cached(&self) -> usize {
         self.cache.len()
     }

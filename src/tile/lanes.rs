@@ -13,12 +13,11 @@ use std::ops::Range;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use anyhow::Context;
 use candle_core::{DType, DeviceLocation, Tensor};
 
 use super::device::{finish_canvases, weight_table, DeviceCanvas, DeviceInput};
 use super::plan::{plan, Plan};
-use super::{is_out_of_memory, TileModel, TileOptions, TileStats, MIN_CORE};
+use super::{is_out_of_memory, TileError, TileModel, TileOptions, TileStats, MIN_CORE};
 use crate::planar::Planar;
 
 /// The work one lane did for one image.
@@ -75,14 +74,17 @@ pub fn run_lanes<M: TileModel + Sync>(
     lanes: &[M],
     image: &Planar,
     opts: &TileOptions,
-) -> anyhow::Result<(Planar, TileStats, Vec<LaneStats>)> {
-    let first = lanes.first().context("no lanes to run on")?;
+) -> Result<(Planar, TileStats, Vec<LaneStats>), TileError> {
+    let first = lanes
+        .first()
+        .ok_or(TileError::Lanes("no lanes to run on"))?;
     let scale = first.scale();
-    anyhow::ensure!(scale > 0, "model scale must be positive");
-    anyhow::ensure!(
-        lanes.iter().all(|m| m.scale() == scale),
-        "all lanes must run the same model"
-    );
+    if scale == 0 {
+        return Err(TileError::Lanes("model scale must be positive"));
+    }
+    if !lanes.iter().all(|m| m.scale() == scale) {
+        return Err(TileError::Lanes("all lanes must run the same model"));
+    }
     let mut tile = opts.tile;
     let mut batch = opts.batch.max(1);
     let mut oom_retries = 0;
@@ -103,9 +105,9 @@ pub fn run_lanes<M: TileModel + Sync>(
                     .into_iter()
                     .map(|h| {
                         h.join()
-                            .map_err(|_| anyhow::anyhow!("a tiling lane panicked"))
+                            .map_err(|_| TileError::Lanes("a tiling lane panicked"))
                     })
-                    .collect::<anyhow::Result<_>>()
+                    .collect::<Result<_, _>>()
             })?
         };
         let q = queue.into_inner().unwrap_or_else(|e| e.into_inner());
@@ -123,10 +125,11 @@ pub fn run_lanes<M: TileModel + Sync>(
                 let current = plan.tile_h.max(plan.tile_w);
                 let smaller = (current / 2).max(2 * opts.overlap + MIN_CORE);
                 if smaller >= current {
-                    return Err(err).context(format!(
-                        "out of memory even with one {}x{} tile per batch",
-                        plan.tile_h, plan.tile_w
-                    ));
+                    return Err(TileError::OutOfMemory {
+                        h: plan.tile_h,
+                        w: plan.tile_w,
+                        source: err,
+                    });
                 }
                 tile = smaller;
                 continue;

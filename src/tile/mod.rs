@@ -17,12 +17,11 @@ mod lane_tests;
 #[cfg(test)]
 mod tests;
 
-use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 
 pub use blend::BlendMode;
 pub use lanes::{run_lanes, LaneStats};
-pub use plan::{plan, Plan, PlanError, Span, Tile};
+pub use plan::{plan, Plan, PlanError, Tile};
 pub use stitch::Accumulator;
 
 use crate::planar::Planar;
@@ -84,14 +83,34 @@ pub fn is_out_of_memory(err: &candle_core::Error) -> bool {
     msg.contains("out of memory") || msg.contains("out_of_memory")
 }
 
+/// Why an image could not be upscaled.
+#[derive(Debug, thiserror::Error)]
+pub enum TileError {
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error(transparent)]
+    Model(#[from] candle_core::Error),
+    #[error("out of memory even with one {h}x{w} tile per batch: {source}")]
+    OutOfMemory {
+        h: usize,
+        w: usize,
+        source: candle_core::Error,
+    },
+    /// The lanes given cannot run together (none, or different models), or one panicked.
+    #[error("{0}")]
+    Lanes(&'static str),
+}
+
 /// Upscales `image` tile by tile. See the module documentation.
 pub fn run_tiled<M: TileModel + ?Sized>(
     model: &M,
     image: &Planar,
     opts: &TileOptions,
-) -> anyhow::Result<(Planar, TileStats)> {
+) -> Result<(Planar, TileStats), TileError> {
     let scale = model.scale();
-    anyhow::ensure!(scale > 0, "model scale must be positive");
+    if scale == 0 {
+        return Err(TileError::Lanes("model scale must be positive"));
+    }
     let mut tile = opts.tile;
     let mut batch = opts.batch.max(1);
     let mut oom_retries = 0;
@@ -121,10 +140,11 @@ pub fn run_tiled<M: TileModel + ?Sized>(
                         let current = plan.tile_h.max(plan.tile_w);
                         let smaller = (current / 2).max(2 * opts.overlap + MIN_CORE);
                         if smaller >= current {
-                            return Err(err).context(format!(
-                                "out of memory even with one {}x{} tile per batch",
-                                plan.tile_h, plan.tile_w
-                            ));
+                            return Err(TileError::OutOfMemory {
+                                h: plan.tile_h,
+                                w: plan.tile_w,
+                                source: err,
+                            });
                         }
                         tile = smaller;
                         shrunk = true;

@@ -71,6 +71,7 @@ impl Accumulator {
         }
     }
 
+    #[cfg(test)]
     /// Total weight per output pixel, row-major.
     pub fn weight_sum(&self) -> &[f32] {
         &self.weight

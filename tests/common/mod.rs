@@ -10,8 +10,6 @@ use std::process::Output;
 
 use image::{ImageBuffer, Luma, LumaA, Rgb, Rgba};
 
-pub mod fixtures;
-
 /// The binary under test: this package's build, or the one `UPSCALE_BIN` names (an installed
 /// or cross-compiled binary, say).
 pub fn bin() -> PathBuf {

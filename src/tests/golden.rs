@@ -2,12 +2,10 @@
 //! committed fixtures in tests/golden/. Each case's weights, input and unclamped reference
 //! output were written by tests/golden/make_golden.py; no torch is needed here.
 
-mod common;
-
+use crate::model::Model;
 use candle_core::{DType, Device, Module, Tensor};
-use upscale::model::Model;
 
-use common::fixtures::*;
+use super::fixtures::*;
 
 #[test]
 fn f32_matches_float64_reference_on_every_fixture() {
@@ -45,10 +43,10 @@ fn cpu_bf16_stays_close_to_the_float64_reference() {
         .collect();
     cases.push((
         "default_x4".into(),
-        common::repo().join("models/default_x4.safetensors"),
+        crate::tests::repo().join("models/default_x4.safetensors"),
         golden_dir().join("default_x4.io.safetensors"),
     ));
-    if !upscale::model::bf16::supported() {
+    if !crate::model::bf16::supported() {
         let err = Model::load(&cases[0].1, DType::BF16, &Device::Cpu)
             .err()
             .expect("bf16 without bf16 instructions must be refused");
@@ -126,8 +124,8 @@ fn all_finite(t: &Tensor) -> bool {
 
 #[test]
 fn fp16_overflow_is_redone_in_fp32_for_that_tile_only() {
-    use upscale::engine::Engine;
-    use upscale::model::Checkpoint;
+    use crate::engine::Engine;
+    use crate::model::Checkpoint;
     // A batch of two tiles: the fixture's input, and the same input scaled past fp16's 65504
     // (far from f32's limit). In fp16 only the second tile's output becomes inf/NaN; the guard
     // must redo that tile, and only that one, in f32.
@@ -166,79 +164,11 @@ fn fp16_overflow_is_redone_in_fp32_for_that_tile_only() {
     assert_eq!(max_abs_diff(&y.get(0).unwrap(), &y16.get(0).unwrap()), 0.0);
 }
 
-/// End to end through the binary: a 16-bit PNG in, `--tile 0 --bit-depth 16` out, against the
-/// reference output clamped and quantised the same way. The fixture inputs are 8-bit photo
-/// crops (k/255), which 16-bit PNG holds exactly (k*257/65535), so only the output rounding
-/// differs: at most one level.
-#[test]
-fn cli_sixteen_bit_png_end_to_end() {
-    let case = cases()
-        .into_iter()
-        .find(|c| c.name == "x4_w8_g2")
-        .expect("x4 case");
-    let (input, expected) = load_io(&case.io);
-    let (_, _, h, w) = input.dims4().unwrap();
-    let x = input.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let mut img = image::ImageBuffer::<image::Rgb<u16>, Vec<u16>>::new(w as u32, h as u32);
-    for (px, py, p) in img.enumerate_pixels_mut() {
-        for c in 0..3 {
-            let v = x[(c * h + py as usize) * w + px as usize];
-            let level = (v * 65535.0).round();
-            assert!(
-                (level / 65535.0 - v).abs() < 1e-6,
-                "fixture input is not 16-bit exact"
-            );
-            p.0[c] = level as u16;
-        }
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let src = dir.path().join("in.png");
-    let dst = dir.path().join("out.png");
-    img.save(&src).unwrap();
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_upscale"))
-        .args(["-m", case.weights.to_str().unwrap()])
-        .args([
-            "--device",
-            "cpu",
-            "--precision",
-            "fp32",
-            "--tile",
-            "0",
-            "--bit-depth",
-            "16",
-            "-q",
-        ])
-        .arg(&src)
-        .arg("-o")
-        .arg(&dst)
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let out = image::open(&dst).unwrap();
-    let out = out.as_rgb16().expect("a 16-bit RGB PNG");
-    let s = case.scale;
-    assert_eq!(
-        (out.width() as usize, out.height() as usize),
-        (w * s, h * s)
-    );
-    let reference = expected.flatten_all().unwrap().to_vec1::<f64>().unwrap();
-    let (oh, ow) = (h * s, w * s);
-    let mut worst = 0i64;
-    for (px, py, p) in out.enumerate_pixels() {
-        for c in 0..3 {
-            let r = reference[(c * oh + py as usize) * ow + px as usize];
-            let want = (r.clamp(0.0, 1.0) * 65535.0).round() as i64;
-            worst = worst.max((p.0[c] as i64 - want).abs());
-        }
-    }
-    assert!(worst <= 1, "16-bit output off by {worst} levels");
-}
-
 #[test]
 fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
-    use upscale::engine::image::{TileChoice, TileSettings};
-    use upscale::engine::Engine;
-    use upscale::model::Checkpoint;
+    use crate::engine::image::{TileChoice, TileSettings};
+    use crate::engine::Engine;
+    use crate::model::Checkpoint;
     let case = &cases()[0];
     let engine = Engine::new(
         Checkpoint::load(&case.weights).unwrap(),
@@ -288,7 +218,7 @@ fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
 /// models/make_parity_fixture.py from the committed weights).
 #[test]
 fn default_model_matches_float64_reference() {
-    let root = common::repo();
+    let root = crate::tests::repo();
     let model = Model::load(
         &root.join("models/default_x4.safetensors"),
         DType::F32,
@@ -306,9 +236,9 @@ fn default_model_matches_float64_reference() {
 #[cfg(feature = "embedded-model")]
 #[test]
 fn embedded_model_is_the_committed_file() {
-    let root = common::repo();
+    let root = crate::tests::repo();
     let file = std::fs::read(root.join("models/default_x4.safetensors")).unwrap();
-    let (_, bytes) = upscale::engine::embedded_model().unwrap();
+    let (_, bytes) = crate::engine::embedded_model().unwrap();
     assert!(bytes == file.as_slice());
 }
 
@@ -317,19 +247,19 @@ fn embedded_model_is_the_committed_file() {
 /// undone the wrong way would land far from it).
 #[test]
 fn self_ensemble_is_symmetric_and_close_to_the_plain_output() {
-    use upscale::engine::image::{TileChoice, TileSettings};
-    use upscale::engine::lanes::Lanes;
-    use upscale::engine::Engine;
-    use upscale::io::{Decoded, Format};
-    use upscale::planar::Planar;
+    use crate::engine::image::{TileChoice, TileSettings};
+    use crate::engine::lanes::Lanes;
+    use crate::engine::Engine;
+    use crate::io::{Decoded, Format};
+    use crate::planar::Planar;
 
     // The trained default model: a random-weight fixture has no reason to be near-symmetric.
     let (input, _) = load_io(&golden_dir().join("default_x4.io.safetensors"));
     let (_, c, h, w) = input.dims4().unwrap();
     let rgb = Planar::new(c, h, w, input.flatten_all().unwrap().to_vec1().unwrap());
-    let weights = common::repo().join("models/default_x4.safetensors");
+    let weights = crate::tests::repo().join("models/default_x4.safetensors");
     let engine = Engine::new(
-        upscale::model::Checkpoint::load(&weights).unwrap(),
+        crate::model::Checkpoint::load(&weights).unwrap(),
         Device::Cpu,
         DType::F32,
     )

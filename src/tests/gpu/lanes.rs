@@ -1,19 +1,19 @@
 //! Lanes and the blend kernel on a GPU: two lanes on cuda:0 against one lane and against the
 //! CPU on a real fixture model, and the CUDA canvas against the host accumulator.
 
-use crate::common;
-use crate::gpu;
+use super::gpu;
+use crate::engine::lanes::{pool_peak, Lanes};
+use crate::engine::{DeviceChoice, Engine};
+use crate::model::Checkpoint;
+use crate::planar::Planar;
+use crate::tests as common;
+use crate::tile::blend::Weights;
+use crate::tile::device::{finish_canvases, weight_table, DeviceCanvas};
+use crate::tile::{plan, Accumulator, BlendMode, TileOptions};
 use candle_core::{DType, Device, Tensor};
-use upscale::engine::lanes::{pool_peak, Lanes};
-use upscale::engine::{DeviceChoice, Engine};
-use upscale::model::Checkpoint;
-use upscale::planar::Planar;
-use upscale::tile::blend::Weights;
-use upscale::tile::device::{finish_canvases, weight_table, DeviceCanvas};
-use upscale::tile::{plan, Accumulator, BlendMode, TileOptions};
 
 fn checkpoint() -> Checkpoint {
-    Checkpoint::load(&common::golden(common::FAST_MODEL)).unwrap()
+    Checkpoint::load(&crate::tests::golden(crate::tests::FAST_MODEL)).unwrap()
 }
 
 fn cuda_lanes(streams: usize) -> Lanes {
@@ -21,7 +21,7 @@ fn cuda_lanes(streams: usize) -> Lanes {
     let lanes = Lanes::open(
         checkpoint(),
         gpu(),
-        (DType::F32, upscale::model::fused::Attention::Fused),
+        (DType::F32, crate::model::fused::Attention::Fused),
         &DeviceChoice::Cuda(vec![0]),
         streams,
         &mut |w| warnings.push(w),
@@ -45,7 +45,7 @@ fn max_diff(a: &Planar, b: &Planar) -> f32 {
 
 #[test]
 fn two_cuda_lanes_match_one_and_the_cpu() {
-    let image = upscale::engine::probe::pattern(83, 101);
+    let image = crate::engine::probe::pattern(83, 101);
     let opts = TileOptions {
         tile: 32,
         overlap: 8,

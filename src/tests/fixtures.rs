@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 pub const TOLERANCE: f64 = 2e-5;
 
 pub fn golden_dir() -> PathBuf {
-    super::repo().join("tests/golden")
+    crate::tests::repo().join("tests/golden")
 }
 
 pub struct Case {

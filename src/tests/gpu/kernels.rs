@@ -2,16 +2,16 @@
 //! against the model's CPU attention with the stored shift mask), and whole models with fused
 //! attention against the float64 golden outputs.
 
-use crate::common;
-use crate::gpu;
+use super::gpu;
+use crate::tests as common;
 
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::model::cache::WindowCache;
+use crate::model::fused::fused_window_attention;
+use crate::model::{Attention, Model};
 use candle_core::{DType, Device, Module, Result, Tensor};
-use upscale::model::cache::WindowCache;
-use upscale::model::fused::fused_window_attention;
-use upscale::model::{Attention, Model};
 
 /// `d <= bound`, false for NaN.
 fn within(d: f64, bound: f64) -> bool {
@@ -154,7 +154,7 @@ fn fused_kernel_matches_the_cpu_in_f32() {
                     .unwrap()
             });
             let stored =
-                upscale::model::ops::window_attention(&qkv, &bias, mask.as_ref(), c.heads, None)
+                crate::model::ops::window_attention(&qkv, &bias, mask.as_ref(), c.heads, None)
                     .unwrap()
                     .expect("the CPU f32 kernel applies");
             let (d_twin, d_stored) = (max_abs_diff(&ours, &twin), max_abs_diff(&ours, &stored));
@@ -347,7 +347,7 @@ struct Golden {
 
 /// Every case of tests/golden/manifest.json, plus the shipped default model.
 fn golden_cases() -> Vec<Golden> {
-    let text = std::fs::read_to_string(common::golden("manifest.json")).expect("manifest");
+    let text = std::fs::read_to_string(crate::tests::golden("manifest.json")).expect("manifest");
     let v: serde_json::Value = serde_json::from_str(&text).expect("manifest json");
     let list = v
         .get("cases")
@@ -358,14 +358,14 @@ fn golden_cases() -> Vec<Golden> {
         .iter()
         .map(|c| Golden {
             name: c["name"].as_str().unwrap().to_string(),
-            weights: common::golden(c["weights"].as_str().unwrap()),
-            io: common::golden(c["io"].as_str().unwrap()),
+            weights: crate::tests::golden(c["weights"].as_str().unwrap()),
+            io: crate::tests::golden(c["io"].as_str().unwrap()),
         })
         .collect();
     cases.push(Golden {
         name: "default_x4".into(),
-        weights: common::repo().join("models/default_x4.safetensors"),
-        io: common::golden("default_x4.io.safetensors"),
+        weights: crate::tests::repo().join("models/default_x4.safetensors"),
+        io: crate::tests::golden("default_x4.io.safetensors"),
     });
     cases
 }
@@ -381,7 +381,7 @@ fn models_with_fused_attention_match_the_reference() {
         let io = candle_core::safetensors::load(&case.io, &Device::Cpu).expect("io fixture");
         let (input, expected) = (&io["input"], &io["output"]);
         let load = |dtype, device: &Device, attention| {
-            let ck = upscale::model::Checkpoint::load(&case.weights)
+            let ck = crate::model::Checkpoint::load(&case.weights)
                 .unwrap_or_else(|e| panic!("{}: {e}", case.name));
             Model::from_checkpoint_with(ck, dtype, device, attention).unwrap()
         };

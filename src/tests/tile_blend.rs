@@ -1,26 +1,25 @@
 //! Seams, measured: PSNR of tiled output against whole-image output for each blend mode and
 //! overlap, with a real model on real photos. Whole-image inference is the reference, so any
 //! difference is what tiling costs.
-//!
-//! usage: cargo bench --bench tile_blend -- MODEL TILE IMAGE...
 
 use std::path::PathBuf;
 
 use candle_core::{DType, Device};
-use upscale::engine::Engine;
-use upscale::metrics::{psnr, Measure};
-use upscale::model::Checkpoint;
-use upscale::tile::{run_tiled, BlendMode, TileOptions};
 
-fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
+use crate::engine::Engine;
+use crate::metrics::{psnr, Measure};
+use crate::model::Checkpoint;
+use crate::tile::{run_tiled, BlendMode, TileOptions};
+
+#[test]
+#[ignore = "a measurement: TILE_BLEND='MODEL TILE IMAGE...' cargo test --release --lib tile_blend -- --ignored --nocapture"]
+fn tile_blend() -> Result<(), Box<dyn std::error::Error>> {
+    let spec = std::env::var("TILE_BLEND").map_err(|_| "set TILE_BLEND='MODEL TILE IMAGE...'")?;
+    let args: Vec<&str> = spec.split_whitespace().collect();
     if args.len() < 3 {
-        anyhow::bail!("usage: tile_blend MODEL TILE IMAGE...");
+        return Err("TILE_BLEND='MODEL TILE IMAGE...'".into());
     }
-    let model = PathBuf::from(&args[0]);
+    let model = PathBuf::from(args[0]);
     let tile: usize = args[1].parse()?;
     let engine = Engine::new(Checkpoint::load(&model)?, Device::Cpu, DType::F32)?;
     println!(
@@ -31,7 +30,7 @@ fn main() -> anyhow::Result<()> {
     println!("| image | size | overlap | hann dB | average dB | none dB |");
     println!("|---|---|---|---|---|---|");
     for path in &args[2..] {
-        let img = upscale::io::decode(path.as_ref())?.rgb;
+        let img = crate::io::decode(path.as_ref())?.rgb;
         let whole_opts = TileOptions {
             tile: 0,
             ..TileOptions::default()

@@ -1,14 +1,14 @@
 //! The whole network on the GPU against the float64 reference and the CPU path.
 
+use crate::model::Model;
 use candle_core::{DType, Device, Module};
-use upscale::model::Model;
 
-use crate::common::fixtures::*;
+use crate::tests::fixtures::*;
 
 /// f32 on CUDA against the float64 reference and against the CPU; bf16 finite and close.
 #[test]
 fn cuda_f32_and_bf16_match_the_reference() {
-    let gpu = crate::gpu();
+    let gpu = super::gpu();
     for case in cases() {
         let (input, expected) = load_io(&case.io);
         let cpu = Model::load(&case.weights, DType::F32, &Device::Cpu).unwrap();

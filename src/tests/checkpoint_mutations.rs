@@ -2,14 +2,12 @@
 //! loads, built and run on a tiny input. Every one must end in `Ok` or an error, never a panic
 //! (the fuzz targets in fuzz/ explore the same entry points without a bound).
 
-mod common;
-
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use crate::model::{Checkpoint, Model, Source};
 use candle_core::{DType, Device, Module, Tensor};
 use safetensors::tensor::TensorView;
-use upscale::model::{Checkpoint, Model, Source};
 
 /// A small deterministic generator, so a failure names a reproducible case.
 struct Rng(u64);
@@ -35,7 +33,7 @@ fn load_and_run(bytes: &[u8], case: &str) -> bool {
         let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu)?;
         let x = Tensor::zeros((1, 3, 8, 8), DType::F32, &Device::Cpu).expect("input");
         model.net.forward(&x).map_err(|e| e.to_string()).ok();
-        Ok::<_, upscale::model::ModelError>(())
+        Ok::<_, crate::model::ModelError>(())
     }));
     match result {
         Ok(r) => r.is_ok(),
@@ -103,7 +101,7 @@ fn mutate_shape(rng: &mut Rng, shape: &[usize], len: usize) -> Vec<usize> {
 
 #[test]
 fn mutated_checkpoints_never_panic() {
-    let original = std::fs::read(common::golden(common::FAST_MODEL)).unwrap();
+    let original = std::fs::read(crate::tests::golden(crate::tests::FAST_MODEL)).unwrap();
     assert!(load_and_run(&original, "original"), "the fixture must load");
     let base = tensors(&original);
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
@@ -158,7 +156,7 @@ fn mutated_checkpoints_never_panic() {
 /// mostly in the pickle and the zip directory, where a reader's assumptions live.
 #[test]
 fn mutated_pth_files_never_panic() {
-    let original = std::fs::read(common::golden("x2_w8_official.pth")).unwrap();
+    let original = std::fs::read(crate::tests::golden("x2_w8_official.pth")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("mutant.pth");
     let pickle = original

@@ -1,0 +1,16 @@
+//! Tests that need an NVIDIA GPU, all named `tests::gpu::...`. They are compiled with
+//! `--features cuda` (CI builds them) into the library's test binary, which
+//! scripts/gpu-pack.sh carries to a GPU machine, and scripts/gpu-run.sh runs them there with
+//! `UPSCALE_REPO` pointing at the fixtures. Without a GPU every test fails with a message
+//! saying so; none passes by skipping.
+
+mod kernels;
+mod lanes;
+mod parity;
+
+use candle_core::Device;
+
+/// The GPU the tests run on.
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("an NVIDIA GPU: these tests run on a GPU machine")
+}
