@@ -4,7 +4,7 @@
 //! 2 bad arguments or inputs (returned as errors from here).
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
@@ -69,45 +69,12 @@ pub fn run(args: EvalArgs, log: &Logger) -> Result<ExitCode> {
         );
     }
 
-    let mut report = Report {
-        scale,
-        ..Report::default()
-    };
-    let stages = eval::EvalStages {
-        engine: &engine,
-        settings: &settings,
-        scale,
-    };
-    let outcomes = crate::pipeline::run_threaded(&stages, pairs, &|(_, result)| {
-        if let Err(msg) = result {
-            log.error(msg);
-        }
-    });
-    for (pair, result) in outcomes {
-        match result {
-            Ok(r) => report.images.push(r),
-            Err(msg) => report.failed.push((pair.name, msg)),
-        }
-    }
+    let report = measure_all(&engine, &settings, pairs, scale, log);
 
     let mut out = report.to_json();
     let mut ok = report.failed.is_empty();
     if let Some(path) = &args.write_baseline {
-        if ok {
-            let text = serde_json::to_string_pretty(&out)? + "\n";
-            crate::io::write_atomic(path, |w| {
-                w.write_all(text.as_bytes())
-                    .map_err(|e| crate::io::IoError::os(path, e))
-            })
-            .with_context(|| format!("--write_baseline {}", path.display()))?;
-        } else {
-            // A baseline without the failed images would stop gating them.
-            log.error(format!(
-                "{} image(s) failed; baseline {} not written",
-                report.failed.len(),
-                path.display()
-            ));
-        }
+        write_baseline(path, &report, &out, log)?;
     }
     if let (Some(b), Some(path)) = (&baseline, &args.baseline) {
         let problems = eval::gate(&b.scores, &report.scores(), args.max_drop);
@@ -133,4 +100,59 @@ pub fn run(args: EvalArgs, log: &Logger) -> Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// Stores the report `out` as the new baseline, unless an image failed: a baseline without
+/// the failed images would stop gating them.
+fn write_baseline(
+    path: &Path,
+    report: &Report,
+    out: &serde_json::Value,
+    log: &Logger,
+) -> Result<()> {
+    if !report.failed.is_empty() {
+        log.error(format!(
+            "{} image(s) failed; baseline {} not written",
+            report.failed.len(),
+            path.display()
+        ));
+        return Ok(());
+    }
+    let text = serde_json::to_string_pretty(out)? + "\n";
+    crate::io::write_atomic(path, |w| {
+        w.write_all(text.as_bytes())
+            .map_err(|e| crate::io::IoError::os(path, e))
+    })
+    .with_context(|| format!("--write_baseline {}", path.display()))
+}
+
+/// Every pair through the pipeline: the measured images and the failures, in folder order.
+fn measure_all(
+    engine: &crate::engine::lanes::Lanes,
+    settings: &crate::engine::image::TileSettings,
+    pairs: Vec<eval::Pair>,
+    scale: usize,
+    log: &Logger,
+) -> Report {
+    let mut report = Report {
+        scale,
+        ..Report::default()
+    };
+    let stages = eval::EvalStages {
+        engine,
+        settings,
+        scale,
+    };
+    let outcomes = crate::pipeline::run_threaded(&stages, pairs, &|(_, result)| {
+        if let Err(msg) = result {
+            log.error(msg);
+        }
+    });
+    for (pair, result) in outcomes {
+        match result {
+            Ok(r) => report.images.push(r),
+            Err(msg) => report.failed.push((pair.name, msg)),
+        }
+    }
+    report
 }

@@ -34,39 +34,7 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
 
     let (engine, settings) = super::setup(&args.infer, log)?;
     let size = OutputSize::from_flags(args.outscale, args.width, args.height);
-    let (mut jobs, stdin) = match stream {
-        Some(s) => (vec![s.job], s.stdin),
-        None => {
-            let naming = io::NamingOptions {
-                output: args.output.clone(),
-                tag: size.tag(engine.scale()),
-                format,
-                overwrite: args.overwrite,
-            };
-            (io::plan_outputs(&files, &naming)?, None)
-        }
-    };
-    if let [job] = jobs.as_slice() {
-        if args.output.as_ref() == Some(&job.output) {
-            let what = match is_dash(&job.output) {
-                true => "-o -".to_string(),
-                false => job.output.display().to_string(),
-            };
-            check_depth(args.bit_depth, job.format, &what)?;
-        }
-    }
-    if let Some(shard) = args.shard {
-        // Split before dropping finished jobs, so every shard sees the same partition.
-        jobs = io::select_shard(jobs, shard);
-    }
-    remove_leftovers(&jobs, log);
-    let skipped = jobs.iter().filter(|j| j.skip).count();
-    let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.skip).collect();
-    if skipped > 0 {
-        log.info(format!(
-            "{skipped} output(s) exist already and are skipped (--overwrite to redo)"
-        ));
-    }
+    let (jobs, stdin, skipped) = plan_jobs(&args, stream, &files, size.tag(engine.scale()), log)?;
 
     let warn = |m: String| log.warn(m);
     let detail = |m: String| log.verbose(m);
@@ -92,12 +60,76 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         pipeline::run_threaded(&stages, jobs, &|o| report(o, &args, log, &progress))
     };
     progress.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    Ok(summarize(
+        &outcomes,
+        skipped,
+        secs,
+        engine.count(),
+        args.json,
+        log,
+    ))
+}
+
+/// The jobs left to do (outputs named, the shard taken, finished ones dropped), standard
+/// input's bytes when it is the input, and how many outputs exist already.
+fn plan_jobs(
+    args: &RunArgs,
+    stream: Option<Stream>,
+    files: &[InputFile],
+    tag: String,
+    log: &Logger,
+) -> Result<(Vec<Job>, Option<Vec<u8>>, usize)> {
+    let (mut jobs, stdin) = match stream {
+        Some(s) => (vec![s.job], s.stdin),
+        None => {
+            let naming = io::NamingOptions {
+                output: args.output.clone(),
+                tag,
+                format: args.format,
+                overwrite: args.overwrite,
+            };
+            (io::plan_outputs(files, &naming)?, None)
+        }
+    };
+    if let [job] = jobs.as_slice() {
+        if args.output.as_ref() == Some(&job.output) {
+            let what = match is_dash(&job.output) {
+                true => "-o -".to_string(),
+                false => job.output.display().to_string(),
+            };
+            check_depth(args.bit_depth, job.format, &what)?;
+        }
+    }
+    if let Some(shard) = args.shard {
+        // Split before dropping finished jobs, so every shard sees the same partition.
+        jobs = io::select_shard(jobs, shard);
+    }
+    remove_leftovers(&jobs, log);
+    let skipped = jobs.iter().filter(|j| j.skip).count();
+    let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.skip).collect();
+    if skipped > 0 {
+        log.info(format!(
+            "{skipped} output(s) exist already and are skipped (--overwrite to redo)"
+        ));
+    }
+    Ok((jobs, stdin, skipped))
+}
+
+/// The closing line (and `--json` summary object), and the exit code: 1 if any image failed.
+fn summarize(
+    outcomes: &[Outcome],
+    skipped: usize,
+    secs: f64,
+    lanes_count: usize,
+    json: bool,
+    log: &Logger,
+) -> ExitCode {
     let failed = outcomes.iter().filter(|(_, r)| r.is_err()).count();
     let done = outcomes.len() - failed;
-    let secs = start.elapsed().as_secs_f64();
-    if args.json {
+    if json {
         let mut lanes = Vec::new();
-        for (_, result) in &outcomes {
+        for (_, result) in outcomes {
             if let Ok(d) = result {
                 merge_lane_stats(&mut lanes, &d.lanes);
             }
@@ -106,17 +138,17 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
             "{}",
             json!({"summary": true, "done": done, "failed": failed, "skipped": skipped,
                    "seconds": secs, "images_per_s": if secs > 0.0 { done as f64 / secs } else { 0.0 },
-                   "lanes": engine.count(), "lane_stats": lanes})
+                   "lanes": lanes_count, "lane_stats": lanes})
         );
     }
     log.info(format!(
         "{done} upscaled, {skipped} skipped, {failed} failed in {secs:.1} s"
     ));
-    Ok(if failed > 0 {
+    if failed > 0 {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
-    })
+    }
 }
 
 /// The one job of a run through standard input or output.

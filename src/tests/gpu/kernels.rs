@@ -3,7 +3,6 @@
 //! attention against the float64 golden outputs.
 
 use super::gpu;
-use crate::tests as common;
 
 use std::path::PathBuf;
 use std::time::Instant;

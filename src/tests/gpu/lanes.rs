@@ -6,7 +6,6 @@ use crate::engine::lanes::{pool_peak, Lanes};
 use crate::engine::{DeviceChoice, Engine};
 use crate::model::Checkpoint;
 use crate::planar::Planar;
-use crate::tests as common;
 use crate::tile::blend::Weights;
 use crate::tile::device::{finish_canvases, weight_table, DeviceCanvas};
 use crate::tile::{plan, Accumulator, BlendMode, TileOptions};
