@@ -43,9 +43,16 @@ pub fn load_io(path: &Path) -> (Tensor, Tensor) {
     (t["input"].clone(), t["output"].clone())
 }
 
+/// The largest difference of two same-shape tensors, on any devices.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.dims(), b.dims());
-    (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+    let f64_on_cpu = |t: &Tensor| {
+        t.to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+    };
+    (f64_on_cpu(a) - f64_on_cpu(b))
         .unwrap()
         .abs()
         .unwrap()

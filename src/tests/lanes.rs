@@ -7,6 +7,7 @@ use crate::engine::lanes::Lanes;
 use crate::engine::Engine;
 use crate::model::Checkpoint;
 use crate::planar::Planar;
+use crate::tile::tests::max_diff;
 use crate::tile::{run_lanes, BlendMode, TileOptions};
 
 fn engine() -> Engine {
@@ -22,18 +23,6 @@ fn opts(blend: BlendMode) -> TileOptions {
         blend,
         quiet: true,
     }
-}
-
-fn max_diff(a: &Planar, b: &Planar) -> f32 {
-    assert_eq!(
-        (a.channels, a.height, a.width),
-        (b.channels, b.height, b.width)
-    );
-    a.data
-        .iter()
-        .zip(&b.data)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 fn bits(p: &Planar) -> Vec<u32> {

@@ -15,7 +15,7 @@ pub mod stitch;
 #[cfg(test)]
 mod lane_tests;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use candle_core::{DType, Device, Tensor};
 

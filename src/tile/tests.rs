@@ -102,7 +102,7 @@ fn whole(model: &impl TileModel, image: &Planar) -> Planar {
     run_tiled(model, image, &opts).unwrap().0
 }
 
-pub(super) fn max_diff(a: &Planar, b: &Planar) -> f32 {
+pub(crate) fn max_diff(a: &Planar, b: &Planar) -> f32 {
     assert_eq!(
         (a.channels, a.height, a.width),
         (b.channels, b.height, b.width)

@@ -2,14 +2,14 @@
 //! against the model's CPU attention with the stored shift mask), and whole models with fused
 //! attention against the float64 golden outputs.
 
-use super::gpu;
-
 use std::path::PathBuf;
 use std::time::Instant;
 
+use super::gpu;
 use crate::model::cache::WindowCache;
 use crate::model::fused::fused_window_attention;
 use crate::model::{Attention, Model};
+use crate::tests::fixtures::max_abs_diff;
 use candle_core::{DType, Device, Module, Result, Tensor};
 
 /// `d <= bound`, false for NaN.
@@ -27,30 +27,6 @@ fn max_abs(t: &Tensor) -> f32 {
         .max(0)
         .unwrap()
         .to_scalar::<f32>()
-        .unwrap()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.dims(), b.dims());
-    let a = a
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap();
-    let b = b
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap();
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
         .unwrap()
 }
 

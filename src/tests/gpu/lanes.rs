@@ -8,6 +8,7 @@ use crate::model::Checkpoint;
 use crate::planar::Planar;
 use crate::tile::blend::Weights;
 use crate::tile::device::{finish_canvases, weight_table, DeviceCanvas};
+use crate::tile::tests::max_diff;
 use crate::tile::{plan, Accumulator, BlendMode, TileOptions};
 use candle_core::{DType, Device, Tensor};
 
@@ -28,18 +29,6 @@ fn cuda_lanes(streams: usize) -> Lanes {
     .unwrap();
     assert!(warnings.is_empty(), "{warnings:?}");
     lanes
-}
-
-fn max_diff(a: &Planar, b: &Planar) -> f32 {
-    assert_eq!(
-        (a.channels, a.height, a.width),
-        (b.channels, b.height, b.width)
-    );
-    a.data
-        .iter()
-        .zip(&b.data)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]
