@@ -369,17 +369,59 @@ unsafe fn pack_a_rows(
 ) {
     buf.clear();
     buf.resize(rows.next_multiple_of(AMX_ROWS) * kp, 0);
+    let vector = avx512_bf16();
     for (r, out) in buf.chunks_exact_mut(kp).take(rows).enumerate() {
         // SAFETY: row r of the caller's rows.
         let row = unsafe { std::slice::from_raw_parts(a.add(r * lda), k) };
-        let (whole, rest) = row.as_chunks::<2>();
-        for (v, two) in out.iter_mut().zip(whole) {
-            *v = pair(two[0], two[1]);
-        }
-        if let [last] = rest {
-            out[whole.len()] = bf16_bits(*last);
+        if vector {
+            // SAFETY: the CPU has the instructions (checked above).
+            unsafe { round_row_avx512(row, out) };
+        } else {
+            round_row(row, out);
         }
     }
+}
+
+/// `row` rounded to bf16 pairs: `out[p]` holds values 2p (low half) and 2p + 1.
+fn round_row(row: &[f32], out: &mut [u32]) {
+    let (whole, rest) = row.as_chunks::<2>();
+    for (v, two) in out.iter_mut().zip(whole) {
+        *v = pair(two[0], two[1]);
+    }
+    if let [last] = rest {
+        out[whole.len()] = bf16_bits(*last);
+    }
+}
+
+/// [`round_row`] 32 values per instruction (`vcvtne2ps2bf16` rounds to nearest even, as
+/// [`bf16_bits`] does; it only differs on subnormal inputs, which it flushes to zero).
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn round_row_avx512(row: &[f32], out: &mut [u32]) {
+    use std::arch::x86_64::{
+        __m512bh, __m512i, _mm512_cvtne2ps_pbh, _mm512_loadu_ps, _mm512_storeu_si512,
+    };
+    let (blocks, rest) = row.as_chunks::<32>();
+    assert!(out.len() >= row.len().div_ceil(2));
+    for (block, out) in blocks.iter().zip(out.chunks_exact_mut(16)) {
+        // SAFETY: 32 values read from the block, 16 lanes written to `out`'s chunk.
+        unsafe {
+            let lo = _mm512_loadu_ps(block.as_ptr());
+            let hi = _mm512_loadu_ps(block.as_ptr().add(16));
+            let v = _mm512_cvtne2ps_pbh(hi, lo);
+            let bits = std::mem::transmute::<__m512bh, __m512i>(v);
+            _mm512_storeu_si512(out.as_mut_ptr().cast(), bits);
+        }
+    }
+    round_row(rest, &mut out[blocks.len() * 16..]);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn round_row_avx512(row: &[f32], out: &mut [u32]) {
+    round_row(row, out)
 }
 
 /// Packs `rows` rows of `k` f32 values into groups of [`MR`] rows: for each group, each pair
