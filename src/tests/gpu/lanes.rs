@@ -5,7 +5,6 @@ use super::gpu;
 use crate::engine::lanes::{pool_peak, Lanes};
 use crate::engine::{DeviceChoice, Engine};
 use crate::model::Checkpoint;
-use crate::planar::Planar;
 use crate::tile::blend::Weights;
 use crate::tile::device::{finish_canvases, weight_table, DeviceCanvas};
 use crate::tile::tests::max_diff;
