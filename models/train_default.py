@@ -395,7 +395,7 @@ def cmd_train(a):
             ema.load_state_dict(ck.get("ema", ck["model"]))
         step, best, elapsed = ck["step"], ck["best"], ck["elapsed"]
         if ck.get("steps_arg") == a.steps:
-            total = ck.get("total", total)  # keep a schedule shortened by --stop-by
+            total = ck.get("total", total)  # keep a schedule fitted by --stop-by
         data.rng.bit_generator.state = ck["data_rng"]
         torch.set_rng_state(ck["torch_rng"])
         log(f"resumed at step {step}, best {best:.3f}")
@@ -461,14 +461,16 @@ def cmd_train(a):
             run_loss = 0.0
             recent = (recent + [(now, step)])[-20:]
             if stop_by is not None and len(recent) >= 4:
-                # Shorten (never lengthen) the schedule so that the cosine decay
-                # ends by the deadline at the recent pace, validation included.
+                # Fit the schedule (at most --steps) so that the cosine decay ends
+                # by the deadline at the recent pace, validation included. It is
+                # re-fitted as the pace changes (the machine is shared), only
+                # when the change is over 0.5%, so the LR does not jitter.
                 per_step = (recent[-1][0] - recent[0][0]) / (recent[-1][1] - recent[0][1])
                 per_step *= 1.0 + 1.0 / a.val_every * 10  # ~10 steps' time per validation
-                fit = step + int((stop_by - now - a.stop_margin) / per_step)
-                if fit < total:
+                fit = min(a.steps, step + int((stop_by - now - a.stop_margin) / per_step))
+                if abs(fit - total) > 0.005 * total:
                     total = max(step + 1, fit)
-                    log(f"schedule shortened to {total} steps to end by the deadline "
+                    log(f"schedule fitted to {total} steps to end by the deadline "
                         f"({per_step:.3f}s/step recently)")
         if step % a.val_every == 0 or step == total:
             if ema is not None:
@@ -493,7 +495,7 @@ def cmd_train(a):
                 save(os.path.join(a.workdir, f"step{step:06d}.pt"))
     log(f"done: {step} steps, {elapsed:.0f}s, best {best:.3f}")
     if step < a.steps:
-        log(f"(the schedule was shortened from {a.steps} to {step} steps by --stop-by)")
+        log(f"(the schedule was fitted from {a.steps} to {step} steps by --stop-by)")
 
 
 # ---------------------------------------------------------------------------
@@ -617,7 +619,7 @@ def main():
     s.add_argument("--ema", type=float, default=0.999,
                    help="EMA decay of the weights that are validated and exported (0: off)")
     s.add_argument("--stop-by", default=None,
-                   help="UTC HH:MM: shorten the cosine schedule so the run ends by then")
+                   help="UTC HH:MM: fit the cosine schedule (at most --steps) so the run ends by then")
     s.add_argument("--stop-margin", type=float, default=120.0,
                    help="seconds kept free before --stop-by")
     s = sub.add_parser("export")
