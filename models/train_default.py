@@ -13,10 +13,11 @@ Subcommands (all paths are arguments; nothing is fetched at run time):
   eval    --weights models/default_x4.safetensors --photos tests/photos
       Y-PSNR of the model and of MATLAB-style bicubic on the held-out photos.
 
-DIR for --debroot is a folder into which these Debian packages were extracted
-with `dpkg-deb -x` (see models/README.md for the versions):
-  lomiri-wallpapers-16.04, mate-backgrounds
-The scikit-image photos come from the installed `skimage.data`.
+DIR for --debroot is a folder into which the Debian packages in DEB_PACKAGES
+were extracted with `dpkg-deb -x`; the other photos come from the installed
+Python packages in PY_PACKAGES (scikit-image, scikit-learn). models/train_v2.sh
+does all of it (data and training) in one command; models/README.md lists every
+image with its licence.
 """
 
 import os
@@ -26,6 +27,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -53,56 +55,64 @@ CONFIG = dict(
 )
 
 # ---------------------------------------------------------------------------
-# Data sources. Every entry is a real photograph; licences are those stated by
-# the shipping package (Debian copyright file or skimage docstring).
-SKIMAGE_PHOTOS = {
-    # name: (file in skimage/data, licence)
-    "astronaut": ("astronaut.png", "public domain (NASA)"),
-    "chelsea": ("chelsea.png", "CC0 (Stefan van der Walt)"),
-    "coffee": ("coffee.png", "CC0 (Rachel Michetti)"),
-    "rocket": ("rocket.jpg", "public domain (SpaceX)"),
+# Data sources (v2). Only real photographs whose licence allows any use with
+# attribution at most: CC0, public domain, CC-BY. Nothing under GPL, LGPL,
+# share-alike or an unstated licence. Licences and authors are those stated by
+# the shipping package (Debian copyright file, scikit-image docstring,
+# scikit-learn's datasets/images/README.txt).
+#
+# A source id is "KIND:PACKAGE/FILE":
+#   deb:PACKAGE/FILE  FILE relative to the folder PACKAGE was extracted into
+#                     (--debroot; `dpkg-deb -x PACKAGE.deb DEBROOT`)
+#   py:PACKAGE/FILE   FILE relative to the installed Python package's folder
+# Every image is read with PIL and converted to RGB (the greyscale texture
+# photos become R = G = B).
+DEB_PACKAGES = {
+    # package: version (Debian 12)
+    "lomiri-wallpapers-16.04": "20.04.0-2",
 }
-LOMIRI_DIR = "usr/share/backgrounds"
-LOMIRI_PHOTOS = {
-    "Bridge_by_Sander_Klootwijk.jpg": "CC-BY-SA-4.0 (Sander Klootwijk)",
-    "Dragonfly_by_Bolly.jpg": "CC-BY-SA-4.0 (Bolly)",
-    "Picture_0B_by_freespace.jpg": "CC-BY-4.0 (Trevor 'Freespace')",
-    "Picture_1A_by_freespace.jpg": "CC-BY-4.0 (Trevor 'Freespace')",
-    "Wine_by_Jakkub_Mede.jpg": "CC-BY-4.0 (Jakub Mede)",
-    "aitzgorri_by_Aitzol_Berasategi.jpg": "CC-BY-4.0 (Aitzol Berasategi)",
-    "free_by_Peter_Nerlich.jpg": "CC-BY-SA-4.0 (Peter Nerlich)",
-    "friends_by_Aitzol_Berasategi.jpg": "CC-BY-4.0 (Aitzol Berasategi)",
-    "greentock_by_Peter_Nerlich.jpg": "CC-BY-SA-4.0 (Peter Nerlich)",
-    "life_by_Aitzol_Berasategi.jpg": "CC-BY-4.0 (Aitzol Berasategi)",
-    "picosdeeuropa_by_Aitzol_Berasategi.jpg": "CC-BY-4.0 (Aitzol Berasategi)",
-    "seeding_by_Clements_Engelhardt.jpg": "CC0-1.0 (Clemens Engelhardt)",
-    "sunset_by_Aitzol_Berasategi.jpg": "CC-BY-4.0 (Aitzol Berasategi)",
+PY_PACKAGES = {
+    # import name: (PyPI distribution, version)
+    "skimage": ("scikit-image", "0.26.0"),
+    "sklearn": ("scikit-learn", "1.9.1"),
 }
-MATE_DIR = "usr/share/backgrounds/mate/nature"
-MATE_PHOTOS = {
-    "Aqua.jpg": "GPL-2+ (Charles Barbin)",
-    "Blinds.jpg": "GPL-2+ (Lennart Poettering, Andrea Cimitan)",
-    "Dune.jpg": "GPL-2+ (Marco Cogoni, Hylke Bons)",
-    "FreshFlower.jpg": "GPL-2+ (Jens Ansorg)",
-    "Garden.jpg": "GPL-2+ (Charles Barbin)",
-    "GreenMeadow.jpg": "GPL-2+ (Timothy Schellhase, Lapo Calamandrei)",
-    "LadyBird.jpg": "GPL-2+ (Charles Barbin)",
-    "RainDrops.jpg": "GPL-2+ (blackcombwhistler07)",
-    "Storm.jpg": "GPL-2+ (Sergey Nazarov)",
-    "TwoWings.jpg": "GPL-2+ (Charles Barbin, Hylke Bons)",
-    "Wood.jpg": "GPL-2+ (Jean-Francois Fortin Tam)",
-    "YellowFlower.jpg": "GPL-2+ (Charles Barbin)",
+_BG = "usr/share/backgrounds/"
+SOURCES = {
+    # id: (licence, author)
+    "py:skimage/data/astronaut.png": ("public domain", "NASA"),
+    "py:skimage/data/coffee.png": ("CC0", "Rachel Michetti"),
+    "py:skimage/data/chelsea.png": ("CC0", "Stefan van der Walt"),
+    "py:skimage/data/rocket.jpg": ("public domain", "SpaceX"),
+    "py:skimage/data/camera.png": ("CC0", "Lav Varshney"),
+    "py:skimage/data/brick.png": ("CC0", "CC0Textures (Bricks25)"),
+    "py:skimage/data/grass.png": ("CC0", "CC0Textures (Grass)"),
+    "py:skimage/data/gravel.png": ("CC0", "CC0Textures (Gravel04)"),
+    "py:sklearn/datasets/images/china.jpg": ("CC-BY-2.0", "danielbuechele (Flickr)"),
+    "py:sklearn/datasets/images/flower.jpg": ("CC-BY-2.0", "vultilion (Flickr; README credits danielbuechele)"),
+    "deb:lomiri-wallpapers-16.04/" + _BG + "Picture_0B_by_freespace.jpg": ("CC-BY-4.0", "Trevor 'Freespace'"),
+    "deb:lomiri-wallpapers-16.04/" + _BG + "Picture_1A_by_freespace.jpg": ("CC-BY-4.0", "Trevor 'Freespace'"),
+    "deb:lomiri-wallpapers-16.04/" + _BG + "Wine_by_Jakkub_Mede.jpg": ("CC-BY-4.0", "Jakub Mede"),
+    "deb:lomiri-wallpapers-16.04/" + _BG + "aitzgorri_by_Aitzol_Berasategi.jpg": ("CC-BY-4.0", "Aitzol Berasategi"),
+    "deb:lomiri-wallpapers-16.04/" + _BG + "friends_by_Aitzol_Berasategi.jpg": ("CC-BY-4.0", "Aitzol Berasategi"),
+    "deb:lomiri-wallpapers-16.04/" + _BG + "life_by_Aitzol_Berasategi.jpg": ("CC-BY-4.0", "Aitzol Berasategi"),
+    "deb:lomiri-wallpapers-16.04/" + _BG + "sunset_by_Aitzol_Berasategi.jpg": ("CC-BY-4.0", "Aitzol Berasategi"),
+    "deb:lomiri-wallpapers-16.04/" + _BG + "seeding_by_Clements_Engelhardt.jpg": ("CC0-1.0", "Clemens Engelhardt"),
+    "deb:lomiri-wallpapers-16.04/" + _BG + "picosdeeuropa_by_Aitzol_Berasategi.jpg": ("CC-BY-4.0", "Aitzol Berasategi"),
 }
+CLEAN_LICENCES = ("CC0", "CC0-1.0", "public domain", "CC-BY-2.0", "CC-BY-4.0")
+assert all(lic in CLEAN_LICENCES for lic, _ in SOURCES.values())
 
-# Held-out photos: whole source images never used for training. Each is
-# reduced (MATLAB-style resize, then a fixed crop) to a small PNG
-# that is committed, so CI scores exactly what the model card reports.
+# Held-out photos: whole source images never used for training (the same four
+# as for v1). Each is reduced (MATLAB-style resize, then a fixed crop) to a
+# small PNG that is committed, so CI scores exactly what the model card reports.
 # name -> (source id, downscale target long side or None, crop (top, left, h, w))
 HELD_OUT = {
-    "astronaut": ("skimage:astronaut", None, (32, 128, 256, 256)),
-    "coffee": ("skimage:coffee", None, (40, 96, 256, 384)),
-    "seeding": ("lomiri:seeding_by_Clements_Engelhardt.jpg", 768, (96, 192, 256, 384)),
-    "picosdeeuropa": ("lomiri:picosdeeuropa_by_Aitzol_Berasategi.jpg", 640, (120, 128, 256, 384)),
+    "astronaut": ("py:skimage/data/astronaut.png", None, (32, 128, 256, 256)),
+    "coffee": ("py:skimage/data/coffee.png", None, (40, 96, 256, 384)),
+    "seeding": ("deb:lomiri-wallpapers-16.04/" + _BG + "seeding_by_Clements_Engelhardt.jpg", 768,
+                (96, 192, 256, 384)),
+    "picosdeeuropa": ("deb:lomiri-wallpapers-16.04/" + _BG + "picosdeeuropa_by_Aitzol_Berasategi.jpg", 640,
+                      (120, 128, 256, 384)),
 }
 
 # Wallpapers are 2-5 Mpx camera JPEGs; shrinking them removes JPEG blocking and
@@ -172,25 +182,27 @@ def to_uint8(x):
 
 
 # ---------------------------------------------------------------------------
+def source_path(src, debroot):
+    kind, rest = src.split(":", 1)
+    package, rel = rest.split("/", 1)
+    if kind == "deb":
+        assert package in DEB_PACKAGES, src
+        # Every package is extracted into the same root; the path inside it is
+        # the installed path.
+        return os.path.join(debroot, rel)
+    if kind == "py":
+        import importlib
+        assert package in PY_PACKAGES, src
+        return os.path.join(os.path.dirname(importlib.import_module(package).__file__), rel)
+    raise ValueError(src)
+
+
 def load_source(src, debroot):
-    kind, name = src.split(":", 1)
-    if kind == "skimage":
-        import skimage.data
-        path = os.path.join(os.path.dirname(skimage.data.__file__), SKIMAGE_PHOTOS[name][0])
-    elif kind == "lomiri":
-        path = os.path.join(debroot, LOMIRI_DIR, name)
-    elif kind == "mate":
-        path = os.path.join(debroot, MATE_DIR, name)
-    else:
-        raise ValueError(src)
-    return np.asarray(Image.open(path).convert("RGB"))
+    return np.asarray(Image.open(source_path(src, debroot)).convert("RGB"))
 
 
 def all_sources():
-    out = [f"skimage:{k}" for k in SKIMAGE_PHOTOS]
-    out += [f"lomiri:{k}" for k in LOMIRI_PHOTOS]
-    out += [f"mate:{k}" for k in MATE_PHOTOS]
-    return out
+    return list(SOURCES)
 
 
 def shrink_long_side(img, long_side):
@@ -357,7 +369,15 @@ def cmd_train(a):
 
     model = build_model(img_size=a.patch)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"config {json.dumps(CONFIG)} params {n_params} threads {a.threads}")
+    log(f"config {json.dumps(CONFIG)} params {n_params} threads {a.threads} "
+        f"ema {a.ema} seed {a.seed} steps {a.steps} lr {a.lr} warmup {a.warmup}")
+    # Exponential moving average of the weights (decay a.ema, ramped up over the
+    # first steps so early averages are not dominated by the random init).
+    # Validation and export use the EMA weights when it is on.
+    ema = copy.deepcopy(model).eval() if a.ema > 0 else None
+    if ema is not None:
+        for p in ema.parameters():
+            p.requires_grad_(False)
     opt = torch.optim.Adam(model.parameters(), lr=a.lr, betas=(0.9, 0.99))
     data_rng = np.random.default_rng(a.seed)
     data = Patches(training_images(a.debroot, log), a.patch, data_rng)
@@ -365,13 +385,17 @@ def cmd_train(a):
     for name, _, _, p_bic in val:
         log(f"val {name} bicubic {p_bic:.3f}")
 
-    step, best, elapsed = 0, -1.0, 0.0
+    step, best, elapsed, total = 0, -1.0, 0.0, a.steps
     last = os.path.join(a.workdir, "last.pt")
     if os.path.exists(last):
         ck = torch.load(last, weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
+        if ema is not None:
+            ema.load_state_dict(ck.get("ema", ck["model"]))
         step, best, elapsed = ck["step"], ck["best"], ck["elapsed"]
+        if ck.get("steps_arg") == a.steps:
+            total = ck.get("total", total)  # keep a schedule fitted by --stop-by
         data.rng.bit_generator.state = ck["data_rng"]
         torch.set_rng_state(ck["torch_rng"])
         log(f"resumed at step {step}, best {best:.3f}")
@@ -381,22 +405,37 @@ def cmd_train(a):
         ck = torch.load(a.init, weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
+        if ema is not None:
+            ema.load_state_dict(ck.get("ema", ck["model"]))
         log(f"initialised from {a.init} (step {ck['step']} of its stage)")
 
     def save(path, extra=None):
         ck = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-              "best": best, "elapsed": elapsed, "config": CONFIG,
+              "best": best, "elapsed": elapsed, "config": CONFIG, "total": total, "steps_arg": a.steps,
               "data_rng": data.rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
+        if ema is not None:
+            ck["ema"] = ema.state_dict()
         if extra:
             ck.update(extra)
         torch.save(ck, path + ".tmp")
         os.replace(path + ".tmp", path)
 
+    stop_by = None
+    if a.stop_by:
+        # Wall-clock deadline (UTC HH:MM, today or, if already past, tomorrow).
+        hh, mm = map(int, a.stop_by.split(":"))
+        now = time.time()
+        stop_by = now - now % 86400 + hh * 3600 + mm * 60
+        if stop_by < now:
+            stop_by += 86400
+        log(f"stop by {time.strftime('%H:%M:%S', time.gmtime(stop_by))} UTC")
+    recent = []  # (wall time, step) pairs for the step-time estimate
+
     model.train()
     t0, run_loss = time.time(), 0.0
-    while step < a.steps:
+    while step < total:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, a.steps, a.lr, a.warmup, a.lr_floor)
+            g["lr"] = lr_at(step, total, a.lr, a.warmup, a.lr_floor)
         lr_b, hr_b = data.batch(a.batch)
         # bf16 autocast uses the CPU's AMX/AVX512-BF16 units (~2.5x faster per
         # step here); weights, optimiser state and the loss stay float32.
@@ -407,6 +446,11 @@ def cmd_train(a):
         loss.backward()
         opt.step()
         step += 1
+        if ema is not None:
+            d = min(a.ema, (1.0 + step) / (10.0 + step))
+            with torch.no_grad():
+                for pe, pm in zip(ema.parameters(), model.parameters()):
+                    pe.mul_(d).add_(pm.detach(), alpha=1.0 - d)
         run_loss += loss.item()
         if step % a.log_every == 0:
             now = time.time()
@@ -415,11 +459,29 @@ def cmd_train(a):
             log(f"step {step} loss {run_loss / a.log_every:.5f} lr {opt.param_groups[0]['lr']:.2e} "
                 f"elapsed {elapsed:.0f}s ({elapsed / step:.3f}s/step)")
             run_loss = 0.0
-        if step % a.val_every == 0 or step == a.steps:
-            rows = evaluate(model, val)
+            recent = (recent + [(now, step)])[-20:]
+            if stop_by is not None and len(recent) >= 4:
+                # Fit the schedule (at most --steps) so that the cosine decay ends
+                # by the deadline at the recent pace, validation included. It is
+                # re-fitted as the pace changes (the machine is shared), only
+                # when the change is over 0.5%, so the LR does not jitter.
+                per_step = (recent[-1][0] - recent[0][0]) / (recent[-1][1] - recent[0][1])
+                per_step *= 1.0 + 1.0 / a.val_every * 10  # ~10 steps' time per validation
+                fit = min(a.steps, step + int((stop_by - now - a.stop_margin) / per_step))
+                if abs(fit - total) > 0.005 * total:
+                    total = max(step + 1, fit)
+                    log(f"schedule fitted to {total} steps to end by the deadline "
+                        f"({per_step:.3f}s/step recently)")
+        if step % a.val_every == 0 or step == total:
+            if ema is not None:
+                raw = evaluate(model, val)
+                log(f"val step {step} raw " + " ".join(f"{n} {p:.3f}" for n, p, _ in raw)
+                    + f" mean {float(np.mean([r[1] for r in raw])):.3f}")
+            rows = evaluate(ema if ema is not None else model, val)
             mean = float(np.mean([r[1] for r in rows]))
             mean_bic = float(np.mean([r[2] for r in rows]))
-            log(f"val step {step} " + " ".join(f"{n} {p:.3f}" for n, p, _ in rows)
+            log(f"val step {step} {'ema ' if ema is not None else ''}"
+                + " ".join(f"{n} {p:.3f}" for n, p, _ in rows)
                 + f" mean {mean:.3f} (bicubic {mean_bic:.3f}, gain {mean - mean_bic:+.3f})")
             if mean > best:
                 best = mean
@@ -432,6 +494,8 @@ def cmd_train(a):
             if a.keep_every and step % a.keep_every == 0:
                 save(os.path.join(a.workdir, f"step{step:06d}.pt"))
     log(f"done: {step} steps, {elapsed:.0f}s, best {best:.3f}")
+    if step < a.steps:
+        log(f"(the schedule was fitted from {a.steps} to {step} steps by --stop-by)")
 
 
 # ---------------------------------------------------------------------------
@@ -452,11 +516,15 @@ def cmd_export(a):
     # low-LR tail can be averaged; for the committed model this scored no
     # better than the best single checkpoint, which is what was exported.
     params = {n for n, _ in model.named_parameters()}
-    avg = {k: sum(c["model"][k].double() for c in cks) / len(cks) for k in params}
+    # Checkpoints of a run with EMA carry the averaged weights under "ema";
+    # those are the validated (and exported) ones unless --raw is given.
+    key = "model" if a.raw or "ema" not in ck else "ema"
+    avg = {k: sum(c[key][k].double() for c in cks) / len(cks) for k in params}
     missing, _ = model.load_state_dict({k: v.float() for k, v in avg.items()}, strict=False)
     assert all(k.endswith(("relative_position_index", "attn_mask")) for k in missing), missing
     sd = export_state_dict(model)
-    rows = ck.get("val", []) if len(cks) == 1 else evaluate(model, load_val(a.photos))
+    fresh = len(cks) > 1 or (a.raw and "ema" in ck)
+    rows = evaluate(model, load_val(a.photos)) if fresh else ck.get("val", [])
     meta = {
         "format": "pt",
         "architecture": "DRCT",
@@ -472,6 +540,7 @@ def cmd_export(a):
         "rgb_mean": "0.4488,0.4371,0.4040",
         "train_steps": str(a.total_steps or ck["step"]),
         "averaged_checkpoints": str(len(cks)),
+        "weights": "ema" if key == "ema" else "raw",
         "val_y_psnr": json.dumps({n: round(p, 3) for n, p, _ in rows}),
         "recipe": "models/train_default.py",
         "license": "see models/README.md",
@@ -547,10 +616,17 @@ def main():
                    help="also keep stepNNNNNN.pt every this many steps (for checkpoint averaging)")
     s.add_argument("--init", default=None, help="start a new stage from this checkpoint (last.pt of the previous stage)")
     s.add_argument("--config", default=None, help="JSON overrides of CONFIG (for config search)")
+    s.add_argument("--ema", type=float, default=0.999,
+                   help="EMA decay of the weights that are validated and exported (0: off)")
+    s.add_argument("--stop-by", default=None,
+                   help="UTC HH:MM: fit the cosine schedule (at most --steps) so the run ends by then")
+    s.add_argument("--stop-margin", type=float, default=120.0,
+                   help="seconds kept free before --stop-by")
     s = sub.add_parser("export")
     s.add_argument("--ckpt", required=True, nargs="+", help="one checkpoint, or several to average")
     s.add_argument("--photos", default="tests/photos")
     s.add_argument("--out", default="models/default_x4.safetensors")
+    s.add_argument("--raw", action="store_true", help="export the raw weights, not the EMA")
     s.add_argument("--total-steps", type=int, default=None,
                    help="steps over all stages, for the metadata (default: the checkpoint's stage)")
     s = sub.add_parser("eval")

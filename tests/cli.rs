@@ -1865,3 +1865,20 @@ fn cli_sixteen_bit_png_end_to_end() {
     }
     assert!(worst <= 1, "16-bit output off by {worst} levels");
 }
+
+/// `--version` carries the credits the embedded model's CC-BY training images ask for.
+#[test]
+fn version_credits_the_models_training_images() {
+    let d = tempdir();
+    let out = bare(d.path()).arg("--version").output().unwrap();
+    assert_success(&out);
+    let text = stdout(&out);
+    for needle in [
+        "CC-BY",
+        "Aitzol Berasategi",
+        "Jakub Mede",
+        "models/README.md",
+    ] {
+        assert!(text.contains(needle), "{needle} missing from:\n{text}");
+    }
+}

@@ -20,10 +20,22 @@ use crate::io::{parse_shard, Format, Shard};
 use crate::model::Attention;
 use crate::tile::BlendMode;
 
+/// `upscale --version`: the version, and the credits the embedded model's training images
+/// ask for.
+const LONG_VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    "\nEmbedded default model: a small DRCT x4, weights under the MIT licence like the code,",
+    "\ntrained only on CC0, public-domain and CC-BY photographs. CC-BY credits: Trevor",
+    "\n\"Freespace\", Jakub Mede, Aitzol Berasategi (CC-BY-4.0, Debian lomiri-wallpapers);",
+    "\ndanielbuechele and vultilion on Flickr (CC-BY-2.0, scikit-learn's sample images).",
+    "\nEvery image and its licence: models/README.md."
+);
+
 #[derive(Parser, Debug)]
 #[command(
     name = "upscale",
     version,
+    long_version = LONG_VERSION,
     about = "DRCT super-resolution: official weights, seamless tiles, CPU and CUDA",
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
