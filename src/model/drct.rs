@@ -12,6 +12,7 @@ use super::bf16::{Isa, PackedB};
 use super::cache::{relative_position_bias, WindowCache};
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
 use super::fused::{fused_window_attention, Attention};
+use super::norm::{add_gather_norm, layer_norm, norm_gather};
 
 /// The RGB mean the official model subtracts (img_range 1.0); not stored in checkpoints.
 const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
@@ -24,7 +25,7 @@ const UPSAMPLE_SLOPE: f64 = 0.01;
 /// Residual scaling of a group's output.
 const RDG_RESIDUAL: f64 = 0.2;
 
-fn layer_norm(dim: usize, vb: VarBuilder) -> Result<LayerNorm> {
+fn load_layer_norm(dim: usize, vb: VarBuilder) -> Result<LayerNorm> {
     candle_nn::layer_norm(dim, LN_EPS, vb)
 }
 
@@ -252,17 +253,35 @@ impl Dense {
     }
 }
 
-impl Module for Dense {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Dense {
+    /// `residual + self(x)`; on the CPU the GEMM accumulates onto the residual, so the sum
+    /// costs no pass of its own.
+    fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, Some(residual))
+    }
+
+    fn forward_with(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
         match self {
-            Self::Candle(inner) => match super::ops::linear(x, inner.weight(), inner.bias())? {
-                Some(y) => Ok(y),
-                None => inner.forward(x),
-            },
+            Self::Candle(inner) => {
+                match super::ops::linear(x, inner.weight(), inner.bias(), residual)? {
+                    Some(y) => Ok(y),
+                    None => match residual {
+                        Some(r) => r + inner.forward(x)?,
+                        None => inner.forward(x),
+                    },
+                }
+            }
             Self::Bf16 { isa, weight, bias } => {
-                super::ops::linear_bf16(&x.contiguous()?, *isa, weight, bias)
+                let residual = residual.map(Tensor::contiguous).transpose()?;
+                super::ops::linear_bf16(&x.contiguous()?, *isa, weight, bias, residual.as_ref())
             }
         }
+    }
+}
+
+impl Module for Dense {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, None)
     }
 }
 
@@ -270,6 +289,20 @@ impl Module for Dense {
 fn pointwise(cin: usize, cout: usize, vb: VarBuilder) -> Result<Dense> {
     let w = vb.get((cout, cin, 1, 1), "weight")?.reshape((cout, cin))?;
     Ok(Dense::new(w, vb.get(cout, "bias")?))
+}
+
+/// [`pointwise`] with its output multiplied by `scale` (weights and bias scaled at load).
+fn pointwise_scaled(cin: usize, cout: usize, scale: f64, vb: VarBuilder) -> Result<Dense> {
+    let w = vb.get((cout, cin, 1, 1), "weight")?.reshape((cout, cin))?;
+    Ok(Dense::new((w * scale)?, (vb.get(cout, "bias")? * scale)?))
+}
+
+/// `cat([x, leaky_relu(y)], -1)`: the dense connection inside a group.
+fn cat_leaky(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    match super::ops::cat_leaky(x, y, RDG_SLOPE as f32)? {
+        Some(out) => Ok(out),
+        None => Tensor::cat(&[x, &candle_nn::ops::leaky_relu(y, RDG_SLOPE)?], D::Minus1),
+    }
 }
 
 pub struct Mlp {
@@ -293,11 +326,12 @@ impl Mlp {
     }
 }
 
-impl Module for Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Mlp {
+    /// `residual + mlp(x)`.
+    fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         // The official model uses nn.GELU(): the exact erf form, not the tanh approximation.
-        self.fc2
-            .forward(&super::ops::gelu_erf(&self.fc1.forward(x)?)?)
+        let hidden = super::ops::gelu_erf(&self.fc1.forward(x)?)?;
+        self.fc2.forward_residual(&hidden, residual)
     }
 }
 
@@ -432,9 +466,9 @@ impl SwinBlock {
     ) -> Result<Self> {
         let dim = cfg.block_dim(k);
         Ok(Self {
-            norm1: layer_norm(dim, vb.pp("norm1"))?,
+            norm1: load_layer_norm(dim, vb.pp("norm1"))?,
             attn: WindowAttention::new(dim, cfg.heads[g][k], cfg.window, attention, vb.pp("attn"))?,
-            norm2: layer_norm(dim, vb.pp("norm2"))?,
+            norm2: load_layer_norm(dim, vb.pp("norm2"))?,
             mlp: Mlp::new(dim, cfg.mlp_hidden[k], vb.pp("mlp"))?,
             window: cfg.window,
             // swin2 and swin4 (odd positions) use shifted windows.
@@ -457,10 +491,11 @@ impl Module for SwinBlock {
         let (b, h, w, c) = x.dims4()?;
         let ws = self.window;
         let (nh, nw) = (h / ws, w / ws);
-        // One gather each way stands for the cyclic shift and the window partition.
+        // One gather each way stands for the cyclic shift and the window partition; each is
+        // fused with the layer norm next to it.
         let (order, back) = self.windows.partition(h, w, self.shifted)?;
-        let windows = gather_tokens(&self.norm1.forward(x)?.reshape((b, h * w, c))?, &order)?
-            .reshape((b * nh * nw, ws * ws, c))?;
+        let x = x.reshape((b, h * w, c))?;
+        let windows = norm_gather(&self.norm1, &x, &order)?.reshape((b * nh * nw, ws * ws, c))?;
         let y = if self.attn.runs_fused(x.device()) {
             self.attn.forward_fused(&windows, (h, w), self.shifted)?
         } else {
@@ -471,18 +506,10 @@ impl Module for SwinBlock {
             };
             self.attn.forward(&windows, mask.as_ref())?
         };
-        let y = y.reshape((b, h * w, c))?;
-        let y = gather_tokens(&y, &back)?.reshape((b, h, w, c))?;
-        let x = (x + y)?;
-        &x + self.mlp.forward(&self.norm2.forward(&x)?)?
-    }
-}
-
-/// `x.index_select(order, 1)` for `(B, T, C)` tokens; in parallel on the CPU.
-fn gather_tokens(x: &Tensor, order: &Tensor) -> Result<Tensor> {
-    match super::ops::gather_tokens(x, order)? {
-        Some(y) => Ok(y),
-        None => x.index_select(order, 1),
+        let (x, normed) = add_gather_norm(&self.norm2, &x, &y.reshape((b, h * w, c))?, &back)?;
+        self.mlp
+            .forward_residual(&normed, &x)?
+            .reshape((b, h, w, c))
     }
 }
 
@@ -517,11 +544,12 @@ impl Rdg {
             } else {
                 cfg.growth
             };
-            adjust.push(pointwise(
-                cfg.block_dim(k),
-                out,
-                vb.pp(format!("adjust{}", k + 1)),
-            )?);
+            let vb = vb.pp(format!("adjust{}", k + 1));
+            adjust.push(if k + 1 == BLOCKS_PER_GROUP {
+                pointwise_scaled(cfg.block_dim(k), out, RDG_RESIDUAL, vb)?
+            } else {
+                pointwise(cfg.block_dim(k), out, vb)?
+            });
         }
         Ok(Self { blocks, adjust })
     }
@@ -544,13 +572,13 @@ impl Module for Rdg {
         let mut dense = x.clone();
         let last = BLOCKS_PER_GROUP - 1;
         for (k, (block, adjust)) in self.blocks.iter().zip(&self.adjust).enumerate() {
-            let y = adjust.forward(&block.forward(&dense)?)?;
+            let out = block.forward(&dense)?;
             if k == last {
-                // The last block has no activation; the group output is scaled and added.
-                return (y * RDG_RESIDUAL)? + x;
+                // The last block has no activation; the group output is scaled (folded into
+                // this adjust's weights at load) and added.
+                return adjust.forward_residual(&out, x);
             }
-            let y = candle_nn::ops::leaky_relu(&y, RDG_SLOPE)?;
-            dense = Tensor::cat(&[&dense, &y], D::Minus1)?;
+            dense = cat_leaky(&dense, &adjust.forward(&out)?)?;
         }
         unreachable!("a group always has {BLOCKS_PER_GROUP} blocks")
     }
@@ -598,12 +626,12 @@ impl Drct {
         Ok(Self {
             conv_first: Conv3x3::new(3, e, vb.pp("conv_first"))?,
             patch_norm: if cfg.patch_norm {
-                Some(layer_norm(e, vb.pp("patch_embed.norm"))?)
+                Some(load_layer_norm(e, vb.pp("patch_embed.norm"))?)
             } else {
                 None
             },
             layers,
-            norm: layer_norm(e, vb.pp("norm"))?,
+            norm: load_layer_norm(e, vb.pp("norm"))?,
             conv_after_body: if cfg.conv_after_body {
                 Some(Conv3x3::new(e, e, vb.pp("conv_after_body"))?)
             } else {
@@ -672,13 +700,13 @@ impl Module for Drct {
         let x = x.permute((0, 2, 3, 1))?.broadcast_sub(&self.mean)?;
         let f0 = self.conv_first.forward(&x)?;
         let mut t = match &self.patch_norm {
-            Some(norm) => norm.forward(&f0)?,
+            Some(norm) => layer_norm(norm, &f0)?,
             None => f0.clone(),
         };
         for layer in &self.layers {
             t = layer.forward(&t)?;
         }
-        let body = self.norm.forward(&t)?;
+        let body = layer_norm(&self.norm, &t)?;
         let body = match &self.conv_after_body {
             Some(conv) => conv.forward(&body)?,
             None => body,

@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod drct;
 pub mod fused;
+pub mod norm;
 pub mod ops;
 
 use candle_core::{DType, Device};

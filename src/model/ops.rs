@@ -56,7 +56,7 @@ fn erf(x: f32) -> f32 {
 }
 
 /// Elements per parallel task: enough work to amortise scheduling.
-const CHUNK: usize = 32 << 10;
+pub(super) const CHUNK: usize = 32 << 10;
 
 fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
     let CpuStorage::F32(data) = storage else {
@@ -101,9 +101,11 @@ macro_rules! widest_simd {
     };
 }
 
+pub(super) use widest_simd;
+
 /// Independent accumulators per row: float reductions only vectorise when the compiler is
 /// given lanes to keep apart (it may not reassociate a single sum).
-const LANES: usize = 16;
+pub(super) const LANES: usize = 16;
 
 /// Scores this far below their row's maximum get probability exactly zero. Their true
 /// weight (< e^-80 ≈ 2e-35) changes no output, while as numbers they would leave the softmax
@@ -205,7 +207,7 @@ impl CustomOp1 for GeluErf {
     }
 }
 
-fn use_kernel(x: &Tensor) -> bool {
+pub(super) fn use_kernel(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32 && x.is_contiguous()
 }
 
@@ -522,26 +524,46 @@ unsafe fn head_product(
     }
 }
 
-/// `x · wᵀ + b` on the CPU with the bias written first and accumulated by the GEMM, so the
-/// output is written once instead of written, reread and rewritten by a separate add.
-/// `x`: `(.., k)`; `w`: `(n, k)` as stored; `b`: `(n)`. `None` where the kernel does not apply.
-pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
-    if ![Some(x), Some(w), b].into_iter().flatten().all(use_kernel) {
+/// `x · wᵀ + b (+ residual)` on the CPU with the bias (plus the residual) written first and
+/// accumulated by the GEMM, so the output is written once instead of written, reread and
+/// rewritten by separate adds. `x`: `(.., k)`; `w`: `(n, k)` as stored; `b`: `(n)`;
+/// `residual`: the output's shape. `None` where the kernel does not apply.
+pub fn linear(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    residual: Option<&Tensor>,
+) -> Result<Option<Tensor>> {
+    if ![Some(x), Some(w), b, residual]
+        .into_iter()
+        .flatten()
+        .all(use_kernel)
+    {
         return Ok(None);
     }
     let (n, k) = w.dims2()?;
     let (w_guard, w_layout) = w.storage_and_layout();
     let ws = cpu_slice(&w_guard, w_layout)?;
     // wᵀ is read through w's strides.
-    let y = linear_with(x, Weights::F32(ws), (k, n), (1, k), b)?;
+    let y = linear_with(x, Weights::F32(ws), (k, n), (1, k), b, residual)?;
     drop(w_guard);
     Ok(Some(y))
 }
 
-/// [`linear`] with the weights packed in bf16 (`k x n`, already transposed); `x` and `b` are
-/// f32 on the CPU.
-pub fn linear_bf16(x: &Tensor, isa: Isa, w: &PackedB, b: &Tensor) -> Result<Tensor> {
-    if !use_kernel(x) || !use_kernel(b) {
+/// [`linear`] with the weights packed in bf16 (`k x n`, already transposed); `x`, `b` and
+/// `residual` are f32 on the CPU.
+pub fn linear_bf16(
+    x: &Tensor,
+    isa: Isa,
+    w: &PackedB,
+    b: &Tensor,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    if ![Some(x), Some(b), residual]
+        .into_iter()
+        .flatten()
+        .all(use_kernel)
+    {
         candle_core::bail!("bf16 linear: f32 tensors on the CPU only");
     }
     linear_with(
@@ -550,6 +572,7 @@ pub fn linear_bf16(x: &Tensor, isa: Isa, w: &PackedB, b: &Tensor) -> Result<Tens
         (w.rows(), w.cols()),
         (0, 0),
         Some(b),
+        residual,
     )
 }
 
@@ -559,17 +582,28 @@ fn linear_with(
     (k, n): (usize, usize),
     f32_strides: (usize, usize),
     b: Option<&Tensor>,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     let dims = x.dims();
     if dims.last() != Some(&k) || b.is_some_and(|b| b.dims() != [n]) {
         candle_core::bail!("linear: input {dims:?}, weight {k}x{n}");
     }
     let m = x.elem_count() / k.max(1);
+    if residual
+        .is_some_and(|r| r.elem_count() != m * n || r.dim(candle_core::D::Minus1).ok() != Some(n))
+    {
+        candle_core::bail!(
+            "linear: residual {:?} for {m}x{n} outputs",
+            residual.map(|r| r.dims())
+        );
+    }
     let (x_guard, x_layout) = x.storage_and_layout();
     let xs = cpu_slice(&x_guard, x_layout)?;
-    // Every output element is written exactly once before the GEMM (bias or zero): a zeroed
-    // allocation followed by the bias rows would be two passes over the largest tensor.
+    // Every output element is written exactly once before the GEMM (bias, residual + bias, or
+    // zero): a zeroed allocation followed by the bias rows would be two passes over the
+    // largest tensor.
     let bias = b.map(|b| b.storage_and_layout());
+    let res = residual.map(|r| r.storage_and_layout());
     let zeros;
     let first = match &bias {
         Some((guard, layout)) => cpu_slice(guard, layout)?,
@@ -578,8 +612,14 @@ fn linear_with(
             &zeros
         }
     };
-    let mut out = par_rows(m, n, |_, w| w.write_row(first));
-    drop(bias);
+    let mut out = match &res {
+        Some((guard, layout)) => {
+            let rs = cpu_slice(guard, layout)?;
+            par_rows(m, n, |r, w| w.write_sum(&rs[r * n..(r + 1) * n], first))
+        }
+        None => par_rows(m, n, |_, w| w.write_row(first)),
+    };
+    drop((bias, res));
     if m > 0 && n > 0 {
         // SAFETY: dst is m x n row-major in `out`, lhs m x k row-major in `xs`, and the
         // weights k x n (f32 through `f32_strides`, or packed to exactly k x n).
@@ -587,7 +627,7 @@ fn linear_with(
             product(
                 (m, n, k),
                 (out.as_mut_ptr(), n),
-                b.is_some(),
+                b.is_some() || residual.is_some(),
                 (xs.as_ptr(), k),
                 w,
                 f32_strides,
@@ -992,36 +1032,56 @@ impl RowWriter<'_> {
         }
         self.at += src.len();
     }
+
+    /// Appends `leaky_relu(src, slope)`.
+    fn write_leaky(&mut self, src: &[f32], slope: f32) {
+        let dst = &mut self.row[self.at..self.at + src.len()];
+        for (d, &v) in dst.iter_mut().zip(src) {
+            d.write(if v >= 0.0 { v } else { v * slope });
+        }
+        self.at += src.len();
+    }
+
+    /// Appends `a + b`, element by element.
+    fn write_sum(&mut self, a: &[f32], b: &[f32]) {
+        let dst = &mut self.row[self.at..self.at + a.len()];
+        for ((d, x), y) in dst.iter_mut().zip(a).zip(&b[..a.len()]) {
+            d.write(x + y);
+        }
+        self.at += a.len();
+    }
 }
 
-/// Rows of `x` (`(B, T, C)`) picked by `order` (`T'` indices into T) for every image:
-/// candle's `index_select` on dimension 1, in parallel. `None` where the kernel does not apply.
-pub fn gather_tokens(x: &Tensor, order: &Tensor) -> Result<Option<Tensor>> {
-    if !use_kernel(x) || !order.device().is_cpu() || order.dtype() != DType::U32 {
+/// `cat([x, leaky_relu(y, slope)], -1)` for channels-last `x` `(.., Cx)` and `y` `(.., Cy)`:
+/// the dense connection of a residual dense group in one parallel pass, where candle would
+/// run the activation as two element-wise ops and the concatenation as a third pass. `None`
+/// where the kernel does not apply.
+pub fn cat_leaky(x: &Tensor, y: &Tensor, slope: f32) -> Result<Option<Tensor>> {
+    if !use_kernel(x) || !use_kernel(y) {
         return Ok(None);
     }
-    let (b, t, c) = x.dims3()?;
-    let (x_guard, x_layout) = x.storage_and_layout();
-    let (o_guard, o_layout) = order.storage_and_layout();
-    let xs = cpu_slice(&x_guard, x_layout)?;
-    let idx = match &*o_guard {
-        candle_core::Storage::Cpu(CpuStorage::U32(v)) => match o_layout.contiguous_offsets() {
-            Some((a, z)) => &v[a..z],
-            None => return Ok(None),
-        },
-        _ => return Ok(None),
+    let (dx, dy) = (x.dims(), y.dims());
+    let (Some((&cx, lead_x)), Some((&cy, lead_y))) = (dx.split_last(), dy.split_last()) else {
+        candle_core::bail!("cat_leaky: scalar input");
     };
-    if idx.iter().any(|&i| i as usize >= t) {
-        candle_core::bail!("gather_tokens: index out of range for {t} tokens");
+    if lead_x != lead_y {
+        candle_core::bail!("cat_leaky: x {dx:?}, y {dy:?}");
     }
-    let n = idx.len();
-    let out = par_rows(b * n, c, |row, w| {
-        let (bi, i) = (row / n, row % n);
-        let src = (bi * t + idx[i] as usize) * c;
-        w.write_row(&xs[src..src + c]);
+    let rows = lead_x.iter().product::<usize>();
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let (y_guard, y_layout) = y.storage_and_layout();
+    let (xs, ys) = (
+        cpu_slice(&x_guard, x_layout)?,
+        cpu_slice(&y_guard, y_layout)?,
+    );
+    let out = par_rows(rows, cx + cy, |r, w| {
+        w.write_row(&xs[r * cx..(r + 1) * cx]);
+        w.write_leaky(&ys[r * cy..(r + 1) * cy], slope);
     });
-    drop((x_guard, o_guard));
-    Ok(Some(Tensor::from_vec(out, (b, n, c), x.device())?))
+    drop((x_guard, y_guard));
+    let mut shape = dx.to_vec();
+    *shape.last_mut().expect("checked above") = cx + cy;
+    Ok(Some(Tensor::from_vec(out, shape, x.device())?))
 }
 
 /// PixelShuffle by `r` of channels-last features whose channels are in (i, j, c) order (see
@@ -1054,7 +1114,10 @@ pub fn pixel_shuffle_reordered(x: &Tensor, r: usize) -> Result<Option<Tensor>> {
     )?))
 }
 
-fn cpu_slice<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> Result<&'a [f32]> {
+pub(super) fn cpu_slice<'a>(
+    storage: &'a candle_core::Storage,
+    layout: &Layout,
+) -> Result<&'a [f32]> {
     match storage {
         candle_core::Storage::Cpu(cpu) => contiguous_f32(cpu, layout),
         _ => candle_core::bail!("CPU kernel called on a device tensor"),
@@ -1214,16 +1277,30 @@ mod tests {
             let want = x
                 .to_dtype(DType::F64)?
                 .broadcast_matmul(&w.to_dtype(DType::F64)?.t()?)?;
-            for bias in [None, Some(&b)] {
-                let ours = linear(&x, &w, bias)?.expect("the CPU f32 kernel applies");
-                let want = match bias {
-                    Some(b) => want.broadcast_add(&b.to_dtype(DType::F64)?)?,
-                    None => want.clone(),
-                };
+            let mut out_dims = dims.clone();
+            *out_dims.last_mut().expect("non-empty") = 11;
+            let r = Tensor::randn(0f32, 1.0, out_dims.as_slice(), &dev)?;
+            for (bias, residual) in [
+                (None, None),
+                (Some(&b), None),
+                (None, Some(&r)),
+                (Some(&b), Some(&r)),
+            ] {
+                let ours = linear(&x, &w, bias, residual)?.expect("the CPU f32 kernel applies");
+                let mut want = want.clone();
+                if let Some(b) = bias {
+                    want = want.broadcast_add(&b.to_dtype(DType::F64)?)?;
+                }
+                if let Some(r) = residual {
+                    want = (want + r.to_dtype(DType::F64)?)?;
+                }
                 assert_eq!(ours.dims(), want.dims());
                 let diff = max_abs_diff(&ours, &want)?;
-                assert!(diff < 1e-5, "{dims:?} bias {}: {diff}", bias.is_some());
+                let case = (bias.is_some(), residual.is_some());
+                assert!(diff < 1e-5, "{dims:?} (bias, residual) {case:?}: {diff}");
             }
+            let wrong = Tensor::zeros(3, DType::F32, &dev)?;
+            assert!(linear(&x, &w, Some(&b), Some(&wrong)).is_err());
         }
         Ok(())
     }
@@ -1292,19 +1369,23 @@ mod tests {
     }
 
     #[test]
-    fn gather_and_shuffle_match_candle() -> Result<()> {
+    fn dense_concatenation_and_shuffle_match_candle() -> Result<()> {
         let dev = Device::Cpu;
-        let x = Tensor::randn(0f32, 1.0, (2, 6, 5), &dev)?;
-        let order = Tensor::new(&[5u32, 0, 3, 3, 1], &dev)?;
-        let ours = gather_tokens(&x, &order)?.expect("the CPU f32 kernel applies");
-        let want = x.index_select(&order, 1)?;
+        // Channel counts off the vector width, and a negative zero and exact zeros in y.
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 37), &dev)?;
+        let y = Tensor::randn(0f32, 1.0, (2, 3, 19), &dev)?;
+        let y = y.slice_assign(
+            &[0..1, 0..1, 0..2],
+            &Tensor::new(&[[[-0.0f32, 0.0]]], &dev)?,
+        )?;
+        let ours = cat_leaky(&x, &y, 0.2)?.expect("the CPU f32 kernel applies");
+        let want = Tensor::cat(&[&x, &candle_nn::ops::leaky_relu(&y, 0.2)?], 2)?;
         assert_eq!(ours.dims(), want.dims());
         assert_eq!(
             ours.flatten_all()?.to_vec1::<f32>()?,
             want.flatten_all()?.to_vec1::<f32>()?
         );
-        let bad = Tensor::new(&[6u32], &dev)?;
-        assert!(gather_tokens(&x, &bad).is_err());
+        assert!(cat_leaky(&x, &y.narrow(1, 0, 2)?.contiguous()?, 0.2).is_err());
 
         for r in [2, 3] {
             let (b, h, w, c) = (2, 3, 4, 5);
