@@ -76,8 +76,7 @@ impl Conv3x3 {
         if cout <= super::ops::NARROW_CONV {
             return Ok(());
         }
-        let w = self.weight.to_dtype(DType::F32)?.to_vec2::<f32>()?.concat();
-        self.bf16 = Some((isa, PackedB::new(&w, (k, cout), (cout, 1))));
+        self.bf16 = Some((isa, pack_bf16(&self.weight, (k, cout), (cout, 1))?));
         self.weight = Tensor::zeros(0, DType::F32, self.weight.device())?;
         Ok(())
     }
@@ -234,18 +233,13 @@ impl Dense {
     fn use_bf16(&mut self, isa: Isa) -> Result<()> {
         if let Self::Candle(inner) = self {
             let (n, k) = inner.weight().dims2()?;
-            let w = inner
-                .weight()
-                .to_dtype(DType::F32)?
-                .to_vec2::<f32>()?
-                .concat();
             let bias = match inner.bias() {
                 Some(b) => b.to_dtype(DType::F32)?,
                 None => Tensor::zeros(n, DType::F32, inner.weight().device())?,
             };
             *self = Self::Bf16 {
                 isa,
-                weight: PackedB::new(&w, (k, n), (1, k)),
+                weight: pack_bf16(inner.weight(), (k, n), (1, k))?,
                 bias,
             };
         }
@@ -283,6 +277,15 @@ impl Module for Dense {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_with(x, None)
     }
+}
+
+/// The `k x n` view `w[r * rs + c * cs]` of a CPU weight, packed for bf16 products; read in
+/// place, without copying the weight out first.
+fn pack_bf16(w: &Tensor, kn: (usize, usize), strides: (usize, usize)) -> Result<PackedB> {
+    let w = w.to_dtype(DType::F32)?.contiguous()?;
+    let (guard, layout) = w.storage_and_layout();
+    let values = super::ops::cpu_slice(&guard, layout)?;
+    Ok(PackedB::new(values, kn, strides))
 }
 
 /// A 1x1 convolution applied to channels-last tokens is a linear layer.
