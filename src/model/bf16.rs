@@ -89,6 +89,7 @@ fn vector_kernel_pays_off() -> bool {
             (a.as_ptr(), k),
             &packed,
             false,
+            None,
         )
     });
     let f32 = best(&mut |c| f32_product((m, k, n), c, &a, &b, gemm::Parallelism::None));
@@ -301,9 +302,13 @@ thread_local! {
     static A_PACK: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Work done on a block of finished output rows while they are still in cache.
+pub type Epilogue = dyn Fn(&mut [f32]) + Sync;
+
 /// `dst (+)= a · b` with `a` an `m x k` f32 matrix (rows `lda` apart, unit column stride) and
 /// `dst` `m x b.cols()` (rows `ldc` apart); `accumulate` adds onto dst's contents. Row blocks
-/// run in parallel when `parallel` is set.
+/// run in parallel when `parallel` is set; `then`, if given, runs on each block's rows once
+/// they are final.
 ///
 /// # Safety
 /// `isa` must be one this CPU offers ([`isa`]). `a` must hold `m` rows of `k = b.rows()`
@@ -319,10 +324,15 @@ pub unsafe fn gemm(
     (a, lda): (*const f32, usize),
     b: &PackedB,
     parallel: bool,
+    then: Option<&Epilogue>,
 ) {
     if m == 0 || b.n == 0 {
         return;
     }
+    assert!(
+        then.is_none() || ldc == b.n,
+        "an epilogue needs contiguous output rows"
+    );
     let ptrs = Rows { a, dst };
     let block = |i0: usize| {
         let (a, dst) = ptrs.get();
@@ -342,6 +352,10 @@ pub unsafe fn gemm(
                         pack_a_interleaved(buf, a, lda, rows, b.k, b.pairs);
                         block_product(buf, rows, b, dst, ldc, accumulate);
                     }
+                }
+                if let Some(then) = then {
+                    // The block's rows are contiguous (asserted above) and its own.
+                    then(std::slice::from_raw_parts_mut(dst, rows * ldc));
                 }
             }
         });
@@ -717,21 +731,23 @@ mod amx {
     }
 }
 
+/// Both kernels where the CPU has them, for tests: an AMX machine also runs the vector
+/// kernel.
+#[cfg(test)]
+pub(super) fn available_isas() -> Vec<Isa> {
+    let mut v = Vec::new();
+    if isa() == Some(Isa::Amx) {
+        v.push(Isa::Amx);
+    }
+    if avx512_bf16() {
+        v.push(Isa::Avx512);
+    }
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Both kernels where the CPU has them: an AMX machine also runs the vector kernel.
-    fn available() -> Vec<Isa> {
-        let mut v = Vec::new();
-        if isa() == Some(Isa::Amx) {
-            v.push(Isa::Amx);
-        }
-        if avx512_bf16() {
-            v.push(Isa::Avx512);
-        }
-        v
-    }
 
     fn round(x: f32) -> f32 {
         half::bf16::from_f32(x).to_f32()
@@ -766,7 +782,7 @@ mod tests {
 
     #[test]
     fn products_match_the_rounded_operands_on_awkward_shapes() {
-        let isas = available();
+        let isas = available_isas();
         if isas.is_empty() {
             eprintln!("bf16 kernels not tested: this CPU has no bf16 arithmetic");
         }
@@ -807,6 +823,7 @@ mod tests {
                         (a.as_ptr(), lda),
                         &packed,
                         parallel,
+                        None,
                     )
                 };
                 for i in 0..m * n {
@@ -907,6 +924,7 @@ mod throughput {
                             (a.as_ptr(), k),
                             &packed,
                             parallel,
+                            None,
                         )
                     });
                     line += &format!(" {isa:?} {g:.0}");

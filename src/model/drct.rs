@@ -13,6 +13,7 @@ use super::cache::{relative_position_bias, WindowCache};
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
 use super::fused::{fused_window_attention, Attention};
 use super::norm::{add_gather_norm, layer_norm, norm_gather};
+use super::ops::After;
 
 /// The RGB mean the official model subtracts (img_range 1.0); not stored in checkpoints.
 const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
@@ -251,23 +252,39 @@ impl Dense {
     /// `residual + self(x)`; on the CPU the GEMM accumulates onto the residual, so the sum
     /// costs no pass of its own.
     fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        self.forward_with(x, Some(residual))
+        self.forward_then(x, After::Residual(residual))
     }
 
-    fn forward_with(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+    /// `gelu(self(x))`; on the CPU each block of output rows goes through the GELU as soon
+    /// as the GEMM has finished it, while it is in cache.
+    fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_then(x, After::Gelu)
+    }
+
+    fn forward_then(&self, x: &Tensor, after: After) -> Result<Tensor> {
         match self {
             Self::Candle(inner) => {
-                match super::ops::linear(x, inner.weight(), inner.bias(), residual)? {
-                    Some(y) => Ok(y),
-                    None => match residual {
-                        Some(r) => r + inner.forward(x)?,
-                        None => inner.forward(x),
-                    },
+                if let Some(y) = super::ops::linear(x, inner.weight(), inner.bias(), after)? {
+                    return Ok(y);
+                }
+                let y = inner.forward(x)?;
+                match after {
+                    After::Nothing => Ok(y),
+                    After::Residual(r) => r + y,
+                    // The official model uses nn.GELU(): the exact erf form.
+                    After::Gelu => super::ops::gelu_erf(&y),
                 }
             }
             Self::Bf16 { isa, weight, bias } => {
-                let residual = residual.map(Tensor::contiguous).transpose()?;
-                super::ops::linear_bf16(&x.contiguous()?, *isa, weight, bias, residual.as_ref())
+                let residual;
+                let after = match after {
+                    After::Residual(r) => {
+                        residual = r.contiguous()?;
+                        After::Residual(&residual)
+                    }
+                    other => other,
+                };
+                super::ops::linear_bf16(&x.contiguous()?, *isa, weight, bias, after)
             }
         }
     }
@@ -275,7 +292,7 @@ impl Dense {
 
 impl Module for Dense {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_with(x, None)
+        self.forward_then(x, After::Nothing)
     }
 }
 
@@ -333,7 +350,7 @@ impl Mlp {
     /// `residual + mlp(x)`.
     fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         // The official model uses nn.GELU(): the exact erf form, not the tanh approximation.
-        let hidden = super::ops::gelu_erf(&self.fc1.forward(x)?)?;
+        let hidden = self.fc1.forward_gelu(x)?;
         self.fc2.forward_residual(&hidden, residual)
     }
 }
