@@ -262,6 +262,8 @@ mod tests {
     use super::*;
     use candle_core::{Device, D};
 
+    use crate::tests::fixtures::max_abs_diff;
+
     /// The layer norm in f64, written out (candle's fused op has no f64 kernel).
     struct Reference {
         weight: Tensor,
@@ -294,14 +296,6 @@ mod tests {
         ))
     }
 
-    fn max_abs_diff(ours: &Tensor, want: &Tensor) -> Result<f64> {
-        (ours.to_dtype(DType::F64)? - want.to_dtype(DType::F64)?)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar::<f64>()
-    }
-
     /// Tokens far from zero with a small spread: a one-pass variance (E[x²] - E[x]²) in f32
     /// loses it to cancellation, the two-pass one keeps it.
     fn tokens(shape: (usize, usize, usize), offset: f64) -> Result<Tensor> {
@@ -317,7 +311,7 @@ mod tests {
                 let x = tokens((2, 9, c), offset)?;
                 let ours = layer_norm(&ln, &x)?;
                 let want = ln64.forward(&x)?;
-                let diff = max_abs_diff(&ours, &want)?;
+                let diff = max_abs_diff(&ours, &want);
                 // At 1000 the inputs' own spacing is 6e-5; the one-pass variance would be
                 // off by percents there (errors ~1e-1).
                 let tolerance = if offset == 0.0 { 1e-5 } else { 1e-3 };
@@ -338,7 +332,7 @@ mod tests {
             .forward(&x.to_dtype(DType::F64)?)?
             .index_select(&order, 1)?;
         assert_eq!(ours.dims(), want.dims());
-        let diff = max_abs_diff(&ours, &want)?;
+        let diff = max_abs_diff(&ours, &want);
         assert!(diff < 1e-5, "{diff}");
         let bad = Tensor::new(&[6u32], &dev)?;
         assert!(norm_gather(&ln, &x, &bad).is_err());
@@ -360,7 +354,7 @@ mod tests {
             want_sum.flatten_all()?.to_vec1::<f32>()?
         );
         let want = ln64.forward(&want_sum)?;
-        let diff = max_abs_diff(&normed, &want)?;
+        let diff = max_abs_diff(&normed, &want);
         assert!(diff < 1e-5, "{diff}");
         let short = Tensor::new(&[0u32, 1], &dev)?;
         assert!(add_gather_norm(&ln, &x, &y, &short).is_err());

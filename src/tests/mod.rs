@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 mod checkpoint_mutations;
-mod fixtures;
+pub(crate) mod fixtures;
 mod golden;
 #[cfg(feature = "cuda")]
 mod gpu;
