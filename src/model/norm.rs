@@ -98,14 +98,13 @@ fn rows_per_task(c: usize) -> usize {
     (CHUNK / c.max(1)).max(1)
 }
 
-/// Runs `f(params, row, out_row)` for every output row of `rows` rows of `c` values, in
-/// parallel, into a new buffer. `f` must write every element of its row.
-fn map_rows(
+/// `f` with the parameters of a layer norm over `c` channels, or `None` where the kernels do
+/// not apply to it ([`params_of`]).
+fn with_params<R>(
     ln: &LayerNorm,
-    rows: usize,
     c: usize,
-    f: impl Fn(&Params, usize, &mut [MaybeUninit<f32>]) + Sync,
-) -> Result<Option<Vec<f32>>> {
+    f: impl FnOnce(&Params) -> Result<R>,
+) -> Result<Option<R>> {
     let Some((w, b, eps)) = params_of(ln) else {
         return Ok(None);
     };
@@ -119,21 +118,34 @@ fn map_rows(
         bias: cpu_slice(&bg, bl)?,
         eps,
     };
-    let mut out: Vec<f32> = Vec::with_capacity(rows * c);
-    let per = rows_per_task(c);
-    if c > 0 {
-        out.spare_capacity_mut()
-            .par_chunks_mut(per * c)
-            .enumerate()
-            .for_each(|(t, chunk)| {
-                for (k, row) in chunk.chunks_exact_mut(c).enumerate() {
-                    f(&p, t * per + k, row);
-                }
-            });
-    }
-    // SAFETY: every row was handed to `f`, which writes all of it.
-    unsafe { out.set_len(rows * c) };
-    Ok(Some(out))
+    f(&p).map(Some)
+}
+
+/// Runs `f(params, row, out_row)` for every output row of `rows` rows of `c` values, in
+/// parallel, into a new buffer. `f` must write every element of its row.
+fn map_rows(
+    ln: &LayerNorm,
+    rows: usize,
+    c: usize,
+    f: impl Fn(&Params, usize, &mut [MaybeUninit<f32>]) + Sync,
+) -> Result<Option<Vec<f32>>> {
+    with_params(ln, c, |p| {
+        let mut out: Vec<f32> = Vec::with_capacity(rows * c);
+        let per = rows_per_task(c);
+        if c > 0 {
+            out.spare_capacity_mut()
+                .par_chunks_mut(per * c)
+                .enumerate()
+                .for_each(|(t, chunk)| {
+                    for (k, row) in chunk.chunks_exact_mut(c).enumerate() {
+                        f(p, t * per + k, row);
+                    }
+                });
+        }
+        // SAFETY: every row was handed to `f`, which writes all of it.
+        unsafe { out.set_len(rows * c) };
+        Ok(out)
+    })
 }
 
 /// The u32 indices of a CPU tensor, checked against `bound`.
@@ -206,20 +218,10 @@ pub fn add_gather_norm(
             if idx.len() != t {
                 candle_core::bail!("add_gather_norm: {} indices for {t} tokens", idx.len());
             }
-            if let Some((w, bias, eps)) = params_of(ln) {
-                let (xg, xl) = x.storage_and_layout();
-                let (yg, yl) = y.storage_and_layout();
-                let (wg, wl) = w.storage_and_layout();
-                let (bg, bl) = bias.storage_and_layout();
-                let p = Params {
-                    weight: cpu_slice(&wg, wl)?,
-                    bias: cpu_slice(&bg, bl)?,
-                    eps,
-                };
-                if p.weight.len() != c || p.bias.len() != c {
-                    candle_core::bail!("layer norm of {c} channels with weight {:?}", w.dims());
-                }
-                let (xs, ys) = (cpu_slice(&xg, xl)?, cpu_slice(&yg, yl)?);
+            let (xg, xl) = x.storage_and_layout();
+            let (yg, yl) = y.storage_and_layout();
+            let (xs, ys) = (cpu_slice(&xg, xl)?, cpu_slice(&yg, yl)?);
+            let buffers = with_params(ln, c, |p| {
                 let mut sum: Vec<f32> = Vec::with_capacity(b * t * c);
                 let mut normed: Vec<f32> = Vec::with_capacity(b * t * c);
                 let per = rows_per_task(c) * c;
@@ -233,7 +235,7 @@ pub fn add_gather_norm(
                             for (k, (s, d)) in rows.enumerate() {
                                 let r = task * per / c + k;
                                 let src = (r / t * ty + idx[r % t] as usize) * c;
-                                add_norm_row(&p, &xs[r * c..(r + 1) * c], &ys[src..src + c], s, d);
+                                add_norm_row(p, &xs[r * c..(r + 1) * c], &ys[src..src + c], s, d);
                             }
                         });
                 }
@@ -243,7 +245,10 @@ pub fn add_gather_norm(
                     sum.set_len(b * t * c);
                     normed.set_len(b * t * c);
                 }
-                drop((xg, yg, wg, bg));
+                Ok((sum, normed))
+            })?;
+            drop((xg, yg));
+            if let Some((sum, normed)) = buffers {
                 let dev = x.device();
                 return Ok((
                     Tensor::from_vec(sum, (b, t, c), dev)?,
