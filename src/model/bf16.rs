@@ -299,7 +299,76 @@ impl Rows {
 
 thread_local! {
     /// The left-hand side of one task, packed: reused across calls on each thread.
-    static A_PACK: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    static A_PACK: RefCell<PackedA> = RefCell::new(PackedA::default());
+}
+
+/// A left-hand side rounded to bf16 in the layout `isa`'s kernel reads: for AMX, rows of
+/// `pairs` lanes padded to a multiple of [`AMX_ROWS`] rows (what a tile loads, 16 rows at a
+/// stride); for the vector kernel, groups of [`MR`] rows with each pair index holding the
+/// group's (2p, 2p+1) values side by side (what one broadcast reads). Filled row by row, so
+/// that a producer can round each row while it is still in cache.
+#[derive(Default)]
+pub struct PackedA {
+    isa: Option<Isa>,
+    rows: usize,
+    k: usize,
+    pairs: usize,
+    data: Vec<u32>,
+}
+
+impl PackedA {
+    /// Makes room for `rows` rows of `k` values, laid out for a product with `b` on `isa`.
+    /// Every row must then be written with [`PackedA::set_row`]. The padding rows past `rows`
+    /// may hold stale values from an earlier use: each output row depends on its own input
+    /// row only, and the kernels never store the padding rows' outputs.
+    pub fn prepare(&mut self, isa: Isa, rows: usize, b: &PackedB) {
+        let padded = match isa {
+            Isa::Amx => rows.next_multiple_of(AMX_ROWS),
+            Isa::Avx512 => rows.next_multiple_of(MR),
+        };
+        let len = padded * b.pairs;
+        if self.isa != Some(isa) || self.pairs != b.pairs || self.data.len() < len {
+            self.data.clear();
+            self.data.resize(len, 0);
+        }
+        self.isa = Some(isa);
+        self.rows = rows;
+        self.k = b.k;
+        self.pairs = b.pairs;
+    }
+
+    /// Rounds `row` (`k` values) into row `r`; the pairs past `k` are zeroed.
+    pub fn set_row(&mut self, r: usize, row: &[f32]) {
+        assert!(
+            r < self.rows && row.len() == self.k,
+            "row {r} of {}",
+            self.rows
+        );
+        let (kp, used) = (self.pairs, self.k.div_ceil(2));
+        match self.isa {
+            Some(Isa::Amx) => {
+                let out = &mut self.data[r * kp..(r + 1) * kp];
+                if avx512_bf16() {
+                    // SAFETY: the CPU has the instructions (checked above).
+                    unsafe { round_row_avx512(row, out) };
+                } else {
+                    round_row(row, out);
+                }
+                out[used..].fill(0);
+            }
+            Some(Isa::Avx512) => {
+                let group = &mut self.data[(r / MR) * kp * MR..][..kp * MR];
+                let lane = r % MR;
+                for (p, two) in row.chunks(2).enumerate() {
+                    group[p * MR + lane] = pair(two[0], two.get(1).copied().unwrap_or(0.0));
+                }
+                for p in used..kp {
+                    group[p * MR + lane] = 0;
+                }
+            }
+            None => unreachable!("`prepare` sets the ISA"),
+        }
+    }
 }
 
 /// Work done on a block of finished output rows while they are still in cache.
@@ -337,22 +406,18 @@ pub unsafe fn gemm(
     let block = |i0: usize| {
         let (a, dst) = ptrs.get();
         let rows = MC.min(m - i0);
-        A_PACK.with_borrow_mut(|buf| {
-            // SAFETY: rows i0..i0+rows of a and dst, inside the caller's bounds; each block
-            // writes only its own rows of dst; the caller vouches for the ISA.
+        A_PACK.with_borrow_mut(|pack| {
+            pack.prepare(isa, rows, b);
+            for r in 0..rows {
+                // SAFETY: row i0 + r of the caller's `a`.
+                let row = unsafe { std::slice::from_raw_parts(a.add((i0 + r) * lda), b.k) };
+                pack.set_row(r, row);
+            }
+            // SAFETY: rows i0..i0+rows of dst, inside the caller's bounds; each block writes
+            // only its own rows of dst; the caller vouches for the ISA.
             unsafe {
-                let a = a.add(i0 * lda);
                 let dst = dst.add(i0 * ldc);
-                match isa {
-                    Isa::Amx => {
-                        pack_a_rows(buf, a, lda, rows, b.k, b.pairs);
-                        amx::block_product(buf, rows, b, dst, ldc, accumulate);
-                    }
-                    Isa::Avx512 => {
-                        pack_a_interleaved(buf, a, lda, rows, b.k, b.pairs);
-                        block_product(buf, rows, b, dst, ldc, accumulate);
-                    }
-                }
+                product_packed(pack, b, dst, ldc, accumulate);
                 if let Some(then) = then {
                     // The block's rows are contiguous (asserted above) and its own.
                     then(std::slice::from_raw_parts_mut(dst, rows * ldc));
@@ -368,32 +433,43 @@ pub unsafe fn gemm(
     }
 }
 
-/// Packs `rows` rows of `k` f32 values as bf16 rows of `kp` pairs, padded with zero rows to
-/// a multiple of [`AMX_ROWS`]: the layout an AMX tile loads, 16 rows at a stride.
+/// `dst (+)= a · b` for an already packed `a`.
 ///
 /// # Safety
-/// `a` must hold `rows` rows of `k` values `lda` apart.
-unsafe fn pack_a_rows(
-    buf: &mut Vec<u32>,
-    a: *const f32,
-    lda: usize,
-    rows: usize,
-    k: usize,
-    kp: usize,
-) {
-    buf.clear();
-    buf.resize(rows.next_multiple_of(AMX_ROWS) * kp, 0);
-    let vector = avx512_bf16();
-    for (r, out) in buf.chunks_exact_mut(kp).take(rows).enumerate() {
-        // SAFETY: row r of the caller's rows.
-        let row = unsafe { std::slice::from_raw_parts(a.add(r * lda), k) };
-        if vector {
-            // SAFETY: the CPU has the instructions (checked above).
-            unsafe { round_row_avx512(row, out) };
-        } else {
-            round_row(row, out);
+/// The CPU has `a`'s ISA; `dst` holds `a`'s rows of `b.cols()` values `ldc` apart
+/// (initialised if `accumulate`).
+unsafe fn product_packed(a: &PackedA, b: &PackedB, dst: *mut f32, ldc: usize, accumulate: bool) {
+    assert!(
+        a.k == b.k && a.pairs == b.pairs,
+        "operands packed for other shapes"
+    );
+    // The kernels walk every row group of the slice they are given: exactly `a.rows` rows,
+    // padded, not the whole (possibly larger, reused) buffer.
+    // SAFETY: forwarded to the caller; `prepare` sized the packing for these rows.
+    unsafe {
+        match a.isa {
+            Some(Isa::Amx) => {
+                let data = &a.data[..a.rows.next_multiple_of(AMX_ROWS) * a.pairs];
+                amx::block_product(data, a.rows, b, dst, ldc, accumulate)
+            }
+            Some(Isa::Avx512) => {
+                let data = &a.data[..a.rows.next_multiple_of(MR) * a.pairs];
+                block_product(data, a.rows, b, dst, ldc, accumulate)
+            }
+            None => {}
         }
     }
+}
+
+/// `dst = a · b` on one thread, with `a` packed by the caller ([`PackedA`]): attention rounds
+/// each row of probabilities as its softmax finishes it.
+///
+/// # Safety
+/// The CPU has the ISA `a` was prepared for; `dst` holds `a`'s rows of `b.cols()` values
+/// `ldc` apart and overlaps no operand.
+pub unsafe fn gemm_packed(a: &PackedA, b: &PackedB, dst: *mut f32, ldc: usize) {
+    // SAFETY: forwarded to the caller.
+    unsafe { product_packed(a, b, dst, ldc, false) }
 }
 
 /// `row` rounded to bf16 pairs: `out[p]` holds values 2p (low half) and 2p + 1.
@@ -436,34 +512,6 @@ unsafe fn round_row_avx512(row: &[f32], out: &mut [u32]) {
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn round_row_avx512(row: &[f32], out: &mut [u32]) {
     round_row(row, out)
-}
-
-/// Packs `rows` rows of `k` f32 values into groups of [`MR`] rows: for each group, each pair
-/// index p holds the MR rows' (2p, 2p+1) values, the operand one broadcast reads. Rows past
-/// `rows` and values past `k` are zero.
-///
-/// # Safety
-/// `a` must hold `rows` rows of `k` values `lda` apart.
-unsafe fn pack_a_interleaved(
-    buf: &mut Vec<u32>,
-    a: *const f32,
-    lda: usize,
-    rows: usize,
-    k: usize,
-    kp: usize,
-) {
-    let groups = rows.div_ceil(MR);
-    buf.clear();
-    buf.resize(groups * kp * MR, 0);
-    for r in 0..rows {
-        // SAFETY: row r of the caller's rows.
-        let row = unsafe { std::slice::from_raw_parts(a.add(r * lda), k) };
-        let group = &mut buf[(r / MR) * kp * MR..][..kp * MR];
-        let lane = r % MR;
-        for (p, two) in row.chunks(2).enumerate() {
-            group[p * MR + lane] = pair(two[0], two.get(1).copied().unwrap_or(0.0));
-        }
-    }
 }
 
 /// All of one packed row block times `b` with the AVX512 kernel, cache block by cache block.

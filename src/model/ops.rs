@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::bf16::{Epilogue, Isa, PackedB};
+use super::bf16::{Epilogue, Isa, PackedA, PackedB};
 
 /// exp(x) for x <= 0: 2^n * p(r) with a Cody-Waite reduction and a degree-6 polynomial;
 /// relative error ~2e-7. Inputs below -87 return 0 exactly (no denormals downstream).
@@ -161,23 +161,43 @@ fn softmax_rows_body(data: &mut [f32], n: usize) {
 }
 
 #[inline(always)]
-fn attention_probs_body(scores: &mut [f32], bias: &[f32], mask: Option<&[f32]>, n: usize) {
-    // Same order of additions as the reference: (q·k + bias) + mask.
-    match mask {
-        Some(mask) => {
-            for ((s, b), m) in scores.iter_mut().zip(bias).zip(mask) {
-                *s = (*s + b) + m;
+fn attention_probs_body(
+    scores: &mut [f32],
+    bias: &[f32],
+    mask: Option<&[f32]>,
+    n: usize,
+    mut rounded: Option<&mut PackedA>,
+) {
+    // Row by row, so that every pass over a row (and its rounding to bf16) runs in L1.
+    for (i, row) in scores.chunks_exact_mut(n).enumerate() {
+        let bias = &bias[i * n..(i + 1) * n];
+        // Same order of additions as the reference: (q·k + bias) + mask.
+        match mask {
+            Some(mask) => {
+                let mask = &mask[i * n..(i + 1) * n];
+                for ((s, b), m) in row.iter_mut().zip(bias).zip(mask) {
+                    *s = (*s + b) + m;
+                }
             }
+            None => row.iter_mut().zip(bias).for_each(|(s, b)| *s += b),
         }
-        None => scores.iter_mut().zip(bias).for_each(|(s, b)| *s += b),
+        softmax_rows_body(row, n);
+        if let Some(packed) = rounded.as_deref_mut() {
+            packed.set_row(i, row);
+        }
     }
-    softmax_rows_body(scores, n);
 }
 
 widest_simd! {
-    /// One head's attention probabilities from its `n x n` scores, in place.
-    fn attention_probs(scores: &mut [f32], bias: &[f32], mask: Option<&[f32]>, n: usize) =
-        attention_probs_body
+    /// One head's attention probabilities from its `n x n` scores, in place; with `rounded`,
+    /// each row is also rounded into that bf16 operand as soon as it is final.
+    fn attention_probs(
+        scores: &mut [f32],
+        bias: &[f32],
+        mask: Option<&[f32]>,
+        n: usize,
+        rounded: Option<&mut PackedA>,
+    ) = attention_probs_body
 }
 
 #[inline(always)]
@@ -472,13 +492,14 @@ enum Products {
     Bf16(Isa),
 }
 
-/// One task's working memory: a window's score matrix, and the bf16 operands kᵀ and v of
-/// one head.
+/// One task's working memory: a window's score matrix, and the bf16 operands kᵀ, v and the
+/// probabilities of one head.
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
     kt: PackedB,
     v: PackedB,
+    probs: PackedA,
 }
 
 /// Attention of one window: for each head, scores = q · kᵀ straight from the strided `qkv`
@@ -494,14 +515,19 @@ fn attend_window(
 ) {
     let (n, c) = (s.n, s.c);
     let (c3, d) = (3 * c, c / s.heads);
-    let Scratch { scores, kt, v } = scratch;
+    let Scratch {
+        scores,
+        kt,
+        v,
+        probs,
+    } = scratch;
     assert!(qkv.len() >= n * c3 && out.len() >= n * c && scores.len() >= n * n);
     for h in 0..s.heads {
         let q = qkv[h * d..].as_ptr();
         let keys = &qkv[c + h * d..];
         let values = &qkv[2 * c + h * d..];
         let head_out = out[h * d..].as_mut_ptr().cast::<f32>();
-        // SAFETY (both products): every access stays inside `qkv` (n rows of c3 starting at
+        // SAFETY (all products): every access stays inside `qkv` (n rows of c3 starting at
         // the head's column), `scores` (n x n) and `out` (n rows of c), as asserted above; the
         // pointers do not alias and no other task touches this window's `out`. kᵀ is k read
         // through swapped strides.
@@ -515,18 +541,33 @@ fn attend_window(
                 (scores.as_mut_ptr(), n),
             )
         };
-        attention_probs(scores, &bias[h * n * n..(h + 1) * n * n], mask, n);
-        // SAFETY: as above.
-        unsafe {
-            head_product(
-                s.products,
-                (n, n, d),
-                (scores.as_ptr(), n),
-                (values, c3, 1),
-                v,
-                (head_out, c),
-            )
-        };
+        let head_bias = &bias[h * n * n..(h + 1) * n * n];
+        let scores = &mut scores[..n * n];
+        match s.products {
+            Products::F32(_) => {
+                attention_probs(scores, head_bias, mask, n, None);
+                // SAFETY: as above.
+                unsafe {
+                    head_product(
+                        s.products,
+                        (n, n, d),
+                        (scores.as_ptr(), n),
+                        (values, c3, 1),
+                        v,
+                        (head_out, c),
+                    )
+                };
+            }
+            Products::Bf16(isa) => {
+                // The probabilities are rounded into the packed operand row by row as the
+                // softmax finishes them, instead of in a pass of their own.
+                v.repack(values, (n, d), (c3, 1));
+                probs.prepare(isa, n, v);
+                attention_probs(scores, head_bias, mask, n, Some(probs));
+                // SAFETY: as above; the caller chose an ISA this CPU has.
+                unsafe { super::bf16::gemm_packed(probs, v, head_out, c) };
+            }
+        }
     }
 }
 
@@ -1263,16 +1304,25 @@ mod tests {
     }
 
     /// The unfused graph, in f64: scores, bias, mask, softmax, weighted sum, heads concatenated.
+    /// With `bf16`, q, k, v and the probabilities are first rounded to bf16, as the bf16
+    /// products take them.
     fn attention_reference(
         qkv: &Tensor,
         bias: &Tensor,
         mask: Option<&Tensor>,
         heads: usize,
+        bf16: bool,
     ) -> Result<Tensor> {
+        let round = |t: Tensor| -> Result<Tensor> {
+            if bf16 {
+                t.to_dtype(DType::BF16)?.to_dtype(DType::F64)
+            } else {
+                Ok(t)
+            }
+        };
         let (bw, n, c3) = qkv.dims3()?;
         let d = c3 / 3 / heads;
-        let qkv = qkv
-            .to_dtype(DType::F64)?
+        let qkv = round(qkv.to_dtype(DType::F64)?)?
             .reshape((bw, n, 3, heads, d))?
             .permute((2, 0, 3, 1, 4))?;
         let (q, k, v) = (
@@ -1290,32 +1340,64 @@ mod tests {
                 .broadcast_add(&mask.to_dtype(DType::F64)?.unsqueeze(1)?)?
                 .reshape((bw, heads, n, n))?;
         }
-        candle_nn::ops::softmax_last_dim(&attn)?
+        round(candle_nn::ops::softmax_last_dim(&attn)?)?
             .matmul(&v)?
             .transpose(1, 2)?
             .reshape((bw, n, heads * d))
     }
 
+    /// Random attention inputs: `bw` windows of `n` tokens, and a shift mask over `nw`
+    /// windows (none if 0) that blocks about 30% of the pairs.
+    fn attention_inputs(
+        (bw, n, heads, d, nw): (usize, usize, usize, usize, usize),
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let dev = Device::Cpu;
+        let qkv = Tensor::randn(0f32, 1.0, (bw, n, 3 * heads * d), &dev)?;
+        let bias = Tensor::randn(0f32, 1.0, (heads, n, n), &dev)?;
+        let mask = if nw > 0 {
+            let keep = Tensor::rand(0f32, 1.0, (nw, n, n), &dev)?.ge(0.3)?;
+            Some(keep.where_cond(
+                &Tensor::zeros((nw, n, n), DType::F32, &dev)?,
+                &Tensor::full(-100f32, (nw, n, n), &dev)?,
+            )?)
+        } else {
+            None
+        };
+        Ok((qkv, bias, mask))
+    }
+
+    #[test]
+    fn bf16_window_attention_matches_the_rounded_graph() -> Result<()> {
+        let isas = super::super::bf16::available_isas();
+        if isas.is_empty() {
+            eprintln!("bf16 attention not tested: this CPU has no bf16 arithmetic");
+        }
+        for isa in isas {
+            // Windows whose token count leaves partial row groups, tiles and panels (49),
+            // pads the probabilities' pairs (16, 49), and odd head dims.
+            for shape in [(4, 16, 3, 5, 2), (2, 49, 2, 7, 0), (3, 64, 2, 6, 1)] {
+                let (qkv, bias, mask) = attention_inputs(shape)?;
+                let ours = window_attention(&qkv, &bias, mask.as_ref(), shape.2, Some(isa))?
+                    .expect("the CPU kernel applies");
+                let want = attention_reference(&qkv, &bias, mask.as_ref(), shape.2, true)?;
+                // Only a probability whose f32 and f64 values round to different bf16
+                // neighbours differs, by one bf16 step of it times a value.
+                let diff = max_abs_diff(&ours, &want)?;
+                assert!(diff < 1e-2, "{isa:?} {shape:?}: max abs error {diff}");
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn fused_window_attention_matches_the_graph() -> Result<()> {
-        let dev = Device::Cpu;
         // (windows, tokens, heads, head dim, mask windows): a batch of two images with a
         // shift mask, odd head dims, and a single window (the GEMMs split across threads).
         for (bw, n, heads, d, nw) in [(8, 16, 3, 5, 4), (3, 64, 2, 7, 0), (1, 64, 4, 6, 1)] {
-            let qkv = Tensor::randn(0f32, 1.0, (bw, n, 3 * heads * d), &dev)?;
-            let bias = Tensor::randn(0f32, 1.0, (heads, n, n), &dev)?;
-            let mask = if nw > 0 {
-                let keep = Tensor::rand(0f32, 1.0, (nw, n, n), &dev)?.ge(0.3)?;
-                Some(keep.where_cond(
-                    &Tensor::zeros((nw, n, n), DType::F32, &dev)?,
-                    &Tensor::full(-100f32, (nw, n, n), &dev)?,
-                )?)
-            } else {
-                None
-            };
+            let (qkv, bias, mask) = attention_inputs((bw, n, heads, d, nw))?;
             let ours = window_attention(&qkv, &bias, mask.as_ref(), heads, None)?
                 .expect("the CPU f32 kernel applies");
-            let want = attention_reference(&qkv, &bias, mask.as_ref(), heads)?;
+            let want = attention_reference(&qkv, &bias, mask.as_ref(), heads, false)?;
             let diff = max_abs_diff(&ours, &want)?;
             assert!(
                 diff < 1e-5,
