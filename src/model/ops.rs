@@ -1514,8 +1514,11 @@ mod tests {
                 .conv2d(&weight.to_dtype(DType::F64)?, 1, 1, 1, 1)?
                 .broadcast_add(&bias.to_dtype(DType::F64)?.reshape((1, cout, 1, 1))?)?
                 .permute((0, 2, 3, 1))?;
+            // f32 sums of 9 * cin unit-variance products: the rounding error grows with the
+            // number of terms (1.1e-5 seen at 333 terms), a misplaced tap costs O(1).
             let diff = max_abs_diff(&ours, &want)?;
-            assert!(diff < 1e-5, "{b}x{h}x{w}x{cin} chunk {chunk}: {diff}");
+            let tolerance = 1e-6 * (9 * cin) as f64;
+            assert!(diff < tolerance, "{b}x{h}x{w}x{cin} chunk {chunk}: {diff}");
         }
         Ok(())
     }
