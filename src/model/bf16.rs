@@ -221,12 +221,34 @@ impl PackedB {
                 "operand out of bounds"
             );
         }
-        let kp = k.div_ceil(2).next_multiple_of(KP_ALIGN);
         self.k = k;
         self.n = n;
-        self.pairs = kp;
+        self.pairs = k.div_ceil(2).next_multiple_of(KP_ALIGN);
         self.data.clear();
-        self.data.resize(n.div_ceil(NR) * kp * NR, 0);
+        self.data.resize(n.div_ceil(NR) * self.pairs * NR, 0);
+        if k == 0 || n == 0 {
+            return;
+        }
+        // The two layouts attention and the layers hand over, a pair's two values side by
+        // side (kᵀ, weights) or a row's columns side by side (v), take vector code; the
+        // scalar loop gathers one value at a time.
+        if avx512_bf16() && (rs == 1 || cs == 1) {
+            // SAFETY: the CPU has the instructions; the bounds were asserted above.
+            unsafe {
+                if rs == 1 {
+                    self.fill_pairs_contiguous(src, cs)
+                } else {
+                    self.fill_columns_contiguous(src, rs)
+                }
+            }
+        } else {
+            self.fill(src, (rs, cs));
+        }
+    }
+
+    /// Writes the used pairs of every panel (the rest stays zero), one value at a time.
+    fn fill(&mut self, src: &[f32], (rs, cs): (usize, usize)) {
+        let (k, n, kp) = (self.k, self.n, self.pairs);
         for (panel, out) in self.data.chunks_exact_mut(kp * NR).enumerate() {
             let cols = (n - panel * NR).min(NR);
             for (p, row) in out.chunks_exact_mut(NR).take(k.div_ceil(2)).enumerate() {
@@ -245,6 +267,128 @@ impl PackedB {
                 }
             }
         }
+    }
+
+    /// [`Self::fill`] for row stride 1: column `c` is `k` consecutive values at `src[c * cs..]`,
+    /// so each of its pairs is two neighbours. 32 values of a column round into 16 pairs at
+    /// once; a gather then turns 32 columns' pairs into the panel's rows of 32 lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX512F and AVX512-BF16; `src` holds `(k - 1) + (n - 1) * cs + 1` values.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn fill_pairs_contiguous(&mut self, src: &[f32], cs: usize) {
+        use std::arch::x86_64::*;
+        let (k, n, kp) = (self.k, self.n, self.pairs);
+        // Column j's 16 pairs of one chunk at block[16 j..]; lane j of the panel's row i is
+        // then element 16 j + i.
+        let mut block = [0u32; NR * 16];
+        let across = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(16),
+        );
+        for (panel, out) in self.data.chunks_exact_mut(kp * NR).enumerate() {
+            let cols = (n - panel * NR).min(NR);
+            block.fill(0);
+            // kp is a multiple of 16 pairs, so the chunks tile it exactly.
+            for (chunk, rows) in out.chunks_exact_mut(16 * NR).enumerate() {
+                let r0 = 32 * chunk;
+                if r0 >= k {
+                    break;
+                }
+                let left = k - r0;
+                let mask = |from: usize| -> __mmask16 {
+                    match left.saturating_sub(from) {
+                        0 => 0,
+                        l if l >= 16 => !0,
+                        l => (1u16 << l) - 1,
+                    }
+                };
+                let (m_lo, m_hi) = (mask(0), mask(16));
+                for j in 0..cols {
+                    // SAFETY: lanes under the masks are rows r0.. of column panel*NR + j,
+                    // inside `src` by the caller's bound; block holds 16 lanes at 16 j.
+                    unsafe {
+                        let base = src.as_ptr().add((panel * NR + j) * cs + r0);
+                        let lo = _mm512_maskz_loadu_ps(m_lo, base);
+                        let hi = if m_hi == 0 {
+                            _mm512_setzero_ps()
+                        } else {
+                            _mm512_maskz_loadu_ps(m_hi, base.add(16))
+                        };
+                        let bits =
+                            std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+                        _mm512_storeu_si512(block.as_mut_ptr().add(16 * j).cast(), bits);
+                    }
+                }
+                for (i, row) in rows.chunks_exact_mut(NR).enumerate() {
+                    // SAFETY: the gathers read block[16 j + i] for j < 32, inside the block;
+                    // the row has NR = 32 lanes.
+                    unsafe {
+                        let idx = _mm512_add_epi32(across, _mm512_set1_epi32(i as i32));
+                        let first = _mm512_i32gather_epi32::<4>(idx, block.as_ptr().cast());
+                        let second =
+                            _mm512_i32gather_epi32::<4>(idx, block.as_ptr().add(256).cast());
+                        _mm512_storeu_si512(row.as_mut_ptr().cast(), first);
+                        _mm512_storeu_si512(row.as_mut_ptr().add(16).cast(), second);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`Self::fill`] for column stride 1: row `r` is `n` consecutive values at
+    /// `src[r * rs..]`. Rows 2p and 2p + 1 round 16 columns at a time and interleave into
+    /// the low and high halves of the lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX512F and AVX512-BF16; `src` holds `(k - 1) * rs + (n - 1) + 1` values.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn fill_columns_contiguous(&mut self, src: &[f32], rs: usize) {
+        use std::arch::x86_64::*;
+        let (k, n, kp) = (self.k, self.n, self.pairs);
+        let round = |v: __m512| -> __m512i {
+            // SAFETY: the caller's CPU has the instructions.
+            _mm512_cvtepu16_epi32(unsafe {
+                std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v))
+            })
+        };
+        for (panel, out) in self.data.chunks_exact_mut(kp * NR).enumerate() {
+            let cols = (n - panel * NR).min(NR);
+            for (p, row) in out.chunks_exact_mut(NR).take(k.div_ceil(2)).enumerate() {
+                for half in 0..2 {
+                    let c0 = panel * NR + 16 * half;
+                    let m: __mmask16 = match cols.saturating_sub(16 * half) {
+                        0 => continue,
+                        l if l >= 16 => !0,
+                        l => (1u16 << l) - 1,
+                    };
+                    // SAFETY: the masked lanes are columns c0.. of rows 2p and 2p + 1 (when
+                    // under k), inside `src` by the caller's bound; the row has 32 lanes.
+                    unsafe {
+                        let lo = _mm512_maskz_loadu_ps(m, src.as_ptr().add(2 * p * rs + c0));
+                        let hi = if 2 * p + 1 < k {
+                            _mm512_maskz_loadu_ps(m, src.as_ptr().add((2 * p + 1) * rs + c0))
+                        } else {
+                            _mm512_setzero_ps()
+                        };
+                        let lanes = _mm512_or_si512(round(lo), _mm512_slli_epi32::<16>(round(hi)));
+                        _mm512_storeu_si512(row.as_mut_ptr().add(16 * half).cast(), lanes);
+                    }
+                }
+            }
+        }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    unsafe fn fill_pairs_contiguous(&mut self, src: &[f32], cs: usize) {
+        self.fill(src, (1, cs))
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    unsafe fn fill_columns_contiguous(&mut self, src: &[f32], rs: usize) {
+        self.fill(src, (rs, 1))
     }
 
     /// Columns `first..first + cols` as a packed matrix of their own, where `first` starts a
@@ -900,6 +1044,48 @@ mod tests {
         assert_eq!(block.data, PackedB::new(&sub, (k, 40), (40, 1)).data);
         assert!(whole.column_block(16, 32).is_none(), "not a panel start");
         assert!(whole.column_block(64, 32).is_none(), "past the last column");
+    }
+
+    #[test]
+    fn vector_packing_equals_the_scalar_packing() {
+        if !avx512_bf16() {
+            eprintln!("vector packing not tested: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Odd k, k past one 32-value chunk, n short of, at and past a panel; sources with
+        // padding between rows or columns, as attention's strided q|k|v rows have.
+        for (k, n) in [
+            (1, 1),
+            (3, 17),
+            (30, 256),
+            (31, 33),
+            (33, 32),
+            (64, 70),
+            (257, 5),
+        ] {
+            for (rs, cs) in [(1, k + 5), (n + 3, 1)] {
+                let src = values((k - 1) * rs + (n - 1) * cs + 1, (k * n) as u64);
+                let packed = PackedB::new(&src, (k, n), (rs, cs));
+                let mut scalar = PackedB {
+                    k,
+                    n,
+                    pairs: packed.pairs,
+                    data: vec![0; packed.data.len()],
+                };
+                scalar.fill(&src, (rs, cs));
+                assert!(
+                    packed.data == scalar.data,
+                    "k {k}, n {n}, strides ({rs}, {cs})"
+                );
+            }
+        }
+        // Reusing a buffer packed for a larger operand leaves nothing of it behind.
+        let big = values(64 * 64, 1);
+        let mut reused = PackedB::new(&big, (64, 64), (1, 64));
+        let small = values(5 * 9, 2);
+        reused.repack(&small, (5, 9), (9, 1));
+        assert!(reused.data == PackedB::new(&small, (5, 9), (9, 1)).data);
+        assert!(reused.data[..].iter().skip(NR * 3).all(|&v| v == 0));
     }
 
     #[test]
