@@ -1,12 +1,16 @@
 //! Derived attention inputs, computed once instead of per forward.
 //!
-//! The relative-position bias depends only on a block's table, so it is gathered at load. The
-//! shift mask depends only on the padded feature size; the official code rebuilds it on the
-//! host in every shifted block for every size but the training size. Here it is built once per
-//! (H, W), shared by every shifted block, tile and batch, and safe to use from several threads;
-//! so is the gather that puts tokens into (shifted) window order. Only the few most recently
-//! used sizes are kept: a mask costs ~200 MB at window 16 for a 512² tile, and a folder of
-//! differently sized images would otherwise grow the cache without bound.
+//! The relative-position bias depends only on a block's table. The CPU reads it straight from
+//! the table, reordered once at load so that each query's biases come in runs of `ws`
+//! contiguous values ([`RelativeBias`]); other devices get it gathered into `(heads, N, N)` at
+//! load. The shift mask depends only on the padded feature size; the official code rebuilds it
+//! on the host in every shifted block for every size but the training size. Here the CPU keeps
+//! one region label per token ([`shift_regions`], 256 bytes a window) and other devices a mask
+//! built once per (H, W); both are shared by every shifted block, tile and batch, and safe to
+//! use from several threads, as is the gather that puts tokens into (shifted) window order.
+//! Only the few most recently used sizes are kept: a mask costs ~200 MB at window 16 for a
+//! 512² tile, and a folder of differently sized images would otherwise grow the cache without
+//! bound.
 
 use std::sync::{Arc, Mutex};
 
@@ -14,54 +18,121 @@ use candle_core::{DType, Device, Result, Tensor};
 
 /// Mask value for token pairs from different regions of the rolled image, as the official
 /// code uses (not -inf: the softmax result is the same, and it keeps fp16 finite).
-const MASK_VALUE: f32 = -100.0;
+pub(super) const MASK_VALUE: f32 = -100.0;
 
-/// Index into the `(2ws-1)^2` bias table for every (query, key) pair of a window, row-major.
-pub fn relative_position_index(ws: usize) -> Vec<u32> {
-    let n = ws * ws;
-    let side = 2 * ws - 1;
-    let mut idx = Vec::with_capacity(n * n);
-    for i in 0..n {
-        let (yi, xi) = (i / ws, i % ws);
-        for j in 0..n {
-            let (yj, xj) = (j / ws, j % ws);
-            idx.push(((yi + ws - 1 - yj) * side + (xi + ws - 1 - xj)) as u32);
-        }
-    }
-    idx
+/// A block's relative-position bias, kept as its `[(2ws-1)^2, heads]` table: 4 KB a head
+/// instead of the 256 KB a gathered `(N, N)` bias takes at window 16, so it stays in L1 and
+/// costs nothing to load. The bias of query `(yi, xi)` and key `(yj, xj)` is table row
+/// `(yi - yj + ws - 1) * side + (xi - xj + ws - 1)`: for a fixed query and key row `yj` the
+/// `ws` keys read `ws` neighbouring table entries in reverse order. Stored per head with each
+/// table row reversed, those are `ws` contiguous values.
+#[derive(Clone, Debug)]
+pub struct RelativeBias {
+    window: usize,
+    heads: usize,
+    /// `rows[(h * side + r) * side + m] = table[r * side + side - 1 - m][h]`.
+    rows: Vec<f32>,
 }
 
-/// Gather a `[(2ws-1)^2, heads]` table into the `(heads, N, N)` bias added to the scores.
-/// Gathered on the host in one loop (the table is a few thousand values): candle's
-/// index_select, reshape and permute made two copies of every block's 1.5 MB bias at load.
+impl RelativeBias {
+    pub fn new(table: &Tensor, ws: usize) -> Result<Self> {
+        let side = 2 * ws - 1;
+        let (rows, heads) = table.dims2()?;
+        if ws == 0 || rows != side * side {
+            candle_core::bail!("relative position table of {rows} rows for window {ws}");
+        }
+        let values = table
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let mut reversed = Vec::with_capacity(heads * side * side);
+        for h in 0..heads {
+            for r in 0..side {
+                reversed.extend((0..side).map(|m| values[(r * side + side - 1 - m) * heads + h]));
+            }
+        }
+        Ok(Self {
+            window: ws,
+            heads,
+            rows: reversed,
+        })
+    }
+
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Adds head `h`'s biases for query `i` to its `N` scores.
+    #[inline(always)]
+    pub fn add_to_row(&self, h: usize, i: usize, row: &mut [f32]) {
+        // The official window, with its runs a compile-time length: one vector add each.
+        if self.window == 16 {
+            self.add_runs::<16>(h, i, row)
+        } else {
+            self.add_runs_of(self.window, h, i, row)
+        }
+    }
+
+    #[inline(always)]
+    fn add_runs<const WS: usize>(&self, h: usize, i: usize, row: &mut [f32]) {
+        let side = 2 * WS - 1;
+        let (yi, xi) = (i / WS, i % WS);
+        let head = &self.rows[h * side * side..(h + 1) * side * side];
+        for (yj, keys) in row.as_chunks_mut::<WS>().0.iter_mut().enumerate() {
+            let run: &[f32; WS] = head[(yi + WS - 1 - yj) * side + WS - 1 - xi..][..WS]
+                .try_into()
+                .expect("a run of WS values");
+            // Whole arrays in and out: element by element through the two references,
+            // the compiler kept every add scalar.
+            *keys = std::array::from_fn(|j| keys[j] + run[j]);
+        }
+    }
+
+    #[inline(always)]
+    fn add_runs_of(&self, ws: usize, h: usize, i: usize, row: &mut [f32]) {
+        let side = 2 * ws - 1;
+        let (yi, xi) = (i / ws, i % ws);
+        let head = &self.rows[h * side * side..(h + 1) * side * side];
+        for (yj, keys) in row.chunks_exact_mut(ws).enumerate() {
+            let run = &head[(yi + ws - 1 - yj) * side + ws - 1 - xi..][..ws];
+            keys.iter_mut().zip(run).for_each(|(s, b)| *s += b);
+        }
+    }
+
+    /// The `(heads, N, N)` bias, as the GPU kernel and candle's graph take it.
+    pub fn gathered(&self) -> Vec<f32> {
+        let n = self.window * self.window;
+        let mut bias = vec![0f32; self.heads * n * n];
+        for (hi, row) in bias.chunks_exact_mut(n).enumerate() {
+            self.add_to_row(hi / n, hi % n, row);
+        }
+        bias
+    }
+}
+
+/// The `(heads, N, N)` bias added to the scores, gathered from a `[(2ws-1)^2, heads]` table
+/// on the table's device and in its dtype.
 pub fn relative_position_bias(table: &Tensor, ws: usize) -> Result<Tensor> {
+    let bias = RelativeBias::new(table, ws)?;
     let n = ws * ws;
-    let (rows, heads) = table.dims2()?;
-    if rows != (2 * ws - 1) * (2 * ws - 1) {
-        candle_core::bail!("relative position table of {rows} rows for window {ws}");
-    }
-    let values = table
-        .to_dtype(DType::F32)?
-        .to_device(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    let idx = relative_position_index(ws);
-    let mut bias = Vec::with_capacity(heads * n * n);
-    for h in 0..heads {
-        bias.extend(idx.iter().map(|&r| values[r as usize * heads + h]));
-    }
-    Tensor::from_vec(bias, (heads, n, n), &Device::Cpu)?
+    Tensor::from_vec(bias.gathered(), (bias.heads, n, n), &Device::Cpu)?
         .to_dtype(table.dtype())?
         .to_device(table.device())
 }
 
-/// The shifted-window mask for a padded feature map of `h x w` (multiples of `ws`), as
-/// `(nW, N, N)` with windows row-major.
-pub fn shift_mask(h: usize, w: usize, ws: usize) -> Vec<f32> {
+/// Region label (0..9) of every token of window `win` of a padded `h x w` map (windows
+/// row-major; a batch repeats the map's windows) after the half-window shift: which of the
+/// 3x3 regions of the rolled map it lies in. Tokens attend only within their region.
+pub fn window_labels(h: usize, w: usize, ws: usize, win: usize, out: &mut [u8]) {
     let shift = ws / 2;
     // Regions of the rolled image: the body, the band that wrapped from the start, and the
-    // band that stayed; tokens attend only within their region.
-    let region = |p: usize, size: usize| -> usize {
+    // band that stayed.
+    let region = |p: usize, size: usize| -> u8 {
         if p + ws < size {
             0
         } else if p + shift < size {
@@ -70,23 +141,37 @@ pub fn shift_mask(h: usize, w: usize, ws: usize) -> Vec<f32> {
             2
         }
     };
-    let (nh, nw) = (h / ws, w / ws);
+    let nw = w / ws;
+    let win = win % ((h / ws) * nw);
+    let (wy, wx) = (win / nw, win % nw);
+    for (t, label) in out.iter_mut().take(ws * ws).enumerate() {
+        let y = wy * ws + t / ws;
+        let x = wx * ws + t % ws;
+        *label = 3 * region(y, h) + region(x, w);
+    }
+}
+
+/// [`window_labels`] of every window of an `h x w` map, `(nW, N)`.
+pub fn shift_regions(h: usize, w: usize, ws: usize) -> Vec<u8> {
     let n = ws * ws;
-    let mut mask = vec![0f32; nh * nw * n * n];
-    let mut labels = vec![0usize; n];
-    for wy in 0..nh {
-        for wx in 0..nw {
-            for (t, label) in labels.iter_mut().enumerate() {
-                let y = wy * ws + t / ws;
-                let x = wx * ws + t % ws;
-                *label = 3 * region(y, h) + region(x, w);
-            }
-            let base = (wy * nw + wx) * n * n;
-            for i in 0..n {
-                for j in 0..n {
-                    if labels[i] != labels[j] {
-                        mask[base + i * n + j] = MASK_VALUE;
-                    }
+    let mut labels = vec![0u8; (h / ws) * (w / ws) * n];
+    for (win, out) in labels.chunks_exact_mut(n).enumerate() {
+        window_labels(h, w, ws, win, out);
+    }
+    labels
+}
+
+/// The shifted-window mask for a padded feature map of `h x w` (multiples of `ws`), as
+/// `(nW, N, N)` with windows row-major: [`MASK_VALUE`] between tokens of different regions.
+pub fn shift_mask(h: usize, w: usize, ws: usize) -> Vec<f32> {
+    let n = ws * ws;
+    let labels = shift_regions(h, w, ws);
+    let mut mask = vec![0f32; labels.len() * n];
+    for (rows, labels) in mask.chunks_exact_mut(n * n).zip(labels.chunks_exact(n)) {
+        for (row, li) in rows.chunks_exact_mut(n).zip(labels) {
+            for (m, lj) in row.iter_mut().zip(labels) {
+                if li != lj {
+                    *m = MASK_VALUE;
                 }
             }
         }
@@ -181,14 +266,15 @@ impl<K: PartialEq + Copy, V: Clone> Shared<K, V> {
     }
 }
 
-/// Shift masks and window orderings keyed by padded size, on the model's device (masks in its
-/// dtype).
+/// Shift masks, region labels and window orderings keyed by padded size, on the model's
+/// device (masks in its dtype; labels on the host, for the CPU kernel).
 #[derive(Clone)]
 pub struct WindowCache {
     window: usize,
     dtype: DType,
     device: Device,
     masks: Shared<(usize, usize), Tensor>,
+    regions: Shared<(usize, usize), Arc<[u8]>>,
     partitions: Shared<(usize, usize, bool), Partition>,
 }
 
@@ -199,6 +285,7 @@ impl WindowCache {
             dtype,
             device: device.clone(),
             masks: Shared::new(),
+            regions: Shared::new(),
             partitions: Shared::new(),
         }
     }
@@ -234,10 +321,17 @@ impl WindowCache {
         })
     }
 
+    /// [`shift_regions`] for an `h x w` map.
+    pub fn regions(&self, h: usize, w: usize) -> Result<Arc<[u8]>> {
+        self.regions
+            .get_or_try_insert((h, w), || Ok(shift_regions(h, w, self.window).into()))
+    }
+
     #[cfg(test)]
-    /// Number of sizes with a cached mask.
+    /// Number of sizes with a cached mask or cached labels (a model uses one kind: labels on
+    /// the CPU, masks elsewhere).
     pub fn len(&self) -> usize {
-        self.masks.lock().entries.len()
+        self.masks.lock().entries.len() + self.regions.lock().entries.len()
     }
 
     #[cfg(test)]
@@ -251,10 +345,27 @@ impl WindowCache {
 mod tests {
     use super::*;
 
+    /// Index into the `(2ws-1)^2` bias table for every (query, key) pair of a window,
+    /// row-major, as the official code builds it.
+    fn relative_position_index(ws: usize) -> Vec<u32> {
+        let n = ws * ws;
+        let side = 2 * ws - 1;
+        let mut idx = Vec::with_capacity(n * n);
+        for i in 0..n {
+            let (yi, xi) = (i / ws, i % ws);
+            for j in 0..n {
+                let (yj, xj) = (j / ws, j % ws);
+                idx.push(((yi + ws - 1 - yj) * side + (xi + ws - 1 - xj)) as u32);
+            }
+        }
+        idx
+    }
+
     /// The host gather equals candle's index_select / reshape / permute of the table.
     #[test]
     fn bias_is_the_table_gathered_per_head() -> Result<()> {
-        for (ws, heads) in [(4usize, 3usize), (8, 6)] {
+        // Window 16 takes the compile-time path, the others the general one.
+        for (ws, heads) in [(4usize, 3usize), (8, 6), (16, 2), (7, 1)] {
             let n = ws * ws;
             let side = 2 * ws - 1;
             let table = Tensor::randn(0f32, 1.0, (side * side, heads), &Device::Cpu)?;
@@ -305,6 +416,45 @@ mod tests {
         let last = (h / ws) * nw - 1;
         assert_eq!(m[last * n * n + n - 1], MASK_VALUE);
         assert_eq!(m[last * n * n + (n - 1) * n + n - 1], 0.0);
+    }
+
+    /// The labels against the official construction: an image of region numbers filled slice
+    /// by slice (rows `..h-ws`, `h-ws..h-shift`, `h-shift..`, the same for columns), then cut
+    /// into windows.
+    #[test]
+    fn labels_follow_the_official_slices() {
+        for (h, w, ws) in [(8, 12, 4), (24, 16, 8), (4, 8, 4), (32, 48, 16)] {
+            let shift = ws / 2;
+            let slices = |size: usize| {
+                [
+                    (0, size - ws),
+                    (size - ws, size - shift),
+                    (size - shift, size),
+                ]
+            };
+            let mut img = vec![0u8; h * w];
+            let mut count = 0;
+            for (y0, y1) in slices(h) {
+                for (x0, x1) in slices(w) {
+                    for y in y0..y1 {
+                        img[y * w + x0..y * w + x1].fill(count);
+                    }
+                    count += 1;
+                }
+            }
+            let ours = shift_regions(h, w, ws);
+            let nw = w / ws;
+            for (t, &label) in ours.iter().enumerate() {
+                let (win, tok) = (t / (ws * ws), t % (ws * ws));
+                let y = (win / nw) * ws + tok / ws;
+                let x = (win % nw) * ws + tok % ws;
+                assert_eq!(
+                    label,
+                    img[y * w + x],
+                    "{h}x{w}/{ws}: window {win}, token {tok}"
+                );
+            }
+        }
     }
 
     #[test]

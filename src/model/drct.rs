@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 
 use super::bf16::{Isa, PackedB};
-use super::cache::{relative_position_bias, WindowCache};
+use super::cache::{relative_position_bias, RelativeBias, WindowCache};
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
 use super::fused::{fused_window_attention, Attention};
 use super::norm::{add_gather_norm, layer_norm, norm_gather};
@@ -361,8 +361,11 @@ pub struct WindowAttention {
     heads: usize,
     head_dim: usize,
     window: usize,
-    /// `(heads, N, N)`, gathered from the table once at load.
-    bias: Tensor,
+    /// The table, read directly by the CPU kernel.
+    table: RelativeBias,
+    /// `(heads, N, N)`, gathered from the table at load for the CUDA kernel and candle's
+    /// graph; `None` for a model on the CPU, whose kernel never needs it.
+    bias: Option<Tensor>,
     attention: Attention,
     /// bf16 products on the CPU, on these instructions.
     bf16: Option<Isa>,
@@ -394,13 +397,19 @@ impl WindowAttention {
             ((2 * ws - 1) * (2 * ws - 1), heads),
             "relative_position_bias_table",
         )?;
+        let bias = if table.device().is_cpu() {
+            None
+        } else {
+            Some(relative_position_bias(&table, ws)?)
+        };
         Ok(Self {
             qkv: Dense::new(w, b),
             proj: Dense::load(dim, dim, vb.pp("proj"))?,
             heads,
             head_dim,
             window: ws,
-            bias: relative_position_bias(&table, ws)?,
+            table: RelativeBias::new(&table, ws)?,
+            bias,
             attention,
             bf16: None,
         })
@@ -422,6 +431,20 @@ impl WindowAttention {
             && self.head_dim <= super::fused::MAX_HEAD_DIM
     }
 
+    /// The gathered `(heads, N, N)` bias: built at load off the CPU, else now (only candle's
+    /// graph on the CPU needs it, for inputs the CPU kernel does not take).
+    fn gathered_bias(&self, like: &Tensor) -> Result<Tensor> {
+        match &self.bias {
+            Some(b) => Ok(b.clone()),
+            None => {
+                let n = self.window * self.window;
+                Tensor::from_vec(self.table.gathered(), (self.heads, n, n), &Device::Cpu)?
+                    .to_dtype(like.dtype())?
+                    .to_device(like.device())
+            }
+        }
+    }
+
     /// `x`: windows `(B*nW, N, C)` of `(B, h, w)` maps, partitioned after a half-window shift
     /// when `shifted`; the shift mask is computed inside the kernel.
     pub fn forward_fused(
@@ -431,19 +454,29 @@ impl WindowAttention {
         shifted: bool,
     ) -> Result<Tensor> {
         let qkv = self.qkv.forward(x)?;
-        let out =
-            fused_window_attention(&qkv, &self.bias, self.heads, self.window, (h, w), shifted)?;
+        let bias = self.gathered_bias(&qkv)?;
+        let out = fused_window_attention(&qkv, &bias, self.heads, self.window, (h, w), shifted)?;
         self.proj.forward(&out)
     }
 
-    /// `x`: windows `(B*nW, N, C)`; `mask`: `(nW, N, N)` for shifted blocks.
-    pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    /// `x`: windows `(B*nW, N, C)` of `(B, h, w)` maps, partitioned after a half-window shift
+    /// when `shifted` (then masked as `windows` says for that size).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        (h, w): (usize, usize),
+        shifted: bool,
+        windows: &WindowCache,
+    ) -> Result<Tensor> {
         let (bw, n, c) = x.dims3()?;
         let qkv = self.qkv.forward(x)?;
-        if let Some(out) =
-            super::ops::window_attention(&qkv, &self.bias, mask, self.heads, self.bf16)?
-        {
-            return self.proj.forward(&out);
+        if qkv.device().is_cpu() {
+            let regions = shifted.then(|| windows.regions(h, w)).transpose()?;
+            if let Some(out) =
+                super::ops::window_attention(&qkv, &self.table, regions.as_deref(), self.bf16)?
+            {
+                return self.proj.forward(&out);
+            }
         }
         let qkv = qkv
             .reshape((bw, n, 3, self.heads, self.head_dim))?
@@ -451,8 +484,9 @@ impl WindowAttention {
         let q = qkv.get(0)?.contiguous()?;
         let k = qkv.get(1)?.contiguous()?;
         let v = qkv.get(2)?.contiguous()?;
-        let mut attn = q.matmul(&k.t()?)?.broadcast_add(&self.bias)?;
-        if let Some(mask) = mask {
+        let mut attn = q.matmul(&k.t()?)?.broadcast_add(&self.gathered_bias(&q)?)?;
+        if shifted {
+            let mask = windows.mask(h, w)?;
             let nw = mask.dim(0)?;
             attn = attn
                 .reshape((bw / nw, nw, self.heads, n, n))?
@@ -519,12 +553,8 @@ impl Module for SwinBlock {
         let y = if self.attn.runs_fused(x.device()) {
             self.attn.forward_fused(&windows, (h, w), self.shifted)?
         } else {
-            let mask = if self.shifted {
-                Some(self.windows.mask(h, w)?)
-            } else {
-                None
-            };
-            self.attn.forward(&windows, mask.as_ref())?
+            self.attn
+                .forward(&windows, (h, w), self.shifted, &self.windows)?
         };
         let (x, normed) = add_gather_norm(&self.norm2, &x, &y.reshape((b, h * w, c))?, &back)?;
         self.mlp
@@ -701,7 +731,8 @@ impl Drct {
     }
 
     #[cfg(test)]
-    /// Number of distinct padded sizes whose shift mask is cached.
+    /// Number of distinct padded sizes whose shift mask (or, on the CPU, region labels) is
+    /// cached.
     pub fn cached_masks(&self) -> usize {
         self.windows.len()
     }

@@ -13,6 +13,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::cache::MASK_VALUE;
+
 /// How window attention runs on CUDA devices. The CPU always runs its own fused f32 kernel
 /// (or candle's graph in other dtypes), whatever the choice.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -24,9 +26,6 @@ pub enum Attention {
     /// candle's op graph: matmul, bias, stored mask, softmax, matmul.
     Reference,
 }
-
-/// What the official code adds to the scores of token pairs from different regions.
-const MASK_VALUE: f32 = -100.0;
 
 /// Largest head dim the CUDA kernel has a variant for.
 pub const MAX_HEAD_DIM: usize = 128;
@@ -103,28 +102,10 @@ impl FusedWindowAttention {
     /// Region label (0..9) of every token of window `win` (row-major within the batch): which
     /// of the 3x3 regions of the rolled map it lies in. Zero everywhere when not shifted.
     fn labels(&self, win: usize, out: &mut [u8]) {
-        let ws = self.window;
-        if !self.shifted {
+        if self.shifted {
+            super::cache::window_labels(self.height, self.width, self.window, win, out);
+        } else {
             out.fill(0);
-            return;
-        }
-        let shift = ws / 2;
-        let region = |p: usize, size: usize| -> u8 {
-            if p + ws < size {
-                0
-            } else if p + shift < size {
-                1
-            } else {
-                2
-            }
-        };
-        let nwx = self.width / ws;
-        let w_img = win % ((self.height / ws) * nwx);
-        let (wy, wx) = (w_img / nwx, w_img % nwx);
-        for (t, label) in out.iter_mut().enumerate() {
-            let y = wy * ws + t / ws;
-            let x = wx * ws + t % ws;
-            *label = 3 * region(y, self.height) + region(x, self.width);
         }
     }
 }
@@ -434,7 +415,7 @@ pub fn fused_window_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::cache::WindowCache;
+    use crate::model::cache::{relative_position_bias, RelativeBias, WindowCache};
     use candle_core::Device;
 
     fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
@@ -456,29 +437,38 @@ mod tests {
         (1, 4, 4, 4, 4, 2),
     ];
 
-    /// Random `(qkv, bias)` for `windows` windows of `n` tokens, q scaled by `d^-0.5` as the
-    /// model does, so scores are a few units: the bias and the mask's -100 both matter.
-    fn inputs(windows: usize, n: usize, heads: usize, d: usize) -> Result<(Tensor, Tensor)> {
+    /// Random `(qkv, bias)` for `windows` windows of `ws x ws` tokens, q scaled by `d^-0.5`
+    /// as the model does, so scores are a few units: the bias and the mask's -100 both
+    /// matter. The bias comes from a random table, gathered, and as the CPU kernel reads it.
+    fn inputs(
+        windows: usize,
+        ws: usize,
+        heads: usize,
+        d: usize,
+    ) -> Result<(Tensor, Tensor, RelativeBias)> {
         let dev = Device::Cpu;
-        let c = heads * d;
+        let (n, c, side) = (ws * ws, heads * d, 2 * ws - 1);
         let q = (Tensor::randn(0f32, 1.0, (windows, n, c), &dev)? * (d as f64).powf(-0.5))?;
         let kv = Tensor::randn(0f32, 1.0, (windows, n, 2 * c), &dev)?;
-        let bias = Tensor::randn(0f32, 1.0, (heads, n, n), &dev)?;
-        Ok((Tensor::cat(&[q, kv], 2)?, bias))
+        let table = Tensor::randn(0f32, 1.0, (side * side, heads), &dev)?;
+        Ok((
+            Tensor::cat(&[q, kv], 2)?,
+            relative_position_bias(&table, ws)?,
+            RelativeBias::new(&table, ws)?,
+        ))
     }
 
-    /// The fused op against the model's CPU attention with the mask `WindowCache` stores.
-    fn check_against_stored_mask(
+    /// The fused op against the model's CPU attention with the region labels `WindowCache`
+    /// stores.
+    fn check_against_the_cpu_kernel(
         (b, h, w, ws, heads, d): (usize, usize, usize, usize, usize, usize),
         shifted: bool,
     ) -> Result<f32> {
-        let dev = Device::Cpu;
-        let n = ws * ws;
         let windows = b * (h / ws) * (w / ws);
-        let (qkv, bias) = inputs(windows, n, heads, d)?;
-        let cache = WindowCache::new(ws, DType::F32, &dev);
-        let mask = shifted.then(|| cache.mask(h, w)).transpose()?;
-        let want = crate::model::ops::window_attention(&qkv, &bias, mask.as_ref(), heads, None)?
+        let (qkv, bias, table) = inputs(windows, ws, heads, d)?;
+        let cache = WindowCache::new(ws, DType::F32, &Device::Cpu);
+        let regions = shifted.then(|| cache.regions(h, w)).transpose()?;
+        let want = crate::model::ops::window_attention(&qkv, &table, regions.as_deref(), None)?
             .expect("the CPU f32 kernel applies");
         let ours = fused_window_attention(&qkv, &bias, heads, ws, (h, w), shifted)?;
         assert_eq!(ours.dims(), want.dims());
@@ -486,10 +476,10 @@ mod tests {
     }
 
     #[test]
-    fn cpu_twin_matches_attention_with_the_stored_mask() -> Result<()> {
+    fn cpu_twin_matches_the_cpu_kernel() -> Result<()> {
         for case in CASES {
             for shifted in [false, true] {
-                let diff = check_against_stored_mask(case, shifted)?;
+                let diff = check_against_the_cpu_kernel(case, shifted)?;
                 assert!(
                     diff < 1e-5,
                     "{case:?} shifted {shifted}: max abs error {diff}"
@@ -499,18 +489,16 @@ mod tests {
         Ok(())
     }
 
-    /// A label rule that differs from the stored mask anywhere must show: every window of the
+    /// A label rule that differs from the CPU kernel's anywhere must show: every window of the
     /// last row and column has tokens of several regions, and their outputs move by far more
     /// than the tolerance when the mask is wrong (checked here by dropping it altogether).
     #[test]
     fn a_wrong_mask_is_caught() -> Result<()> {
         let (b, h, w, ws, heads, d) = CASES[2];
-        let dev = Device::Cpu;
-        let n = ws * ws;
         let windows = b * (h / ws) * (w / ws);
-        let (qkv, bias) = inputs(windows, n, heads, d)?;
-        let mask = WindowCache::new(ws, DType::F32, &dev).mask(h, w)?;
-        let want = crate::model::ops::window_attention(&qkv, &bias, Some(&mask), heads, None)?
+        let (qkv, bias, table) = inputs(windows, ws, heads, d)?;
+        let regions = WindowCache::new(ws, DType::F32, &Device::Cpu).regions(h, w)?;
+        let want = crate::model::ops::window_attention(&qkv, &table, Some(&regions), None)?
             .expect("the CPU f32 kernel applies");
         let unmasked = fused_window_attention(&qkv, &bias, heads, ws, (h, w), false)?;
         assert!(max_abs_diff(&unmasked, &want)? > 1e-2);
@@ -522,7 +510,8 @@ mod tests {
 
     #[test]
     fn labels_match_the_stored_mask_everywhere() {
-        // Equal labels exactly where the stored mask is zero, for every window and pair.
+        // Equal labels exactly where the stored mask (what candle's graph adds) is zero, for
+        // every window and pair.
         for (h, w, ws) in [
             (8, 12, 4),
             (24, 16, 8),
@@ -558,9 +547,8 @@ mod tests {
     #[test]
     fn half_precision_inputs_follow_the_f32_result() -> Result<()> {
         let (b, h, w, ws, heads, d) = CASES[0];
-        let n = ws * ws;
         let windows = b * (h / ws) * (w / ws);
-        let (qkv, bias) = inputs(windows, n, heads, d)?;
+        let (qkv, bias, _) = inputs(windows, ws, heads, d)?;
         for dt in [DType::BF16, DType::F16] {
             let (q, bi) = (qkv.to_dtype(dt)?, bias.to_dtype(dt)?);
             let ours = fused_window_attention(&q, &bi, heads, ws, (h, w), true)?;

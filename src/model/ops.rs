@@ -10,6 +10,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::bf16::{Epilogue, Isa, PackedA, PackedB};
+use super::cache::{RelativeBias, MASK_VALUE};
 
 /// exp(x) for x <= 0: 2^n * p(r) with a Cody-Waite reduction and a degree-6 polynomial;
 /// relative error ~2e-7. Inputs below -87 return 0 exactly (no denormals downstream).
@@ -163,23 +164,20 @@ fn softmax_rows_body(data: &mut [f32], n: usize) {
 #[inline(always)]
 fn attention_probs_body(
     scores: &mut [f32],
-    bias: &[f32],
-    mask: Option<&[f32]>,
+    (bias, h): (&RelativeBias, usize),
+    labels: Option<&[u8]>,
     n: usize,
     mut rounded: Option<&mut PackedA>,
 ) {
     // Row by row, so that every pass over a row (and its rounding to bf16) runs in L1.
     for (i, row) in scores.chunks_exact_mut(n).enumerate() {
-        let bias = &bias[i * n..(i + 1) * n];
         // Same order of additions as the reference: (q·k + bias) + mask.
-        match mask {
-            Some(mask) => {
-                let mask = &mask[i * n..(i + 1) * n];
-                for ((s, b), m) in row.iter_mut().zip(bias).zip(mask) {
-                    *s = (*s + b) + m;
-                }
+        bias.add_to_row(h, i, row);
+        if let Some(labels) = labels {
+            let own = labels[i];
+            for (s, &l) in row.iter_mut().zip(labels) {
+                *s += if l == own { 0.0 } else { MASK_VALUE };
             }
-            None => row.iter_mut().zip(bias).for_each(|(s, b)| *s += b),
         }
         softmax_rows_body(row, n);
         if let Some(packed) = rounded.as_deref_mut() {
@@ -189,12 +187,13 @@ fn attention_probs_body(
 }
 
 widest_simd! {
-    /// One head's attention probabilities from its `n x n` scores, in place; with `rounded`,
-    /// each row is also rounded into that bf16 operand as soon as it is final.
+    /// Head `h`'s attention probabilities from its `n x n` scores, in place, with the
+    /// window's region labels (`labels`) standing for the shift mask; with `rounded`, each
+    /// row is also rounded into that bf16 operand as soon as it is final.
     fn attention_probs(
         scores: &mut [f32],
-        bias: &[f32],
-        mask: Option<&[f32]>,
+        bias: (&RelativeBias, usize),
+        labels: Option<&[u8]>,
         n: usize,
         rounded: Option<&mut PackedA>,
     ) = attention_probs_body
@@ -392,48 +391,44 @@ unsafe impl Sync for SendPtrs {}
 /// rereads the `(windows, heads, N, N)` scores four times and copies q, k, v and the output.
 ///
 /// `qkv`: `(B*nW, N, 3C)` (q, k, v, then heads, then head dim, as the official reshape reads
-/// it), q already scaled; `bias`: `(heads, N, N)`; `mask`: `(nW, N, N)`. Returns `(B*nW, N, C)`
-/// with heads concatenated, or `None` where the kernel does not apply (another device or
-/// dtype), so the caller runs the generic graph. With `bf16`, both products take bf16
-/// operands (f32 sums); the softmax stays f32.
+/// it), q already scaled; `bias`: the block's table; `regions`: for shifted windows, the
+/// `(nW, N)` region labels of one map's windows ([`super::cache::shift_regions`]), tokens of
+/// different regions being masked as the official mask does. Returns `(B*nW, N, C)` with heads
+/// concatenated, or `None` where the kernel does not apply (another device or dtype), so the
+/// caller runs the generic graph. With `bf16`, both products take bf16 operands (f32 sums);
+/// the softmax stays f32.
 pub fn window_attention(
     qkv: &Tensor,
-    bias: &Tensor,
-    mask: Option<&Tensor>,
-    heads: usize,
+    bias: &RelativeBias,
+    regions: Option<&[u8]>,
     bf16: Option<Isa>,
 ) -> Result<Option<Tensor>> {
-    let all_f32_cpu = [Some(qkv), Some(bias), mask]
-        .into_iter()
-        .flatten()
-        .all(use_kernel);
-    if !all_f32_cpu {
+    if !use_kernel(qkv) {
         return Ok(None);
     }
     let (bw, n, c3) = qkv.dims3()?;
+    let heads = bias.heads();
     let c = c3 / 3;
-    let d = c / heads;
-    if c3 != 3 * c || c != heads * d || bias.dims() != [heads, n, n] {
+    let d = c / heads.max(1);
+    let ws = bias.window();
+    if c3 != 3 * c || c != heads * d || n != ws * ws {
         candle_core::bail!(
-            "window attention: qkv {:?}, bias {:?}",
-            qkv.dims(),
-            bias.dims()
+            "window attention: qkv {:?} for {heads} heads and window {ws}",
+            qkv.dims()
         );
     }
-    let (qkv_guard, qkv_layout) = qkv.storage_and_layout();
-    let (bias_guard, bias_layout) = bias.storage_and_layout();
-    let mask_parts = mask.map(|m| m.storage_and_layout());
-    let qkv_data = cpu_slice(&qkv_guard, qkv_layout)?;
-    let bias_data = cpu_slice(&bias_guard, bias_layout)?;
-    let (mask_data, nw) = match (&mask_parts, mask) {
-        (Some((guard, layout)), Some(m)) => {
-            if m.dims()[1..] != [n, n] || bw % m.dim(0)? != 0 {
-                candle_core::bail!("window attention: mask {:?} for {bw} windows", m.dims());
-            }
-            (Some(cpu_slice(guard, layout)?), m.dim(0)?)
+    let nw = match regions {
+        Some(r) if r.is_empty() || r.len() % n != 0 || bw % (r.len() / n) != 0 => {
+            candle_core::bail!(
+                "window attention: {} region labels for {bw} windows",
+                r.len()
+            )
         }
-        _ => (None, 1),
+        Some(r) => r.len() / n,
+        None => 1,
     };
+    let (qkv_guard, qkv_layout) = qkv.storage_and_layout();
+    let qkv_data = cpu_slice(&qkv_guard, qkv_layout)?;
 
     // Windows are independent: one task each, with a private score matrix. With fewer
     // windows than threads the GEMMs themselves are split instead.
@@ -465,13 +460,17 @@ pub fn window_attention(
             },
             |scratch, (win, out)| {
                 let qkv = &qkv_data[win * n * 3 * c..(win + 1) * n * 3 * c];
-                let mask = mask_data.map(|m| &m[(win % nw) * n * n..(win % nw + 1) * n * n]);
-                attend_window(&shape, qkv, bias_data, mask, scratch, out);
+                // A window inside one region (all but the last row and column of windows)
+                // masks nothing.
+                let labels = regions
+                    .map(|r| &r[(win % nw) * n..(win % nw + 1) * n])
+                    .filter(|l| l.iter().any(|&v| v != l[0]));
+                attend_window(&shape, qkv, bias, labels, scratch, out);
             },
         );
     // SAFETY: `attend_window` wrote all bw * n * c elements.
     unsafe { out.set_len(bw * n * c) };
-    drop((qkv_guard, bias_guard, mask_parts));
+    drop(qkv_guard);
     Ok(Some(Tensor::from_vec(out, (bw, n, c), qkv.device())?))
 }
 
@@ -503,13 +502,14 @@ struct Scratch {
 }
 
 /// Attention of one window: for each head, scores = q · kᵀ straight from the strided `qkv`
-/// rows (`n` rows of q | k | v), + bias (+ mask), softmax in place, then the head's `d`
-/// output columns = probabilities · v. Writes every element of `out` (`n` rows of `c`).
+/// rows (`n` rows of q | k | v), + bias (+ mask from the region `labels`), softmax in place,
+/// then the head's `d` output columns = probabilities · v. Writes every element of `out` (`n`
+/// rows of `c`).
 fn attend_window(
     s: &WindowShape,
     qkv: &[f32],
-    bias: &[f32],
-    mask: Option<&[f32]>,
+    bias: &RelativeBias,
+    labels: Option<&[u8]>,
     scratch: &mut Scratch,
     out: &mut [std::mem::MaybeUninit<f32>],
 ) {
@@ -541,11 +541,10 @@ fn attend_window(
                 (scores.as_mut_ptr(), n),
             )
         };
-        let head_bias = &bias[h * n * n..(h + 1) * n * n];
         let scores = &mut scores[..n * n];
         match s.products {
             Products::F32(_) => {
-                attention_probs(scores, head_bias, mask, n, None);
+                attention_probs(scores, (bias, h), labels, n, None);
                 // SAFETY: as above.
                 unsafe {
                     head_product(
@@ -563,7 +562,7 @@ fn attend_window(
                 // softmax finishes them, instead of in a pass of their own.
                 v.repack(values, (n, d), (c3, 1));
                 probs.prepare(isa, n, v);
-                attention_probs(scores, head_bias, mask, n, Some(probs));
+                attention_probs(scores, (bias, h), labels, n, Some(probs));
                 // SAFETY: as above; the caller chose an ISA this CPU has.
                 unsafe { super::bf16::gemm_packed(probs, v, head_out, c) };
             }
@@ -1346,24 +1345,40 @@ mod tests {
             .reshape((bw, n, heads * d))
     }
 
-    /// Random attention inputs: `bw` windows of `n` tokens, and a shift mask over `nw`
-    /// windows (none if 0) that blocks about 30% of the pairs.
+    /// Random attention inputs for `bw` windows of `ws x ws` tokens: qkv, a bias table, and
+    /// for shifted windows (`nw > 0`) the region labels of a `ws x nw*ws` map (whose windows
+    /// all straddle regions). Also the gathered bias and the stored mask the reference takes.
+    #[allow(clippy::type_complexity)]
     fn attention_inputs(
-        (bw, n, heads, d, nw): (usize, usize, usize, usize, usize),
-    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        (bw, ws, heads, d, nw): (usize, usize, usize, usize, usize),
+    ) -> Result<(
+        Tensor,
+        RelativeBias,
+        Option<Vec<u8>>,
+        Tensor,
+        Option<Tensor>,
+    )> {
         let dev = Device::Cpu;
+        let n = ws * ws;
         let qkv = Tensor::randn(0f32, 1.0, (bw, n, 3 * heads * d), &dev)?;
-        let bias = Tensor::randn(0f32, 1.0, (heads, n, n), &dev)?;
-        let mask = if nw > 0 {
-            let keep = Tensor::rand(0f32, 1.0, (nw, n, n), &dev)?.ge(0.3)?;
-            Some(keep.where_cond(
-                &Tensor::zeros((nw, n, n), DType::F32, &dev)?,
-                &Tensor::full(-100f32, (nw, n, n), &dev)?,
-            )?)
+        let side = 2 * ws - 1;
+        let table = Tensor::randn(0f32, 1.0, (side * side, heads), &dev)?;
+        let (regions, mask) = if nw > 0 {
+            let mask = super::super::cache::shift_mask(ws, nw * ws, ws);
+            (
+                Some(super::super::cache::shift_regions(ws, nw * ws, ws)),
+                Some(Tensor::from_vec(mask, (nw, n, n), &dev)?),
+            )
         } else {
-            None
+            (None, None)
         };
-        Ok((qkv, bias, mask))
+        Ok((
+            qkv,
+            RelativeBias::new(&table, ws)?,
+            regions,
+            super::super::cache::relative_position_bias(&table, ws)?,
+            mask,
+        ))
     }
 
     #[test]
@@ -1373,13 +1388,19 @@ mod tests {
             eprintln!("bf16 attention not tested: this CPU has no bf16 arithmetic");
         }
         for isa in isas {
-            // Windows whose token count leaves partial row groups, tiles and panels (49),
-            // pads the probabilities' pairs (16, 49), and odd head dims.
-            for shape in [(4, 16, 3, 5, 2), (2, 49, 2, 7, 0), (3, 64, 2, 6, 1)] {
-                let (qkv, bias, mask) = attention_inputs(shape)?;
-                let ours = window_attention(&qkv, &bias, mask.as_ref(), shape.2, Some(isa))?
+            // (windows, window, heads, head dim, mask windows). Windows whose token count
+            // leaves partial row groups, tiles and panels (49), pads the probabilities' pairs
+            // (16, 49), odd head dims, and the official window.
+            for shape in [
+                (4, 4, 3, 5, 2),
+                (2, 7, 2, 7, 0),
+                (3, 8, 2, 6, 1),
+                (2, 16, 2, 6, 2),
+            ] {
+                let (qkv, bias, regions, gathered, mask) = attention_inputs(shape)?;
+                let ours = window_attention(&qkv, &bias, regions.as_deref(), Some(isa))?
                     .expect("the CPU kernel applies");
-                let want = attention_reference(&qkv, &bias, mask.as_ref(), shape.2, true)?;
+                let want = attention_reference(&qkv, &gathered, mask.as_ref(), shape.2, true)?;
                 // Only a probability whose f32 and f64 values round to different bf16
                 // neighbours differs, by one bf16 step of it times a value.
                 let diff = max_abs_diff(&ours, &want)?;
@@ -1391,27 +1412,38 @@ mod tests {
 
     #[test]
     fn fused_window_attention_matches_the_graph() -> Result<()> {
-        // (windows, tokens, heads, head dim, mask windows): a batch of two images with a
-        // shift mask, odd head dims, and a single window (the GEMMs split across threads).
-        for (bw, n, heads, d, nw) in [(8, 16, 3, 5, 4), (3, 64, 2, 7, 0), (1, 64, 4, 6, 1)] {
-            let (qkv, bias, mask) = attention_inputs((bw, n, heads, d, nw))?;
-            let ours = window_attention(&qkv, &bias, mask.as_ref(), heads, None)?
+        // (windows, window, heads, head dim, mask windows): a batch of two images with a
+        // shift mask, odd head dims, a single window (the GEMMs split across threads), and
+        // the official window with a mask.
+        for shape in [
+            (8, 4, 3, 5, 4),
+            (3, 8, 2, 7, 0),
+            (1, 8, 4, 6, 1),
+            (4, 16, 2, 5, 2),
+        ] {
+            let (qkv, bias, regions, gathered, mask) = attention_inputs(shape)?;
+            let ours = window_attention(&qkv, &bias, regions.as_deref(), None)?
                 .expect("the CPU f32 kernel applies");
-            let want = attention_reference(&qkv, &bias, mask.as_ref(), heads, false)?;
+            let want = attention_reference(&qkv, &gathered, mask.as_ref(), shape.2, false)?;
             let diff = max_abs_diff(&ours, &want)?;
-            assert!(
-                diff < 1e-5,
-                "bw {bw} n {n} heads {heads}: max abs error {diff}"
-            );
+            assert!(diff < 1e-5, "{shape:?}: max abs error {diff}");
         }
         Ok(())
     }
 
     #[test]
-    fn fused_window_attention_declines_other_dtypes() -> Result<()> {
-        let qkv = Tensor::zeros((1, 4, 6), DType::F16, &Device::Cpu)?;
-        let bias = Tensor::zeros((1, 4, 4), DType::F16, &Device::Cpu)?;
-        assert!(window_attention(&qkv, &bias, None, 1, None)?.is_none());
+    fn window_attention_declines_other_dtypes_and_checks_shapes() -> Result<()> {
+        let dev = Device::Cpu;
+        let table = Tensor::zeros((9, 1), DType::F32, &dev)?;
+        let bias = RelativeBias::new(&table, 2)?;
+        let qkv = Tensor::zeros((2, 4, 6), DType::F16, &dev)?;
+        assert!(window_attention(&qkv, &bias, None, None)?.is_none());
+        let qkv = qkv.to_dtype(DType::F32)?;
+        assert!(window_attention(&qkv, &bias, None, None)?.is_some());
+        // Tokens that are not the window's, labels for 3 windows of a batch of 2.
+        let wrong = Tensor::zeros((2, 9, 6), DType::F32, &dev)?;
+        assert!(window_attention(&wrong, &bias, None, None).is_err());
+        assert!(window_attention(&qkv, &bias, Some(&[0; 12]), None).is_err());
         Ok(())
     }
 

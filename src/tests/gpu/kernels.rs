@@ -1,12 +1,12 @@
 //! The project's CUDA kernels on a GPU: the fused window attention against its CPU twin (and
-//! against the model's CPU attention with the stored shift mask), and whole models with fused
+//! against the model's CPU attention with its region labels), and whole models with fused
 //! attention against the float64 golden outputs.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use super::gpu;
-use crate::model::cache::WindowCache;
+use crate::model::cache::{relative_position_bias, RelativeBias, WindowCache};
 use crate::model::fused::fused_window_attention;
 use crate::model::{Attention, Model};
 use crate::tests::fixtures::max_abs_diff;
@@ -89,13 +89,25 @@ impl Case {
 
     /// Random `(qkv, bias)` on the CPU in f32, q scaled by `d^-0.5` as the model scales it.
     fn inputs(&self) -> Result<(Tensor, Tensor)> {
+        let (qkv, bias, _) = self.inputs_with_table()?;
+        Ok((qkv, bias))
+    }
+
+    /// [`Self::inputs`], the bias gathered from a random table, and that table as the CPU
+    /// kernel reads it.
+    fn inputs_with_table(&self) -> Result<(Tensor, Tensor, RelativeBias)> {
         let dev = Device::Cpu;
         let (n, c) = (self.window * self.window, self.heads * self.head_dim);
+        let side = 2 * self.window - 1;
         let q = (Tensor::randn(0f32, 1.0, (self.windows(), n, c), &dev)?
             * (self.head_dim as f64).powf(-0.5))?;
         let kv = Tensor::randn(0f32, 1.0, (self.windows(), n, 2 * c), &dev)?;
-        let bias = Tensor::randn(0f32, 1.0, (self.heads, n, n), &dev)?;
-        Ok((Tensor::cat(&[q, kv], 2)?, bias))
+        let table = Tensor::randn(0f32, 1.0, (side * side, self.heads), &dev)?;
+        Ok((
+            Tensor::cat(&[q, kv], 2)?,
+            relative_position_bias(&table, self.window)?,
+            RelativeBias::new(&table, self.window)?,
+        ))
     }
 
     fn fused(&self, qkv: &Tensor, bias: &Tensor, shifted: bool) -> Result<Tensor> {
@@ -115,26 +127,26 @@ fn fused_kernel_matches_the_cpu_in_f32() {
     let dev = gpu();
     let mut failures = Vec::new();
     for c in CASES {
-        let (qkv, bias) = c.inputs().unwrap();
+        let (qkv, bias, table) = c.inputs_with_table().unwrap();
         let (qkv_gpu, bias_gpu) = (qkv.to_device(&dev).unwrap(), bias.to_device(&dev).unwrap());
         for shifted in [false, true] {
             let ours = c.fused(&qkv_gpu, &bias_gpu, shifted).unwrap();
             assert!(ours.device().is_cuda());
             let twin = c.fused(&qkv, &bias, shifted).unwrap();
-            // The model's CPU attention with the mask it stores: an independent check of
-            // the labels, not only of the kernel against its twin.
-            let mask = shifted.then(|| {
+            // The model's CPU attention with the region labels it stores: an independent
+            // check of the kernel's labels, not only of the kernel against its twin.
+            let regions = shifted.then(|| {
                 WindowCache::new(c.window, DType::F32, &Device::Cpu)
-                    .mask(c.height, c.width)
+                    .regions(c.height, c.width)
                     .unwrap()
             });
             let stored =
-                crate::model::ops::window_attention(&qkv, &bias, mask.as_ref(), c.heads, None)
+                crate::model::ops::window_attention(&qkv, &table, regions.as_deref(), None)
                     .unwrap()
                     .expect("the CPU f32 kernel applies");
             let (d_twin, d_stored) = (max_abs_diff(&ours, &twin), max_abs_diff(&ours, &stored));
             eprintln!(
-                "{c:?} shifted {shifted}: {d_twin:.2e} vs twin, {d_stored:.2e} vs stored mask"
+                "{c:?} shifted {shifted}: {d_twin:.2e} vs twin, {d_stored:.2e} vs the CPU kernel"
             );
             if !(within(d_twin, 1e-4) && within(d_stored, 1e-4)) {
                 failures.push(format!(
