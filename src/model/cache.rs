@@ -113,16 +113,20 @@ impl RelativeBias {
         }
         bias
     }
+
+    /// [`Self::gathered`] as a `(heads, N, N)` tensor in `dtype` on `device`.
+    pub fn tensor(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        let n = self.window * self.window;
+        Tensor::from_vec(self.gathered(), (self.heads, n, n), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)
+    }
 }
 
 /// The `(heads, N, N)` bias added to the scores, gathered from a `[(2ws-1)^2, heads]` table
 /// on the table's device and in its dtype.
 pub fn relative_position_bias(table: &Tensor, ws: usize) -> Result<Tensor> {
-    let bias = RelativeBias::new(table, ws)?;
-    let n = ws * ws;
-    Tensor::from_vec(bias.gathered(), (bias.heads, n, n), &Device::Cpu)?
-        .to_dtype(table.dtype())?
-        .to_device(table.device())
+    RelativeBias::new(table, ws)?.tensor(table.dtype(), table.device())
 }
 
 /// Region label (0..9) of every token of window `win` of a padded `h x w` map (windows

@@ -436,12 +436,7 @@ impl WindowAttention {
     fn gathered_bias(&self, like: &Tensor) -> Result<Tensor> {
         match &self.bias {
             Some(b) => Ok(b.clone()),
-            None => {
-                let n = self.window * self.window;
-                Tensor::from_vec(self.table.gathered(), (self.heads, n, n), &Device::Cpu)?
-                    .to_dtype(like.dtype())?
-                    .to_device(like.device())
-            }
+            None => self.table.tensor(like.dtype(), like.device()),
         }
     }
 
