@@ -399,6 +399,44 @@ fn attention_choice_is_accepted_and_checked() {
     );
 }
 
+/// Small images skip the probe that measures the cost per pixel, trusting the analytic bound
+/// instead; that is only sound while the probe never reads more than the bound. Each model runs
+/// in its own process, so no other test's memory shows in the reading.
+#[test]
+fn measured_tile_cost_stays_within_the_bound_that_skips_the_probe() {
+    let d = tempdir();
+    let dir = d.path();
+    let models = [
+        Some("x2_w8_b2.safetensors"),
+        Some("x3_w4.safetensors"),
+        Some("x4_w8_g2.safetensors"),
+        Some("x2_w8_official.pth"),
+        None,
+    ];
+    for model in models {
+        let mut cmd = bare(dir);
+        cmd.args([
+            "bench", "--json", "--device", "cpu", "--size", "24x20", "--reps", "1",
+        ]);
+        if let Some(m) = model {
+            cmd.arg("-m").arg(golden(m));
+        }
+        let run = cmd.output().unwrap();
+        assert_success(&run);
+        let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+        let cost = &v["tile_cost_bytes_per_pixel"];
+        let (bound, measured) = (cost["bound"].as_f64(), cost["measured"].as_f64());
+        let (Some(bound), Some(measured)) = (bound, measured) else {
+            panic!("{model:?}: no cost reading in {v}");
+        };
+        assert!(measured > 0.0, "{model:?}: the probe read nothing");
+        assert!(
+            measured <= bound,
+            "{model:?}: the probe read {measured} B/pixel, over the bound {bound}"
+        );
+    }
+}
+
 #[test]
 fn info_describes_models() {
     let d = tempdir();

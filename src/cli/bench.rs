@@ -25,6 +25,9 @@ pub fn run(
     reps: usize,
     peak_tflops: Option<f64>,
 ) -> anyhow::Result<BenchResult> {
+    // Before the warm-up: the probe's reading starts from a reset peak and must see the
+    // allocator as a fresh process does.
+    let measured = engine.measure_bytes_per_pixel();
     for _ in 0..warmup {
         engine.run(image, opts)?;
     }
@@ -78,6 +81,12 @@ pub fn run(
         "device_pools": pools,
         "lanes": engine.count(),
         "lane_stats": lanes,
+        // What the automatic tile plans with: the analytic bound that lets small images skip
+        // the probe, and the probe's reading (CPU only).
+        "tile_cost_bytes_per_pixel": {
+            "bound": engine.bytes_per_pixel_bound(),
+            "measured": measured,
+        },
     });
     Ok(BenchResult { json })
 }

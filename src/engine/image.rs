@@ -70,19 +70,19 @@ impl Engine {
             } else {
                 self.free_memory()
             };
-            let cost = self.bytes_per_pixel();
             // The output accumulator lives for the whole image: take it off the budget.
             let s = self.scale() as u64;
             let out = (h as u64 * w as u64) * s * s * 4 * 4;
-            crate::tile::auto::choose(
-                free.saturating_sub(out * share) / share,
-                cost,
-                h,
-                w,
-                settings.overlap,
-                window,
-                max_pass,
-            )
+            let budget = free.saturating_sub(out * share) / share;
+            let choose = |cost| {
+                crate::tile::auto::choose(budget, cost, h, w, settings.overlap, window, max_pass)
+            };
+            // Measuring the cost runs a probe forward pass, as long as a whole small image
+            // takes; an image that fits whole even at the bound does not need it.
+            match choose(self.bytes_per_pixel_bound()) {
+                (0, b) => (0, b),
+                _ => choose(self.bytes_per_pixel()),
+            }
         };
         let (tile, batch) = match settings.choice {
             TileChoice::Fixed(t) => {

@@ -16,6 +16,11 @@ use candle_core::{DType, Device, Module, Tensor};
 use crate::model::{Attention, Checkpoint, Model, ModelError, Source};
 use crate::planar::Planar;
 
+/// How far the probe's measured cost per pixel may exceed the analytic one before
+/// [`Engine::bytes_per_pixel_bound`] stops being a bound (measured on the test models:
+/// 0.4 to 0.95 of it).
+const PROBE_BOUND_FACTOR: f64 = 2.0;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceChoice {
     Auto,
@@ -328,6 +333,18 @@ impl Engine {
         })
     }
 
+    #[cfg(test)]
+    pub fn cost_was_measured(&self) -> bool {
+        self.cost.get().is_some()
+    }
+
+    /// An upper bound on [`Engine::bytes_per_pixel`] known without running the model: the
+    /// probe's measurement stays within twice the analytic cost on every model in the tests
+    /// (which check it), so an image that fits at this cost needs no probe to run whole.
+    pub fn bytes_per_pixel_bound(&self) -> f64 {
+        PROBE_BOUND_FACTOR * self.analytic_bytes_per_pixel()
+    }
+
     /// The largest live set of one Swin block, per token: the attention scores and their
     /// softmax (heads x N each, unless the fused kernel keeps them out of memory), the dense
     /// concatenation, qkv and the MLP hidden layer, plus the
@@ -349,7 +366,7 @@ impl Engine {
         (tokens + upsampler) * self.model.net.dtype().size_in_bytes() as f64
     }
 
-    fn measure_bytes_per_pixel(&self) -> Option<f64> {
+    pub(crate) fn measure_bytes_per_pixel(&self) -> Option<f64> {
         if !self.device.is_cpu() {
             return None;
         }
