@@ -6,8 +6,12 @@ Subcommands (all paths are arguments; nothing is fetched at run time):
   photos  --debroot DIR --out tests/photos
       Writes the held-out validation photos (HR PNGs) that CI evaluates on.
   train   --debroot DIR --photos tests/photos --workdir DIR --steps N ...
-      Trains on the CPU, validates periodically, keeps the best checkpoint by
-      validation Y-PSNR; resumes from DIR/last.pt when it exists.
+      Trains (on the CPU, or --device cuda), validates periodically, keeps the
+      best checkpoint by validation Y-PSNR; resumes from DIR/last.pt when it
+      exists. --images FILE.npz reads the training images that `pack` wrote
+      instead of the sources (for a machine without the packages).
+  pack    --debroot DIR --out FILE.npz [--sources v3]
+      Writes the training images, shrunk as training reads them, to one file.
   export  --ckpt DIR/best.pt --out models/default_x4.safetensors
       Writes the official DRCT key layout, float32, no buffers, with metadata.
   eval    --weights models/default_x4.safetensors --photos tests/photos
@@ -70,6 +74,9 @@ CONFIG = dict(
 DEB_PACKAGES = {
     # package: version (Debian 12)
     "lomiri-wallpapers-16.04": "20.04.0-2",
+    # v3 only (--sources v3)
+    "sddm-theme-maldives": "0.19.0-5",
+    "libjxl-testdata": "0.0~git20230110.d6168ff-1",
 }
 PY_PACKAGES = {
     # import name: (PyPI distribution, version)
@@ -99,8 +106,18 @@ SOURCES = {
     "deb:lomiri-wallpapers-16.04/" + _BG + "seeding_by_Clements_Engelhardt.jpg": ("CC0-1.0", "Clemens Engelhardt"),
     "deb:lomiri-wallpapers-16.04/" + _BG + "picosdeeuropa_by_Aitzol_Berasategi.jpg": ("CC-BY-4.0", "Aitzol Berasategi"),
 }
-CLEAN_LICENCES = ("CC0", "CC0-1.0", "public domain", "CC-BY-2.0", "CC-BY-4.0")
-assert all(lic in CLEAN_LICENCES for lic, _ in SOURCES.values())
+# Added for v3 (models/README.md, "More licence-clean photographs"): each
+# file's licence is stated for the file itself in the package's copyright file.
+_WESATURATE = "deb:libjxl-testdata/usr/share/libjxl-testdata/external/wesaturate/500px/"
+SOURCES_V3 = dict(SOURCES, **{
+    "deb:sddm-theme-maldives/usr/share/sddm/themes/maldives/background.jpg":
+        ("CC-BY-3.0", "Nevit Dilmen (Wikimedia Commons)"),
+    _WESATURATE + "cvo9xd_keong_macan_srgb8.png": ("CC0", "Keong Macan (wesaturate.com)"),
+    _WESATURATE + "tmshre_riaphotographs_srgb8.png": ("CC0", "Ria Photographs (wesaturate.com)"),
+    _WESATURATE + "u76c0g_bliznaca_srgb8.png": ("CC0", "Bliznaca (wesaturate.com)"),
+})
+CLEAN_LICENCES = ("CC0", "CC0-1.0", "public domain", "CC-BY-2.0", "CC-BY-3.0", "CC-BY-4.0")
+assert all(lic in CLEAN_LICENCES for lic, _ in SOURCES_V3.values())
 
 # Held-out photos: whole source images never used for training (the same four
 # as for v1). Each is reduced (MATLAB-style resize, then a fixed crop) to a
@@ -201,8 +218,8 @@ def load_source(src, debroot):
     return np.asarray(Image.open(source_path(src, debroot)).convert("RGB"))
 
 
-def all_sources():
-    return list(SOURCES)
+def all_sources(which="v2"):
+    return list(SOURCES_V3 if which == "v3" else SOURCES)
 
 
 def shrink_long_side(img, long_side):
@@ -282,10 +299,11 @@ def load_val(photos_dir):
 @torch.no_grad()
 def evaluate(model, val):
     model.eval()
+    device = next(model.parameters()).device
     rows = []
     for name, hr, lr, p_bic in val:
-        x = torch.from_numpy(lr).permute(2, 0, 1)[None].float() / 255.0
-        y = run_padded(model, x)[0].permute(1, 2, 0).numpy()
+        x = torch.from_numpy(lr).permute(2, 0, 1)[None].float().to(device) / 255.0
+        y = run_padded(model, x)[0].permute(1, 2, 0).float().cpu().numpy()
         sr = to_uint8(y.astype(np.float64) * 255.0)
         rows.append((name, psnr_y(sr, hr), p_bic))
     model.train()
@@ -339,20 +357,38 @@ def lr_at(step, total, base, warmup, floor):
     return floor + 0.5 * (base - floor) * (1.0 + math.cos(math.pi * t))
 
 
-def training_images(debroot, log):
+def training_images(debroot, log, which="v2"):
     held = {HELD_OUT[k][0] for k in HELD_OUT}
     hrs = []
-    for src in all_sources():
+    for src in all_sources(which):
         if src in held:
             continue
         img = shrink_long_side(load_source(src, debroot), TRAIN_LONG_SIDE)
         log(f"train image {src} {img.shape[1]}x{img.shape[0]}")
-        hrs.append(img)
+        hrs.append((src, img))
     return hrs
+
+
+def packed_images(path, log):
+    """The (source id, image) pairs that `pack` wrote, in their order."""
+    with np.load(path) as z:
+        ids = [str(v) for v in z["ids"]]
+        hrs = [(src, z[f"img{i}"]) for i, src in enumerate(ids)]
+    for src, img in hrs:
+        log(f"train image {src} {img.shape[1]}x{img.shape[0]} (from {path})")
+    return hrs
+
+
+def cmd_pack(a):
+    hrs = training_images(a.debroot, print, a.sources)
+    arrays = {f"img{i}": img for i, (_, img) in enumerate(hrs)}
+    np.savez_compressed(a.out, ids=np.array([src for src, _ in hrs]), **arrays)
+    print(f"{a.out}: {len(hrs)} images, {os.path.getsize(a.out)} bytes")
 
 
 def cmd_train(a):
     torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
     random.seed(a.seed)
     np.random.seed(a.seed)
     torch.manual_seed(a.seed)
@@ -367,10 +403,11 @@ def cmd_train(a):
         logf.write(line + "\n")
         logf.flush()
 
-    model = build_model(img_size=a.patch)
+    model = build_model(img_size=a.patch).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"config {json.dumps(CONFIG)} params {n_params} threads {a.threads} "
-        f"ema {a.ema} seed {a.seed} steps {a.steps} lr {a.lr} warmup {a.warmup}")
+        f"ema {a.ema} seed {a.seed} steps {a.steps} lr {a.lr} warmup {a.warmup} "
+        f"batch {a.batch} patch {a.patch} device {device}")
     # Exponential moving average of the weights (decay a.ema, ramped up over the
     # first steps so early averages are not dominated by the random init).
     # Validation and export use the EMA weights when it is on.
@@ -380,7 +417,11 @@ def cmd_train(a):
             p.requires_grad_(False)
     opt = torch.optim.Adam(model.parameters(), lr=a.lr, betas=(0.9, 0.99))
     data_rng = np.random.default_rng(a.seed)
-    data = Patches(training_images(a.debroot, log), a.patch, data_rng)
+    if a.images:
+        hrs = packed_images(a.images, log)
+    else:
+        hrs = training_images(a.debroot, log, a.sources)
+    data = Patches([img for _, img in hrs], a.patch, data_rng)
     val = load_val(a.photos)
     for name, _, _, p_bic in val:
         log(f"val {name} bicubic {p_bic:.3f}")
@@ -388,7 +429,7 @@ def cmd_train(a):
     step, best, elapsed, total = 0, -1.0, 0.0, a.steps
     last = os.path.join(a.workdir, "last.pt")
     if os.path.exists(last):
-        ck = torch.load(last, weights_only=False)
+        ck = torch.load(last, weights_only=False, map_location=device)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         if ema is not None:
@@ -397,12 +438,12 @@ def cmd_train(a):
         if ck.get("steps_arg") == a.steps:
             total = ck.get("total", total)  # keep a schedule fitted by --stop-by
         data.rng.bit_generator.state = ck["data_rng"]
-        torch.set_rng_state(ck["torch_rng"])
+        torch.set_rng_state(ck["torch_rng"].cpu())
         log(f"resumed at step {step}, best {best:.3f}")
     elif a.init:
         # A further stage: weights and Adam moments carry over, the step
         # counter and the LR schedule start again (a warm restart).
-        ck = torch.load(a.init, weights_only=False)
+        ck = torch.load(a.init, weights_only=False, map_location=device)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         if ema is not None:
@@ -437,9 +478,11 @@ def cmd_train(a):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, a.lr, a.warmup, a.lr_floor)
         lr_b, hr_b = data.batch(a.batch)
+        lr_b, hr_b = lr_b.to(device, non_blocking=True), hr_b.to(device, non_blocking=True)
         # bf16 autocast uses the CPU's AMX/AVX512-BF16 units (~2.5x faster per
-        # step here); weights, optimiser state and the loss stay float32.
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+        # step here) or a GPU's tensor cores; weights, optimiser state and the
+        # loss stay float32.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16):
             out = model(lr_b)
         loss = F.l1_loss(out.float(), hr_b)
         opt.zero_grad(set_to_none=True)
@@ -508,7 +551,7 @@ def export_state_dict(model):
 
 def cmd_export(a):
     from safetensors.torch import save_file
-    cks = [torch.load(c, weights_only=False) for c in a.ckpt]
+    cks = [torch.load(c, weights_only=False, map_location="cpu") for c in a.ckpt]
     ck = cks[-1]
     model = build_model()
     # The checkpoint's attn_mask buffers belong to the training patch size;
@@ -597,8 +640,17 @@ def main():
     s = sub.add_parser("photos")
     s.add_argument("--debroot", required=True)
     s.add_argument("--out", default="tests/photos")
-    s = sub.add_parser("train")
+    s = sub.add_parser("pack")
     s.add_argument("--debroot", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--sources", choices=("v2", "v3"), default="v2")
+    s = sub.add_parser("train")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--debroot")
+    src.add_argument("--images", help="training images written by `pack`")
+    s.add_argument("--sources", choices=("v2", "v3"), default="v2",
+                   help="with --debroot: v3 adds the photos surveyed after v2")
+    s.add_argument("--device", default="cpu", help="cpu, or cuda")
     s.add_argument("--photos", default="tests/photos")
     s.add_argument("--workdir", required=True)
     s.add_argument("--steps", type=int, required=True)
@@ -639,7 +691,7 @@ def main():
     s.add_argument("--steps", type=int, default=6)
     s.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
-    {"photos": cmd_photos, "train": cmd_train, "export": cmd_export,
+    {"photos": cmd_photos, "pack": cmd_pack, "train": cmd_train, "export": cmd_export,
      "eval": cmd_eval, "bench": cmd_bench}[a.cmd](a)
 
 
