@@ -5,7 +5,8 @@
 #
 # usage: benches/cpu_vs_torch.sh [REPS] [PRESET] [SIZE]     (PRESET: drct | drct-l)
 #        PRECISION=bf16 compares `--precision bf16` with PyTorch in pure bf16 (model and input
-#        cast to bfloat16); TILE=N passes --tile N (default 0: the whole input at once).
+#        cast to bfloat16); TILE=N passes --tile N (default 0: the whole input at once),
+#        TILE=auto no --tile at all (the automatic tile a plain command gets).
 # needs: python3 with torch, spandrel, safetensors, numpy, pillow  (PYTHON=... to choose one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,11 +39,13 @@ img = np.clip(img + rng.normal(0, 0.05, img.shape), 0, 1)
 Image.fromarray((img * 255).round().astype(np.uint8)).save(sys.argv[1])
 PYEOF
 
+tile_args=(--tile "$TILE")
+[ "$TILE" = auto ] && tile_args=()
 ours=(); torch=()
 for i in $(seq "$REPS"); do
   t0=$(date +%s.%N)
   RAYON_NUM_THREADS=$THREADS ./target/release/upscale -m "$work/w.safetensors" "$work/in.png" \
-    -o "$work/out.png" --device cpu --precision "$PRECISION" --tile "$TILE" --overwrite -q
+    -o "$work/out.png" --device cpu --precision "$PRECISION" "${tile_args[@]}" --overwrite -q
   t1=$(date +%s.%N)
   o=$(echo "$t1 - $t0" | bc -l)
   t=$("$PY" benches/torch_drct.py time --preset "$PRESET" --weights "$work/w.safetensors" \
@@ -56,7 +59,8 @@ import json, statistics, sys
 preset, size, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ours = [float(v) for v in sys.argv[4].split()]
 torch = [float(v) for v in sys.argv[5].split()]
-precision, tile = sys.argv[6], int(sys.argv[7])
+precision, tile = sys.argv[6], sys.argv[7]
+tile = int(tile) if tile != "auto" else tile
 mo, mt = statistics.median(ours), statistics.median(torch)
 print(json.dumps({"preset": preset, "input": [size, size], "threads": threads,
                   "precision": precision, "tile": tile,
