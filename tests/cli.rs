@@ -416,7 +416,15 @@ fn measured_tile_cost_stays_within_the_bound_that_skips_the_probe() {
     for model in models {
         let mut cmd = bare(dir);
         cmd.args([
-            "bench", "--json", "--device", "cpu", "--size", "24x20", "--reps", "1",
+            "bench",
+            "--json",
+            "--tile_cost",
+            "--device",
+            "cpu",
+            "--size",
+            "24x20",
+            "--reps",
+            "1",
         ]);
         if let Some(m) = model {
             cmd.arg("-m").arg(golden(m));

@@ -24,10 +24,14 @@ pub fn run(
     warmup: usize,
     reps: usize,
     peak_tflops: Option<f64>,
+    tile_cost: bool,
 ) -> anyhow::Result<BenchResult> {
     // Before the warm-up: the probe's reading starts from a reset peak and must see the
-    // allocator as a fresh process does.
-    let measured = engine.measure_bytes_per_pixel();
+    // allocator as a fresh process does. Only on request: the probe's memory stays with the
+    // process and would raise the reported peak of a small input.
+    let measured = tile_cost
+        .then(|| engine.measure_bytes_per_pixel())
+        .flatten();
     for _ in 0..warmup {
         engine.run(image, opts)?;
     }
@@ -81,12 +85,12 @@ pub fn run(
         "device_pools": pools,
         "lanes": engine.count(),
         "lane_stats": lanes,
-        // What the automatic tile plans with: the analytic bound that lets small images skip
-        // the probe, and the probe's reading (CPU only).
-        "tile_cost_bytes_per_pixel": {
+        // With --tile_cost, what the automatic tile plans with: the analytic bound that lets
+        // small images skip the probe, and the probe's reading (CPU only).
+        "tile_cost_bytes_per_pixel": tile_cost.then(|| json!({
             "bound": engine.bytes_per_pixel_bound(),
             "measured": measured,
-        },
+        })),
     });
     Ok(BenchResult { json })
 }

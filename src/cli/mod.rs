@@ -100,6 +100,10 @@ pub struct BenchArgs {
     /// The device's peak rate in TFLOP/s, to report model FLOP utilisation.
     #[arg(long = "peak_tflops", alias = "peak-tflops")]
     pub peak_tflops: Option<f64>,
+    /// Also measure the cost per input pixel that the automatic tile plans with: one probe
+    /// forward pass on the CPU before the warm-up, whose memory then shows in the peak.
+    #[arg(long = "tile_cost", alias = "tile-cost")]
+    pub tile_cost: bool,
     /// One JSON object on stdout.
     #[arg(long)]
     pub json: bool,
@@ -417,6 +421,7 @@ fn run_bench(b: &BenchArgs) -> anyhow::Result<()> {
         b.warmup,
         b.reps as usize,
         b.peak_tflops,
+        b.tile_cost,
     )?;
     if b.json {
         println!("{}", r.json);

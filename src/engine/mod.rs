@@ -373,7 +373,7 @@ impl Engine {
         let ws = self.model.config().window;
         let side = 4 * ws;
         // Reset the kernel's peak-RSS mark so the probe's own peak is what we read.
-        std::fs::write("/proc/self/clear_refs", "5").ok()?;
+        probe::reset_peak_rss()?;
         let before = probe::peak_rss_bytes()?;
         let probe = probe::pattern(side, side);
         self.upscale_whole(&probe).ok()?;

@@ -23,6 +23,12 @@ pub fn pattern(height: usize, width: usize) -> Planar {
     Planar::new(3, height, width, data)
 }
 
+/// Restarts the kernel's high-water mark of resident memory from the current usage, so that
+/// [`peak_rss_bytes`] reports the peak of what runs next (Linux only; `None` elsewhere).
+pub fn reset_peak_rss() -> Option<()> {
+    std::fs::write("/proc/self/clear_refs", "5").ok()
+}
+
 /// Peak resident memory of this process, from the kernel's high-water mark.
 pub fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
