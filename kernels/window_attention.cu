@@ -203,6 +203,280 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core variant for bf16 and f16 inputs.
+//
+// Same inputs, output and arithmetic order as above, but both products run as
+// mma.m16n8k16 (16-bit inputs, f32 accumulation). Each warp owns 16 query rows, a block four
+// warps; keys stream through shared memory in tiles of MMA_KEYS, k row-major and v transposed
+// so that every B fragment is one 32-bit shared load. Scores stay in registers in the
+// accumulator layout, and the online softmax works on them there: a thread holds two rows
+// (g and g+8 of its warp's 16) at two adjacent keys per 8-key tile, so a row's max and sum
+// meet across the four threads of a quad. The probabilities are rounded to the input type
+// (the A operand of the second product); the row sum adds the rounded values, so the
+// normalisation matches the weights actually applied.
+
+// Query rows per warp and block, keys per shared-memory tile. The host computes the same
+// shared-memory size: keep in step with mma_shared_bytes in src/model/fused.rs.
+constexpr int MMA_WARPS = 4;
+constexpr int MMA_ROWS = 16 * MMA_WARPS;
+constexpr int MMA_KEYS = 64;
+
+__device__ __forceinline__ unsigned short bits_of(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+__device__ __forceinline__ unsigned short bits_of(__half x) { return __half_as_ushort(x); }
+
+// Two 16-bit values in one register, the first in the low half (the mma operand order).
+__device__ __forceinline__ unsigned pack2(unsigned short lo, unsigned short hi) {
+    return static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+}
+
+// acc += A B for one 16x8x16 tile (row-major A, column-major B), per PTX's fragment layout.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&acc)[4], const unsigned (&a)[4],
+                                          const unsigned (&b)[2]);
+
+#ifdef KERNEL_CPU_EMULATION
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&acc)[4], const unsigned (&a)[4],
+                                          const unsigned (&b)[2]) {
+    emu::mma_m16n8k16<T>(acc, a, b, acc);
+}
+#else
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&acc)[4], const unsigned (&a)[4],
+                                                         const unsigned (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&acc)[4], const unsigned (&a)[4],
+                                                  const unsigned (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// The query value at (row, col) of this head as raw bits, zero outside the window and head.
+template <typename T>
+__device__ __forceinline__ unsigned short q_bits(const T* base, long long row_stride, int n,
+                                                 int d, int head, int row, int col) {
+    return row < n && col < d ? bits_of(base[row * row_stride + head * d + col]) : 0;
+}
+
+// Per (window, head) and 64 query rows: softmax(q kᵀ + bias + mask) v on tensor cores. DP is
+// the head dim padded to a multiple of 16 (the k of the first product).
+template <typename T, int DP>
+__device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
+                                                     const T* __restrict__ bias,
+                                                     T* __restrict__ out, int n, int heads,
+                                                     int d, int ws, int height, int width,
+                                                     int shifted) {
+    static_assert(DP % 16 == 0, "the head dim is padded to whole k steps");
+    // Row pitches in 16-bit elements; the +8 spreads a fragment's 32 loads over all banks.
+    constexpr int KP = DP + 8;
+    constexpr int VP = MMA_KEYS + 8;
+    constexpr unsigned FULL = 0xffffffffu;
+
+    // Layout: k tile [MMA_KEYS][KP], v tile transposed [DP][VP], then MMA_KEYS key labels.
+    extern __shared__ float smem[];
+    unsigned short* s_k = reinterpret_cast<unsigned short*>(smem);
+    unsigned short* s_vt = s_k + MMA_KEYS * KP;
+    int* s_label = reinterpret_cast<int*>(s_vt + DP * VP);
+
+    const int head = blockIdx.x % heads;
+    const long long win = blockIdx.x / heads;
+    const int c = heads * d;
+    const long long row_stride = 3LL * c;
+    const T* base = qkv + win * n * row_stride;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    // The two query rows whose scores and outputs this thread holds.
+    const int r_lo = blockIdx.y * MMA_ROWS + warp * 16 + g;
+    const int r_hi = r_lo + 8;
+
+    const int shift = shifted ? ws / 2 : 0;
+    const int nwx = width / ws;
+    const int w_img = static_cast<int>(win % ((height / ws) * nwx));
+    const int wy = w_img / nwx;
+    const int wx = w_img % nwx;
+    const int label_lo = shifted && r_lo < n ? token_label(r_lo, wy, wx, ws, shift, height, width) : 0;
+    const int label_hi = shifted && r_hi < n ? token_label(r_hi, wy, wx, ws, shift, height, width) : 0;
+
+    // q as A fragments, one per 16 head dims; rows past n and dims past d are zero.
+    unsigned qa[DP / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < DP / 16; ++ks) {
+        const int col = ks * 16 + 2 * t;
+        qa[ks][0] = pack2(q_bits(base, row_stride, n, d, head, r_lo, col),
+                          q_bits(base, row_stride, n, d, head, r_lo, col + 1));
+        qa[ks][1] = pack2(q_bits(base, row_stride, n, d, head, r_hi, col),
+                          q_bits(base, row_stride, n, d, head, r_hi, col + 1));
+        qa[ks][2] = pack2(q_bits(base, row_stride, n, d, head, r_lo, col + 8),
+                          q_bits(base, row_stride, n, d, head, r_lo, col + 9));
+        qa[ks][3] = pack2(q_bits(base, row_stride, n, d, head, r_hi, col + 8),
+                          q_bits(base, row_stride, n, d, head, r_hi, col + 9));
+    }
+
+    float o[DP / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+        o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    }
+    // Running max per row (the same in the four threads of a quad) and this thread's share
+    // of the row sum (added across the quad at the end).
+    float max_lo = -INFINITY, max_hi = -INFINITY;
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+
+    for (int j0 = 0; j0 < n; j0 += MMA_KEYS) {
+        const int count = min(MMA_KEYS, n - j0);
+        // Everyone is done with the previous tile.
+        __syncthreads();
+        // Dims past d and keys past n are stored as zeros: padded products then add nothing,
+        // and v rows of dropped keys are finite.
+        for (int i = threadIdx.x; i < MMA_KEYS * DP; i += blockDim.x) {
+            const int key = i / DP;
+            const int col = i - key * DP;
+            unsigned short kb = 0, vb = 0;
+            if (key < count && col < d) {
+                const T* src = base + (j0 + key) * row_stride + c + head * d + col;
+                kb = bits_of(src[0]);
+                vb = bits_of(src[c]);
+            }
+            s_k[key * KP + col] = kb;
+            s_vt[col * VP + key] = vb;
+        }
+        if (shifted) {
+            for (int j = threadIdx.x; j < MMA_KEYS; j += blockDim.x) {
+                s_label[j] = j < count ? token_label(j0 + j, wy, wx, ws, shift, height, width) : -1;
+            }
+        }
+        __syncthreads();
+
+        // Scores of the warp's 16 rows against the tile's keys, 8 keys per accumulator.
+        float s[MMA_KEYS / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < MMA_KEYS / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+            const unsigned short* krow = s_k + (nt * 8 + g) * KP + 2 * t;
+#pragma unroll
+            for (int ks = 0; ks < DP / 16; ++ks) {
+                const unsigned b[2] = {*reinterpret_cast<const unsigned*>(krow + ks * 16),
+                                       *reinterpret_cast<const unsigned*>(krow + ks * 16 + 8)};
+                mma_16816<T>(s[nt], qa[ks], b);
+            }
+        }
+
+        // (q·k + bias) + mask, as the reference adds them; keys past n drop out.
+        float tile_lo = -INFINITY, tile_hi = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < MMA_KEYS / 8; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int j = nt * 8 + 2 * t + i;
+                float lo = -INFINITY, hi = -INFINITY;
+                if (j < count) {
+                    const long long col = j0 + j;
+                    const long long head_base = static_cast<long long>(head) * n;
+                    lo = s[nt][i] + (r_lo < n ? to_f32(bias[(head_base + r_lo) * n + col]) : 0.0f);
+                    hi = s[nt][2 + i] + (r_hi < n ? to_f32(bias[(head_base + r_hi) * n + col]) : 0.0f);
+                    if (shifted && s_label[j] != label_lo) {
+                        lo += MASK_VALUE;
+                    }
+                    if (shifted && s_label[j] != label_hi) {
+                        hi += MASK_VALUE;
+                    }
+                }
+                s[nt][i] = lo;
+                s[nt][2 + i] = hi;
+                tile_lo = fmaxf(tile_lo, lo);
+                tile_hi = fmaxf(tile_hi, hi);
+            }
+        }
+        // The quad holds a row's whole tile: after this every thread of it has the row max.
+#pragma unroll
+        for (int o_ = 1; o_ < 4; o_ *= 2) {
+            tile_lo = fmaxf(tile_lo, __shfl_xor_sync(FULL, tile_lo, o_));
+            tile_hi = fmaxf(tile_hi, __shfl_xor_sync(FULL, tile_hi, o_));
+        }
+        // Every tile has a real key, so the new maxima are finite and the first rescale is
+        // exp(-inf) = 0 on empty accumulators.
+        const float new_lo = fmaxf(max_lo, tile_lo);
+        const float new_hi = fmaxf(max_hi, tile_hi);
+        const float scale_lo = expf(max_lo - new_lo);
+        const float scale_hi = expf(max_hi - new_hi);
+        max_lo = new_lo;
+        max_hi = new_hi;
+        sum_lo *= scale_lo;
+        sum_hi *= scale_hi;
+#pragma unroll
+        for (int dt = 0; dt < DP / 8; ++dt) {
+            o[dt][0] *= scale_lo;
+            o[dt][1] *= scale_lo;
+            o[dt][2] *= scale_hi;
+            o[dt][3] *= scale_hi;
+        }
+
+        // Probabilities, rounded to T, become the A fragments of p v (the accumulator layout
+        // of two adjacent 8-key tiles is the A layout of one 16-key step).
+#pragma unroll
+        for (int kk = 0; kk < MMA_KEYS / 16; ++kk) {
+            unsigned short p[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const T pr = from_f32<T>(expf(s[2 * kk + h][r] - (r < 2 ? new_lo : new_hi)));
+                    p[h][r] = bits_of(pr);
+                    if (r < 2) {
+                        sum_lo += to_f32(pr);
+                    } else {
+                        sum_hi += to_f32(pr);
+                    }
+                }
+            }
+            const unsigned pa[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
+                                    pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
+#pragma unroll
+            for (int dt = 0; dt < DP / 8; ++dt) {
+                const unsigned short* vrow = s_vt + (dt * 8 + g) * VP + kk * 16 + 2 * t;
+                const unsigned b[2] = {*reinterpret_cast<const unsigned*>(vrow),
+                                       *reinterpret_cast<const unsigned*>(vrow + 8)};
+                mma_16816<T>(o[dt], pa, b);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int o_ = 1; o_ < 4; o_ *= 2) {
+        sum_lo += __shfl_xor_sync(FULL, sum_lo, o_);
+        sum_hi += __shfl_xor_sync(FULL, sum_hi, o_);
+    }
+    const float inv_lo = 1.0f / sum_lo;
+    const float inv_hi = 1.0f / sum_hi;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int col = dt * 8 + 2 * t + i;
+            if (col < d && r_lo < n) {
+                out[(win * n + r_lo) * c + head * d + col] = from_f32<T>(o[dt][i] * inv_lo);
+            }
+            if (col < d && r_hi < n) {
+                out[(win * n + r_hi) * c + head * d + col] = from_f32<T>(o[dt][2 + i] * inv_hi);
+            }
+        }
+    }
+}
+
 }  // namespace
 
 // The most threads a block is launched with; the host uses the same bound.
@@ -224,3 +498,17 @@ WINDOW_ATTENTION(window_attention_bf16_d128, __nv_bfloat16, 128)
 WINDOW_ATTENTION(window_attention_f16_d32, __half, 32)
 WINDOW_ATTENTION(window_attention_f16_d64, __half, 64)
 WINDOW_ATTENTION(window_attention_f16_d128, __half, 128)
+
+#define WINDOW_ATTENTION_MMA(NAME, T, DP)                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                              \
+        NAME(const T* qkv, const T* bias, T* out, int n, int heads, int d, int ws,            \
+             int height, int width, int shifted) {                                            \
+        window_attention_mma<T, DP>(qkv, bias, out, n, heads, d, ws, height, width, shifted); \
+    }
+
+WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d32, __nv_bfloat16, 32)
+WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d64, __nv_bfloat16, 64)
+WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d128, __nv_bfloat16, 128)
+WINDOW_ATTENTION_MMA(window_attention_mma_f16_d32, __half, 32)
+WINDOW_ATTENTION_MMA(window_attention_mma_f16_d64, __half, 64)
+WINDOW_ATTENTION_MMA(window_attention_mma_f16_d128, __half, 128)

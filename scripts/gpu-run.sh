@@ -169,8 +169,8 @@ check() {
   echo "== memcheck of our kernels"
   if [ -n "$tests" ] && [ "$smoke" = 0 ] && command -v compute-sanitizer >/dev/null; then
     run memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
-      fused_kernel_matches_the_cpu_in_f32 cuda_blend_kernel_matches_the_host_accumulator \
-      --test-threads=1
+      fused_kernel_matches_the_cpu_in_f32 tensor_core_kernel_matches_the_cpu_in_bf16_and_f16 \
+      cuda_blend_kernel_matches_the_host_accumulator --test-threads=1
     record memcheck "$(grep -E 'ERROR SUMMARY|test result' "$logs/memcheck.log" | tail -n 4)"
   else
     record memcheck "skipped: needs the CUDA test binary and compute-sanitizer"
@@ -185,9 +185,11 @@ check() {
   fi
   run psnr_ref 300 "$up" --device "$device" --precision fp32 -q --overwrite "$photos" -o "$ref"
   for p in bf16 fp16; do
-    local line
-    line=$(timeout 300 "$up" eval --device "$device" --precision "$p" --hr "$ref" --lr "$photos" --scale 4 --json 2>> "$logs/psnr.log" | tail -n 1)
-    record psnr "${line:-failed}" "\"precision\":\"$p\",\"against\":\"fp32\""
+    for a in fused tensor-core; do
+      local line
+      line=$(timeout 300 "$up" eval --device "$device" --precision "$p" --attention "$a" --hr "$ref" --lr "$photos" --scale 4 --json 2>> "$logs/psnr.log" | tail -n 1)
+      record psnr "${line:-failed}" "\"precision\":\"$p\",\"attention\":\"$a\",\"against\":\"fp32\""
+    done
   done
 
   echo "== DRCT-L bf16 1080p, automatic tile"
@@ -202,6 +204,7 @@ bench_part() {
   for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
     set -- $m
     bench side "$1-bf16-ours" "$2" --precision bf16 --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$reps"
+    bench side "$1-bf16-ours-tensor-core" "$2" --precision bf16 --attention tensor-core --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$reps"
     if [ "$have_torch" = 1 ] && [ "$smoke" = 0 ]; then
       local line
       line=$(timeout 300 "$PY" benches/torch_gpu_reference.py --device cuda --preset "$1" --weights "$2" \
@@ -244,7 +247,9 @@ matrix_part() {
   echo "== precision x batch x attention (DRCT-L, tile 256)"
   for p in bf16 fp16 fp32; do
     for b in 1 4 8; do
-      for a in fused reference; do
+      for a in fused tensor-core reference; do
+        # In fp32 the tensor-core choice runs the fused kernel: nothing new to time.
+        [ "$p" = fp32 ] && [ "$a" = tensor-core ] && continue
         bench matrix "drct-l-$p-b$b-$a" "$drct_l" --precision "$p" --attention "$a" --size "$s540" \
           --tile "$t256" --tile_overlap "$ov" --tile_batch_size "$b" --reps 2
       done

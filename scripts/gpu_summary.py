@@ -47,10 +47,12 @@ def main(path):
     psnr = [r for r in rows if r["step"] == "psnr" and isinstance(r.get("result"), dict)]
     if psnr:
         print("## Precision against fp32 (tests/photos, 8-bit outputs)\n")
-        print("| precision | mean PSNR-Y dB | mean PSNR-RGB dB |\n|---|---|---|")
+        print("| precision | attention | mean PSNR-Y dB | mean PSNR-RGB dB | lowest PSNR-RGB dB |\n|---|---|---|---|---|")
         for r in psnr:
             s = r["result"].get("summary", r["result"])
-            print(f"| {r.get('precision')} | {cell(s.get('mean_psnr_y'))} | {cell(s.get('mean_psnr_rgb'))} |")
+            rgb = [i["psnr_rgb"] for i in r["result"].get("images", []) if "psnr_rgb" in i]
+            print(f"| {r.get('precision')} | {r.get('attention', 'fused')} | {cell(s.get('mean_psnr_y'))} | "
+                  f"{cell(s.get('mean_psnr_rgb'))} | {cell(min(rgb) if rgb else None)} |")
         print()
     other = [r for r in rows if "status" not in r and r not in benches + torch_rows + psnr]
     if other:

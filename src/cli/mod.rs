@@ -165,8 +165,9 @@ pub struct InferArgs {
     /// Let fp32 matmuls on CUDA use TF32 tensor cores (faster, ~1e-3 relative error).
     #[arg(long)]
     pub tf32: bool,
-    /// Window attention on CUDA: fused (one kernel per block, no score tensors) or reference
-    /// (candle's matmul/softmax graph). The CPU runs its own kernel either way.
+    /// Window attention on CUDA: fused (one kernel per block, no score tensors), tensor-core
+    /// (the fused kernel's two products on tensor cores, for bf16/fp16) or reference (candle's
+    /// matmul/softmax graph). The CPU runs its own kernel either way.
     #[arg(long, value_enum, ignore_case = true, default_value_t = Attention::Fused)]
     pub attention: Attention,
     /// Test-time self-ensemble: average the outputs for the eight flips and transpositions

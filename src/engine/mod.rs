@@ -306,7 +306,7 @@ impl Engine {
             .max()
             .unwrap_or(0);
         let fused = !self.device.is_cpu()
-            && self.attention == Attention::Fused
+            && self.attention.is_fused()
             && widest_head <= crate::model::fused::MAX_HEAD_DIM;
         !fused
     }

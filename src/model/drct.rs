@@ -11,7 +11,7 @@ use candle_nn::{LayerNorm, Linear, VarBuilder};
 use super::bf16::{Isa, PackedB};
 use super::cache::{relative_position_bias, RelativeBias, WindowCache};
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
-use super::fused::{fused_window_attention, Attention};
+use super::fused::{fused_window_attention, tensor_core_window_attention, Attention};
 use super::norm::{add_gather_norm, layer_norm, norm_gather};
 use super::ops::After;
 
@@ -426,9 +426,7 @@ impl WindowAttention {
     /// own fused f32 kernel, which takes the stored mask, and head dims the CUDA kernel has no
     /// variant for take candle's graph.
     pub fn runs_fused(&self, device: &Device) -> bool {
-        self.attention == Attention::Fused
-            && device.is_cuda()
-            && self.head_dim <= super::fused::MAX_HEAD_DIM
+        self.attention.is_fused() && device.is_cuda() && self.head_dim <= super::fused::MAX_HEAD_DIM
     }
 
     /// The gathered `(heads, N, N)` bias: built at load off the CPU, else now (only candle's
@@ -450,7 +448,12 @@ impl WindowAttention {
     ) -> Result<Tensor> {
         let qkv = self.qkv.forward(x)?;
         let bias = self.gathered_bias(&qkv)?;
-        let out = fused_window_attention(&qkv, &bias, self.heads, self.window, (h, w), shifted)?;
+        let run = if self.attention == Attention::TensorCore {
+            tensor_core_window_attention
+        } else {
+            fused_window_attention
+        };
+        let out = run(&qkv, &bias, self.heads, self.window, (h, w), shifted)?;
         self.proj.forward(&out)
     }
 

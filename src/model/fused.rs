@@ -25,6 +25,16 @@ pub enum Attention {
     Fused,
     /// candle's op graph: matmul, bias, stored mask, softmax, matmul.
     Reference,
+    /// The fused kernel with both products on tensor cores (bf16/fp16 inputs, f32 sums; the
+    /// probabilities are rounded to the input type); f32 runs `fused`.
+    TensorCore,
+}
+
+impl Attention {
+    /// Whether this choice runs one of the fused CUDA kernels.
+    pub fn is_fused(self) -> bool {
+        matches!(self, Attention::Fused | Attention::TensorCore)
+    }
 }
 
 /// Largest head dim the CUDA kernel has a variant for.
@@ -43,6 +53,8 @@ pub struct FusedWindowAttention {
     pub height: usize,
     pub width: usize,
     pub shifted: bool,
+    /// Run bf16/f16 inputs through the tensor-core kernel.
+    pub tensor_cores: bool,
 }
 
 /// Sizes of one call, checked against each other.
@@ -245,8 +257,9 @@ mod cuda {
         shared_bytes: usize,
     }
 
-    fn plan(n: usize, head_dim: usize) -> Result<Plan> {
-        let dmax = match head_dim {
+    /// The head dim padded to the kernel variant that takes it.
+    fn padded_head_dim(head_dim: usize) -> Result<usize> {
+        Ok(match head_dim {
             0 => candle_core::bail!("fused window attention: head dim 0"),
             1..=32 => 32,
             33..=64 => 64,
@@ -255,7 +268,11 @@ mod cuda {
                 "fused window attention supports head dims up to {MAX_HEAD_DIM}, this block has \
                  {head_dim} (the reference attention has no such limit)"
             ),
-        };
+        })
+    }
+
+    fn plan(n: usize, head_dim: usize) -> Result<Plan> {
+        let dmax = padded_head_dim(head_dim)?;
         let per_row = dmax / COLS_PER_THREAD;
         // Whole warps, and no more than the rows a window has.
         let threads = (n * per_row).next_multiple_of(32).min(MAX_THREADS);
@@ -266,6 +283,24 @@ mod cuda {
             dmax,
             threads,
             rows,
+            shared_bytes,
+        })
+    }
+
+    /// Query rows per block of the tensor-core kernel (`MMA_ROWS`: four warps of 16) and keys
+    /// per shared-memory tile (`MMA_KEYS`).
+    const MMA_ROWS: usize = 64;
+    const MMA_KEYS: usize = 64;
+
+    /// The tensor-core kernel's launch: the k tile (MMA_KEYS rows of dmax + 8 16-bit values),
+    /// the transposed v tile (dmax rows of MMA_KEYS + 8) and MMA_KEYS key labels.
+    fn mma_plan(head_dim: usize) -> Result<Plan> {
+        let dmax = padded_head_dim(head_dim)?;
+        let shared_bytes = (MMA_KEYS * (dmax + 8) + dmax * (MMA_KEYS + 8)) * 2 + MMA_KEYS * 4;
+        Ok(Plan {
+            dmax,
+            threads: MMA_ROWS / 16 * 32,
+            rows: MMA_ROWS,
             shared_bytes,
         })
     }
@@ -283,7 +318,13 @@ mod cuda {
         else {
             candle_core::bail!("{name}: inputs must be contiguous")
         };
-        let plan = plan(dims.n, dims.head_dim)?;
+        // The tensor-core kernel takes 16-bit inputs only.
+        let mma = op.tensor_cores && dtype != "f32";
+        let plan = if mma {
+            mma_plan(dims.head_dim)?
+        } else {
+            plan(dims.n, dims.head_dim)?
+        };
         let limit = dev
             .cuda_stream()
             .context()
@@ -320,7 +361,11 @@ mod cuda {
             shared_mem_bytes: plan.shared_bytes as u32,
         };
         let func = dev.get_or_load_custom_func(
-            &format!("window_attention_{dtype}_d{}", plan.dmax),
+            &format!(
+                "window_attention_{}{dtype}_d{}",
+                if mma { "mma_" } else { "" },
+                plan.dmax
+            ),
             "upscale_window_attention",
             crate::gpu::ptx::WINDOW_ATTENTION,
         )?;
@@ -388,6 +433,12 @@ mod cuda {
                 }
             }
             assert!(plan(256, 129).is_err());
+            for d in [1, 30, 46, 53, 77, 122, 128] {
+                let p = mma_plan(d).unwrap();
+                assert!(p.shared_bytes <= 48 << 10, "d {d}: {}", p.shared_bytes);
+                assert!(p.dmax >= d && p.dmax.is_multiple_of(16) && p.threads == 128);
+            }
+            assert!(mma_plan(129).is_err());
         }
     }
 }
@@ -402,12 +453,38 @@ pub fn fused_window_attention(
     (height, width): (usize, usize),
     shifted: bool,
 ) -> Result<Tensor> {
+    fused_op(qkv, bias, heads, window, (height, width), shifted, false)
+}
+
+/// [`fused_window_attention`] on tensor cores for bf16/f16 inputs on CUDA devices (see
+/// [`Attention::TensorCore`]); the same op otherwise.
+pub fn tensor_core_window_attention(
+    qkv: &Tensor,
+    bias: &Tensor,
+    heads: usize,
+    window: usize,
+    (height, width): (usize, usize),
+    shifted: bool,
+) -> Result<Tensor> {
+    fused_op(qkv, bias, heads, window, (height, width), shifted, true)
+}
+
+fn fused_op(
+    qkv: &Tensor,
+    bias: &Tensor,
+    heads: usize,
+    window: usize,
+    (height, width): (usize, usize),
+    shifted: bool,
+    tensor_cores: bool,
+) -> Result<Tensor> {
     let op = FusedWindowAttention {
         heads,
         window,
         height,
         width,
         shifted,
+        tensor_cores,
     };
     qkv.contiguous()?.apply_op2_no_bwd(&bias.contiguous()?, &op)
 }
@@ -527,6 +604,7 @@ mod tests {
                 height: h,
                 width: w,
                 shifted: true,
+                tensor_cores: false,
             };
             let mut labels = vec![0u8; n];
             // Two images' worth of windows: the label depends on the window within its image.

@@ -1,0 +1,191 @@
+// Runs the CUDA C++ in kernels/ on the CPU, so that CI (which has no GPU) checks what the
+// kernels compute: every CUDA thread of a block is an OS thread, __syncthreads is a barrier
+// of the block, warp shuffles and the mma instructions exchange values through a per-warp
+// staging area between two barriers of the warp. Blocks run one after another, so one
+// static buffer serves as every block's shared memory.
+//
+// Force-included before a kernel source (`c++ -std=c++20 -include emulator.h`); the kernel
+// sources see KERNEL_CPU_EMULATION and take the helpers below instead of inline PTX.
+#pragma once
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define KERNEL_CPU_EMULATION 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+inline thread_local dim3 threadIdx;
+inline thread_local dim3 blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+
+using std::max;
+using std::min;
+
+namespace {
+// Dynamic shared memory of the block that is running (kernels declare
+// `extern __shared__ float smem[];`, which names this array).
+alignas(16) float smem[64 * 1024];
+}  // namespace
+
+namespace emu {
+
+constexpr unsigned WARP = 32;
+
+struct Warp {
+    std::barrier<> sync{WARP};
+    uint64_t slot[WARP][8];
+};
+
+struct Block {
+    explicit Block(unsigned threads) : sync(threads), warps(threads / WARP) {}
+    std::barrier<> sync;
+    std::vector<Warp> warps;
+};
+
+inline thread_local Block* block = nullptr;
+inline thread_local unsigned lane = 0;
+
+inline Warp& my_warp() { return block->warps[threadIdx.x / WARP]; }
+
+// Every lane publishes `words` 64-bit values, then reads any lane's.
+template <typename F>
+auto exchange(const uint64_t* mine, unsigned words, F&& read) {
+    Warp& w = my_warp();
+    std::memcpy(w.slot[lane], mine, words * sizeof(uint64_t));
+    w.sync.arrive_and_wait();
+    auto result = read(w.slot);
+    w.sync.arrive_and_wait();
+    return result;
+}
+
+// Runs `kernel` over the grid: one OS thread per CUDA thread, one block at a time.
+inline void launch(dim3 grid, dim3 threads, const std::function<void()>& kernel) {
+    if (threads.y != 1 || threads.z != 1 || threads.x % WARP != 0 || threads.x == 0) {
+        throw std::invalid_argument("the emulator runs 1-D blocks of whole warps");
+    }
+    gridDim = grid;
+    blockDim = threads;
+    for (unsigned bz = 0; bz < grid.z; ++bz) {
+        for (unsigned by = 0; by < grid.y; ++by) {
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                Block b(threads.x);
+                std::memset(smem, 0xff, sizeof(smem));  // NaN garbage, as uninitialised memory
+                std::vector<std::thread> pool;
+                pool.reserve(threads.x);
+                for (unsigned t = 0; t < threads.x; ++t) {
+                    pool.emplace_back([&, t] {
+                        threadIdx = dim3{t, 0, 0};
+                        blockIdx = dim3{bx, by, bz};
+                        block = &b;
+                        lane = t % WARP;
+                        kernel();
+                    });
+                }
+                for (auto& th : pool) {
+                    th.join();
+                }
+            }
+        }
+    }
+}
+
+}  // namespace emu
+
+// Single-rounding arithmetic (the harness is built with -ffp-contract=off, so no FMA).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+
+inline void __syncthreads() { emu::block->sync.arrive_and_wait(); }
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T value, int offset) {
+    if (mask != 0xffffffffu) {
+        throw std::logic_error("the emulator only shuffles whole warps");
+    }
+    static_assert(sizeof(T) <= sizeof(uint64_t));
+    uint64_t mine = 0;
+    std::memcpy(&mine, &value, sizeof(T));
+    return emu::exchange(&mine, 1, [&](uint64_t (*slot)[8]) {
+        T other;
+        std::memcpy(&other, &slot[emu::lane ^ static_cast<unsigned>(offset)][0], sizeof(T));
+        return other;
+    });
+}
+
+namespace emu {
+
+inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+inline float to_float(__half x) { return __half2float(x); }
+template <typename T>
+T from_bits(uint16_t bits);
+template <>
+inline __nv_bfloat16 from_bits<__nv_bfloat16>(uint16_t bits) { return __ushort_as_bfloat16(bits); }
+template <>
+inline __half from_bits<__half>(uint16_t bits) { return __ushort_as_half(bits); }
+
+// D = A B + C for one m16n8k16 tile with the fragment layout of PTX's
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: lane l holds, with g = l / 4 and
+// t = l % 4, A rows g and g+8 at columns 2t, 2t+1 (+8), B rows (the k index) 2t, 2t+1 (+8)
+// of column g, and C/D rows g and g+8 at columns 2t, 2t+1. Each 32-bit register holds two
+// 16-bit values, the lower column or row in its low half.
+template <typename T>
+void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                  const float (&c)[4]) {
+    uint64_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    const unsigned g = lane / 4;
+    const unsigned t = lane % 4;
+    float out[4];
+    exchange(mine, 6, [&](uint64_t (*slot)[8]) {
+        auto half = [](uint64_t word, int hi) {
+            const uint16_t bits = static_cast<uint16_t>(hi ? word >> 16 : word);
+            return to_float(from_bits<T>(bits));
+        };
+        float A[16][16];
+        float B[16][8];
+        for (unsigned l = 0; l < WARP; ++l) {
+            const unsigned lg = l / 4;
+            const unsigned lt = l % 4;
+            for (int i = 0; i < 2; ++i) {
+                A[lg][2 * lt + i] = half(slot[l][0], i);
+                A[lg + 8][2 * lt + i] = half(slot[l][1], i);
+                A[lg][2 * lt + 8 + i] = half(slot[l][2], i);
+                A[lg + 8][2 * lt + 8 + i] = half(slot[l][3], i);
+                B[2 * lt + i][lg] = half(slot[l][4], i);
+                B[2 * lt + 8 + i][lg] = half(slot[l][5], i);
+            }
+        }
+        for (int r = 0; r < 4; ++r) {
+            const unsigned row = g + (r >= 2 ? 8 : 0);
+            const unsigned col = 2 * t + (r % 2);
+            double acc = c[r];
+            for (int k = 0; k < 16; ++k) {
+                acc += static_cast<double>(A[row][k]) * B[k][col];
+            }
+            out[r] = static_cast<float>(acc);
+        }
+        return 0;
+    });
+    std::copy(out, out + 4, d);
+}
+
+}  // namespace emu

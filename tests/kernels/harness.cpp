@@ -1,0 +1,261 @@
+// Checks the CUDA kernels of kernels/ on the CPU (through emulator.h) against plain
+// double-precision references written from the model's definition, not from the kernels:
+// the shift mask from the reference's slices of the rolled map, the softmax in two passes.
+//
+//   c++ -std=c++20 -O2 -pthread -ffp-contract=off -Itests/kernels/include \
+//       -include tests/kernels/emulator.h tests/kernels/harness.cpp -o kernel-check
+//
+// Prints one line per case and exits non-zero when any case is outside its bound.
+#include "../../kernels/blend.cu"
+#include "../../kernels/window_attention.cu"
+
+#include <cstdio>
+#include <random>
+#include <string>
+
+namespace {
+
+struct Shape {
+    int batch, height, width, ws, heads, d;
+    bool shifted;
+    int n() const { return ws * ws; }
+    int windows() const { return batch * (height / ws) * (width / ws); }
+    int c() const { return heads * d; }
+};
+
+// The region (0..2) of coordinate p of a rolled map along one axis: the reference builds its
+// mask from the slices [0, size-ws), [size-ws, size-shift), [size-shift, size).
+int slice_of(int p, int size, int ws, int shift) {
+    if (p < size - ws) {
+        return 0;
+    }
+    return p < size - shift ? 1 : 2;
+}
+
+// softmax(q kᵀ + bias + mask) v for every window and head, in double.
+std::vector<double> reference(const Shape& s, const std::vector<float>& qkv,
+                              const std::vector<float>& bias, bool mask) {
+    const int n = s.n(), c = s.c(), d = s.d, ws = s.ws, shift = ws / 2;
+    const int nwx = s.width / ws, per_image = (s.height / ws) * nwx;
+    std::vector<double> out(static_cast<size_t>(s.windows()) * n * c);
+    std::vector<int> label(n);
+    std::vector<double> p(n);
+    for (int w = 0; w < s.windows(); ++w) {
+        const int wy = (w % per_image) / nwx, wx = (w % per_image) % nwx;
+        for (int tok = 0; tok < n; ++tok) {
+            const int y = wy * ws + tok / ws, x = wx * ws + tok % ws;
+            label[tok] = 3 * slice_of(y, s.height, ws, shift) + slice_of(x, s.width, ws, shift);
+        }
+        const float* win = &qkv[static_cast<size_t>(w) * n * 3 * c];
+        for (int h = 0; h < s.heads; ++h) {
+            for (int i = 0; i < n; ++i) {
+                double mx = -INFINITY;
+                for (int j = 0; j < n; ++j) {
+                    double dot = 0;
+                    for (int k = 0; k < d; ++k) {
+                        dot += static_cast<double>(win[i * 3 * c + h * d + k]) *
+                               win[j * 3 * c + c + h * d + k];
+                    }
+                    dot += bias[(static_cast<size_t>(h) * n + i) * n + j];
+                    if (mask && s.shifted && label[i] != label[j]) {
+                        dot += MASK_VALUE;
+                    }
+                    p[j] = dot;
+                    mx = std::max(mx, dot);
+                }
+                double sum = 0;
+                for (int j = 0; j < n; ++j) {
+                    p[j] = std::exp(p[j] - mx);
+                    sum += p[j];
+                }
+                for (int k = 0; k < d; ++k) {
+                    double acc = 0;
+                    for (int j = 0; j < n; ++j) {
+                        acc += p[j] * win[j * 3 * c + 2 * c + h * d + k];
+                    }
+                    out[(static_cast<size_t>(w) * n + i) * c + h * d + k] = acc / sum;
+                }
+            }
+        }
+    }
+    return out;
+}
+
+template <typename T>
+T convert(float x);
+template <>
+float convert<float>(float x) { return x; }
+template <>
+__nv_bfloat16 convert<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__half convert<__half>(float x) { return __float2half_rn(x); }
+
+float widen(float x) { return x; }
+float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+float widen(__half x) { return __half2float(x); }
+
+struct Launch {
+    unsigned grid_y, threads, shared_bytes;
+};
+
+// The launch shape the host uses (src/model/fused.rs, `plan` and `mma_plan`).
+Launch scalar_launch(int n, int dmax) {
+    const int per_row = dmax / COLS_PER_THREAD;
+    const int threads = std::min((n * per_row + 31) / 32 * 32, MAX_THREADS);
+    const int rows = threads / per_row;
+    const int shared = (2 * KEY_TILE * dmax + rows * (KEY_TILE + 1) + KEY_TILE) * 4;
+    return {static_cast<unsigned>((n + rows - 1) / rows), static_cast<unsigned>(threads),
+            static_cast<unsigned>(shared)};
+}
+
+Launch mma_launch(int n, int dp) {
+    const int shared = (MMA_KEYS * (dp + 8) + dp * (MMA_KEYS + 8)) * 2 + MMA_KEYS * 4;
+    return {static_cast<unsigned>((n + MMA_ROWS - 1) / MMA_ROWS), 32u * MMA_WARPS,
+            static_cast<unsigned>(shared)};
+}
+
+int failures = 0;
+
+// Runs one kernel variant on random inputs of `s` and compares with the reference on the
+// same (rounded) inputs; `bound` is relative to the largest |v|.
+template <typename T, typename F>
+void attention_case(const char* name, F kernel, int dmax, bool mma, const Shape& s,
+                    double bound, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const int n = s.n(), c = s.c();
+    const size_t qkv_len = static_cast<size_t>(s.windows()) * n * 3 * c;
+    std::vector<T> qkv(qkv_len), bias(static_cast<size_t>(s.heads) * n * n);
+    std::vector<float> qkv_f(qkv_len), bias_f(bias.size());
+    double vmax = 0;
+    for (size_t i = 0; i < qkv_len; ++i) {
+        const int col = static_cast<int>(i % (3 * c));
+        // q arrives scaled by d^-0.5; 2x keeps the softmax away from uniform.
+        const float scale = col < c ? 2.0f / std::sqrt(static_cast<float>(s.d)) : 1.0f;
+        qkv[i] = convert<T>(normal(rng) * scale);
+        qkv_f[i] = widen(qkv[i]);
+        if (col >= 2 * c) {
+            vmax = std::max(vmax, std::fabs(static_cast<double>(qkv_f[i])));
+        }
+    }
+    for (size_t i = 0; i < bias.size(); ++i) {
+        bias[i] = convert<T>(normal(rng));
+        bias_f[i] = widen(bias[i]);
+    }
+    std::vector<T> out(static_cast<size_t>(s.windows()) * n * c, convert<T>(NAN));
+    const Launch l = mma ? mma_launch(n, dmax) : scalar_launch(n, dmax);
+    if (l.shared_bytes > sizeof(smem)) {
+        throw std::runtime_error("shared memory larger than the emulator's");
+    }
+    emu::launch(dim3{static_cast<unsigned>(s.windows() * s.heads), l.grid_y, 1},
+                dim3{l.threads, 1, 1}, [&] {
+                    kernel(qkv.data(), bias.data(), out.data(), n, s.heads, s.d, s.ws,
+                           s.height, s.width, s.shifted ? 1 : 0);
+                });
+    const std::vector<double> want = reference(s, qkv_f, bias_f, true);
+    double err = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        const double e = std::fabs(widen(out[i]) - want[i]);
+        err = std::isnan(e) ? INFINITY : std::max(err, e);
+    }
+    // The bound must be able to fail: the same inputs without the shift mask are far off.
+    double unmasked = 0;
+    if (s.shifted) {
+        const std::vector<double> wrong = reference(s, qkv_f, bias_f, false);
+        for (size_t i = 0; i < want.size(); ++i) {
+            unmasked = std::max(unmasked, std::fabs(wrong[i] - want[i]));
+        }
+    }
+    const double limit = bound * vmax;
+    const bool ok = err <= limit && (!s.shifted || unmasked > 10 * limit);
+    failures += ok ? 0 : 1;
+    std::printf("%s %-32s windows %2d n %3d heads %d d %3d shifted %d: max error %.3g (bound %.3g, "
+                "unmasked %.3g)\n",
+                ok ? "ok  " : "FAIL", name, s.windows(), n, s.heads, s.d, s.shifted, err, limit,
+                unmasked);
+}
+
+// The blend kernel against the host accumulator's arithmetic (products and sums each rounded
+// once; compiled without FMA contraction).
+void blend_case(unsigned grid_y) {
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+    const unsigned channels = 3, th = 9, tw = 70, out_h = 20, out_w = 90, oy = 5, ox = 11;
+    std::vector<float> canvas((channels + 1) * out_h * out_w), tile(channels * th * tw),
+        weights(th + tw);
+    for (float& v : canvas) v = uni(rng);
+    for (float& v : tile) v = uni(rng);
+    for (float& v : weights) v = uni(rng);
+    weights[2] = 0.0f;        // a zero row weight: those pixels are skipped
+    tile[3 * tw + 4] = NAN;   // a non-finite value where the weight is not zero shows up
+    weights[th + 4] = 0.0f;   // ...unless its column weight is zero too
+    std::vector<float> want = canvas;
+    const size_t plane = static_cast<size_t>(out_h) * out_w;
+    for (unsigned i = 0; i < th; ++i) {
+        for (unsigned j = 0; j < tw; ++j) {
+            const float w = weights[i] * weights[th + j];
+            if (w == 0.0f) continue;
+            const size_t dst = static_cast<size_t>(oy + i) * out_w + ox + j;
+            for (unsigned ch = 0; ch < channels; ++ch) {
+                want[ch * plane + dst] += w * tile[ch * th * tw + i * tw + j];
+            }
+            want[channels * plane + dst] += w;
+        }
+    }
+    emu::launch(dim3{(tw + 31) / 32, grid_y, 1}, dim3{32, 1, 1}, [&] {
+        blend_add_f32(canvas.data(), tile.data(), weights.data(), channels, th, tw, out_h, out_w,
+                      oy, ox);
+    });
+    size_t diff = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        diff += std::memcmp(&want[i], &canvas[i], sizeof(float)) != 0;
+    }
+    failures += diff == 0 ? 0 : 1;
+    std::printf("%s blend_add_f32 grid.y %u: %zu values differ from the host accumulator\n",
+                diff == 0 ? "ok  " : "FAIL", grid_y, diff);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+    // Shapes: the released window (16, n 256) with DRCT's head dims, plus windows whose token
+    // count is not a multiple of the 16-row and 64-key tiles, and batches of two maps.
+    const Shape official{1, 32, 32, 16, 2, 30, true};
+    const Shape wide{1, 32, 16, 16, 1, 122, true};
+    const Shape odd{2, 12, 18, 6, 2, 53, true};
+    const Shape small{2, 8, 8, 4, 3, 7, false};
+    const Shape small_shifted{1, 8, 12, 4, 2, 46, true};
+    const double f32_bound = 1e-5, bf16_bound = 4.0 / 512, f16_bound = 4.0 / 4096;
+
+#define RUN(T, NAME, DMAX, MMA, SHAPE, BOUND)                                                  \
+    attention_case<T>(#NAME, [](const void* a, const void* b, void* o, int n, int h, int d,    \
+                                int ws, int hh, int ww, int sh) {                              \
+        NAME(static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(o), n, h, d,  \
+             ws, hh, ww, sh);                                                                  \
+    }, DMAX, MMA, SHAPE, BOUND, __LINE__)
+
+    RUN(float, window_attention_f32_d32, 32, false, official, f32_bound);
+    RUN(float, window_attention_f32_d64, 64, false, odd, f32_bound);
+    RUN(float, window_attention_f32_d32, 32, false, small, f32_bound);
+    RUN(float, window_attention_f32_d64, 64, false, small_shifted, f32_bound);
+    RUN(__nv_bfloat16, window_attention_bf16_d32, 32, false, official, bf16_bound);
+    RUN(__half, window_attention_f16_d64, 64, false, odd, f16_bound);
+    RUN(__nv_bfloat16, window_attention_mma_bf16_d32, 32, true, official, bf16_bound);
+    RUN(__half, window_attention_mma_f16_d32, 32, true, official, f16_bound);
+    RUN(__nv_bfloat16, window_attention_mma_bf16_d64, 64, true, odd, bf16_bound);
+    RUN(__half, window_attention_mma_f16_d64, 64, true, small_shifted, f16_bound);
+    RUN(__nv_bfloat16, window_attention_mma_bf16_d32, 32, true, small, bf16_bound);
+    if (!quick) {
+        RUN(float, window_attention_f32_d128, 128, false, wide, f32_bound);
+        RUN(__nv_bfloat16, window_attention_mma_bf16_d128, 128, true, wide, bf16_bound);
+        RUN(__half, window_attention_mma_f16_d128, 128, true, odd, f16_bound);
+    }
+    blend_case(1);
+    blend_case(4);
+    if (failures != 0) {
+        std::printf("%d case(s) failed\n", failures);
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,82 @@
+//! The CUDA kernels of kernels/, checked on any machine: tests/kernels/harness.cpp compiles
+//! them with the host C++ compiler through tests/kernels/emulator.h (each CUDA thread an OS
+//! thread; warp shuffles and tensor-core mma exchanged through per-warp barriers, the mma
+//! with PTX's documented fragment layout) and compares every variant with a double-precision
+//! reference written from the model's definition. This is what CI, which has no GPU, knows
+//! about the kernels' indexing, masks and softmax; the GPU tests check the same kernels on
+//! the device. Needs a C++20 compiler with `_Float16` (GCC 12+, Clang 15+): `$CXX`, else `c++`.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A kernel that loses a warp's convergence deadlocks the emulator: give up instead of
+/// hanging the test run.
+const LIMIT: Duration = Duration::from_secs(300);
+
+#[test]
+fn cuda_kernels_match_double_precision_references_on_the_cpu() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernels");
+    let exe = std::env::temp_dir().join(format!("upscale-kernel-check-{}", std::process::id()));
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let build = Command::new(&cxx)
+        .args(["-std=c++20", "-O2", "-pthread", "-ffp-contract=off"])
+        .arg(format!("-I{}", dir.join("include").display()))
+        .arg("-include")
+        .arg(dir.join("emulator.h"))
+        .arg(dir.join("harness.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("running {cxx}: {e} (set CXX to a C++20 compiler)"));
+    assert!(
+        build.status.success(),
+        "{cxx} could not build the kernel check:\n{}",
+        String::from_utf8_lossy(&build.stderr)
+    );
+
+    let mut child = Command::new(&exe)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the kernel check");
+    let start = Instant::now();
+    while child
+        .try_wait()
+        .expect("waiting for the kernel check")
+        .is_none()
+    {
+        if start.elapsed() > LIMIT {
+            let _ = child.kill();
+            let _ = std::fs::remove_file(&exe);
+            panic!("the kernel check ran past {LIMIT:?}: a kernel deadlocked its warp or block");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("kernel check output");
+    let _ = std::fs::remove_file(&exe);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}");
+    assert!(
+        out.status.success(),
+        "kernel check failed:\n{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Every attention variant family and the blend kernel reported, none skipped.
+    for name in [
+        "window_attention_f32_d32",
+        "window_attention_f32_d128",
+        "window_attention_bf16_d32",
+        "window_attention_f16_d64",
+        "window_attention_mma_bf16_d128",
+        "window_attention_mma_f16_d64",
+        "blend_add_f32",
+    ] {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with("ok") && l.contains(name)),
+            "no passing case for {name}:\n{stdout}"
+        );
+    }
+}
