@@ -238,6 +238,21 @@ bench_part() {
       kill "$sampler" 2>/dev/null
       record "folder_s$s" "{\"gpu_util_mean_pct\":$(awk '{s+=$1; n++} END {print (n ? s/n : 0)}' "$util"),\"samples\":$(wc -l < "$util")}"
     fi
+    # Where the lanes' time went, from the run's summary line: batches, and the image and
+    # canvas transfers with the part of them that ran while another lane computed.
+    record "folder_lanes_s$s" "$("$PY" - "$logs/folder_s$s.log" <<'PYEOF'
+import json, sys
+summary = {}
+for line in open(sys.argv[1]):
+    if line.startswith("{") and '"summary":true' in line:
+        summary = json.loads(line)
+lanes = summary.get("lane_stats", [])
+total = lambda key: round(sum(l.get(key, 0.0) for l in lanes), 4)
+print(json.dumps({"wall_s": summary.get("seconds"), "lanes": len(lanes),
+                  "busy_s": total("busy_seconds"), "transfer_s": total("transfer_seconds"),
+                  "transfer_overlap_s": total("transfer_overlap_seconds")}))
+PYEOF
+)"
   done
 }
 

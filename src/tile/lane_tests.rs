@@ -31,6 +31,9 @@ fn check_stats(stats: &TileStats, lanes: &[LaneStats], count: usize) {
     for (i, l) in lanes.iter().enumerate() {
         assert_eq!((l.lane, l.device.as_str()), (i, "cpu"));
         assert!(l.busy_seconds >= 0.0);
+        // A lane that ran batches set up an image and brought a canvas back.
+        assert_eq!(l.transfer_seconds > 0.0, l.batches > 0, "{l:?}");
+        assert!(l.transfer_overlap_seconds <= l.transfer_seconds, "{l:?}");
     }
 }
 
@@ -253,6 +256,8 @@ fn lane_stats_merge_by_lane() {
         batches: 1,
         tiles,
         busy_seconds: 0.5,
+        transfer_seconds: 0.25,
+        transfer_overlap_seconds: 0.125,
     };
     let mut total = vec![a(1, 3)];
     merge_lane_stats(&mut total, &[a(0, 2), a(1, 4)]);
@@ -260,4 +265,8 @@ fn lane_stats_merge_by_lane() {
     assert_eq!((total[0].lane, total[0].tiles), (0, 2));
     assert_eq!((total[1].lane, total[1].tiles, total[1].batches), (1, 7, 2));
     assert_eq!(total[1].busy_seconds, 1.0);
+    assert_eq!(
+        (total[1].transfer_seconds, total[1].transfer_overlap_seconds),
+        (0.5, 0.25)
+    );
 }

@@ -30,6 +30,12 @@ pub struct LaneStats {
     pub tiles: usize,
     /// Wall time spent on batches: cutting, forward, blending and waiting for the device.
     pub busy_seconds: f64,
+    /// Wall time spent putting the image on the lane's device (with the blend weights and
+    /// the canvas) and bringing the canvas back.
+    pub transfer_seconds: f64,
+    /// The part of `transfer_seconds` during which another lane was running a batch: the
+    /// copies that compute hid.
+    pub transfer_overlap_seconds: f64,
 }
 
 impl LaneStats {
@@ -46,6 +52,49 @@ impl LaneStats {
         self.batches += other.batches;
         self.tiles += other.tiles;
         self.busy_seconds += other.busy_seconds;
+        self.transfer_seconds += other.transfer_seconds;
+        self.transfer_overlap_seconds += other.transfer_overlap_seconds;
+    }
+}
+
+/// A stretch of wall time, in seconds from the start of an image's run.
+type Span = (f64, f64);
+
+/// How much of `span` lies inside the union of `others` (which may overlap each other).
+fn covered(span: Span, others: &[Span]) -> f64 {
+    let mut clipped: Vec<Span> = others
+        .iter()
+        .map(|&(a, b)| (a.max(span.0), b.min(span.1)))
+        .filter(|(a, b)| b > a)
+        .collect();
+    clipped.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let mut total = 0.0;
+    let mut reach = f64::NEG_INFINITY;
+    for (a, b) in clipped {
+        let from = a.max(reach);
+        if b > from {
+            total += b - from;
+        }
+        reach = reach.max(b);
+    }
+    total
+}
+
+/// Fills in each lane's `transfer_overlap_seconds` from the spans the lanes recorded.
+fn account_overlap(lanes: &mut [Lane]) {
+    for i in 0..lanes.len() {
+        let others: Vec<Span> = lanes
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .flat_map(|(_, l)| l.batch_spans.iter().copied())
+            .collect();
+        let hidden = lanes[i]
+            .transfer_spans
+            .iter()
+            .map(|&s| covered(s, &others))
+            .sum();
+        lanes[i].stats.transfer_overlap_seconds = hidden;
     }
 }
 
@@ -91,8 +140,9 @@ pub fn run_lanes<M: TileModel + Sync>(
     loop {
         let plan = plan(image.height, image.width, tile, opts.overlap)?;
         let queue = Mutex::new(Queue::new(plan.tiles.len(), batch));
-        let work = |(id, model): (usize, &M)| run_lane(id, model, image, &plan, opts, &queue);
-        let results: Vec<Lane> = if lanes.len() == 1 {
+        let t0 = Instant::now();
+        let work = |(id, model): (usize, &M)| run_lane(id, model, image, &plan, opts, &queue, t0);
+        let mut results: Vec<Lane> = if lanes.len() == 1 {
             vec![work((0, first))]
         } else {
             std::thread::scope(|scope| {
@@ -135,6 +185,7 @@ pub fn run_lanes<M: TileModel + Sync>(
                 continue;
             }
         }
+        account_overlap(&mut results);
         let mut canvases = Vec::new();
         let mut stats = Vec::with_capacity(results.len());
         for lane in results {
@@ -243,6 +294,9 @@ impl Queue {
 struct Lane {
     stats: LaneStats,
     canvas: Option<Vec<f32>>,
+    /// When the lane set up its image and brought its canvas back, and when it ran batches.
+    transfer_spans: Vec<Span>,
+    batch_spans: Vec<Span>,
 }
 
 /// The per-image state of a lane, made when it takes its first batch.
@@ -259,18 +313,21 @@ fn run_lane<M: TileModel>(
     plan: &Plan,
     opts: &TileOptions,
     queue: &Mutex<Queue>,
+    t0: Instant,
 ) -> Lane {
     let lock = || queue.lock().unwrap_or_else(|e| e.into_inner());
     let device = model.device();
     let scale = model.scale();
     let mut stats = LaneStats::new(id, device);
+    let (mut transfer_spans, mut batch_spans) = (Vec::new(), Vec::new());
+    let since = |t: Instant| t.duration_since(t0).as_secs_f64();
     let mut state: Option<LaneImage> = None;
     loop {
         let Some(range) = lock().take() else { break };
-        let start = Instant::now();
         let st = match &state {
             Some(st) => st,
             None => {
+                let start = Instant::now();
                 let made = (|| {
                     Ok::<_, candle_core::Error>(LaneImage {
                         input: DeviceInput::upload(image, device)?,
@@ -283,7 +340,9 @@ fn run_lane<M: TileModel>(
                             device,
                         )?,
                     })
-                })();
+                })()
+                .and_then(|st| device.synchronize().map(|()| st));
+                transfer_spans.push((since(start), since(Instant::now())));
                 match made {
                     Ok(st) => state.insert(st),
                     Err(err) => {
@@ -294,7 +353,10 @@ fn run_lane<M: TileModel>(
             }
         };
         let mut touched = false;
-        match run_batch(model, plan, st, range.clone(), &mut touched) {
+        let start = Instant::now();
+        let done = run_batch(model, plan, st, range.clone(), &mut touched);
+        batch_spans.push((since(start), since(Instant::now())));
+        match done {
             Ok(()) => {
                 stats.batches += 1;
                 stats.tiles += range.len();
@@ -304,6 +366,7 @@ fn run_lane<M: TileModel>(
             Err(err) => lock().fail(range, err, !touched),
         }
     }
+    let start = Instant::now();
     let canvas = match state.map(|st| st.canvas.download()).transpose() {
         Ok(c) => c,
         Err(err) => {
@@ -311,7 +374,16 @@ fn run_lane<M: TileModel>(
             None
         }
     };
-    Lane { stats, canvas }
+    if canvas.is_some() {
+        transfer_spans.push((since(start), since(Instant::now())));
+    }
+    stats.transfer_seconds = transfer_spans.iter().map(|(a, b)| b - a).sum();
+    Lane {
+        stats,
+        canvas,
+        transfer_spans,
+        batch_spans,
+    }
 }
 
 fn run_batch<M: TileModel>(
@@ -341,4 +413,30 @@ fn run_batch<M: TileModel>(
     // One batch in flight per lane: memory stays bounded, the busy time is real, and a lane
     // takes its next batch only when it can start it, which balances the lanes.
     model.device().synchronize()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::covered;
+
+    #[test]
+    fn covered_counts_the_union_of_overlapping_spans_inside_the_span() {
+        assert_eq!(covered((1.0, 2.0), &[]), 0.0);
+        // Outside on both sides, touching the ends: nothing.
+        assert_eq!(covered((1.0, 2.0), &[(0.0, 1.0), (2.0, 3.0)]), 0.0);
+        // Clipped to the span.
+        assert_eq!(covered((1.0, 2.0), &[(0.5, 1.25)]), 0.25);
+        // Overlapping others counted once, in any order.
+        assert_eq!(
+            covered((0.0, 4.0), &[(2.0, 3.0), (0.5, 1.5), (1.0, 2.5)]),
+            2.5
+        );
+        // Nested and disjoint.
+        assert_eq!(
+            covered((0.0, 10.0), &[(1.0, 5.0), (2.0, 3.0), (6.0, 7.0)]),
+            5.0
+        );
+        // Covering the whole span.
+        assert_eq!(covered((1.0, 2.0), &[(0.0, 5.0), (1.5, 1.75)]), 1.0);
+    }
 }
