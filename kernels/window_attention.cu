@@ -482,12 +482,14 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
 // The most threads a block is launched with; the host uses the same bound.
 #define MAX_THREADS 128
 
-#define WINDOW_ATTENTION(NAME, T, DMAX)                                                       \
-    extern "C" __global__ void __launch_bounds__(MAX_THREADS)                                 \
+// One entry point: the template FN<T, D> launched with at most THREADS threads per block.
+#define ENTRY(NAME, FN, THREADS, T, D)                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                     \
         NAME(const T* qkv, const T* bias, T* out, int n, int heads, int d, int ws,            \
              int height, int width, int shifted) {                                            \
-        window_attention<T, DMAX>(qkv, bias, out, n, heads, d, ws, height, width, shifted);   \
+        FN<T, D>(qkv, bias, out, n, heads, d, ws, height, width, shifted);                    \
     }
+#define WINDOW_ATTENTION(NAME, T, DMAX) ENTRY(NAME, window_attention, MAX_THREADS, T, DMAX)
 
 WINDOW_ATTENTION(window_attention_f32_d32, float, 32)
 WINDOW_ATTENTION(window_attention_f32_d64, float, 64)
@@ -499,12 +501,7 @@ WINDOW_ATTENTION(window_attention_f16_d32, __half, 32)
 WINDOW_ATTENTION(window_attention_f16_d64, __half, 64)
 WINDOW_ATTENTION(window_attention_f16_d128, __half, 128)
 
-#define WINDOW_ATTENTION_MMA(NAME, T, DP)                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                              \
-        NAME(const T* qkv, const T* bias, T* out, int n, int heads, int d, int ws,            \
-             int height, int width, int shifted) {                                            \
-        window_attention_mma<T, DP>(qkv, bias, out, n, heads, d, ws, height, width, shifted); \
-    }
+#define WINDOW_ATTENTION_MMA(NAME, T, DP) ENTRY(NAME, window_attention_mma, 32 * MMA_WARPS, T, DP)
 
 WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d32, __nv_bfloat16, 32)
 WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d64, __nv_bfloat16, 64)

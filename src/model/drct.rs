@@ -11,7 +11,7 @@ use candle_nn::{LayerNorm, Linear, VarBuilder};
 use super::bf16::{Isa, PackedB};
 use super::cache::{relative_position_bias, RelativeBias, WindowCache};
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
-use super::fused::{fused_window_attention, tensor_core_window_attention, Attention};
+use super::fused::{Attention, FusedWindowAttention};
 use super::norm::{add_gather_norm, layer_norm, norm_gather};
 use super::ops::After;
 
@@ -448,12 +448,15 @@ impl WindowAttention {
     ) -> Result<Tensor> {
         let qkv = self.qkv.forward(x)?;
         let bias = self.gathered_bias(&qkv)?;
-        let run = if self.attention == Attention::TensorCore {
-            tensor_core_window_attention
-        } else {
-            fused_window_attention
+        let op = FusedWindowAttention {
+            heads: self.heads,
+            window: self.window,
+            height: h,
+            width: w,
+            shifted,
+            tensor_cores: self.attention == Attention::TensorCore,
         };
-        let out = run(&qkv, &bias, self.heads, self.window, (h, w), shifted)?;
+        let out = op.apply(&qkv, &bias)?;
         self.proj.forward(&out)
     }
 

@@ -445,7 +445,8 @@ mod cuda {
 
 /// Attention of every window of a batch of `(h, w)` maps in one fused op (see
 /// [`FusedWindowAttention`]); `qkv` `(B*nW, N, 3C)`, `bias` `(heads, N, N)` in the same dtype.
-pub fn fused_window_attention(
+#[cfg(test)]
+pub(crate) fn fused_window_attention(
     qkv: &Tensor,
     bias: &Tensor,
     heads: usize,
@@ -453,40 +454,23 @@ pub fn fused_window_attention(
     (height, width): (usize, usize),
     shifted: bool,
 ) -> Result<Tensor> {
-    fused_op(qkv, bias, heads, window, (height, width), shifted, false)
-}
-
-/// [`fused_window_attention`] on tensor cores for bf16/f16 inputs on CUDA devices (see
-/// [`Attention::TensorCore`]); the same op otherwise.
-pub fn tensor_core_window_attention(
-    qkv: &Tensor,
-    bias: &Tensor,
-    heads: usize,
-    window: usize,
-    (height, width): (usize, usize),
-    shifted: bool,
-) -> Result<Tensor> {
-    fused_op(qkv, bias, heads, window, (height, width), shifted, true)
-}
-
-fn fused_op(
-    qkv: &Tensor,
-    bias: &Tensor,
-    heads: usize,
-    window: usize,
-    (height, width): (usize, usize),
-    shifted: bool,
-    tensor_cores: bool,
-) -> Result<Tensor> {
-    let op = FusedWindowAttention {
+    FusedWindowAttention {
         heads,
         window,
         height,
         width,
         shifted,
-        tensor_cores,
-    };
-    qkv.contiguous()?.apply_op2_no_bwd(&bias.contiguous()?, &op)
+        tensor_cores: false,
+    }
+    .apply(qkv, bias)
+}
+
+impl FusedWindowAttention {
+    /// The op on `qkv` `(B*nW, N, 3C)` and `bias` `(heads, N, N)` (see the type).
+    pub fn apply(&self, qkv: &Tensor, bias: &Tensor) -> Result<Tensor> {
+        qkv.contiguous()?
+            .apply_op2_no_bwd(&bias.contiguous()?, self)
+    }
 }
 
 #[cfg(test)]

@@ -9,11 +9,12 @@
 #pragma once
 
 #include <algorithm>
-#include <barrier>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -51,14 +52,39 @@ namespace emu {
 
 constexpr unsigned WARP = 32;
 
+// A reusable barrier that sleeps instead of spinning: a block has far more threads than the
+// machine has cores, and spinning waiters would starve the threads they wait for.
+class Barrier {
+  public:
+    explicit Barrier(unsigned count) : count_(count) {}
+    void arrive_and_wait() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        const unsigned long generation = generation_;
+        if (++arrived_ == count_) {
+            arrived_ = 0;
+            ++generation_;
+            cv_.notify_all();
+        } else {
+            cv_.wait(lock, [&] { return generation_ != generation; });
+        }
+    }
+
+  private:
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    unsigned count_;
+    unsigned arrived_ = 0;
+    unsigned long generation_ = 0;
+};
+
 struct Warp {
-    std::barrier<> sync{WARP};
+    Barrier sync{WARP};
     uint64_t slot[WARP][8];
 };
 
 struct Block {
     explicit Block(unsigned threads) : sync(threads), warps(threads / WARP) {}
-    std::barrier<> sync;
+    Barrier sync;
     std::vector<Warp> warps;
 };
 

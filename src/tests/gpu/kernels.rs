@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::gpu;
 use crate::model::cache::{relative_position_bias, RelativeBias, WindowCache};
-use crate::model::fused::{fused_window_attention, tensor_core_window_attention};
+use crate::model::fused::FusedWindowAttention;
 use crate::model::{Attention, Model};
 use crate::tests::fixtures::max_abs_diff;
 use candle_core::{DType, Device, Module, Result, Tensor};
@@ -110,26 +110,23 @@ impl Case {
         ))
     }
 
-    fn fused(&self, qkv: &Tensor, bias: &Tensor, shifted: bool) -> Result<Tensor> {
-        fused_window_attention(
-            qkv,
-            bias,
-            self.heads,
-            self.window,
-            (self.height, self.width),
+    fn op(&self, shifted: bool, tensor_cores: bool) -> FusedWindowAttention {
+        FusedWindowAttention {
+            heads: self.heads,
+            window: self.window,
+            height: self.height,
+            width: self.width,
             shifted,
-        )
+            tensor_cores,
+        }
+    }
+
+    fn fused(&self, qkv: &Tensor, bias: &Tensor, shifted: bool) -> Result<Tensor> {
+        self.op(shifted, false).apply(qkv, bias)
     }
 
     fn tensor_core(&self, qkv: &Tensor, bias: &Tensor, shifted: bool) -> Result<Tensor> {
-        tensor_core_window_attention(
-            qkv,
-            bias,
-            self.heads,
-            self.window,
-            (self.height, self.width),
-            shifted,
-        )
+        self.op(shifted, true).apply(qkv, bias)
     }
 }
 
