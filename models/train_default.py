@@ -386,6 +386,14 @@ def cmd_pack(a):
     print(f"{a.out}: {len(hrs)} images, {os.path.getsize(a.out)} bytes")
 
 
+def load_without_masks(model, state):
+    """Loads weights, keeping the model's own shift masks (they depend on the patch size)."""
+    state = {k: v for k, v in state.items() if not k.endswith("attn_mask")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(not k.endswith("attn_mask") for k in missing):
+        raise SystemExit(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+
+
 def cmd_train(a):
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -443,11 +451,12 @@ def cmd_train(a):
     elif a.init:
         # A further stage: weights and Adam moments carry over, the step
         # counter and the LR schedule start again (a warm restart).
+        # The shift masks are buffers sized by the patch, which a new stage may change.
         ck = torch.load(a.init, weights_only=False, map_location=device)
-        model.load_state_dict(ck["model"])
+        load_without_masks(model, ck["model"])
         opt.load_state_dict(ck["opt"])
         if ema is not None:
-            ema.load_state_dict(ck.get("ema", ck["model"]))
+            load_without_masks(ema, ck.get("ema", ck["model"]))
         log(f"initialised from {a.init} (step {ck['step']} of its stage)")
 
     def save(path, extra=None):

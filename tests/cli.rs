@@ -1923,6 +1923,7 @@ fn version_credits_the_models_training_images() {
         "CC-BY",
         "Aitzol Berasategi",
         "Jakub Mede",
+        "Nevit Dilmen",
         "models/README.md",
     ] {
         assert!(text.contains(needle), "{needle} missing from:\n{text}");

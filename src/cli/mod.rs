@@ -27,7 +27,8 @@ const LONG_VERSION: &str = concat!(
     "\nEmbedded default model: a small DRCT x4, weights under the MIT licence like the code,",
     "\ntrained only on CC0, public-domain and CC-BY photographs. CC-BY credits: Trevor",
     "\n\"Freespace\", Jakub Mede, Aitzol Berasategi (CC-BY-4.0, Debian lomiri-wallpapers);",
-    "\ndanielbuechele and vultilion on Flickr (CC-BY-2.0, scikit-learn's sample images).",
+    "\ndanielbuechele and vultilion on Flickr (CC-BY-2.0, scikit-learn's sample images);",
+    "\nNevit Dilmen (CC-BY-3.0, Debian sddm-theme-maldives).",
     "\nEvery image and its licence: models/README.md."
 );
 
