@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 
 use super::config::DrctConfig;
 use super::ModelError;
@@ -80,10 +81,25 @@ impl Checkpoint {
             .and_then(|(_, m)| m.metadata().clone())
             .map(|m| m.into_iter().collect())
             .unwrap_or_default();
-        let mut raw = Vec::new();
-        for (name, view) in st.tensors() {
-            let t = candle_core::safetensors::Load::load(&view, &Device::Cpu)
-                .map_err(|e| ModelError::tensor(&source, &name, &e.to_string()))?;
+        // Converted on all threads: most of the cost is the page faults of the fresh tensors,
+        // which the cores take in parallel.
+        let mut views = st.tensors();
+        // Buffers are dropped unread, as they would be from a .pth: an official file's
+        // masks and indices are recomputed at load, whatever values they hold.
+        views.retain(|(name, _)| !is_buffer(name));
+        views.sort_by(|a, b| a.0.cmp(&b.0));
+        let converted: Vec<_> = views
+            .into_par_iter()
+            .map(|(name, view)| {
+                let t = f32_tensor(&view);
+                (name, t)
+            })
+            .collect();
+        let mut raw = Vec::with_capacity(converted.len());
+        // The first bad tensor by name is reported, whichever thread found it, so that the
+        // message does not change from run to run.
+        for (name, t) in converted {
+            let t = t.map_err(|msg| ModelError::tensor(&source, &name, &msg))?;
             raw.push((name, t));
         }
         let mut ck = Self::from_raw(raw, source, None)?;
@@ -115,6 +131,7 @@ impl Checkpoint {
                     .get(name)
                     .map_err(|e| ModelError::tensor(&source, name, &e.to_string()))?
                     .ok_or_else(|| ModelError::tensor(&source, name, "tensor data missing"))?;
+                let t = checked_f32(t).map_err(|msg| ModelError::tensor(&source, name, &msg))?;
                 raw.push((name.clone(), t));
             }
             return Self::from_raw(raw, source, key.map(str::to_string));
@@ -136,10 +153,6 @@ impl Checkpoint {
             if is_buffer(&name) {
                 continue;
             }
-            let t = t
-                .to_dtype(DType::F32)
-                .map_err(|e| ModelError::tensor(&source, &name, &e.to_string()))?;
-            check_finite(&t).map_err(|msg| ModelError::tensor(&source, &name, &msg))?;
             tensors.insert(name, t);
         }
         if tensors.is_empty() {
@@ -235,16 +248,100 @@ fn looks_like_safetensors(bytes: &[u8]) -> bool {
     bytes.len() >= 9 && bytes[8] == b'{'
 }
 
-fn check_finite(t: &Tensor) -> Result<(), String> {
-    let v = t
-        .flatten_all()
-        .and_then(|t| t.to_vec1::<f32>())
+/// A safetensors tensor as f32, converted and checked for NaN/Inf in one copy out of the
+/// file's bytes; candle's loader would copy it, then `to_dtype` and the check read it again.
+fn f32_tensor(view: &safetensors::tensor::TensorView) -> Result<Tensor, String> {
+    use safetensors::Dtype;
+    let data = view.data();
+    let values: Vec<f32> = match view.dtype() {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => {
+            let t = candle_core::safetensors::Load::load(view, &Device::Cpu)
+                .map_err(|e| e.to_string())?;
+            return checked_f32(t);
+        }
+    };
+    check_finite(&values)?;
+    Tensor::from_vec(values, view.shape(), &Device::Cpu).map_err(|e| e.to_string())
+}
+
+/// `t` as f32, refused if it holds a NaN or an infinity.
+fn checked_f32(t: Tensor) -> Result<Tensor, String> {
+    let t = t
+        .to_dtype(DType::F32)
+        .and_then(|t| t.contiguous())
         .map_err(|e| e.to_string())?;
-    match v.iter().position(|x| !x.is_finite()) {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        let values = super::ops::cpu_slice(&storage, layout).map_err(|e| e.to_string())?;
+        check_finite(values)?;
+    }
+    Ok(t)
+}
+
+fn check_finite(values: &[f32]) -> Result<(), String> {
+    match values.iter().position(|x| !x.is_finite()) {
         None => Ok(()),
         Some(i) => Err(format!(
             "holds a non-finite value ({}) at flat index {i}",
-            v[i]
+            values[i]
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The one-tensor safetensors file holding `t` in its own dtype, read back as a view.
+    fn converted(t: &Tensor) -> Result<Tensor, String> {
+        let bytes = safetensors::serialize([("t", t)], None).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        f32_tensor(&st.tensor("t").unwrap())
+    }
+
+    #[test]
+    fn every_float_dtype_loads_as_candles_conversion_does() {
+        // Odd sizes, so a conversion that drops or shifts elements cannot line up by chance.
+        let v = (Tensor::randn(0f32, 1., (7, 13), &Device::Cpu).unwrap() * 100.).unwrap();
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let t = v.to_dtype(dtype).unwrap();
+            let ours = converted(&t).unwrap();
+            assert_eq!(ours.dims(), &[7, 13], "{dtype:?}");
+            let want = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            let (ours, want) = (ours.flatten_all().unwrap(), want);
+            let (a, b) = (
+                ours.to_vec1::<f32>().unwrap(),
+                want.to_vec1::<f32>().unwrap(),
+            );
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{dtype:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_non_finite_value_is_found_in_every_float_dtype() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut v = vec![0.5f32; 40];
+            v[29] = bad;
+            let t = Tensor::from_vec(v, (5, 8), &Device::Cpu).unwrap();
+            for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+                let err = converted(&t.to_dtype(dtype).unwrap()).unwrap_err();
+                assert!(err.contains("flat index 29"), "{dtype:?} {bad}: {err}");
+            }
+        }
     }
 }

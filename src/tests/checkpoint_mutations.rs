@@ -192,3 +192,22 @@ fn mutated_pth_files_never_panic() {
     eprintln!("{tried} mutated .pth files: {accepted} accepted, none panicked");
     assert_eq!(tried, 500);
 }
+
+#[test]
+fn of_several_bad_tensors_the_first_by_name_is_reported_every_time() {
+    let original = std::fs::read(crate::tests::golden(crate::tests::FAST_MODEL)).unwrap();
+    let mut t = tensors(&original);
+    // Poison the last tensor by name and the first: the tensors convert on several threads,
+    // and a report that depended on which finished first would name either.
+    let last = t.len() - 1;
+    t[last].2[0] = f32::NAN;
+    t[0].2[0] = f32::INFINITY;
+    let first = t[0].0.clone();
+    let bytes = serialize(&t);
+    for _ in 0..20 {
+        let err = Checkpoint::from_safetensors_bytes(&bytes, Source::Embedded("poisoned"))
+            .err()
+            .expect("a poisoned checkpoint must be refused");
+        assert!(err.to_string().contains(&first), "{err}");
+    }
+}
