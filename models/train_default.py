@@ -415,7 +415,9 @@ def cmd_train(a):
     n_params = sum(p.numel() for p in model.parameters())
     log(f"config {json.dumps(CONFIG)} params {n_params} threads {a.threads} "
         f"ema {a.ema} seed {a.seed} steps {a.steps} lr {a.lr} warmup {a.warmup} "
-        f"batch {a.batch} patch {a.patch} device {device}")
+        f"batch {a.batch} patch {a.patch} device {device} loss {a.loss}")
+    # L1 trains faster and more stably; a short MSE stage after it aims at PSNR itself.
+    loss_fn = F.mse_loss if a.loss == "mse" else F.l1_loss
     # Exponential moving average of the weights (decay a.ema, ramped up over the
     # first steps so early averages are not dominated by the random init).
     # Validation and export use the EMA weights when it is on.
@@ -453,7 +455,8 @@ def cmd_train(a):
         # counter and the LR schedule start again (a warm restart).
         # The shift masks are buffers sized by the patch, which a new stage may change.
         ck = torch.load(a.init, weights_only=False, map_location=device)
-        load_without_masks(model, ck["model"])
+        start = ck.get("ema", ck["model"]) if a.init_weights == "ema" else ck["model"]
+        load_without_masks(model, start)
         opt.load_state_dict(ck["opt"])
         if ema is not None:
             load_without_masks(ema, ck.get("ema", ck["model"]))
@@ -493,7 +496,7 @@ def cmd_train(a):
         # loss stay float32.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16):
             out = model(lr_b)
-        loss = F.l1_loss(out.float(), hr_b)
+        loss = loss_fn(out.float(), hr_b)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -676,6 +679,9 @@ def main():
     s.add_argument("--keep-every", type=int, default=0,
                    help="also keep stepNNNNNN.pt every this many steps (for checkpoint averaging)")
     s.add_argument("--init", default=None, help="start a new stage from this checkpoint (last.pt of the previous stage)")
+    s.add_argument("--init-weights", choices=("raw", "ema"), default="raw",
+                   help="which of --init's weights the trained model starts from (the EMA copy starts from its EMA either way)")
+    s.add_argument("--loss", choices=("l1", "mse"), default="l1")
     s.add_argument("--config", default=None, help="JSON overrides of CONFIG (for config search)")
     s.add_argument("--ema", type=float, default=0.999,
                    help="EMA decay of the weights that are validated and exported (0: off)")
