@@ -166,10 +166,10 @@ pub struct InferArgs {
     /// Let fp32 matmuls on CUDA use TF32 tensor cores (faster, ~1e-3 relative error).
     #[arg(long)]
     pub tf32: bool,
-    /// Window attention on CUDA: fused (one kernel per block, no score tensors), tensor-core
-    /// (the fused kernel's two products on tensor cores, for bf16/fp16) or reference (candle's
-    /// matmul/softmax graph). The CPU runs its own kernel either way.
-    #[arg(long, value_enum, ignore_case = true, default_value_t = Attention::Fused)]
+    /// Window attention on CUDA: tensor-core (the fused kernel's two products on tensor cores,
+    /// for bf16/fp16; 1.3x `fused` on an H100), fused (one kernel per block, no score tensors)
+    /// or reference (candle's matmul/softmax graph). The CPU runs its own kernel either way.
+    #[arg(long, value_enum, ignore_case = true, default_value_t = Attention::TensorCore)]
     pub attention: Attention,
     /// Test-time self-ensemble: average the outputs for the eight flips and transpositions
     /// of the input (+0.04 dB PSNR-Y on the default model's held-out photos, at 8x the time).

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Where the GPU time of one `upscale bench` goes: every kernel's duration (Nsight Compute, one
+# metric, so one replay per kernel), summed by kernel name, against the run's wall time.
+#
+#   scripts/gpu-profile.sh PACK OUTDIR PRESET [upscale bench flags...]     (PRESET: drct | drct-l)
+#
+# On the GPU machine, from the repository root, with the folder scripts/gpu-pack.sh made.
+# Writes OUTDIR/kernels.csv (ncu's raw rows) and OUTDIR/profile.md (the table).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+pack=${1:?usage: $0 PACK OUTDIR PRESET [bench flags...]}
+out=${2:?}
+preset=${3:?}
+shift 3
+PY=${PYTHON:-python3}
+mkdir -p "$out"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+for d in $("$PY" -c 'import nvidia; print(" ".join(nvidia.__path__))' 2>/dev/null); do
+  for sub in cu13/lib cudnn/lib cublas/lib cuda_runtime/lib cuda_nvrtc/lib curand/lib; do
+    [ -d "$d/$sub" ] && LD_LIBRARY_PATH="$d/$sub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  done
+done
+export LD_LIBRARY_PATH
+# The weights are made with spandrel (pure Python), which the GPU machine lacks.
+wheel=$(ls "$pack"/spandrel-*.whl 2>/dev/null | head -n 1)
+[ -n "$wheel" ] && "$PY" -m pip install -q --no-index --no-deps --target "$work/site" "$wheel" >/dev/null 2>&1 &&
+  export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+  "$pack/upscale.xz" "$work/upscale"
+chmod +x "$work/upscale"
+"$PY" benches/torch_drct.py make-weights "$work/w.safetensors" --preset "$preset" --scale 4 --seed 0 >/dev/null
+bench=("$work/upscale" bench -m "$work/w.safetensors" --device cuda --json "$@")
+"${bench[@]}" > "$out/bench_plain.json"
+ncu --metrics gpu__time_duration.sum --csv --print-units base --log-file "$out/kernels.csv" \
+  "${bench[@]}" > "$out/bench_under_ncu.json"
+"$PY" - "$out/kernels.csv" "$out/bench_plain.json" "$*" > "$out/profile.md" <<'PYEOF'
+import csv, json, sys
+from collections import defaultdict
+rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+per = defaultdict(lambda: [0, 0.0])
+for r in rows:
+    if r.get("Metric Name") != "gpu__time_duration.sum":
+        continue
+    name = r["Kernel Name"].split("(")[0][:90]
+    per[name][0] += 1
+    per[name][1] += float(r["Metric Value"].replace(",", "")) * 1e-9
+total = sum(t for _, t in per.values())
+bench = json.load(open(sys.argv[2]))
+runs = bench.get("warmup", 0) + bench.get("reps", 0)
+print(f"bench flags: {sys.argv[3]}\n")
+print(f"kernels: {sum(c for c, _ in per.values())}, GPU time {total:.4f} s over {runs} forward runs "
+      f"(warm-up included); plain run median {bench.get('median_s')} s per run\n")
+print("| kernel | launches | GPU s | share |\n|---|---|---|---|")
+for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:40]:
+    print(f"| `{name}` | {c} | {t:.4f} | {t / total:.1%} |")
+PYEOF
+cat "$out/profile.md"
