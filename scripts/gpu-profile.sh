@@ -16,12 +16,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$out"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for d in $("$PY" -c 'import nvidia; print(" ".join(nvidia.__path__))' 2>/dev/null); do
-  for sub in cu13/lib cudnn/lib cublas/lib cuda_runtime/lib cuda_nvrtc/lib curand/lib; do
-    [ -d "$d/$sub" ] && LD_LIBRARY_PATH="$d/$sub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  done
-done
-export LD_LIBRARY_PATH
+# shellcheck source=scripts/cuda-runtime-libs.sh
+. scripts/cuda-runtime-libs.sh
 # The weights are made with spandrel (pure Python), which the GPU machine lacks.
 wheel=$(ls "$pack"/spandrel-*.whl 2>/dev/null | head -n 1)
 [ -n "$wheel" ] && "$PY" -m pip install -q --no-index --no-deps --target "$work/site" "$wheel" >/dev/null 2>&1 &&

@@ -60,13 +60,8 @@ if [ "$smoke" = 1 ]; then
   device=cpu
 else
   device=cuda
-  # The CUDA 13 runtime libraries come with PyTorch's pip packages on the GPU machine.
-  for d in $("$PY" -c 'import nvidia; print(" ".join(nvidia.__path__))' 2>/dev/null); do
-    for sub in cu13/lib cudnn/lib cublas/lib cuda_runtime/lib cuda_nvrtc/lib curand/lib; do
-      [ -d "$d/$sub" ] && LD_LIBRARY_PATH="$d/$sub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    done
-  done
-  export LD_LIBRARY_PATH
+  # shellcheck source=scripts/cuda-runtime-libs.sh
+  . scripts/cuda-runtime-libs.sh
 fi
 have_torch=0
 if "$PY" -c 'import torch' 2>/dev/null; then
