@@ -95,13 +95,15 @@ impl Checkpoint {
                 (name, t)
             })
             .collect();
-        let mut raw = Vec::with_capacity(converted.len());
         // The first bad tensor by name is reported, whichever thread found it, so that the
         // message does not change from run to run.
-        for (name, t) in converted {
-            let t = t.map_err(|msg| ModelError::tensor(&source, &name, &msg))?;
-            raw.push((name, t));
-        }
+        let raw = converted
+            .into_iter()
+            .map(|(name, t)| match t {
+                Ok(t) => Ok((name, t)),
+                Err(msg) => Err(ModelError::tensor(&source, &name, &msg)),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let mut ck = Self::from_raw(raw, source, None)?;
         ck.metadata = metadata;
         Ok(ck)
@@ -149,10 +151,8 @@ impl Checkpoint {
     ) -> Result<Self, ModelError> {
         let mut tensors = HashMap::new();
         for (name, t) in raw {
+            // Both readers have dropped the buffers already.
             let name = name.strip_prefix("module.").unwrap_or(&name).to_string();
-            if is_buffer(&name) {
-                continue;
-            }
             tensors.insert(name, t);
         }
         if tensors.is_empty() {
