@@ -14,6 +14,7 @@ use super::config::{DrctConfig, BLOCKS_PER_GROUP};
 use super::fused::{Attention, FusedWindowAttention};
 use super::norm::{add_gather_norm, layer_norm, norm_gather};
 use super::ops::After;
+use super::rowwise::{self, Act};
 
 /// The RGB mean the official model subtracts (img_range 1.0); not stored in checkpoints.
 const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
@@ -163,10 +164,8 @@ impl Module for Conv3x3 {
         while y < h {
             let n = rows.min(h - y);
             let cols = self.patches(&padded.narrow(1, y, n + 2)?, n, w)?;
-            let out = cols
-                .reshape((b * n * w, 9 * c))?
-                .matmul(&self.weight)?
-                .broadcast_add(&self.bias)?;
+            let out = cols.reshape((b * n * w, 9 * c))?.matmul(&self.weight)?;
+            let out = rowwise::bias_act(&out, &self.bias, None, Act::None)?;
             outs.push(out.reshape((b, n, w, ()))?);
             y += n;
         }
@@ -261,8 +260,33 @@ impl Dense {
         self.forward_then(x, After::Gelu)
     }
 
+    /// `cat([prev, leaky_relu(self(x))], -1)`: the dense connection of a residual group.
+    fn forward_cat_leaky(&self, x: &Tensor, prev: &Tensor) -> Result<Tensor> {
+        if let (Self::Candle(inner), true) = (self, x.device().is_cuda()) {
+            let y = token_gemm(inner, x)?;
+            let mut dims = prev.dims().to_vec();
+            *dims.last_mut().expect("token_gemm checked the rank") = y.dim(1)?;
+            let y = y.reshape(dims)?;
+            let act = Act::Leaky(RDG_SLOPE as f32);
+            return rowwise::cat_bias_act(prev, &y, dense_bias(inner)?, act);
+        }
+        cat_leaky(prev, &self.forward(x)?)
+    }
+
     fn forward_then(&self, x: &Tensor, after: After) -> Result<Tensor> {
         match self {
+            Self::Candle(inner) if x.device().is_cuda() => {
+                let y = token_gemm(inner, x)?;
+                let (residual, act) = match after {
+                    After::Nothing => (None, Act::None),
+                    After::Residual(r) => (Some(r.reshape(y.shape())?.contiguous()?), Act::None),
+                    After::Gelu => (None, Act::Gelu),
+                };
+                let y = rowwise::bias_act(&y, dense_bias(inner)?, residual.as_ref(), act)?;
+                let mut dims = x.dims().to_vec();
+                *dims.last_mut().expect("token_gemm checked the rank") = y.dim(1)?;
+                y.reshape(dims)
+            }
             Self::Candle(inner) => {
                 if let Some(y) = super::ops::linear(x, inner.weight(), inner.bias(), after)? {
                     return Ok(y);
@@ -287,6 +311,22 @@ impl Dense {
                 super::ops::linear_bf16(&x.contiguous()?, *isa, weight, bias, after)
             }
         }
+    }
+}
+
+/// `x · wᵀ` over all tokens of `x` `(.., cin)` as one 2-D GEMM: `(tokens, cout)`, without
+/// the bias. candle's `Linear` would broadcast the weight over the leading axes (a batched
+/// GEMM) and add the bias with its strided broadcast kernel.
+fn token_gemm(inner: &Linear, x: &Tensor) -> Result<Tensor> {
+    let k = x.dim(D::Minus1)?;
+    x.reshape((x.elem_count() / k.max(1), k))?
+        .matmul(&inner.weight().t()?)
+}
+
+fn dense_bias(inner: &Linear) -> Result<&Tensor> {
+    match inner.bias() {
+        Some(b) => Ok(b),
+        None => candle_core::bail!("linear layers here always have a bias"),
     }
 }
 
@@ -629,7 +669,7 @@ impl Module for Rdg {
                 // this adjust's weights at load) and added.
                 return adjust.forward_residual(&out, x);
             }
-            dense = cat_leaky(&dense, &adjust.forward(&out)?)?;
+            dense = adjust.forward_cat_leaky(&out, &dense)?;
         }
         unreachable!("a group always has {BLOCKS_PER_GROUP} blocks")
     }

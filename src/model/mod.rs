@@ -8,6 +8,7 @@ pub mod drct;
 pub mod fused;
 pub mod norm;
 pub mod ops;
+pub mod rowwise;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;

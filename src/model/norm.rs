@@ -197,7 +197,7 @@ pub fn norm_gather(ln: &LayerNorm, x: &Tensor, order: &Tensor) -> Result<Tensor>
             }
         }
     }
-    candle_core::Module::forward(ln, x)?.index_select(order, 1)
+    super::rowwise::gather_norm(ln, x, order)
 }
 
 /// The residual step after window attention: `sum = x + index_select(y, back, 1)` and
@@ -257,9 +257,7 @@ pub fn add_gather_norm(
             }
         }
     }
-    let sum = (x + y.index_select(back, 1)?)?;
-    let normed = candle_core::Module::forward(ln, &sum)?;
-    Ok((sum, normed))
+    super::rowwise::add_gather_norm(ln, x, y, back)
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@
 mod kernels;
 mod lanes;
 mod parity;
+mod rowwise;
 
 use candle_core::Device;
 

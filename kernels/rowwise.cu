@@ -1,0 +1,177 @@
+// Row-wise passes over token features, each fusing what candle would run as several kernels.
+//
+// - bias_act: the epilogue of a linear layer or convolution GEMM, out = act(y + bias) + res.
+//   candle adds a bias through its generic broadcast kernel, which recomputes a strided index
+//   with 64-bit divisions for every element; here the column is one 32-bit remainder.
+// - cat_bias_act: the dense connection of a residual group, out = [prev | act(y + bias)], so
+//   the concatenation costs no pass of its own.
+// - gather_norm / add_gather_norm: the window partition (a token permutation) fused with the
+//   layer norm beside it, one warp per token row.
+//
+// Arithmetic is f32 whatever the storage type; every stored value is rounded once. Each
+// thread reads and writes its own elements only, so outputs never alias inputs.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace {
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) {
+    return __float2half_rn(x);
+}
+
+// Activation codes; the host's `Act` uses the same numbers.
+constexpr int ACT_NONE = 0;
+constexpr int ACT_GELU = 1;
+constexpr int ACT_LEAKY = 2;
+
+__device__ __forceinline__ float activate(float v, int act, float slope) {
+    if (act == ACT_GELU) {
+        // nn.GELU()'s exact erf form.
+        return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    }
+    if (act == ACT_LEAKY) {
+        return v >= 0.0f ? v : v * slope;
+    }
+    return v;
+}
+
+// y, out and res: rows x cols; bias: cols. res is read only when has_res.
+template <typename T>
+__device__ void bias_act(const T *__restrict__ y, const T *__restrict__ bias,
+                         const T *__restrict__ res, T *__restrict__ out, unsigned int n,
+                         unsigned int cols, int act, float slope, int has_res) {
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += blockDim.x * gridDim.x) {
+        float v = activate(to_f32(y[i]) + to_f32(bias[i % cols]), act, slope);
+        if (has_res) {
+            v += to_f32(res[i]);
+        }
+        out[i] = from_f32<T>(v);
+    }
+}
+
+// prev: rows x pc; y: rows x cols; out: rows x (pc + cols).
+template <typename T>
+__device__ void cat_bias_act(const T *__restrict__ prev, const T *__restrict__ y,
+                             const T *__restrict__ bias, T *__restrict__ out, unsigned int n,
+                             unsigned int pc, unsigned int cols, int act, float slope) {
+    const unsigned int width = pc + cols;
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += blockDim.x * gridDim.x) {
+        const unsigned int r = i / width;
+        const unsigned int c = i - r * width;
+        out[i] = c < pc ? prev[r * pc + c]
+                        : from_f32<T>(activate(to_f32(y[r * cols + c - pc]) + to_f32(bias[c - pc]),
+                                               act, slope));
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o /= 2) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    return v;
+}
+
+// Normalises the row `src` (already rounded to T) into `dst`: two passes for mean and
+// variance, as the CPU kernels do, then the affine map. One warp per row.
+template <typename T>
+__device__ void norm_row(const T *src, const T *__restrict__ gamma, const T *__restrict__ beta,
+                         T *__restrict__ dst, unsigned int cols, float eps) {
+    const unsigned int lane = threadIdx.x % 32;
+    float s = 0.0f;
+    for (unsigned int c = lane; c < cols; c += 32) {
+        s += to_f32(src[c]);
+    }
+    const float mean = warp_sum(s) / cols;
+    float q = 0.0f;
+    for (unsigned int c = lane; c < cols; c += 32) {
+        const float d = to_f32(src[c]) - mean;
+        q += d * d;
+    }
+    const float inv = rsqrtf(warp_sum(q) / cols + eps);
+    for (unsigned int c = lane; c < cols; c += 32) {
+        dst[c] = from_f32<T>((to_f32(src[c]) - mean) * inv * to_f32(gamma[c]) + to_f32(beta[c]));
+    }
+}
+
+// out[b, t] = ln(x[b, order[t]]): x is batch x tokens_in x cols, out batch x tokens x cols.
+template <typename T>
+__device__ void gather_norm(const T *__restrict__ x, const unsigned int *__restrict__ order,
+                            const T *__restrict__ gamma, const T *__restrict__ beta,
+                            T *__restrict__ out, unsigned int rows, unsigned int tokens,
+                            unsigned int tokens_in, unsigned int cols, float eps) {
+    const unsigned int warps = blockDim.x / 32;
+    for (unsigned int r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += gridDim.x * warps) {
+        const unsigned int b = r / tokens;
+        const unsigned int src = b * tokens_in + order[r - b * tokens];
+        norm_row(x + (size_t)src * cols, gamma, beta, out + (size_t)r * cols, cols, eps);
+    }
+}
+
+// sum[b, t] = x[b, t] + y[b, back[t]] and normed[b, t] = ln(sum[b, t]): x, sum and normed are
+// batch x tokens x cols, y batch x tokens_y x cols. The norm reads the rounded sum, which is
+// what the next layers see.
+template <typename T>
+__device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ y,
+                                const unsigned int *__restrict__ back,
+                                const T *__restrict__ gamma, const T *__restrict__ beta,
+                                T *sum, T *__restrict__ normed, unsigned int rows,
+                                unsigned int tokens, unsigned int tokens_y, unsigned int cols,
+                                float eps) {
+    const unsigned int warps = blockDim.x / 32;
+    const unsigned int lane = threadIdx.x % 32;
+    for (unsigned int r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += gridDim.x * warps) {
+        const unsigned int b = r / tokens;
+        const T *xr = x + (size_t)r * cols;
+        const T *yr = y + ((size_t)b * tokens_y + back[r - b * tokens]) * cols;
+        T *sr = sum + (size_t)r * cols;
+        for (unsigned int c = lane; c < cols; c += 32) {
+            sr[c] = from_f32<T>(to_f32(xr[c]) + to_f32(yr[c]));
+        }
+        // Each lane reads back only the columns it wrote: no synchronisation needed.
+        norm_row(sr, gamma, beta, normed + (size_t)r * cols, cols, eps);
+    }
+}
+
+}  // namespace
+
+#define ROWWISE(T, SUFFIX)                                                                     \
+    extern "C" __global__ void bias_act_##SUFFIX(const T *y, const T *bias, const T *res,      \
+                                                 T *out, unsigned int n, unsigned int cols,    \
+                                                 int act, float slope, int has_res) {          \
+        bias_act(y, bias, res, out, n, cols, act, slope, has_res);                             \
+    }                                                                                          \
+    extern "C" __global__ void cat_bias_act_##SUFFIX(const T *prev, const T *y, const T *bias, \
+                                                     T *out, unsigned int n, unsigned int pc,  \
+                                                     unsigned int cols, int act,               \
+                                                     float slope) {                            \
+        cat_bias_act(prev, y, bias, out, n, pc, cols, act, slope);                             \
+    }                                                                                          \
+    extern "C" __global__ void gather_norm_##SUFFIX(                                           \
+        const T *x, const unsigned int *order, const T *gamma, const T *beta, T *out,          \
+        unsigned int rows, unsigned int tokens, unsigned int tokens_in, unsigned int cols,     \
+        float eps) {                                                                           \
+        gather_norm(x, order, gamma, beta, out, rows, tokens, tokens_in, cols, eps);           \
+    }                                                                                          \
+    extern "C" __global__ void add_gather_norm_##SUFFIX(                                       \
+        const T *x, const T *y, const unsigned int *back, const T *gamma, const T *beta,       \
+        T *sum, T *normed, unsigned int rows, unsigned int tokens, unsigned int tokens_y,      \
+        unsigned int cols, float eps) {                                                        \
+        add_gather_norm(x, y, back, gamma, beta, sum, normed, rows, tokens, tokens_y, cols,   \
+                        eps);                                                                  \
+    }
+
+ROWWISE(float, f32)
+ROWWISE(__nv_bfloat16, bf16)
+ROWWISE(__half, f16)

@@ -1,0 +1,394 @@
+//! Row-wise passes over channels-last token features that the CUDA path runs as one kernel
+//! each (kernels/rowwise.cu) instead of candle's chain of element-wise kernels:
+//!
+//! - [`bias_act`]: a GEMM's epilogue, `act(y + bias) + residual`;
+//! - [`cat_bias_act`]: the dense connection, `cat([prev, act(y + bias)], -1)`;
+//! - [`gather_norm`] and [`add_gather_norm`]: a window partition (token permutation) fused
+//!   with the layer norm next to it.
+//!
+//! On other devices each runs candle's composition of the same ops, which is also what the
+//! GPU tests hold the kernels to. The CPU model has its own fused kernels
+//! ([`super::ops`], [`super::norm`]) and does not come here.
+
+use candle_core::{Module, Result, Tensor, D};
+use candle_nn::LayerNorm;
+
+/// The activation a GEMM's epilogue applies after the bias.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Act {
+    None,
+    /// The exact (erf) GELU of `nn.GELU()`.
+    Gelu,
+    /// LeakyReLU with this negative slope.
+    Leaky(f32),
+}
+
+impl Act {
+    fn apply(self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::None => Ok(x.clone()),
+            Self::Gelu => x.gelu_erf(),
+            Self::Leaky(slope) => candle_nn::ops::leaky_relu(x, f64::from(slope)),
+        }
+    }
+}
+
+/// `act(y + bias) + residual` for `y` `(.., C)`, `bias` `(C)` and `residual` `y`'s shape.
+pub fn bias_act(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>, act: Act) -> Result<Tensor> {
+    let c = y.dim(D::Minus1)?;
+    if bias.dims() != [c] {
+        candle_core::bail!("bias_act: y {:?}, bias {:?}", y.dims(), bias.dims());
+    }
+    if let Some(r) = residual {
+        if r.dims() != y.dims() {
+            candle_core::bail!("bias_act: y {:?}, residual {:?}", y.dims(), r.dims());
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if y.device().is_cuda() {
+        return cuda::bias_act(y, bias, residual, act);
+    }
+    let out = act.apply(&y.broadcast_add(bias)?)?;
+    match residual {
+        Some(r) => out + r,
+        None => Ok(out),
+    }
+}
+
+/// `cat([prev, act(y + bias)], -1)` for `prev` `(.., Cp)`, `y` `(.., C)`, `bias` `(C)`.
+pub fn cat_bias_act(prev: &Tensor, y: &Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
+    let (dp, dy) = (prev.dims(), y.dims());
+    let c = y.dim(D::Minus1)?;
+    if dp.len() != dy.len() || dp[..dp.len() - 1] != dy[..dy.len() - 1] || bias.dims() != [c] {
+        candle_core::bail!(
+            "cat_bias_act: prev {dp:?}, y {dy:?}, bias {:?}",
+            bias.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if y.device().is_cuda() {
+        return cuda::cat_bias_act(prev, y, bias, act);
+    }
+    Tensor::cat(&[prev, &act.apply(&y.broadcast_add(bias)?)?], D::Minus1)
+}
+
+/// `ln(x)` with its tokens put in `order`: `x` `(B, T, C)`, `order` `T'` u32 indices below
+/// `T`; returns `(B, T', C)`.
+pub fn gather_norm(ln: &LayerNorm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return cuda::gather_norm(ln, x, order);
+    }
+    ln.forward(x)?.index_select(order, 1)
+}
+
+/// `sum = x + index_select(y, back, 1)` and `ln(sum)`: `x` `(B, T, C)`, `y` `(B, T', C)`,
+/// `back` `T` u32 indices below `T'`.
+pub fn add_gather_norm(
+    ln: &LayerNorm,
+    x: &Tensor,
+    y: &Tensor,
+    back: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return cuda::add_gather_norm(ln, x, y, back);
+    }
+    let sum = (x + y.index_select(back, 1)?)?;
+    let normed = ln.forward(&sum)?;
+    Ok((sum, normed))
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::ops::Deref;
+
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaDevice, CudaStorage, DType, Result, Shape, Storage, Tensor, WithDType};
+    use candle_nn::LayerNorm;
+    use half::{bf16, f16};
+
+    use super::Act;
+
+    /// Threads per block: whole warps; the norms give each row one warp.
+    const THREADS: usize = 256;
+    /// Grid cap: the kernels' loops stride over the rest.
+    const MAX_BLOCKS: usize = 1 << 16;
+
+    /// A tensor's storage held for a launch, with its contiguous element range.
+    struct Held<G> {
+        guard: G,
+        range: (usize, usize),
+    }
+
+    fn held<'a>(t: &'a Tensor, what: &str) -> Result<Held<impl Deref<Target = Storage> + 'a>> {
+        let (guard, layout) = t.storage_and_layout();
+        let Some(range) = layout.contiguous_offsets() else {
+            candle_core::bail!("{what} must be contiguous");
+        };
+        Ok(Held { guard, range })
+    }
+
+    impl<G: Deref<Target = Storage>> Held<G> {
+        fn view<T: CudaDType>(&self) -> Result<CudaView<'_, T>> {
+            match &*self.guard {
+                Storage::Cuda(s) => Ok(s.as_cuda_slice::<T>()?.slice(self.range.0..self.range.1)),
+                _ => candle_core::bail!("rowwise kernels take CUDA tensors"),
+            }
+        }
+
+        fn device(&self) -> Result<CudaDevice> {
+            match &*self.guard {
+                Storage::Cuda(s) => Ok(s.device.clone()),
+                _ => candle_core::bail!("rowwise kernels take CUDA tensors"),
+            }
+        }
+    }
+
+    fn u32_of(v: usize, what: &str) -> Result<u32> {
+        u32::try_from(v).map_err(|_| {
+            candle_core::Error::Msg(format!("rowwise kernels: {what} {v} exceeds 32 bits"))
+        })
+    }
+
+    fn act_args(act: Act) -> (i32, f32) {
+        match act {
+            Act::None => (0, 0.0),
+            Act::Gelu => (1, 0.0),
+            Act::Leaky(slope) => (2, slope),
+        }
+    }
+
+    /// Enough blocks of `per_block` work units for `units`, capped.
+    fn grid(units: usize, per_block: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (units.div_ceil(per_block).clamp(1, MAX_BLOCKS) as u32, 1, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Kernel `name` for element type `T`.
+    fn func<T: WithDType>(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+        let suffix = match T::DTYPE {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            other => candle_core::bail!("rowwise kernels: dtype {other:?} (f32, bf16, f16)"),
+        };
+        dev.get_or_load_custom_func(
+            &format!("{name}_{suffix}"),
+            "upscale_rowwise",
+            crate::gpu::ptx::ROWWISE,
+        )
+        .map(|f| f.into_cuda_function())
+    }
+
+    /// An output buffer of `n` elements, which the kernel writes in full.
+    fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: every kernel here writes each element of its outputs before anything reads
+        // them.
+        unsafe { dev.alloc::<T>(n) }
+    }
+
+    fn wrap<T: CudaDType>(out: CudaSlice<T>, dev: &CudaDevice, shape: Shape) -> Tensor {
+        let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+        Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+    }
+
+    /// Runs `$body` with `$t` the element type of `$dtype`.
+    macro_rules! with_type {
+        ($dtype:expr, $t:ident => $body:block) => {
+            match $dtype {
+                DType::F32 => {
+                    type $t = f32;
+                    $body
+                }
+                DType::BF16 => {
+                    type $t = bf16;
+                    $body
+                }
+                DType::F16 => {
+                    type $t = f16;
+                    $body
+                }
+                other => candle_core::bail!("rowwise kernels: dtype {other:?} (f32, bf16, f16)"),
+            }
+        };
+    }
+
+    pub(super) fn bias_act(
+        y: &Tensor,
+        bias: &Tensor,
+        residual: Option<&Tensor>,
+        act: Act,
+    ) -> Result<Tensor> {
+        let hy = held(y, "bias_act: y")?;
+        let hb = held(bias, "bias_act: bias")?;
+        let hr = residual
+            .map(|r| held(r, "bias_act: residual"))
+            .transpose()?;
+        let dev = hy.device()?;
+        let n = u32_of(y.elem_count(), "elements")?;
+        let cols = u32_of(bias.elem_count(), "columns")?;
+        let (code, slope) = act_args(act);
+        let has_res = i32::from(hr.is_some());
+        with_type!(y.dtype(), T => {
+            let (yv, bv) = (hy.view::<T>()?, hb.view::<T>()?);
+            // Without a residual the kernel never reads this argument.
+            let rv = hr.as_ref().unwrap_or(&hy).view::<T>()?;
+            let out = alloc::<T>(&dev, n as usize)?;
+            let f = func::<T>(&dev, "bias_act")?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&yv).arg(&bv).arg(&rv).arg(&out);
+            b.arg(&n).arg(&cols).arg(&code).arg(&slope).arg(&has_res);
+            // SAFETY: the arguments follow the kernel's signature; the buffers hold n
+            // elements (bias: cols), as the kernel reads them.
+            unsafe { b.launch(grid(n as usize, THREADS)) }.w()?;
+            Ok(wrap(out, &dev, y.shape().clone()))
+        })
+    }
+
+    pub(super) fn cat_bias_act(
+        prev: &Tensor,
+        y: &Tensor,
+        bias: &Tensor,
+        act: Act,
+    ) -> Result<Tensor> {
+        let hp = held(prev, "cat_bias_act: prev")?;
+        let hy = held(y, "cat_bias_act: y")?;
+        let hb = held(bias, "cat_bias_act: bias")?;
+        let dev = hy.device()?;
+        let pc = prev.dims().last().copied().unwrap_or(0);
+        let cols = bias.elem_count();
+        let mut dims = y.dims().to_vec();
+        *dims.last_mut().expect("checked by the caller") = pc + cols;
+        let shape = Shape::from(dims);
+        let n = u32_of(shape.elem_count(), "elements")?;
+        let (pc, cols) = (u32_of(pc, "columns")?, u32_of(cols, "columns")?);
+        let (code, slope) = act_args(act);
+        with_type!(y.dtype(), T => {
+            let (pv, yv, bv) = (hp.view::<T>()?, hy.view::<T>()?, hb.view::<T>()?);
+            let out = alloc::<T>(&dev, n as usize)?;
+            let f = func::<T>(&dev, "cat_bias_act")?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&pv).arg(&yv).arg(&bv).arg(&out);
+            b.arg(&n).arg(&pc).arg(&cols).arg(&code).arg(&slope);
+            // SAFETY: as in bias_act; prev holds rows x pc elements, y rows x cols.
+            unsafe { b.launch(grid(n as usize, THREADS)) }.w()?;
+            Ok(wrap(out, &dev, shape))
+        })
+    }
+
+    /// The weight and bias of a layer norm over `c` channels in `x`'s dtype, and its epsilon.
+    fn norm_params(ln: &LayerNorm, x: &Tensor, c: usize) -> Result<(Tensor, Tensor, f32)> {
+        let Some(bias) = ln.bias() else {
+            candle_core::bail!("rowwise norms: the layer norm has no bias");
+        };
+        if !ln.remove_mean() || ln.weight().dims() != [c] || bias.dims() != [c] {
+            candle_core::bail!("rowwise norms: a layer norm over {c} channels expected");
+        }
+        Ok((
+            ln.weight().to_dtype(x.dtype())?,
+            bias.to_dtype(x.dtype())?,
+            ln.eps() as f32,
+        ))
+    }
+
+    /// The number of indices in `idx`, which must be a u32 vector. Their values are the
+    /// caller's promise (the window partition builds them).
+    fn index_count(idx: &Tensor, what: &str) -> Result<usize> {
+        if idx.dtype() != DType::U32 || idx.rank() != 1 {
+            candle_core::bail!(
+                "{what}: u32 indices expected, got {:?} {:?}",
+                idx.dtype(),
+                idx.dims()
+            );
+        }
+        Ok(idx.elem_count())
+    }
+
+    pub(super) fn gather_norm(ln: &LayerNorm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
+        let (b, t_in, c) = x.dims3()?;
+        let t = index_count(order, "gather_norm: order")?;
+        let (gamma, beta, eps) = norm_params(ln, x, c)?;
+        let hx = held(x, "gather_norm: x")?;
+        let ho = held(order, "gather_norm: order")?;
+        let (hg, hb) = (held(&gamma, "gamma")?, held(&beta, "beta")?);
+        let dev = hx.device()?;
+        u32_of(b * t * c, "elements")?;
+        let rows = u32_of(b * t, "rows")?;
+        let (t32, t_in, c32) = (
+            u32_of(t, "tokens")?,
+            u32_of(t_in, "tokens")?,
+            u32_of(c, "columns")?,
+        );
+        with_type!(x.dtype(), T => {
+            let (xv, ov) = (hx.view::<T>()?, ho.view::<u32>()?);
+            let (gv, bv) = (hg.view::<T>()?, hb.view::<T>()?);
+            let out = alloc::<T>(&dev, b * t * c)?;
+            let f = func::<T>(&dev, "gather_norm")?;
+            let stream = dev.cuda_stream();
+            let mut bld = stream.launch_builder(&f);
+            bld.arg(&xv).arg(&ov).arg(&gv).arg(&bv).arg(&out);
+            bld.arg(&rows).arg(&t32).arg(&t_in).arg(&c32).arg(&eps);
+            // SAFETY: the arguments follow the kernel's signature; x holds b x t_in x c
+            // elements and the order's values index its tokens.
+            unsafe { bld.launch(grid(rows as usize, THREADS / 32)) }.w()?;
+            Ok(wrap(out, &dev, Shape::from((b, t, c))))
+        })
+    }
+
+    pub(super) fn add_gather_norm(
+        ln: &LayerNorm,
+        x: &Tensor,
+        y: &Tensor,
+        back: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, t, c) = x.dims3()?;
+        let (by, ty, cy) = y.dims3()?;
+        if (by, cy) != (b, c) || index_count(back, "add_gather_norm: back")? != t {
+            candle_core::bail!(
+                "add_gather_norm: x {:?}, y {:?}, back {:?}",
+                x.dims(),
+                y.dims(),
+                back.dims()
+            );
+        }
+        let (gamma, beta, eps) = norm_params(ln, x, c)?;
+        let hx = held(x, "add_gather_norm: x")?;
+        let hy = held(y, "add_gather_norm: y")?;
+        let hi = held(back, "add_gather_norm: back")?;
+        let (hg, hb) = (held(&gamma, "gamma")?, held(&beta, "beta")?);
+        let dev = hx.device()?;
+        u32_of(b * t * c, "elements")?;
+        let rows = u32_of(b * t, "rows")?;
+        let (t32, ty, c32) = (
+            u32_of(t, "tokens")?,
+            u32_of(ty, "tokens")?,
+            u32_of(c, "columns")?,
+        );
+        with_type!(x.dtype(), T => {
+            let (xv, yv, iv) = (hx.view::<T>()?, hy.view::<T>()?, hi.view::<u32>()?);
+            let (gv, bv) = (hg.view::<T>()?, hb.view::<T>()?);
+            let sum = alloc::<T>(&dev, b * t * c)?;
+            let normed = alloc::<T>(&dev, b * t * c)?;
+            let f = func::<T>(&dev, "add_gather_norm")?;
+            let stream = dev.cuda_stream();
+            let mut bld = stream.launch_builder(&f);
+            bld.arg(&xv).arg(&yv).arg(&iv).arg(&gv).arg(&bv).arg(&sum).arg(&normed);
+            bld.arg(&rows).arg(&t32).arg(&ty).arg(&c32).arg(&eps);
+            // SAFETY: the arguments follow the kernel's signature; y holds b x ty x c
+            // elements and back's values index its tokens.
+            unsafe { bld.launch(grid(rows as usize, THREADS / 32)) }.w()?;
+            let shape = Shape::from((b, t, c));
+            Ok((wrap(sum, &dev, shape.clone()), wrap(normed, &dev, shape)))
+        })
+    }
+}

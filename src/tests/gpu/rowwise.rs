@@ -1,0 +1,225 @@
+//! The row-wise kernels (kernels/rowwise.cu) against candle's composition of the same ops on
+//! the CPU in f32, in every dtype.
+//!
+//! The 16-bit inputs are rounded first and the reference reads the same rounded values, so
+//! the kernels may differ from it only by their single output rounding (u |out|, u the unit
+//! roundoff) plus f32 noise. A wrong column, token or row moves outputs by about their own
+//! size, far beyond that.
+
+use super::gpu;
+use crate::model::rowwise::{self, Act};
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::LayerNorm;
+
+/// Unit roundoff of each dtype the kernels take.
+const DTYPES: [(DType, f32); 3] = [
+    (DType::F32, 0.0),
+    (DType::BF16, 1.0 / 256.0),
+    (DType::F16, 1.0 / 2048.0),
+];
+
+/// Headroom for f32 arithmetic (erf, the norms' sums) on values of about 1.
+const NOISE: f32 = 2e-5;
+
+fn randn(shape: &[usize]) -> Tensor {
+    Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
+}
+
+/// `t` rounded to `dtype` and back to f32.
+fn rounded(t: &Tensor, dtype: DType) -> Tensor {
+    t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap()
+}
+
+/// A random permutation-like index vector: `n` indices below `bound`, in scrambled order.
+fn scrambled(n: usize, bound: usize) -> Tensor {
+    let idx: Vec<u32> = (0..n).map(|i| ((i * 7919 + 13) % bound) as u32).collect();
+    Tensor::from_vec(idx, n, &Device::Cpu).unwrap()
+}
+
+/// `Some(message)` when `ours` (any dtype, any device) is further from `want` (f32, CPU)
+/// than `u |want| + NOISE` anywhere.
+fn excess(what: &str, ours: &Tensor, want: &Tensor, u: f32) -> Option<String> {
+    assert_eq!(ours.dims(), want.dims(), "{what}");
+    let ours = ours
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let worst = ours
+        .iter()
+        .zip(&want)
+        .map(|(o, w)| {
+            let d = (o - w).abs();
+            // NaN compares as the worst.
+            if d.is_nan() {
+                f32::INFINITY
+            } else {
+                d - u * w.abs()
+            }
+        })
+        .fold(f32::NEG_INFINITY, f32::max);
+    eprintln!("{what}: worst excess over u|want| {worst:.2e}");
+    (worst > NOISE).then(|| format!("{what}: {worst:.2e} over u|want| + {NOISE:e}"))
+}
+
+#[test]
+fn bias_act_matches_candle() {
+    let dev = gpu();
+    let mut failures = Vec::new();
+    // Column counts below, at and past a warp, odd; a 3-D input as the model passes.
+    for (shape, acts) in [
+        (vec![37, 7], vec![Act::None, Act::Gelu]),
+        (
+            vec![2, 50, 180],
+            vec![Act::None, Act::Gelu, Act::Leaky(0.2)],
+        ),
+        (vec![3, 33], vec![Act::Leaky(0.01)]),
+    ] {
+        let c = *shape.last().unwrap();
+        let (y, b, r) = (randn(&shape), randn(&[c]), randn(&shape));
+        for (dtype, u) in DTYPES {
+            let (y, b, r) = (rounded(&y, dtype), rounded(&b, dtype), rounded(&r, dtype));
+            let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
+            for &act in &acts {
+                for with_res in [false, true] {
+                    let res = with_res.then_some(&r);
+                    let want = rowwise::bias_act(&y, &b, res, act).unwrap();
+                    let res_gpu = res.map(on);
+                    let ours = rowwise::bias_act(&on(&y), &on(&b), res_gpu.as_ref(), act).unwrap();
+                    assert!(ours.device().is_cuda() && ours.dtype() == dtype);
+                    let what = format!("{shape:?} {dtype:?} {act:?} residual {with_res}");
+                    failures.extend(excess(&what, &ours, &want, u));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn cat_bias_act_matches_candle() {
+    let dev = gpu();
+    let mut failures = Vec::new();
+    for (lead, pc, c) in [
+        (vec![2, 5, 6], 180, 32),
+        (vec![9], 7, 3),
+        (vec![1, 4], 1, 40),
+    ] {
+        let shape = |last: usize| [lead.as_slice(), &[last]].concat();
+        let (prev, y, b) = (randn(&shape(pc)), randn(&shape(c)), randn(&[c]));
+        for (dtype, u) in DTYPES {
+            let (prev, y, b) = (
+                rounded(&prev, dtype),
+                rounded(&y, dtype),
+                rounded(&b, dtype),
+            );
+            let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
+            let act = Act::Leaky(0.2);
+            let want = rowwise::cat_bias_act(&prev, &y, &b, act).unwrap();
+            let ours = rowwise::cat_bias_act(&on(&prev), &on(&y), &on(&b), act).unwrap();
+            assert!(ours.device().is_cuda());
+            let what = format!("{lead:?} prev {pc} + {c} {dtype:?}");
+            failures.extend(excess(&what, &ours, &want, u));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// A layer norm over `c` channels with random affine parameters rounded to `dtype`: on `dev`
+/// in `dtype`, and on the CPU in f32 for the reference.
+fn layer_norms(
+    c: usize,
+    seed: &(Tensor, Tensor),
+    dtype: DType,
+    dev: &Device,
+) -> (LayerNorm, LayerNorm) {
+    let (w, b) = (
+        seed.0.narrow(0, 0, c).unwrap(),
+        seed.1.narrow(0, 0, c).unwrap(),
+    );
+    let (w, b) = (rounded(&w, dtype), rounded(&b, dtype));
+    let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(dev).unwrap();
+    (
+        LayerNorm::new(on(&w), on(&b), 1e-5),
+        LayerNorm::new(w, b, 1e-5),
+    )
+}
+
+/// Token rows of 180 (DRCT-L's width), 7 and 308 (DRCT-L's widest block input) channels;
+/// a batch of two; inputs with an offset, as residual streams have, so the mean matters.
+const NORM_CASES: [(usize, usize, usize, usize); 3] =
+    [(2, 64, 64, 180), (1, 50, 37, 7), (2, 16, 16, 308)];
+
+#[test]
+fn gather_norm_matches_candle() {
+    let dev = gpu();
+    let seed = (randn(&[512]), randn(&[512]));
+    let mut failures = Vec::new();
+    for (b, t_in, t, c) in NORM_CASES {
+        let x = randn(&[b, t_in, c]).affine(3.0, 1.5).unwrap();
+        let order = scrambled(t, t_in);
+        for (dtype, u) in DTYPES {
+            let x = rounded(&x, dtype);
+            let (ln, ln32) = layer_norms(c, &seed, dtype, &dev);
+            let want = rowwise::gather_norm(&ln32, &x, &order).unwrap();
+            let x_gpu = x.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
+            let ours = rowwise::gather_norm(&ln, &x_gpu, &order.to_device(&dev).unwrap()).unwrap();
+            assert!(ours.device().is_cuda());
+            let what = format!("gather_norm {b}x{t_in}->{t}x{c} {dtype:?}");
+            failures.extend(excess(&what, &ours, &want, u));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn add_gather_norm_matches_candle() {
+    let dev = gpu();
+    let seed = (randn(&[512]), randn(&[512]));
+    let mut failures = Vec::new();
+    for (b, ty, t, c) in NORM_CASES {
+        let x = randn(&[b, t, c]).affine(3.0, 1.5).unwrap();
+        let y = randn(&[b, ty, c]);
+        let back = scrambled(t, ty);
+        for (dtype, u) in DTYPES {
+            let (x, y) = (rounded(&x, dtype), rounded(&y, dtype));
+            // The kernel rounds the sum to the dtype and normalises that, as the next layers
+            // see it: the reference does the same.
+            let sum = rounded(&(&x + y.index_select(&back, 1).unwrap()).unwrap(), dtype);
+            let (ln, ln32) = layer_norms(c, &seed, dtype, &dev);
+            let want = candle_core::Module::forward(&ln32, &sum).unwrap();
+            let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
+            let (ours_sum, ours) =
+                rowwise::add_gather_norm(&ln, &on(&x), &on(&y), &back.to_device(&dev).unwrap())
+                    .unwrap();
+            let what = format!("add_gather_norm {b}x{ty}->{t}x{c} {dtype:?}");
+            failures.extend(excess(&format!("{what} sum"), &ours_sum, &sum, u));
+            failures.extend(excess(&format!("{what} normed"), &ours, &want, u));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Inputs the kernels cannot take are errors, not launches.
+#[test]
+fn bad_inputs_are_errors() -> Result<()> {
+    let dev = gpu();
+    let y = Tensor::zeros((4, 6), DType::F32, &dev)?;
+    let b = Tensor::zeros(5, DType::F32, &dev)?;
+    assert!(rowwise::bias_act(&y, &b, None, Act::None).is_err());
+    let b = Tensor::zeros(6, DType::F32, &dev)?;
+    let strided = Tensor::zeros((6, 4), DType::F32, &dev)?.t()?;
+    assert!(rowwise::bias_act(&strided, &b, None, Act::None).is_err());
+    let ints = Tensor::zeros((4, 6), DType::U32, &dev)?;
+    assert!(rowwise::bias_act(&ints, &b.to_dtype(DType::U32)?, None, Act::None).is_err());
+    let ln = LayerNorm::new(Tensor::ones(6, DType::F32, &dev)?, b.clone(), 1e-5);
+    let x = Tensor::zeros((1, 4, 6), DType::F32, &dev)?;
+    let float_idx = Tensor::zeros(4, DType::F32, &dev)?;
+    assert!(rowwise::gather_norm(&ln, &x, &float_idx).is_err());
+    Ok(())
+}
