@@ -5,6 +5,8 @@
 # under 64 MiB.
 #
 # usage: scripts/gpu-pack.sh [PACK]          (default: gpu-pack/, git-ignored)
+#   UPSCALE_BASE=FILE UPSCALE_BASE_COMMIT=SHA also packs an earlier CUDA build (FILE: its
+#   upscale binary, or upscale.xz from an earlier pack) for gpu-run.sh's before/after part.
 # then, on the GPU machine, from the repository root: scripts/gpu-run.sh PACK OUTDIR [part]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +41,13 @@ xz -T0 -6 "$pack/upscale" "$pack/gpu-tests"
 # lacks; torch, numpy, safetensors and einops are there.
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$pack" spandrel==0.4.2
 git rev-parse HEAD > "$pack/commit"
+if [ -n "${UPSCALE_BASE:-}" ]; then
+  case $UPSCALE_BASE in
+    *.xz) cp "$UPSCALE_BASE" "$pack/upscale-base.xz" ;;
+    *) strip -o "$pack/upscale-base" "$UPSCALE_BASE" && xz -T0 -6 "$pack/upscale-base" ;;
+  esac
+  echo "${UPSCALE_BASE_COMMIT:-unknown}" > "$pack/base-commit"
+fi
 
 tracked=$(git ls-files -z | du -cb --files0-from=- | tail -n 1 | cut -f 1)
 packed=$(du -cb "$pack" | tail -n 1 | cut -f 1)

@@ -2,7 +2,7 @@
 # Everything a GPU session must prove and measure, in one command on the GPU machine (which has
 # no Rust and no network), from the repository root, with the folder scripts/gpu-pack.sh made:
 #
-#   scripts/gpu-run.sh PACK OUTDIR [check|bench|matrix|all]   on the GPU machine (default: all)
+#   scripts/gpu-run.sh PACK OUTDIR [check|bench|matrix|ab|all]   on the GPU machine (default: all)
 #   scripts/gpu-run.sh --smoke PACK OUTDIR               any machine, CPU, tiny shapes (CI)
 #
 # check: device facts, the measured matmul peaks, the CUDA test binary (and our kernels under
@@ -12,6 +12,8 @@
 #   in the same run; streams 1/2/4 on one image and on a folder (GPU utilisation sampled by
 #   nvidia-smi).
 # matrix: precision x batch x attention for DRCT-L, and tile 512.
+# ab: the pack's upscale-base (packed when scripts/gpu-pack.sh is given UPSCALE_BASE) against
+#   upscale, in turns, on the side-by-side shapes (not part of all).
 # Each part is planned to finish well inside one 10-minute call; the first GPU session should
 # run them as three calls (check first: if it fails, fix that before measuring anything).
 # Every step's output goes to OUTDIR/logs/<step>.log (packed into OUTDIR/logs.tar.gz on the
@@ -26,8 +28,8 @@ if [ "${1:-}" = --smoke ]; then
   smoke=1
   shift
 fi
-pack=${1:?usage: $0 [--smoke] PACK OUTDIR [check|bench|matrix|all]}
-out=${2:?usage: $0 [--smoke] PACK OUTDIR [check|bench|matrix|all]}
+pack=${1:?usage: $0 [--smoke] PACK OUTDIR [check|bench|matrix|ab|all]}
+out=${2:?usage: $0 [--smoke] PACK OUTDIR [check|bench|matrix|ab|all]}
 part=${3:-all}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -165,7 +167,7 @@ check() {
   if [ -n "$tests" ] && [ "$smoke" = 0 ] && command -v compute-sanitizer >/dev/null; then
     run memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
       fused_kernel_matches_the_cpu_in_f32 tensor_core_kernel_matches_the_cpu_in_bf16_and_f16 \
-      cuda_blend_kernel_matches_the_host_accumulator --test-threads=1
+      cuda_blend_kernel_matches_the_host_accumulator tests::gpu::rowwise:: --test-threads=1
     record memcheck "$(grep -E 'ERROR SUMMARY|test result' "$logs/memcheck.log" | tail -n 4)"
   else
     record memcheck "skipped: needs the CUDA test binary and compute-sanitizer"
@@ -272,12 +274,39 @@ matrix_part() {
 
 }
 
+# A before/after measurement of one change: the pack's `upscale-base` (the binary before it)
+# and `upscale` take turns on the side-by-side shapes, so both see the same GPU state.
+ab_part() {
+  models
+  local base
+  base=$(unpack upscale-base)
+  if [ -z "$base" ]; then
+    record ab "skipped: no upscale-base in the pack"
+    return
+  fi
+  echo "== before/after: $(cat "$pack/base-commit" 2>/dev/null || echo base) -> $(cat "$pack/commit" 2>/dev/null || echo new)"
+  local round who bin line m
+  for round in 1 2 3; do
+    for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
+      set -- $m
+      for who in base new; do
+        bin=$up
+        [ "$who" = base ] && bin=$base
+        line=$(timeout 240 "$bin" bench -m "$2" --device "$device" --json --precision bf16 --size "$3" \
+          --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3 2>> "$logs/ab.log" | tail -n 1)
+        record ab "${line:-failed}" "\"label\":\"$1-$who\",\"round\":$round"
+      done
+    done
+  done
+}
+
 case $part in
   check) check ;;
   bench) bench_part ;;
   matrix) matrix_part ;;
+  ab) ab_part ;;
   all) check; bench_part; matrix_part ;;
-  *) echo "unknown part '$part' (check, bench, matrix or all)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (check, bench, matrix, ab or all)" >&2; exit 2 ;;
 esac
 "$PY" scripts/gpu_summary.py "$results" > "$out/summary.md"
 cat "$out/summary.md"

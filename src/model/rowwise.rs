@@ -34,6 +34,7 @@ impl Act {
 }
 
 /// `act(y + bias) + residual` for `y` `(.., C)`, `bias` `(C)` and `residual` `y`'s shape.
+/// On CUDA strided inputs are made contiguous first (a copy), as for every op here.
 pub fn bias_act(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>, act: Act) -> Result<Tensor> {
     let c = y.dim(D::Minus1)?;
     if bias.dims() != [c] {
@@ -46,7 +47,13 @@ pub fn bias_act(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>, act: Act) 
     }
     #[cfg(feature = "cuda")]
     if y.device().is_cuda() {
-        return cuda::bias_act(y, bias, residual, act);
+        let residual = residual.map(Tensor::contiguous).transpose()?;
+        return cuda::bias_act(
+            &y.contiguous()?,
+            &bias.contiguous()?,
+            residual.as_ref(),
+            act,
+        );
     }
     let out = act.apply(&y.broadcast_add(bias)?)?;
     match residual {
@@ -67,7 +74,8 @@ pub fn cat_bias_act(prev: &Tensor, y: &Tensor, bias: &Tensor, act: Act) -> Resul
     }
     #[cfg(feature = "cuda")]
     if y.device().is_cuda() {
-        return cuda::cat_bias_act(prev, y, bias, act);
+        let (prev, y, bias) = (prev.contiguous()?, y.contiguous()?, bias.contiguous()?);
+        return cuda::cat_bias_act(&prev, &y, &bias, act);
     }
     Tensor::cat(&[prev, &act.apply(&y.broadcast_add(bias)?)?], D::Minus1)
 }
@@ -77,7 +85,7 @@ pub fn cat_bias_act(prev: &Tensor, y: &Tensor, bias: &Tensor, act: Act) -> Resul
 pub fn gather_norm(ln: &LayerNorm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return cuda::gather_norm(ln, x, order);
+        return cuda::gather_norm(ln, &x.contiguous()?, &order.contiguous()?);
     }
     ln.forward(x)?.index_select(order, 1)
 }
@@ -92,7 +100,8 @@ pub fn add_gather_norm(
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return cuda::add_gather_norm(ln, x, y, back);
+        let (x, y, back) = (x.contiguous()?, y.contiguous()?, back.contiguous()?);
+        return cuda::add_gather_norm(ln, &x, &y, &back);
     }
     let sum = (x + y.index_select(back, 1)?)?;
     let normed = ln.forward(&sum)?;

@@ -213,8 +213,12 @@ fn bad_inputs_are_errors() -> Result<()> {
     let b = Tensor::zeros(5, DType::F32, &dev)?;
     assert!(rowwise::bias_act(&y, &b, None, Act::None).is_err());
     let b = Tensor::zeros(6, DType::F32, &dev)?;
-    let strided = Tensor::zeros((6, 4), DType::F32, &dev)?.t()?;
-    assert!(rowwise::bias_act(&strided, &b, None, Act::None).is_err());
+    let wrong_residual = Tensor::zeros((4, 5), DType::F32, &dev)?;
+    assert!(rowwise::bias_act(&y, &b, Some(&wrong_residual), Act::None).is_err());
+    // A strided input is copied, not refused.
+    let strided = Tensor::ones((6, 4), DType::F32, &dev)?.t()?;
+    let out = rowwise::bias_act(&strided, &b, None, Act::Leaky(0.5))?;
+    assert_eq!(out.sum_all()?.to_scalar::<f32>()?, 24.0);
     let ints = Tensor::zeros((4, 6), DType::U32, &dev)?;
     assert!(rowwise::bias_act(&ints, &b.to_dtype(DType::U32)?, None, Act::None).is_err());
     let ln = LayerNorm::new(Tensor::ones(6, DType::F32, &dev)?, b.clone(), 1e-5);
