@@ -14,7 +14,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-namespace {
+// Named, not anonymous: the CPU check of the kernels compiles every kernel file into one
+// translation unit, where anonymous helpers of the same name would collide.
+namespace rowwise {
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -144,32 +146,32 @@ __device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ y
     }
 }
 
-}  // namespace
+}  // namespace rowwise
 
 #define ROWWISE(T, SUFFIX)                                                                     \
     extern "C" __global__ void bias_act_##SUFFIX(const T *y, const T *bias, const T *res,      \
                                                  T *out, unsigned int n, unsigned int cols,    \
                                                  int act, float slope, int has_res) {          \
-        bias_act(y, bias, res, out, n, cols, act, slope, has_res);                             \
+        rowwise::bias_act(y, bias, res, out, n, cols, act, slope, has_res);                    \
     }                                                                                          \
     extern "C" __global__ void cat_bias_act_##SUFFIX(const T *prev, const T *y, const T *bias, \
                                                      T *out, unsigned int n, unsigned int pc,  \
                                                      unsigned int cols, int act,               \
                                                      float slope) {                            \
-        cat_bias_act(prev, y, bias, out, n, pc, cols, act, slope);                             \
+        rowwise::cat_bias_act(prev, y, bias, out, n, pc, cols, act, slope);                    \
     }                                                                                          \
     extern "C" __global__ void gather_norm_##SUFFIX(                                           \
         const T *x, const unsigned int *order, const T *gamma, const T *beta, T *out,          \
         unsigned int rows, unsigned int tokens, unsigned int tokens_in, unsigned int cols,     \
         float eps) {                                                                           \
-        gather_norm(x, order, gamma, beta, out, rows, tokens, tokens_in, cols, eps);           \
+        rowwise::gather_norm(x, order, gamma, beta, out, rows, tokens, tokens_in, cols, eps);  \
     }                                                                                          \
     extern "C" __global__ void add_gather_norm_##SUFFIX(                                       \
         const T *x, const T *y, const unsigned int *back, const T *gamma, const T *beta,       \
         T *sum, T *normed, unsigned int rows, unsigned int tokens, unsigned int tokens_y,      \
         unsigned int cols, float eps) {                                                        \
-        add_gather_norm(x, y, back, gamma, beta, sum, normed, rows, tokens, tokens_y, cols,   \
-                        eps);                                                                  \
+        rowwise::add_gather_norm(x, y, back, gamma, beta, sum, normed, rows, tokens, tokens_y, \
+                                 cols, eps);                                                   \
     }
 
 ROWWISE(float, f32)

@@ -62,7 +62,8 @@ fn cuda_kernels_match_double_precision_references_on_the_cpu() {
         "kernel check failed:\n{stdout}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // Every attention variant family and the blend kernel reported, none skipped.
+    // Every attention variant family, the blend kernel and each row-wise kernel reported, none
+    // skipped.
     for name in [
         "window_attention_f32_d32",
         "window_attention_f32_d128",
@@ -71,6 +72,10 @@ fn cuda_kernels_match_double_precision_references_on_the_cpu() {
         "window_attention_mma_bf16_d128",
         "window_attention_mma_f16_d64",
         "blend_add_f32",
+        "bias_act_bf16",
+        "cat_bias_act_f16",
+        "gather_norm_f32",
+        "add_gather_norm_bf16",
     ] {
         assert!(
             stdout

@@ -141,6 +141,8 @@ inline void launch(dim3 grid, dim3 threads, const std::function<void()>& kernel)
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
 inline void __syncthreads() { emu::block->sync.arrive_and_wait(); }
 
 template <typename T>

@@ -7,6 +7,7 @@
 //
 // Prints one line per case and exits non-zero when any case is outside its bound.
 #include "../../kernels/blend.cu"
+#include "../../kernels/rowwise.cu"
 #include "../../kernels/window_attention.cu"
 
 #include <cstdio>
@@ -215,6 +216,159 @@ void blend_case(unsigned grid_y) {
                 diff == 0 ? "ok  " : "FAIL", grid_y, diff);
 }
 
+// ---- Row-wise kernels (kernels/rowwise.cu) against double references of their definitions.
+
+// Reports a case: `got` against `want`, each within u |want| + abs_bound.
+template <typename T>
+void report(const std::string& name, const std::vector<T>& got, const std::vector<double>& want,
+            double u, double abs_bound) {
+    double worst = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        const double e = std::fabs(widen(got[i]) - want[i]) - u * std::fabs(want[i]);
+        worst = std::isnan(e) ? INFINITY : std::max(worst, e);
+    }
+    const bool ok = worst <= abs_bound;
+    failures += ok ? 0 : 1;
+    std::printf("%s %-40s excess over u|want| %.3g (bound %.3g)\n", ok ? "ok  " : "FAIL",
+                name.c_str(), worst, abs_bound);
+}
+
+template <typename T>
+std::vector<T> random_values(size_t n, unsigned seed, float scale = 1.0f, float offset = 0.0f) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<T> v(n);
+    for (T& x : v) x = convert<T>(normal(rng) * scale + offset);
+    return v;
+}
+
+double activate_ref(double v, int act, double slope) {
+    if (act == 1) return 0.5 * v * (1.0 + std::erf(v / std::sqrt(2.0)));
+    if (act == 2) return v >= 0 ? v : v * slope;
+    return v;
+}
+
+// The launch the host makes (src/model/rowwise.rs): 256 threads, one element (one warp per
+// row for the norms) per thread; `one_block` instead runs the grid-stride loops over one block.
+dim3 rowwise_grid(size_t units, unsigned per_block, bool one_block) {
+    return dim3{one_block ? 1u : static_cast<unsigned>((units + per_block - 1) / per_block), 1, 1};
+}
+
+template <typename T>
+void bias_act_cases(const char* suffix, void (*kernel)(const T*, const T*, const T*, T*, unsigned,
+                                                        unsigned, int, float, int),
+                    void (*cat)(const T*, const T*, const T*, T*, unsigned, unsigned, unsigned,
+                                int, float),
+                    double u) {
+    const unsigned rows = 19, cols = 37, pc = 45;
+    const auto y = random_values<T>(rows * cols, 1), bias = random_values<T>(cols, 2),
+               res = random_values<T>(rows * cols, 3), prev = random_values<T>(rows * pc, 4);
+    for (int act = 0; act < 3; ++act) {
+        for (int has_res = 0; has_res < 2; ++has_res) {
+            const float slope = 0.2f;
+            std::vector<T> out(rows * cols, convert<T>(NAN));
+            std::vector<double> want(out.size());
+            for (unsigned i = 0; i < want.size(); ++i) {
+                want[i] = activate_ref(double(widen(y[i])) + widen(bias[i % cols]), act, slope) +
+                          (has_res ? widen(res[i]) : 0.0);
+            }
+            emu::launch(rowwise_grid(out.size(), 256, has_res), dim3{256, 1, 1}, [&] {
+                kernel(y.data(), bias.data(), res.data(), out.data(), rows * cols, cols, act,
+                       slope, has_res);
+            });
+            report(std::string("bias_act_") + suffix + " act " + std::to_string(act) +
+                       " residual " + std::to_string(has_res),
+                   out, want, u, 1e-6);
+        }
+    }
+    std::vector<T> out(rows * (pc + cols), convert<T>(NAN));
+    std::vector<double> want(out.size());
+    for (unsigned r = 0; r < rows; ++r) {
+        for (unsigned c = 0; c < pc + cols; ++c) {
+            want[r * (pc + cols) + c] =
+                c < pc ? widen(prev[r * pc + c])
+                       : activate_ref(double(widen(y[r * cols + c - pc])) + widen(bias[c - pc]), 2,
+                                      0.2f);
+        }
+    }
+    for (bool one_block : {false, true}) {
+        emu::launch(rowwise_grid(out.size(), 256, one_block), dim3{256, 1, 1}, [&] {
+            cat(prev.data(), y.data(), bias.data(), out.data(), rows * (pc + cols), pc, cols, 2,
+                0.2f);
+        });
+        report(std::string("cat_bias_act_") + suffix + (one_block ? " one block" : ""), out,
+               want, u, 1e-6);
+    }
+}
+
+// ln(row) in double, with the affine parameters.
+void norm_ref(const double* row, const std::vector<double>& gamma, const std::vector<double>& beta,
+              double eps, double* out) {
+    const size_t c = gamma.size();
+    double mean = 0, var = 0;
+    for (size_t i = 0; i < c; ++i) mean += row[i];
+    mean /= c;
+    for (size_t i = 0; i < c; ++i) var += (row[i] - mean) * (row[i] - mean);
+    var /= c;
+    for (size_t i = 0; i < c; ++i) out[i] = (row[i] - mean) / std::sqrt(var + eps) * gamma[i] + beta[i];
+}
+
+template <typename T>
+void norm_cases(const char* suffix,
+                void (*gather)(const T*, const unsigned*, const T*, const T*, T*, unsigned,
+                               unsigned, unsigned, unsigned, float),
+                void (*add_gather)(const T*, const T*, const unsigned*, const T*, const T*, T*, T*,
+                                   unsigned, unsigned, unsigned, unsigned, float),
+                double u) {
+    // Two maps; 70 channels (two warp strides and a remainder); an order that permutes and
+    // drops tokens; inputs offset from zero, as residual streams are.
+    const unsigned batch = 2, tokens_in = 13, tokens = 11, cols = 70;
+    const float eps = 1e-5f;
+    const auto x = random_values<T>(batch * tokens_in * cols, 5, 3.0f, 1.5f);
+    const auto g = random_values<T>(cols, 6), b = random_values<T>(cols, 7);
+    std::vector<double> gamma(cols), beta(cols);
+    for (unsigned i = 0; i < cols; ++i) gamma[i] = widen(g[i]), beta[i] = widen(b[i]);
+    std::vector<unsigned> order(tokens);
+    for (unsigned t = 0; t < tokens; ++t) order[t] = (t * 5 + 3) % tokens_in;
+    const unsigned rows = batch * tokens;
+    std::vector<double> want(rows * cols), row(cols);
+    for (unsigned r = 0; r < rows; ++r) {
+        const unsigned src = (r / tokens) * tokens_in + order[r % tokens];
+        for (unsigned i = 0; i < cols; ++i) row[i] = widen(x[src * cols + i]);
+        norm_ref(row.data(), gamma, beta, eps, &want[r * cols]);
+    }
+    for (bool one_block : {false, true}) {
+        std::vector<T> out(rows * cols, convert<T>(NAN));
+        emu::launch(rowwise_grid(rows, 8, one_block), dim3{256, 1, 1}, [&] {
+            gather(x.data(), order.data(), g.data(), b.data(), out.data(), rows, tokens,
+                   tokens_in, cols, eps);
+        });
+        report(std::string("gather_norm_") + suffix + (one_block ? " one block" : ""), out, want,
+               u, 1e-5);
+    }
+
+    // add_gather_norm: x (batch, tokens, cols) + y (batch, tokens_in, cols) gathered by back.
+    const auto xs = random_values<T>(batch * tokens * cols, 8, 3.0f, 1.5f);
+    std::vector<double> want_sum(rows * cols), want_norm(rows * cols);
+    for (unsigned r = 0; r < rows; ++r) {
+        const unsigned src = (r / tokens) * tokens_in + order[r % tokens];
+        for (unsigned i = 0; i < cols; ++i) {
+            // The residual stream is stored in T: the norm reads the stored sum.
+            const float s = widen(xs[r * cols + i]) + widen(x[src * cols + i]);
+            want_sum[r * cols + i] = s;
+            row[i] = widen(convert<T>(s));
+        }
+        norm_ref(row.data(), gamma, beta, eps, &want_norm[r * cols]);
+    }
+    std::vector<T> sum(rows * cols, convert<T>(NAN)), normed(rows * cols, convert<T>(NAN));
+    emu::launch(rowwise_grid(rows, 8, false), dim3{256, 1, 1}, [&] {
+        add_gather(xs.data(), x.data(), order.data(), g.data(), b.data(), sum.data(),
+                   normed.data(), rows, tokens, tokens_in, cols, eps);
+    });
+    report(std::string("add_gather_norm_") + suffix + " sum", sum, want_sum, u, 1e-6);
+    report(std::string("add_gather_norm_") + suffix + " normed", normed, want_norm, u, 1e-5);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -253,6 +407,12 @@ int main(int argc, char** argv) {
     }
     blend_case(1);
     blend_case(4);
+    bias_act_cases<float>("f32", bias_act_f32, cat_bias_act_f32, 0.0);
+    bias_act_cases<__nv_bfloat16>("bf16", bias_act_bf16, cat_bias_act_bf16, 1.0 / 256);
+    bias_act_cases<__half>("f16", bias_act_f16, cat_bias_act_f16, 1.0 / 2048);
+    norm_cases<float>("f32", gather_norm_f32, add_gather_norm_f32, 0.0);
+    norm_cases<__nv_bfloat16>("bf16", gather_norm_bf16, add_gather_norm_bf16, 1.0 / 256);
+    norm_cases<__half>("f16", gather_norm_f16, add_gather_norm_f16, 1.0 / 2048);
     if (failures != 0) {
         std::printf("%d case(s) failed\n", failures);
         return 1;
