@@ -208,8 +208,8 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
 // Tensor-core variant for bf16 and f16 inputs.
 //
 // Same inputs, output and arithmetic order as above, but both products run as
-// mma.m16n8k16 (16-bit inputs, f32 accumulation). Each warp owns 16 query rows, a block four
-// warps; keys stream through shared memory in tiles of MMA_KEYS, k row-major and v transposed
+// mma.m16n8k16 (16-bit inputs, f32 accumulation). Each warp owns 16 query rows, a block
+// mma_warps(DP) warps; keys stream through shared memory in tiles of MMA_KEYS, k row-major and v transposed
 // so that every B fragment is one 32-bit shared load. Scores stay in registers in the
 // accumulator layout, and the online softmax works on them there: a thread holds two rows
 // (g and g+8 of its warp's 16) at two adjacent keys per 8-key tile, so a row's max and sum
@@ -217,11 +217,13 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
 // (the A operand of the second product); the row sum adds the rounded values, so the
 // normalisation matches the weights actually applied.
 
-// Query rows per warp and block, keys per shared-memory tile. The host computes the same
-// shared-memory size: keep in step with mma_shared_bytes in src/model/fused.rs.
-constexpr int MMA_WARPS = 4;
-constexpr int MMA_ROWS = 16 * MMA_WARPS;
+// Keys per shared-memory tile, and warps per block by padded head dim: every warp of a block
+// shares each staged k/v tile, so more warps stage less per product; the narrow heads (DRCT's
+// 30) take a whole 256-token window in one block. Wider heads hold more registers per thread
+// and take fewer warps. The host computes the same launch: keep in step with `mma_plan` in
+// src/model/fused.rs.
 constexpr int MMA_KEYS = 64;
+__host__ __device__ constexpr int mma_warps(int dp) { return dp <= 32 ? 16 : (dp <= 64 ? 8 : 4); }
 
 __device__ __forceinline__ unsigned short bits_of(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
 __device__ __forceinline__ unsigned short bits_of(__half x) { return __half_as_ushort(x); }
@@ -263,6 +265,39 @@ __device__ __forceinline__ void mma_16816<__half>(float (&acc)[4], const unsigne
 }
 #endif
 
+template <typename T> __device__ __forceinline__ T from_bits(unsigned short b);
+template <> __device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(unsigned short b) {
+    return __ushort_as_bfloat16(b);
+}
+template <> __device__ __forceinline__ __half from_bits<__half>(unsigned short b) {
+    return __ushort_as_half(b);
+}
+
+// The bias of query row `row` at keys `key` and `key + 1` of this head (`real` says which of
+// the two exist), zero for rows past n. With n even, a pair starting at an even key is one
+// aligned 32-bit load.
+template <typename T>
+__device__ __forceinline__ void bias_pair(const T* bias, long long head_base, int n, int row,
+                                          int key, bool real0, bool real1, float (&out)[2]) {
+    out[0] = out[1] = 0.0f;
+    if (row >= n) {
+        return;
+    }
+    const T* p = bias + (head_base + row) * n + key;
+    if ((n & 1) == 0 && real0 && real1) {
+        const unsigned w = *reinterpret_cast<const unsigned*>(p);
+        out[0] = to_f32(from_bits<T>(static_cast<unsigned short>(w)));
+        out[1] = to_f32(from_bits<T>(static_cast<unsigned short>(w >> 16)));
+        return;
+    }
+    if (real0) {
+        out[0] = to_f32(p[0]);
+    }
+    if (real1) {
+        out[1] = to_f32(p[1]);
+    }
+}
+
 // The query value at (row, col) of this head as raw bits, zero outside the window and head.
 template <typename T>
 __device__ __forceinline__ unsigned short q_bits(const T* base, long long row_stride, int n,
@@ -270,8 +305,8 @@ __device__ __forceinline__ unsigned short q_bits(const T* base, long long row_st
     return row < n && col < d ? bits_of(base[row * row_stride + head * d + col]) : 0;
 }
 
-// Per (window, head) and 64 query rows: softmax(q kᵀ + bias + mask) v on tensor cores. DP is
-// the head dim padded to a multiple of 16 (the k of the first product).
+// Per (window, head) and 16 * mma_warps(DP) query rows: softmax(q kᵀ + bias + mask) v on tensor
+// cores. DP is the head dim padded to a multiple of 16 (the k of the first product).
 template <typename T, int DP>
 __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
                                                      const T* __restrict__ bias,
@@ -300,7 +335,7 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
     const int g = lane / 4;
     const int t = lane % 4;
     // The two query rows whose scores and outputs this thread holds.
-    const int r_lo = blockIdx.y * MMA_ROWS + warp * 16 + g;
+    const int r_lo = blockIdx.y * (16 * mma_warps(DP)) + warp * 16 + g;
     const int r_hi = r_lo + 8;
 
     const int shift = shifted ? ws / 2 : 0;
@@ -342,17 +377,35 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
         __syncthreads();
         // Dims past d and keys past n are stored as zeros: padded products then add nothing,
         // and v rows of dropped keys are finite.
-        for (int i = threadIdx.x; i < MMA_KEYS * DP; i += blockDim.x) {
-            const int key = i / DP;
-            const int col = i - key * DP;
-            unsigned short kb = 0, vb = 0;
-            if (key < count && col < d) {
-                const T* src = base + (j0 + key) * row_stride + c + head * d + col;
-                kb = bits_of(src[0]);
-                vb = bits_of(src[c]);
+        if ((d & 1) == 0) {
+            // Even head dims: every (col, col + 1) pair with col even starts at an even element
+            // (the strides 3c and c and the head offset are all even), so one 32-bit load each.
+            for (int i = threadIdx.x; i < MMA_KEYS * DP / 2; i += blockDim.x) {
+                const int key = i / (DP / 2);
+                const int col = 2 * (i - key * (DP / 2));
+                unsigned kw = 0, vw = 0;
+                if (key < count && col < d) {
+                    const T* src = base + (j0 + key) * row_stride + c + head * d + col;
+                    kw = *reinterpret_cast<const unsigned*>(src);
+                    vw = *reinterpret_cast<const unsigned*>(src + c);
+                }
+                *reinterpret_cast<unsigned*>(s_k + key * KP + col) = kw;
+                s_vt[col * VP + key] = static_cast<unsigned short>(vw);
+                s_vt[(col + 1) * VP + key] = static_cast<unsigned short>(vw >> 16);
             }
-            s_k[key * KP + col] = kb;
-            s_vt[col * VP + key] = vb;
+        } else {
+            for (int i = threadIdx.x; i < MMA_KEYS * DP; i += blockDim.x) {
+                const int key = i / DP;
+                const int col = i - key * DP;
+                unsigned short kb = 0, vb = 0;
+                if (key < count && col < d) {
+                    const T* src = base + (j0 + key) * row_stride + c + head * d + col;
+                    kb = bits_of(src[0]);
+                    vb = bits_of(src[c]);
+                }
+                s_k[key * KP + col] = kb;
+                s_vt[col * VP + key] = vb;
+            }
         }
         if (shifted) {
             for (int j = threadIdx.x; j < MMA_KEYS; j += blockDim.x) {
@@ -379,15 +432,18 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
         float tile_lo = -INFINITY, tile_hi = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < MMA_KEYS / 8; ++nt) {
+            const int j_pair = nt * 8 + 2 * t;
+            const long long head_base = static_cast<long long>(head) * n;
+            float b_lo[2], b_hi[2];
+            bias_pair(bias, head_base, n, r_lo, j0 + j_pair, j_pair < count, j_pair + 1 < count, b_lo);
+            bias_pair(bias, head_base, n, r_hi, j0 + j_pair, j_pair < count, j_pair + 1 < count, b_hi);
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const int j = nt * 8 + 2 * t + i;
+                const int j = j_pair + i;
                 float lo = -INFINITY, hi = -INFINITY;
                 if (j < count) {
-                    const long long col = j0 + j;
-                    const long long head_base = static_cast<long long>(head) * n;
-                    lo = s[nt][i] + (r_lo < n ? to_f32(bias[(head_base + r_lo) * n + col]) : 0.0f);
-                    hi = s[nt][2 + i] + (r_hi < n ? to_f32(bias[(head_base + r_hi) * n + col]) : 0.0f);
+                    lo = s[nt][i] + b_lo[i];
+                    hi = s[nt][2 + i] + b_hi[i];
                     if (shifted && s_label[j] != label_lo) {
                         lo += MASK_VALUE;
                     }
@@ -501,7 +557,7 @@ WINDOW_ATTENTION(window_attention_f16_d32, __half, 32)
 WINDOW_ATTENTION(window_attention_f16_d64, __half, 64)
 WINDOW_ATTENTION(window_attention_f16_d128, __half, 128)
 
-#define WINDOW_ATTENTION_MMA(NAME, T, DP) ENTRY(NAME, window_attention_mma, 32 * MMA_WARPS, T, DP)
+#define WINDOW_ATTENTION_MMA(NAME, T, DP) ENTRY(NAME, window_attention_mma, 32 * mma_warps(DP), T, DP)
 
 WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d32, __nv_bfloat16, 32)
 WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d64, __nv_bfloat16, 64)

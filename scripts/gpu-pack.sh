@@ -5,8 +5,8 @@
 # under 64 MiB.
 #
 # usage: scripts/gpu-pack.sh [PACK]          (default: gpu-pack/, git-ignored)
-#   UPSCALE_BASE=FILE UPSCALE_BASE_COMMIT=SHA also packs an earlier CUDA build (FILE: its
-#   upscale binary, or upscale.xz from an earlier pack) for gpu-run.sh's before/after part.
+#   UPSCALE_BASES="LABEL=FILE ..." also packs earlier CUDA builds (FILE: an upscale binary, or
+#   upscale.xz from an earlier pack; LABEL: its commit) for gpu-run.sh's before/after part.
 # then, on the GPU machine, from the repository root: scripts/gpu-run.sh PACK OUTDIR [part]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,13 +41,13 @@ xz -T0 -6 "$pack/upscale" "$pack/gpu-tests"
 # lacks; torch, numpy, safetensors and einops are there.
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$pack" spandrel==0.4.2
 git rev-parse HEAD > "$pack/commit"
-if [ -n "${UPSCALE_BASE:-}" ]; then
-  case $UPSCALE_BASE in
-    *.xz) cp "$UPSCALE_BASE" "$pack/upscale-base.xz" ;;
-    *) strip -o "$pack/upscale-base" "$UPSCALE_BASE" && xz -T0 -6 "$pack/upscale-base" ;;
+for base in ${UPSCALE_BASES:-}; do
+  label=${base%%=*} file=${base#*=}
+  case $file in
+    *.xz) cp "$file" "$pack/upscale-$label.xz" ;;
+    *) strip -o "$pack/upscale-$label" "$file" && xz -T0 -6 "$pack/upscale-$label" ;;
   esac
-  echo "${UPSCALE_BASE_COMMIT:-unknown}" > "$pack/base-commit"
-fi
+done
 
 tracked=$(git ls-files -z | du -cb --files0-from=- | tail -n 1 | cut -f 1)
 packed=$(du -cb "$pack" | tail -n 1 | cut -f 1)

@@ -12,8 +12,8 @@
 #   in the same run; streams 1/2/4 on one image and on a folder (GPU utilisation sampled by
 #   nvidia-smi).
 # matrix: precision x batch x attention for DRCT-L, and tile 512.
-# ab: the pack's upscale-base (packed when scripts/gpu-pack.sh is given UPSCALE_BASE) against
-#   upscale, in turns, on the side-by-side shapes (not part of all).
+# ab: the earlier builds in the pack (scripts/gpu-pack.sh with UPSCALE_BASES) against upscale,
+#   in turns, on the side-by-side shapes (not part of all).
 # Each part is planned to finish well inside one 10-minute call; the first GPU session should
 # run them as three calls (check first: if it fails, fix that before measuring anything).
 # Every step's output goes to OUTDIR/logs/<step>.log (packed into OUTDIR/logs.tar.gz on the
@@ -274,27 +274,35 @@ matrix_part() {
 
 }
 
-# A before/after measurement of one change: the pack's `upscale-base` (the binary before it)
-# and `upscale` take turns on the side-by-side shapes, so both see the same GPU state.
+# Before/after measurements: every earlier build in the pack (upscale-LABEL, packed by
+# scripts/gpu-pack.sh from UPSCALE_BASES) and `upscale` take turns on the side-by-side shapes,
+# so all of them see the same GPU state.
 ab_part() {
   models
-  local base
-  base=$(unpack upscale-base)
-  if [ -z "$base" ]; then
-    record ab "skipped: no upscale-base in the pack"
+  local bins=() labels=() f label
+  for f in "$pack"/upscale-*.xz; do
+    [ -e "$f" ] || continue
+    label=${f##*/upscale-}
+    label=${label%.xz}
+    bins+=("$(unpack "upscale-$label")")
+    labels+=("$label")
+  done
+  if [ ${#bins[@]} = 0 ]; then
+    record ab "skipped: no earlier build in the pack"
     return
   fi
-  echo "== before/after: $(cat "$pack/base-commit" 2>/dev/null || echo base) -> $(cat "$pack/commit" 2>/dev/null || echo new)"
-  local round who bin line m
+  bins+=("$up")
+  labels+=("$(cut -c1-7 "$pack/commit" 2>/dev/null || echo new)")
+  echo "== before/after: ${labels[*]}"
+  local round i line m
   for round in 1 2 3; do
     for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
       set -- $m
-      for who in base new; do
-        bin=$up
-        [ "$who" = base ] && bin=$base
-        line=$(timeout 240 "$bin" bench -m "$2" --device "$device" --json --precision bf16 --size "$3" \
-          --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3 2>> "$logs/ab.log" | tail -n 1)
-        record ab "${line:-failed}" "\"label\":\"$1-$who\",\"round\":$round"
+      for i in "${!bins[@]}"; do
+        line=$(timeout 240 "${bins[$i]}" bench -m "$2" --device "$device" --json --precision bf16 \
+          --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3 \
+          2>> "$logs/ab.log" | tail -n 1)
+        record ab "${line:-failed}" "\"label\":\"$1-${labels[$i]}\",\"round\":$round"
       done
     done
   done

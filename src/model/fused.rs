@@ -287,20 +287,29 @@ mod cuda {
         })
     }
 
-    /// Query rows per block of the tensor-core kernel (`MMA_ROWS`: four warps of 16) and keys
-    /// per shared-memory tile (`MMA_KEYS`).
-    const MMA_ROWS: usize = 64;
+    /// Keys per shared-memory tile of the tensor-core kernel (`MMA_KEYS`).
     const MMA_KEYS: usize = 64;
+
+    /// Warps per block of the tensor-core kernel for a padded head dim (`mma_warps`), each
+    /// owning 16 query rows.
+    fn mma_warps(dmax: usize) -> usize {
+        match dmax {
+            0..=32 => 16,
+            33..=64 => 8,
+            _ => 4,
+        }
+    }
 
     /// The tensor-core kernel's launch: the k tile (MMA_KEYS rows of dmax + 8 16-bit values),
     /// the transposed v tile (dmax rows of MMA_KEYS + 8) and MMA_KEYS key labels.
     fn mma_plan(head_dim: usize) -> Result<Plan> {
         let dmax = padded_head_dim(head_dim)?;
         let shared_bytes = (MMA_KEYS * (dmax + 8) + dmax * (MMA_KEYS + 8)) * 2 + MMA_KEYS * 4;
+        let warps = mma_warps(dmax);
         Ok(Plan {
             dmax,
-            threads: MMA_ROWS / 16 * 32,
-            rows: MMA_ROWS,
+            threads: warps * 32,
+            rows: warps * 16,
             shared_bytes,
         })
     }
@@ -436,7 +445,8 @@ mod cuda {
             for d in [1, 30, 46, 53, 77, 122, 128] {
                 let p = mma_plan(d).unwrap();
                 assert!(p.shared_bytes <= 48 << 10, "d {d}: {}", p.shared_bytes);
-                assert!(p.dmax >= d && p.dmax.is_multiple_of(16) && p.threads == 128);
+                assert!(p.dmax >= d && p.dmax.is_multiple_of(16));
+                assert!(p.threads <= 512 && p.rows * 2 == p.threads);
             }
             assert!(mma_plan(129).is_err());
         }

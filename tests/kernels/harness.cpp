@@ -111,7 +111,8 @@ Launch scalar_launch(int n, int dmax) {
 
 Launch mma_launch(int n, int dp) {
     const int shared = (MMA_KEYS * (dp + 8) + dp * (MMA_KEYS + 8)) * 2 + MMA_KEYS * 4;
-    return {static_cast<unsigned>((n + MMA_ROWS - 1) / MMA_ROWS), 32u * MMA_WARPS,
+    const int rows = 16 * mma_warps(dp);
+    return {static_cast<unsigned>((n + rows - 1) / rows), 32u * mma_warps(dp),
             static_cast<unsigned>(shared)};
 }
 
@@ -380,6 +381,8 @@ int main(int argc, char** argv) {
     const Shape odd{2, 12, 18, 6, 2, 53, true};
     const Shape small{2, 8, 8, 4, 3, 7, false};
     const Shape small_shifted{1, 8, 12, 4, 2, 46, true};
+    // An odd token count (window 5): the bias is read one value at a time.
+    const Shape odd_window{1, 10, 15, 5, 2, 30, true};
     const double f32_bound = 1e-5, bf16_bound = 4.0 / 512, f16_bound = 4.0 / 4096;
 
 #define RUN(T, NAME, DMAX, MMA, SHAPE, BOUND)                                                  \
@@ -400,6 +403,7 @@ int main(int argc, char** argv) {
     RUN(__nv_bfloat16, window_attention_mma_bf16_d64, 64, true, odd, bf16_bound);
     RUN(__half, window_attention_mma_f16_d64, 64, true, small_shifted, f16_bound);
     RUN(__nv_bfloat16, window_attention_mma_bf16_d32, 32, true, small, bf16_bound);
+    RUN(__half, window_attention_mma_f16_d32, 32, true, odd_window, f16_bound);
     if (!quick) {
         RUN(float, window_attention_f32_d128, 128, false, wide, f32_bound);
         RUN(__nv_bfloat16, window_attention_mma_bf16_d128, 128, true, wide, bf16_bound);
