@@ -2,6 +2,7 @@
 """Turn scripts/gpu-run.sh's results.jsonl into a one-page Markdown summary (stdlib only)."""
 
 import json
+import statistics
 import sys
 
 
@@ -34,6 +35,22 @@ def main(path):
                 f"{cell(mem / 2**20 if isinstance(mem, (int, float)) else None)} | "
                 f"{cell(b.get('lanes'))} |"
             )
+        print()
+    ab = [r for r in benches if r["step"] == "ab"]
+    if ab:
+        # Median over rounds of each build's median; ratios against the first build listed.
+        print("## Before/after (median of the rounds' medians)\n")
+        print("| model | build | median s | first build / this |\n|---|---|---|---|")
+        by_model = {}
+        for r in ab:
+            model, _, build = r["label"].rpartition("-")
+            by_model.setdefault(model, {}).setdefault(build, []).append(r["result"]["median_s"])
+        for model, builds in by_model.items():
+            first = None
+            for build, times in builds.items():
+                med = statistics.median(times)
+                first = first or med
+                print(f"| {model} | {build} | {cell(med)} | {cell(first / med)} |")
         print()
     torch_rows = [r for r in rows if isinstance(r.get("result"), dict) and "median_s_per_image" in r["result"]]
     if torch_rows:
