@@ -14,22 +14,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "dtype.cuh"
+
 // Named, not anonymous: the CPU check of the kernels compiles every kernel file into one
 // translation unit, where anonymous helpers of the same name would collide.
 namespace rowwise {
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) {
-    return __float2half_rn(x);
-}
 
 // Activation codes; the host's `Act` uses the same numbers.
 constexpr int ACT_NONE = 0;

@@ -23,6 +23,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "dtype.cuh"
+
 namespace {
 
 // Keys per shared-memory tile. The host computes the same shared-memory layout: keep in step
@@ -33,19 +35,6 @@ constexpr int COLS_PER_THREAD = 32;
 // What the official code adds between tokens of different regions (not -inf: it keeps the
 // same softmax and fp16 finite).
 constexpr float MASK_VALUE = -100.0f;
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) {
-    return __float2half_rn(x);
-}
 
 // Which of the three bands of the rolled map coordinate p falls in: the body, the band that
 // stayed at the end, or the band that wrapped round from the start.

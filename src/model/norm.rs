@@ -208,16 +208,9 @@ pub fn add_gather_norm(
     y: &Tensor,
     back: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    let (b, t, c) = x.dims3()?;
-    let (by, ty, cy) = y.dims3()?;
-    if (by, cy) != (b, c) {
-        candle_core::bail!("add_gather_norm: x {:?}, y {:?}", x.dims(), y.dims());
-    }
+    let (b, t, c, ty) = super::rowwise::add_gather_dims(x, y, back)?;
     if use_kernel(x) && use_kernel(y) {
         if let Some(idx) = indices(back, ty)? {
-            if idx.len() != t {
-                candle_core::bail!("add_gather_norm: {} indices for {t} tokens", idx.len());
-            }
             let (xg, xl) = x.storage_and_layout();
             let (yg, yl) = y.storage_and_layout();
             let (xs, ys) = (cpu_slice(&xg, xl)?, cpu_slice(&yg, yl)?);

@@ -108,6 +108,26 @@ pub fn add_gather_norm(
     Ok((sum, normed))
 }
 
+/// `(B, T, C, T')` of [`add_gather_norm`]'s `x` `(B, T, C)` and `y` `(B, T', C)`, checked
+/// against each other and against the `T` indices in `back`.
+pub(super) fn add_gather_dims(
+    x: &Tensor,
+    y: &Tensor,
+    back: &Tensor,
+) -> Result<(usize, usize, usize, usize)> {
+    let (b, t, c) = x.dims3()?;
+    let (by, ty, cy) = y.dims3()?;
+    if (by, cy) != (b, c) || back.elem_count() != t {
+        candle_core::bail!(
+            "add_gather_norm: x {:?}, y {:?}, back {:?}",
+            x.dims(),
+            y.dims(),
+            back.dims()
+        );
+    }
+    Ok((b, t, c, ty))
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::ops::Deref;
@@ -360,16 +380,8 @@ mod cuda {
         y: &Tensor,
         back: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let (b, t, c) = x.dims3()?;
-        let (by, ty, cy) = y.dims3()?;
-        if (by, cy) != (b, c) || index_count(back, "add_gather_norm: back")? != t {
-            candle_core::bail!(
-                "add_gather_norm: x {:?}, y {:?}, back {:?}",
-                x.dims(),
-                y.dims(),
-                back.dims()
-            );
-        }
+        let (b, t, c, ty) = super::add_gather_dims(x, y, back)?;
+        index_count(back, "add_gather_norm: back")?;
         let (gamma, beta, eps) = norm_params(ln, x, c)?;
         let hx = held(x, "add_gather_norm: x")?;
         let hy = held(y, "add_gather_norm: y")?;
