@@ -7,6 +7,8 @@
 # usage: scripts/gpu-pack.sh [PACK]          (default: gpu-pack/, git-ignored)
 #   UPSCALE_BASES="LABEL=FILE ..." also packs earlier CUDA builds (FILE: an upscale binary, or
 #   upscale.xz from an earlier pack; LABEL: its commit) for gpu-run.sh's before/after part.
+#   A bare commit (UPSCALE_BASES="ca9a024 77ac68e") is built here, in a temporary worktree
+#   that shares the CUDA target directory (so only the crate itself is recompiled).
 # then, on the GPU machine, from the repository root: scripts/gpu-run.sh PACK OUTDIR [part]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +20,8 @@ cargo fetch --quiet
 scripts/cuda-toolkit-from-pypi.sh "$prefix" >/dev/null
 # shellcheck disable=SC1091
 source "$prefix/env.sh"
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
+CARGO_TARGET_DIR=$(realpath -m "${CARGO_TARGET_DIR:-target-cuda}")
+export CARGO_TARGET_DIR
 export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
 
 cargo build --release --features cuda --bin upscale
@@ -43,6 +46,15 @@ python3 -m pip download -q --no-deps --only-binary=:all: -d "$pack" spandrel==0.
 git rev-parse HEAD > "$pack/commit"
 for base in ${UPSCALE_BASES:-}; do
   label=${base%%=*} file=${base#*=}
+  if [ "$base" = "$label" ]; then
+    # A commit: build its binary in a worktree (this checkout's was packed above).
+    file=$(mktemp -d)/upscale
+    tree=$(mktemp -d)
+    git worktree add -q --detach "$tree" "$label"
+    (cd "$tree" && cargo build --release --features cuda --bin upscale)
+    cp "$CARGO_TARGET_DIR/release/upscale" "$file"
+    git worktree remove --force "$tree"
+  fi
   case $file in
     *.xz) cp "$file" "$pack/upscale-$label.xz" ;;
     *) strip -o "$pack/upscale-$label" "$file" && xz -T0 -6 "$pack/upscale-$label" ;;
