@@ -1027,8 +1027,7 @@ fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 }
 
 /// One output row of a narrow 3x3 convolution, accumulated onto `dst` (prefilled with the
-/// bias). `wt`: `(cout, 9 cin)`, taps ordered (dy, dx, cin). Each output value keeps one set
-/// of vector lanes across all nine taps and is reduced once.
+/// bias). `wt`: `(cout, 9 cin)`, taps ordered (dy, dx, cin), `cout` at most [`NARROW_CONV`].
 #[inline(always)]
 fn conv_row_narrow_body(
     image: &[f32],
@@ -1039,33 +1038,94 @@ fn conv_row_narrow_body(
     wd: usize,
     cin: usize,
 ) {
+    let shape = (y, h, wd, cin);
+    match wt.len() / (9 * cin) {
+        1 => narrow_row::<1>(image, wt, dst, shape),
+        2 => narrow_row::<2>(image, wt, dst, shape),
+        3 => narrow_row::<3>(image, wt, dst, shape),
+        4 => narrow_row::<4>(image, wt, dst, shape),
+        cout => unreachable!("{cout} output channels is not a narrow convolution"),
+    }
+}
+
+/// Output pixels computed together by [`narrow_row`].
+const NARROW_PIXELS: usize = 4;
+
+/// [`conv_row_narrow_body`] for `C` output channels, [`NARROW_PIXELS`] pixels at a time. Taps
+/// outside the image read a row of zeros, so every pixel runs the same loop.
+#[inline(always)]
+fn narrow_row<const C: usize>(
+    image: &[f32],
+    wt: &[f32],
+    dst: &mut [f32],
+    (y, h, wd, cin): (usize, usize, usize, usize),
+) {
+    let zeros = vec![0f32; cin];
+    let taps = |x: usize| -> [&[f32]; 9] {
+        std::array::from_fn(|tap| {
+            let (sy, sx) = ((y + tap / 3).wrapping_sub(1), (x + tap % 3).wrapping_sub(1));
+            if sy < h && sx < wd {
+                &image[(sy * wd + sx) * cin..][..cin]
+            } else {
+                &zeros[..]
+            }
+        })
+    };
+    let mut x = 0;
+    let mut groups = dst.chunks_exact_mut(NARROW_PIXELS * C);
+    for group in &mut groups {
+        let pixels: [[&[f32]; 9]; NARROW_PIXELS] = std::array::from_fn(|p| taps(x + p));
+        narrow_pixels::<C, NARROW_PIXELS>(&pixels, wt, cin, group);
+        x += NARROW_PIXELS;
+    }
+    for out in groups.into_remainder().chunks_exact_mut(C) {
+        narrow_pixels::<C, 1>(&[taps(x)], wt, cin, out);
+        x += 1;
+    }
+}
+
+/// `P` neighbouring output pixels of `C` channels: `P * C` independent vector sums, so the
+/// adds do not wait on each other (one sum at a time made the adds' latency the bound), and
+/// each chunk of input and weights is loaded once for all the sums that use it.
+/// `pixels[p][tap]`: the `cin` input values under that tap; `out`: `P * C` values, added to.
+#[inline(always)]
+fn narrow_pixels<const C: usize, const P: usize>(
+    pixels: &[[&[f32]; 9]; P],
+    wt: &[f32],
+    cin: usize,
+    out: &mut [f32],
+) {
     let k = 9 * cin;
-    let cout = wt.len() / k;
-    for (x, out) in dst.chunks_exact_mut(cout).enumerate() {
-        for (c, o) in out.iter_mut().enumerate() {
-            let mut acc = [0f32; LANES];
-            let mut tail = 0f32;
-            for tap in 0..9 {
-                let (sy, sx) = ((y + tap / 3) as isize - 1, (x + tap % 3) as isize - 1);
-                if sy < 0 || sx < 0 || sy as usize >= h || sx as usize >= wd {
-                    continue;
-                }
-                let src = &image[(sy as usize * wd + sx as usize) * cin..][..cin];
-                let w = &wt[c * k + tap * cin..][..cin];
-                let (sc, wc) = (src.chunks_exact(LANES), w.chunks_exact(LANES));
-                tail += sc
-                    .remainder()
-                    .iter()
-                    .zip(wc.remainder())
-                    .map(|(a, b)| a * b)
-                    .sum::<f32>();
-                for (a, b) in sc.zip(wc) {
-                    for ((s, a), b) in acc.iter_mut().zip(a).zip(b) {
-                        *s += a * b;
+    let whole = cin / LANES;
+    let mut acc = [[[0f32; LANES]; C]; P];
+    let mut tail = [[0f32; C]; P];
+    for tap in 0..9 {
+        let w: [&[f32]; C] = std::array::from_fn(|c| &wt[c * k + tap * cin..][..cin]);
+        let wv: [&[[f32; LANES]]; C] = std::array::from_fn(|c| &w[c].as_chunks().0[..whole]);
+        let av: [&[[f32; LANES]]; P] =
+            std::array::from_fn(|p| &pixels[p][tap].as_chunks().0[..whole]);
+        for j in 0..whole {
+            for c in 0..C {
+                let wj = &wv[c][j];
+                for p in 0..P {
+                    let aj = &av[p][j];
+                    for l in 0..LANES {
+                        acc[p][c][l] += aj[l] * wj[l];
                     }
                 }
             }
-            *o += tail + acc.iter().sum::<f32>();
+        }
+        for j in whole * LANES..cin {
+            for c in 0..C {
+                for p in 0..P {
+                    tail[p][c] += pixels[p][tap][j] * w[c][j];
+                }
+            }
+        }
+    }
+    for p in 0..P {
+        for c in 0..C {
+            out[p * C + c] += tail[p][c] + acc[p][c].iter().sum::<f32>();
         }
     }
 }
@@ -1544,6 +1604,12 @@ mod tests {
             (1, 9, 4, 3, 5, 40),
             (1, 1, 1, 2, 3, 1),
             (2, 6, 5, 37, 3, 1 << 20),
+            // The narrow kernel with every channel count, image widths around its pixel
+            // groups, and 64 channels as the models' last convolution has.
+            (1, 3, 9, 64, 3, 1 << 20),
+            (1, 4, 4, 16, 1, 1 << 20),
+            (2, 2, 11, 33, 2, 1 << 20),
+            (1, 5, 3, 64, 4, 1 << 20),
         ] {
             let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
             let weight = Tensor::randn(0f32, 1.0, (cout, cin, 3, 3), &dev)?;
