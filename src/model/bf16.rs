@@ -484,6 +484,22 @@ impl PackedA {
         self.pairs = b.pairs;
     }
 
+    /// Row `r` as its `k / 2` pairs (`k` even), for a caller that rounds the row in pieces
+    /// ([`round_pairs`]) and must write all of them; the padding pairs past them are zeroed
+    /// here.
+    pub fn row_pairs_mut(&mut self, r: usize) -> &mut [u32] {
+        assert!(
+            r < self.rows && self.k.is_multiple_of(2),
+            "row {r} of {}, k {}",
+            self.rows,
+            self.k
+        );
+        let kp = self.pairs;
+        let (used, padding) = self.data[r * kp..(r + 1) * kp].split_at_mut(self.k / 2);
+        padding.fill(0);
+        used
+    }
+
     /// Rounds `row` (`k` values) into row `r`; the pairs past `k` are zeroed.
     pub fn set_row(&mut self, r: usize, row: &[f32]) {
         assert!(
@@ -594,15 +610,28 @@ unsafe fn product_packed(a: &PackedA, b: &PackedB, dst: *mut f32, ldc: usize, ac
     }
 }
 
-/// `dst = a · b` on one thread, with `a` packed by the caller ([`PackedA`]): attention rounds
-/// each row of probabilities as its softmax finishes it.
+/// `dst (+)= a · b` on one thread, with `a` packed by the caller ([`PackedA`]): attention rounds
+/// each row of probabilities as its softmax finishes it, convolutions round their patches
+/// straight from the image. `accumulate` adds onto dst's contents.
 ///
 /// # Safety
 /// The CPU has the ISA `a` was prepared for; `dst` holds `a`'s rows of `b.cols()` values
-/// `ldc` apart and overlaps no operand.
-pub unsafe fn gemm_packed(a: &PackedA, b: &PackedB, dst: *mut f32, ldc: usize) {
+/// `ldc` apart (initialised if `accumulate`) and overlaps no operand.
+pub unsafe fn gemm_packed(a: &PackedA, b: &PackedB, dst: *mut f32, ldc: usize, accumulate: bool) {
     // SAFETY: forwarded to the caller.
-    unsafe { product_packed(a, b, dst, ldc, false) }
+    unsafe { product_packed(a, b, dst, ldc, accumulate) }
+}
+
+/// `src` (an even number of values) rounded to bf16 pairs into `out`, as [`PackedA::set_row`]
+/// rounds a row.
+pub fn round_pairs(src: &[f32], out: &mut [u32]) {
+    assert_eq!(src.len(), 2 * out.len(), "pairs for {} values", src.len());
+    if avx512_bf16() {
+        // SAFETY: the CPU has the instructions (checked above).
+        unsafe { round_row_avx512(src, out) };
+    } else {
+        round_row(src, out);
+    }
 }
 
 /// `row` rounded to bf16 pairs: `out[p]` holds values 2p (low half) and 2p + 1.

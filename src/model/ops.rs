@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::bf16::{Epilogue, Isa, PackedA, PackedB};
+use super::bf16::{round_pairs, Epilogue, Isa, PackedA, PackedB};
 use super::cache::{RelativeBias, MASK_VALUE};
 
 /// exp(x) for x <= 0: 2^n * p(r) with a Cody-Waite reduction and a degree-6 polynomial;
@@ -564,7 +564,7 @@ fn attend_window(
                 probs.prepare(isa, n, v);
                 attention_probs(scores, (bias, h), labels, n, Some(probs));
                 // SAFETY: as above; the caller chose an ISA this CPU has.
-                unsafe { super::bf16::gemm_packed(probs, v, head_out, c) };
+                unsafe { super::bf16::gemm_packed(probs, v, head_out, c, false) };
             }
         }
     }
@@ -825,6 +825,27 @@ fn conv3x3_with(
     let pixels = batch * h * wd;
     let mut out = par_rows(pixels, cout, |_, w| w.write_row(bs));
 
+    if let (Weights::Bf16(isa, w), true) = (w, cin.is_multiple_of(2)) {
+        let dst = OutRows(out.as_mut_ptr());
+        let blocks = (h * wd).div_ceil(PATCH_ROWS);
+        (0..batch * blocks)
+            .into_par_iter()
+            .for_each_init(PackedA::default, |pack, task| {
+                let (bi, p0) = (task / blocks, task % blocks * PATCH_ROWS);
+                let rows = PATCH_ROWS.min(h * wd - p0);
+                let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
+                pack_patches(pack, (isa, w), image, (h, wd, cin), p0, rows);
+                // SAFETY: output rows p0..p0 + rows of image bi, cout values each, lie in
+                // `out` and are written by this task only; `pack` holds their patches.
+                unsafe {
+                    let dst = dst.at((bi * h * wd + p0) * cout);
+                    super::bf16::gemm_packed(pack, w, dst, cout, true)
+                };
+            });
+        drop((x_guard, b_guard));
+        return Tensor::from_vec(out, (batch, h, wd, cout), x.device());
+    }
+
     let row_elems = wd * k;
     let rows = (chunk_elems / row_elems.max(1)).clamp(1, h.max(1));
     let mut cols = vec![0f32; rows * row_elems];
@@ -874,6 +895,36 @@ fn gather_patches(image: &[f32], (h, wd, cin): (usize, usize, usize), y0: usize,
                 }
             }
         });
+}
+
+/// Pixels per task of the bf16 convolutions, whose patches are packed in blocks this size.
+const PATCH_ROWS: usize = 96;
+
+/// The patches of pixels `p0..p0 + rows` (row-major over the image; taps ordered (dy, dx,
+/// cin), zeros outside the image) rounded straight into `pack`, laid out for products with
+/// `b`: the f32 patch matrix, 9x the input, is never written and read back, and each value is
+/// rounded once however many weight blocks use it. `cin` must be even, so that no bf16 pair
+/// straddles two taps.
+fn pack_patches(
+    pack: &mut PackedA,
+    (isa, b): (Isa, &PackedB),
+    image: &[f32],
+    (h, wd, cin): (usize, usize, usize),
+    p0: usize,
+    rows: usize,
+) {
+    pack.prepare(isa, rows, b);
+    for r in 0..rows {
+        let (y, x) = ((p0 + r) / wd, (p0 + r) % wd);
+        for (tap, out) in pack.row_pairs_mut(r).chunks_exact_mut(cin / 2).enumerate() {
+            let (sy, sx) = ((y + tap / 3).wrapping_sub(1), (x + tap % 3).wrapping_sub(1));
+            if sy < h && sx < wd {
+                round_pairs(&image[(sy * wd + sx) * cin..][..cin], out);
+            } else {
+                out.fill(0);
+            }
+        }
+    }
 }
 
 /// [`conv3x3`] followed by PixelShuffle by `r`, for a convolution whose output channels are
@@ -972,9 +1023,41 @@ fn conv3x3_shuffled_with(
             w.write_row(&bs[i * block..(i + 1) * block]);
         }
     });
+    let dst = OutRows(out.as_mut_ptr());
+    let packed: Option<Vec<(Isa, &PackedB)>> = blocks
+        .iter()
+        .map(|w| match w {
+            Weights::Bf16(isa, p) => Some((*isa, *p)),
+            Weights::F32(_) => None,
+        })
+        .collect();
+    if let (Some(packed), true) = (packed, cin.is_multiple_of(2)) {
+        // Each block of an input row's pixels is packed once for all r column blocks.
+        let per_row = wd.div_ceil(PATCH_ROWS);
+        (0..batch * h * per_row)
+            .into_par_iter()
+            .for_each_init(PackedA::default, |pack, task| {
+                let (image_row, x0) = (task / per_row, task % per_row * PATCH_ROWS);
+                let (bi, y) = (image_row / h, image_row % h);
+                let rows = PATCH_ROWS.min(wd - x0);
+                let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
+                pack_patches(pack, packed[0], image, (h, wd, cin), y * wd + x0, rows);
+                for (i, &(_, w)) in packed.iter().enumerate() {
+                    let row = image_row * r + i;
+                    // SAFETY: pixels x0..x0 + rows of output row `row` (`block` values
+                    // each) lie in `out` and are written by this task only; `pack` holds
+                    // their patches, packed for this k.
+                    unsafe {
+                        let dst = dst.at(row * out_row + x0 * block);
+                        super::bf16::gemm_packed(pack, w, dst, block, true)
+                    };
+                }
+            });
+        drop((x_guard, b_guard));
+        return Tensor::from_vec(out, (batch, h * r, wd * r, c), x.device());
+    }
     let rows = (chunk_elems / (wd * k).max(1)).clamp(1, h.max(1));
     let mut cols = vec![0f32; rows * wd * k];
-    let dst = OutRows(out.as_mut_ptr());
     for bi in 0..batch {
         let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
         let mut y0 = 0;
@@ -1634,6 +1717,44 @@ mod tests {
         Ok(())
     }
 
+    /// The bf16 convolution against a float64 convolution of the bf16-rounded input and
+    /// weights, on every bf16 kernel this CPU has: patches packed straight from the image
+    /// (even `cin`, rows wider than a block of pixels, several images) and through the f32
+    /// patch matrix (odd `cin`).
+    #[test]
+    fn bf16_conv_matches_the_rounded_convolution() -> Result<()> {
+        let dev = Device::Cpu;
+        let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F64);
+        for isa in super::super::bf16::available_isas() {
+            for (b, h, w, cin, cout) in [
+                (2, 5, 7, 6, 40),
+                (1, 3, 100, 8, 33),
+                (1, 4, 5, 5, 32),
+                (1, 2, 3, 64, 64),
+            ] {
+                let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
+                let weight = Tensor::randn(0f32, 1.0, (cout, cin, 3, 3), &dev)?;
+                let bias = Tensor::randn(0f32, 1.0, cout, &dev)?;
+                let w9 = weight.permute((2, 3, 1, 0))?.reshape((9 * cin, cout))?;
+                let ws = w9.flatten_all()?.to_vec1::<f32>()?;
+                let packed = PackedB::new(&ws, (9 * cin, cout), (cout, 1));
+                let ours = conv3x3_bf16(&x, isa, &packed, &bias, 1 << 20)?;
+                let want = round(&x)?
+                    .permute((0, 3, 1, 2))?
+                    .conv2d(&round(&weight)?, 1, 1, 1, 1)?
+                    .broadcast_add(&bias.to_dtype(DType::F64)?.reshape((1, cout, 1, 1))?)?
+                    .permute((0, 2, 3, 1))?;
+                let diff = max_abs_diff(&ours, &want)?;
+                let tolerance = 1e-6 * (9 * cin) as f64;
+                assert!(
+                    diff < tolerance,
+                    "{isa:?} {b}x{h}x{w}x{cin} -> {cout}: {diff}"
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The shuffled convolution against the convolution followed by the shuffle, in f32 and
     /// (where the CPU has it) bf16, for both factors and bands of one and several rows.
     #[test]
@@ -1643,6 +1764,8 @@ mod tests {
             (2, 5, 7, 6, 16, 2, 1 << 20),
             (1, 4, 3, 5, 32, 3, 1),
             (1, 3, 9, 8, 16, 2, 200),
+            // A row wider than one packed block of pixels.
+            (1, 2, 100, 8, 16, 2, 1 << 20),
         ] {
             let cout = r * r * c;
             let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
