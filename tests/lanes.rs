@@ -66,4 +66,31 @@ fn bench_json_reports_lanes_and_memory() {
     // Device memory is a GPU figure.
     assert!(v["peak_device_bytes"].is_null());
     assert_eq!(v["device_pools"], serde_json::json!([]));
+    // An fp32 run names no bf16 kernel.
+    assert_eq!(v["dtype"], "F32");
+    assert!(v["cpu_bf16_kernel"].is_null(), "{v}");
+}
+
+#[test]
+fn bench_json_names_the_cpu_bf16_kernel() {
+    let d = tempfile::tempdir().unwrap();
+    let run = common::bare(d.path())
+        .arg("bench")
+        .arg("-m")
+        .arg(common::golden(common::FAST_MODEL))
+        .args(["--device", "cpu", "--precision", "bf16", "--size", "16x16"])
+        .args(["--warmup", "0", "--reps", "1", "--json"])
+        .output()
+        .unwrap();
+    common::assert_success(&run);
+    let v: serde_json::Value = serde_json::from_str(common::stdout(&run).trim()).unwrap();
+    if upscale::cpu_computes_bf16() {
+        assert_eq!(v["dtype"], "BF16");
+        let kernel = v["cpu_bf16_kernel"].as_str().unwrap_or_default();
+        assert!(["amx", "avx512-bf16"].contains(&kernel), "{v}");
+    } else {
+        // The fp32 fallback (with its warning) runs no bf16 kernel.
+        assert_eq!(v["dtype"], "F32");
+        assert!(v["cpu_bf16_kernel"].is_null(), "{v}");
+    }
 }

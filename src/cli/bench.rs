@@ -5,10 +5,12 @@
 
 use std::time::Instant;
 
+use candle_core::DType;
 use serde_json::json;
 
 use crate::engine::lanes::{pool_peak, reset_pool_peaks, Lanes};
 use crate::engine::probe::peak_rss_bytes;
+use crate::model::bf16::Isa;
 use crate::planar::Planar;
 use crate::tile::lanes::merge_lane_stats;
 use crate::tile::TileOptions;
@@ -66,6 +68,14 @@ pub fn run(
     let json = json!({
         "device": format!("{:?}", engine.device),
         "dtype": format!("{:?}", engine.dtype),
+        // Which CPU kernel ran the bf16 products (their speed differs by 2-3x), or null.
+        "cpu_bf16_kernel": (engine.device.is_cpu() && engine.dtype == DType::BF16)
+            .then(crate::model::bf16::isa)
+            .flatten()
+            .map(|isa| match isa {
+                Isa::Amx => "amx",
+                Isa::Avx512 => "avx512-bf16",
+            }),
         "input": [image.height, image.width],
         "scale": cfg.scale,
         "tile": [th, tw],
