@@ -34,27 +34,33 @@ fn json_reports_the_work_of_each_lane() {
     assert_eq!(tiles, 16);
 }
 
-#[test]
-fn bench_json_reports_lanes_and_memory() {
+/// `upscale bench --json` of the small fixture model on the CPU with `args`, parsed.
+fn bench_json(args: &[&str]) -> serde_json::Value {
     let d = tempfile::tempdir().unwrap();
     let run = common::bare(d.path())
         .arg("bench")
         .arg("-m")
         .arg(common::golden(common::FAST_MODEL))
-        .args(["--device", "cpu", "--size", "24x24", "--tile", "16"])
-        .args([
-            "--tile_overlap",
-            "4",
-            "--warmup",
-            "0",
-            "--reps",
-            "2",
-            "--json",
-        ])
+        .args(["--device", "cpu", "--warmup", "0", "--json"])
+        .args(args)
         .output()
         .unwrap();
     common::assert_success(&run);
-    let v: serde_json::Value = serde_json::from_str(common::stdout(&run).trim()).unwrap();
+    serde_json::from_str(common::stdout(&run).trim()).unwrap()
+}
+
+#[test]
+fn bench_json_reports_lanes_and_memory() {
+    let v = bench_json(&[
+        "--size",
+        "24x24",
+        "--tile",
+        "16",
+        "--tile_overlap",
+        "4",
+        "--reps",
+        "2",
+    ]);
     assert_eq!(v["lanes"], 1);
     let lane = &v["lane_stats"][0];
     // Summed over the two timed runs.
@@ -73,17 +79,7 @@ fn bench_json_reports_lanes_and_memory() {
 
 #[test]
 fn bench_json_names_the_cpu_bf16_kernel() {
-    let d = tempfile::tempdir().unwrap();
-    let run = common::bare(d.path())
-        .arg("bench")
-        .arg("-m")
-        .arg(common::golden(common::FAST_MODEL))
-        .args(["--device", "cpu", "--precision", "bf16", "--size", "16x16"])
-        .args(["--warmup", "0", "--reps", "1", "--json"])
-        .output()
-        .unwrap();
-    common::assert_success(&run);
-    let v: serde_json::Value = serde_json::from_str(common::stdout(&run).trim()).unwrap();
+    let v = bench_json(&["--precision", "bf16", "--size", "16x16", "--reps", "1"]);
     if upscale::cpu_computes_bf16() {
         assert_eq!(v["dtype"], "BF16");
         let kernel = v["cpu_bf16_kernel"].as_str().unwrap_or_default();
