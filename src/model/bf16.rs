@@ -509,14 +509,9 @@ impl PackedA {
         );
         assert!(self.isa.is_some(), "`prepare` sets the ISA");
         let (kp, used) = (self.pairs, self.k.div_ceil(2));
-        let out = &mut self.data[r * kp..(r + 1) * kp];
-        if avx512_bf16() {
-            // SAFETY: the CPU has the instructions (checked above).
-            unsafe { round_row_avx512(row, out) };
-        } else {
-            round_row(row, out);
-        }
-        out[used..].fill(0);
+        let (out, padding) = self.data[r * kp..(r + 1) * kp].split_at_mut(used);
+        round_pairs(row, out);
+        padding.fill(0);
     }
 }
 
@@ -622,10 +617,14 @@ pub unsafe fn gemm_packed(a: &PackedA, b: &PackedB, dst: *mut f32, ldc: usize, a
     unsafe { product_packed(a, b, dst, ldc, accumulate) }
 }
 
-/// `src` (an even number of values) rounded to bf16 pairs into `out`, as [`PackedA::set_row`]
-/// rounds a row.
+/// `src` rounded to bf16 pairs into `out` (an odd last value pairs with zero).
 pub fn round_pairs(src: &[f32], out: &mut [u32]) {
-    assert_eq!(src.len(), 2 * out.len(), "pairs for {} values", src.len());
+    assert_eq!(
+        src.len().div_ceil(2),
+        out.len(),
+        "pairs for {} values",
+        src.len()
+    );
     if avx512_bf16() {
         // SAFETY: the CPU has the instructions (checked above).
         unsafe { round_row_avx512(src, out) };

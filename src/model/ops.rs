@@ -886,15 +886,25 @@ fn gather_patches(image: &[f32], (h, wd, cin): (usize, usize, usize), y0: usize,
         .for_each(|(p, patch)| {
             let (y, x) = (y0 + p / wd, p % wd);
             for (tap, dst) in patch.chunks_exact_mut(cin).enumerate() {
-                let (sy, sx) = ((y + tap / 3) as isize - 1, (x + tap % 3) as isize - 1);
-                if sy < 0 || sx < 0 || sy as usize >= h || sx as usize >= wd {
-                    dst.fill(0.0);
-                } else {
-                    let src = (sy as usize * wd + sx as usize) * cin;
-                    dst.copy_from_slice(&image[src..src + cin]);
+                match tap_source(image, (h, wd, cin), (y, x), tap) {
+                    Some(src) => dst.copy_from_slice(src),
+                    None => dst.fill(0.0),
                 }
             }
         });
+}
+
+/// The `cin` input values under 3x3 tap `tap` (ordered (dy, dx)) of output pixel `(y, x)`,
+/// or `None` where the tap falls outside the image (zero padding).
+#[inline(always)]
+fn tap_source(
+    image: &[f32],
+    (h, wd, cin): (usize, usize, usize),
+    (y, x): (usize, usize),
+    tap: usize,
+) -> Option<&[f32]> {
+    let (sy, sx) = ((y + tap / 3).wrapping_sub(1), (x + tap % 3).wrapping_sub(1));
+    (sy < h && sx < wd).then(|| &image[(sy * wd + sx) * cin..][..cin])
 }
 
 /// Pixels per task of the bf16 convolutions, whose patches are packed in blocks this size.
@@ -917,11 +927,9 @@ fn pack_patches(
     for r in 0..rows {
         let (y, x) = ((p0 + r) / wd, (p0 + r) % wd);
         for (tap, out) in pack.row_pairs_mut(r).chunks_exact_mut(cin / 2).enumerate() {
-            let (sy, sx) = ((y + tap / 3).wrapping_sub(1), (x + tap % 3).wrapping_sub(1));
-            if sy < h && sx < wd {
-                round_pairs(&image[(sy * wd + sx) * cin..][..cin], out);
-            } else {
-                out.fill(0);
+            match tap_source(image, (h, wd, cin), (y, x), tap) {
+                Some(src) => round_pairs(src, out),
+                None => out.fill(0),
             }
         }
     }
@@ -1145,14 +1153,7 @@ fn narrow_row<const C: usize>(
 ) {
     let zeros = vec![0f32; cin];
     let taps = |x: usize| -> [&[f32]; 9] {
-        std::array::from_fn(|tap| {
-            let (sy, sx) = ((y + tap / 3).wrapping_sub(1), (x + tap % 3).wrapping_sub(1));
-            if sy < h && sx < wd {
-                &image[(sy * wd + sx) * cin..][..cin]
-            } else {
-                &zeros[..]
-            }
-        })
+        std::array::from_fn(|tap| tap_source(image, (h, wd, cin), (y, x), tap).unwrap_or(&zeros))
     };
     let mut x = 0;
     let mut groups = dst.chunks_exact_mut(NARROW_PIXELS * C);
