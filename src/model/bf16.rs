@@ -60,7 +60,7 @@ pub fn isa() -> Option<Isa> {
 /// Whether the AVX512-BF16 kernel beats the f32 GEMM here. `vdpbf16ps` does twice the
 /// multiply-adds of an f32 FMA per instruction, but some CPUs issue it at well under half the
 /// FMA's rate (on a Sapphire Rapids Xeon the kernel reached 0.45x the f32 GEMM; on a Zen 5
-/// EPYC it runs at 1.3-1.9x on the model's layer shapes), and there bf16 would only lose time
+/// EPYC it runs at 1.0-1.9x on the model's layer shapes), and there bf16 would only lose time
 /// and precision. Timed once per process, on one thread, on a
 /// product the size of a small layer (a few milliseconds).
 fn vector_kernel_pays_off() -> bool {
