@@ -18,7 +18,6 @@ non-training size are both exercised.
 
 import argparse
 import hashlib
-import math
 import os
 import sys
 
@@ -29,21 +28,6 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_default as recipe  # noqa: E402  (model config lives there)
-
-
-def config_from_weights(sd):
-    """Reads the config back from the file, so the fixture tests the file and
-    not what the recipe currently says."""
-    groups = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
-    table = sd["layers.0.swin1.attn.relative_position_bias_table"]
-    return dict(
-        embed_dim=sd["conv_first.weight"].shape[0],
-        groups=groups,
-        window_size=(math.isqrt(table.shape[0]) + 1) // 2,
-        num_heads=table.shape[1],
-        gc=sd["layers.0.adjust1.weight"].shape[0],
-        mlp_ratio=sd["layers.0.swin1.mlp.fc1.weight"].shape[0] / sd["conv_first.weight"].shape[0],
-    )
 
 
 def main():
@@ -58,7 +42,7 @@ def main():
     a = p.parse_args()
 
     sd = load_file(a.weights)
-    recipe.CONFIG.update(config_from_weights(sd))
+    recipe.CONFIG.update(recipe.config_from_weights(sd))
     ws = recipe.CONFIG["window_size"]
     if a.height % ws == 0 or a.width % ws == 0:
         raise SystemExit(f"crop {a.height}x{a.width} should not be a multiple of the window {ws}")

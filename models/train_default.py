@@ -56,6 +56,10 @@ CONFIG = dict(
     num_heads=4,
     gc=16,
     mlp_ratio=2.0,
+    # Width of the pixel-shuffle upsampler. The official code hard-codes 64; at x4 that
+    # upsampler is over half of the model's arithmetic per pixel, so a smaller one leaves
+    # room for a deeper body at the same inference cost.
+    num_feat=64,
 )
 
 # ---------------------------------------------------------------------------
@@ -252,13 +256,23 @@ def cmd_photos(a):
 def build_model(img_size=64):
     from spandrel.architectures.DRCT import DRCT
     c = CONFIG
-    return DRCT(
+    model = DRCT(
         img_size=img_size, patch_size=1, in_chans=3, embed_dim=c["embed_dim"],
         depths=(6,) * c["groups"], num_heads=(c["num_heads"],) * c["groups"],
         window_size=c["window_size"], mlp_ratio=c["mlp_ratio"], qkv_bias=True,
         drop_path_rate=0.0, ape=False, patch_norm=True, upscale=SCALE,
         img_range=1.0, upsampler="pixelshuffle", resi_connection="1conv", gc=c["gc"],
     )
+    nf = c.get("num_feat", 64)
+    if nf != 64:
+        # The reference hard-codes 64; these three modules are the whole upsampler and
+        # the forward pass only calls them, so replacing them changes nothing else.
+        from spandrel.architectures.DRCT.__arch.drct_arch import Upsample
+        model.conv_before_upsample = torch.nn.Sequential(
+            torch.nn.Conv2d(c["embed_dim"], nf, 3, 1, 1), torch.nn.LeakyReLU(inplace=True))
+        model.upsample = Upsample(SCALE, nf)
+        model.conv_last = torch.nn.Conv2d(nf, 3, 3, 1, 1)
+    return model
 
 
 def run_padded(model, lr):
@@ -394,6 +408,26 @@ def load_without_masks(model, state):
         raise SystemExit(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
 
 
+def grow_from(model, path):
+    """Copies every tensor of `path` whose name and shape match `model`. Groups that the file
+    lacks start as the identity: a group returns 0.2 * adjust5(...) + x, so a zero adjust5
+    passes its input through and the grown model computes what the file's body did.
+    Returns the names of the parameters the file did not provide."""
+    from safetensors.torch import load_file
+    src = load_file(path)
+    own = dict(model.named_parameters())
+    new = []
+    with torch.no_grad():
+        for name, p in own.items():
+            if name in src and src[name].shape == p.shape:
+                p.copy_(src[name])
+            else:
+                new.append(name)
+                if ".adjust5." in name:
+                    p.zero_()
+    return new
+
+
 def cmd_train(a):
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -461,6 +495,21 @@ def cmd_train(a):
         if ema is not None:
             load_without_masks(ema, ck.get("ema", ck["model"]))
         log(f"initialised from {a.init} (step {ck['step']} of its stage)")
+    grown = []
+    if step == 0 and not a.init and a.grow_from:
+        grown = grow_from(model, a.grow_from)
+        if ema is not None:
+            ema.load_state_dict(model.state_dict())
+        log(f"grown from {a.grow_from}: {len(grown)} tensors new")
+    # Some tensors train alone first (by default the ones --grow-from did not provide), so
+    # that new or approximated ones do not push their first, large gradients into a trained body.
+    if a.first_only:
+        prefixes = tuple(a.first_only.split(","))
+        first_names = {n for n, _ in model.named_parameters() if n.startswith(prefixes)}
+    else:
+        first_names = set(grown)
+    if step >= a.first_steps:
+        first_names = set()
 
     def save(path, extra=None):
         ck = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
@@ -489,6 +538,13 @@ def cmd_train(a):
     while step < total:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, a.lr, a.warmup, a.lr_floor)
+        if first_names:
+            first = step < a.first_steps
+            for n, p in model.named_parameters():
+                p.requires_grad_(not first or n in first_names)
+            if not first:
+                log(f"step {step}: all tensors train from here")
+                first_names = set()
         lr_b, hr_b = data.batch(a.batch)
         lr_b, hr_b = lr_b.to(device, non_blocking=True), hr_b.to(device, non_blocking=True)
         # bf16 autocast uses the CPU's AMX/AVX512-BF16 units (~2.5x faster per
@@ -565,6 +621,7 @@ def cmd_export(a):
     from safetensors.torch import save_file
     cks = [torch.load(c, weights_only=False, map_location="cpu") for c in a.ckpt]
     ck = cks[-1]
+    CONFIG.update(ck.get("config", {}))
     model = build_model()
     # The checkpoint's attn_mask buffers belong to the training patch size;
     # only parameters are carried over. Several checkpoints of one stage's
@@ -590,7 +647,7 @@ def cmd_export(a):
         "num_heads": str(CONFIG["num_heads"]),
         "gc": str(CONFIG["gc"]),
         "mlp_ratio": str(CONFIG["mlp_ratio"]),
-        "num_feat": "64",
+        "num_feat": str(CONFIG.get("num_feat", 64)),
         "img_range": "1.0",
         "rgb_mean": "0.4488,0.4371,0.4040",
         "train_steps": str(a.total_steps or ck["step"]),
@@ -606,14 +663,129 @@ def cmd_export(a):
           f"{os.path.getsize(a.out)} bytes, sha256 {digest}")
 
 
+def config_from_weights(sd):
+    """Reads the config back from the file, so the fixture tests the file and
+    not what the recipe currently says."""
+    groups = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
+    table = sd["layers.0.swin1.attn.relative_position_bias_table"]
+    return dict(
+        embed_dim=sd["conv_first.weight"].shape[0],
+        groups=groups,
+        window_size=(math.isqrt(table.shape[0]) + 1) // 2,
+        num_heads=table.shape[1],
+        gc=sd["layers.0.adjust1.weight"].shape[0],
+        mlp_ratio=sd["layers.0.swin1.mlp.fc1.weight"].shape[0] / sd["conv_first.weight"].shape[0],
+        num_feat=sd["conv_before_upsample.0.weight"].shape[0],
+    )
+
+
 def load_weights(path, img_size=64):
     from safetensors.torch import load_file
+    sd = load_file(path)
+    CONFIG.update(config_from_weights(sd))
     model = build_model(img_size=img_size)
-    missing, unexpected = model.load_state_dict(load_file(path), strict=False)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
     bad = [k for k in missing if not (k.endswith("relative_position_index") or k.endswith("attn_mask"))]
     if bad or unexpected:
         raise SystemExit(f"weights do not match the config: missing {bad}, unexpected {unexpected}")
     return model.eval()
+
+
+# ---------------------------------------------------------------------------
+def _tap_sum(w, v):
+    """What a 3x3 convolution with weights w (out, in, 3, 3) adds for an input that is the
+    constant v[c] on channel c (away from the border)."""
+    return w.sum(dim=(2, 3)) @ v
+
+
+def _pixel_unshuffle_rows(w, b, r2, u, mean):
+    """Rows of a convolution whose output is pixel-shuffled into channels c (r2 rows each,
+    row c * r2 + s), re-expressed for the channels' principal components: new channel k
+    at sub-position s is sum_c u[c, k] (row c * r2 + s - mean[c])."""
+    out_c = w.shape[0] // r2
+    w = w.reshape(out_c, r2, *w.shape[1:])
+    b = b.reshape(out_c, r2) - mean[:, None]
+    nw = torch.einsum("ck,cs...->ks...", u, w).reshape(-1, *w.shape[2:])
+    nb = torch.einsum("ck,cs->ks", u, b).reshape(-1)
+    return nw, nb
+
+
+@torch.no_grad()
+def narrow_upsampler(model, nf, lrs):
+    """Returns the upsampler tensors of `model` (x4: conv, LeakyReLU, two conv + shuffle
+    stages, conv) rewritten for nf channels, fitted on the activations of the LR batch `lrs`.
+    After the LeakyReLU, nf channels are kept (pivoted QR) and the others are predicted from
+    them by least squares, folded into the next convolution; the two shuffled maps feed the
+    next convolution linearly, so each is replaced by its nf leading principal components.
+    Fine-tuning starts from there instead of from a random upsampler."""
+    from scipy.linalg import qr
+    acts = {}
+    hooks = [model.conv_before_upsample.register_forward_hook(lambda m, i, o: acts.__setitem__("a0", o)),
+             model.upsample[1].register_forward_hook(lambda m, i, o: acts.__setitem__("a1", o)),
+             model.upsample[3].register_forward_hook(lambda m, i, o: acts.__setitem__("a2", o))]
+    model.eval()
+    model(lrs)
+    for h in hooks:
+        h.remove()
+    flat = {k: v.double().permute(1, 0, 2, 3).reshape(v.shape[1], -1) for k, v in acts.items()}
+    sd = {k: v.double() for k, v in model.state_dict().items()}
+    w0, b0 = sd["conv_before_upsample.0.weight"], sd["conv_before_upsample.0.bias"]
+    w1, b1 = sd["upsample.0.weight"], sd["upsample.0.bias"]
+    w2, b2 = sd["upsample.2.weight"], sd["upsample.2.bias"]
+    w3, b3 = sd["conv_last.weight"], sd["conv_last.bias"]
+
+    # Stage 0: keep nf channels of the LeakyReLU output, predict the rest from them.
+    a0 = flat["a0"]
+    centred = (a0 - a0.mean(1, keepdim=True)).T.numpy()
+    _, _, piv = qr(centred, mode="economic", pivoting=True)
+    keep, drop = sorted(piv[:nf]), sorted(piv[nf:])
+    design = torch.cat([a0[keep], torch.ones(1, a0.shape[1], dtype=a0.dtype)]).T
+    coef = torch.linalg.lstsq(design, a0[drop].T).solution  # (nf + 1, dropped)
+    a_map, beta = coef[:nf].T, coef[nf]  # dropped ~ a_map @ kept + beta
+    w0, b0 = w0[keep], b0[keep]
+    b1 = b1 + _tap_sum(w1[:, drop], beta)
+    w1 = w1[:, keep] + torch.einsum("ocij,ck->okij", w1[:, drop], a_map)
+
+    # Stages 1 and 2: principal components of each shuffled map.
+    def pca(x):
+        mean = x.mean(1)
+        cov = torch.cov(x)
+        _, vecs = torch.linalg.eigh(cov)
+        return vecs[:, -nf:].flip(1), mean
+
+    u1, m1 = pca(flat["a1"])
+    w1, b1 = _pixel_unshuffle_rows(w1, b1, 4, u1, m1)
+    b2 = b2 + _tap_sum(w2, m1)
+    w2 = torch.einsum("ocij,ck->okij", w2, u1)
+    u2, m2 = pca(flat["a2"])
+    w2, b2 = _pixel_unshuffle_rows(w2, b2, 4, u2, m2)
+    b3 = b3 + _tap_sum(w3, m2)
+    w3 = torch.einsum("ocij,ck->okij", w3, u2)
+    out = {"conv_before_upsample.0.weight": w0, "conv_before_upsample.0.bias": b0,
+           "upsample.0.weight": w1, "upsample.0.bias": b1, "upsample.2.weight": w2,
+           "upsample.2.bias": b2, "conv_last.weight": w3, "conv_last.bias": b3}
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def cmd_narrow(a):
+    """Writes a copy of a model whose x4 upsampler has fewer channels (narrow_upsampler)."""
+    from safetensors.torch import save_file
+    torch.set_num_threads(a.threads)
+    model = load_weights(a.weights)
+    hrs = packed_images(a.images, print)
+    data = Patches([img for _, img in hrs], a.patch, np.random.default_rng(a.seed))
+    lrs, _ = data.batch(a.samples)
+    sd = export_state_dict(model)
+    sd.update(narrow_upsampler(model, a.num_feat, lrs))
+    save_file(sd, a.out, metadata={"format": "pt", "architecture": "DRCT", "scale": str(SCALE),
+                                   "narrowed_from": os.path.basename(a.weights),
+                                   "num_feat": str(a.num_feat), "recipe": "models/train_default.py"})
+    CONFIG["num_feat"] = a.num_feat
+    rows = evaluate(load_weights(a.out), load_val(a.photos))
+    for n, p, b in rows:
+        print(f"{n:16s} model {p:.3f} dB  bicubic {b:.3f} dB  gain {p - b:+.3f}")
+    print(f"{a.out}: upsampler narrowed to {a.num_feat} channels, mean gain "
+          f"{np.mean([r[1] - r[2] for r in rows]):+.3f} dB")
 
 
 def cmd_eval(a):
@@ -682,6 +854,14 @@ def main():
     s.add_argument("--init-weights", choices=("raw", "ema"), default="raw",
                    help="which of --init's weights the trained model starts from (the EMA copy starts from its EMA either way)")
     s.add_argument("--loss", choices=("l1", "mse"), default="l1")
+    s.add_argument("--grow-from", default=None,
+                   help="start from the tensors of this .safetensors model that fit (a model with fewer "
+                        "groups or another upsampler); added groups start as the identity")
+    s.add_argument("--first-steps", type=int, default=0,
+                   help="with --grow-from: train only some tensors for this many steps (--first-only)")
+    s.add_argument("--first-only", default=None,
+                   help="comma-separated name prefixes of the tensors --first-steps trains "
+                        "(default: those --grow-from did not provide)")
     s.add_argument("--config", default=None, help="JSON overrides of CONFIG (for config search)")
     s.add_argument("--ema", type=float, default=0.999,
                    help="EMA decay of the weights that are validated and exported (0: off)")
@@ -700,6 +880,16 @@ def main():
     s.add_argument("--weights", default="models/default_x4.safetensors")
     s.add_argument("--photos", default="tests/photos")
     s.add_argument("--threads", type=int, default=1)
+    s = sub.add_parser("narrow", help="rewrite a model's upsampler for fewer channels")
+    s.add_argument("--weights", required=True)
+    s.add_argument("--images", required=True, help="training images written by `pack`")
+    s.add_argument("--photos", default="tests/photos")
+    s.add_argument("--out", required=True)
+    s.add_argument("--num-feat", type=int, default=32)
+    s.add_argument("--samples", type=int, default=64, help="LR patches the fit sees")
+    s.add_argument("--patch", type=int, default=48)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--threads", type=int, default=1)
     s = sub.add_parser("bench")
     s.add_argument("--batch", type=int, default=8)
     s.add_argument("--patch", type=int, default=32)
@@ -707,7 +897,7 @@ def main():
     s.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     {"photos": cmd_photos, "pack": cmd_pack, "train": cmd_train, "export": cmd_export,
-     "eval": cmd_eval, "bench": cmd_bench}[a.cmd](a)
+     "eval": cmd_eval, "bench": cmd_bench, "narrow": cmd_narrow}[a.cmd](a)
 
 
 if __name__ == "__main__":
