@@ -7,9 +7,11 @@
 #
 # The start is v3 (WORKDIR/default_x4_v3.safetensors): when missing, it is taken from this
 # repository's history (the commit that embedded v3) or, outside a git checkout, rebuilt with
-# models/train_v3_cpu.sh (hours). v3's two groups and everything but the upsampler carry
-# over; the third group starts as the identity; for the first 300 steps only the new tensors
-# train. Rerunning the same command resumes from WORKDIR/v4/run/last.pt. The optional
+# models/train_v3_cpu.sh (hours). v3's upsampler is first narrowed from 64 to 32 channels
+# (`train_default.py narrow`, fitted to its own activations); then v3's two groups carry
+# over, the third group starts as the identity, and for the first 500 steps only the third
+# group and the upsampler train. Rerunning the same command resumes from
+# WORKDIR/v4/run/last.pt. The optional
 # deadline fits the cosine schedule (at most 8,000 steps) to end by then; the committed run
 # used one.
 set -eu
@@ -25,10 +27,14 @@ if [ ! -f "$WORK/default_x4_v3.safetensors" ]; then
     sh "$HERE/train_v3_cpu.sh" "$WORK"
 fi
 [ -f "$WORK/pack/train_v3.npz" ] || PYTHON="$PY" "$HERE/../scripts/gpu-train-pack.sh" "$WORK/pack"
+[ -f "$WORK/v3nf32.safetensors" ] || "$PY" "$HERE/train_default.py" narrow \
+  --weights "$WORK/default_x4_v3.safetensors" --images "$WORK/pack/train_v3.npz" \
+  --photos "$HERE/../tests/photos" --num-feat 32 --out "$WORK/v3nf32.safetensors"
 set -- train --images "$WORK/pack/train_v3.npz" --photos "$HERE/../tests/photos" \
-  --workdir "$WORK/v4/run" --grow-from "$WORK/default_x4_v3.safetensors" --new-only-steps 300 \
+  --workdir "$WORK/v4/run" --grow-from "$WORK/v3nf32.safetensors" \
+  --first-only conv_before_upsample,upsample,conv_last,layers.2 --first-steps 500 \
   --config '{"groups": 3, "num_feat": 32}' --steps 8000 --batch 8 --patch 48 \
-  --lr 4e-4 --warmup 200 --val-every 250 --ema 0.999 --seed 5 --threads 2
+  --lr 2e-4 --warmup 200 --val-every 250 --ema 0.999 --seed 5 --threads 2
 [ -n "$STOP_BY" ] && set -- "$@" --stop-by "$STOP_BY"
 nice -n 5 "$PY" "$HERE/train_default.py" "$@"
 "$PY" "$HERE/train_default.py" export --ckpt "$WORK/v4/run/best.pt" \
