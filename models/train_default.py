@@ -788,12 +788,29 @@ def cmd_narrow(a):
           f"{np.mean([r[1] - r[2] for r in rows]):+.3f} dB")
 
 
+def train_crops(path, side=256, seed=0):
+    """One random crop per training image, as validation entries: how well a model fits
+    its own training data, beside the held-out photos."""
+    rng = np.random.default_rng(seed)
+    val = []
+    for src, img in packed_images(path, lambda _: None):
+        if img.ndim == 2:
+            img = np.stack([img] * 3, -1)
+        ch, cw = min(side, img.shape[0] // SCALE * SCALE), min(side, img.shape[1] // SCALE * SCALE)
+        y, x = rng.integers(0, img.shape[0] - ch + 1), rng.integers(0, img.shape[1] - cw + 1)
+        hr = img[y:y + ch, x:x + cw]
+        lr = to_uint8(imresize(hr.astype(np.float64), scale=1.0 / SCALE))
+        bic = to_uint8(imresize(lr.astype(np.float64), scale=float(SCALE)))
+        val.append((src.rsplit("/", 1)[-1], hr, lr, psnr_y(bic, hr)))
+    return val
+
+
 def cmd_eval(a):
     torch.set_num_threads(a.threads)
     model = load_weights(a.weights)
-    rows = evaluate(model, load_val(a.photos))
+    rows = evaluate(model, train_crops(a.train_crops) if a.train_crops else load_val(a.photos))
     for n, p, b in rows:
-        print(f"{n:16s} model {p:.3f} dB  bicubic {b:.3f} dB  gain {p - b:+.3f}")
+        print(f"{n[:36]:36s} model {p:.3f} dB  bicubic {b:.3f} dB  gain {p - b:+.3f}")
     m, mb = np.mean([r[1] for r in rows]), np.mean([r[2] for r in rows])
     print(f"{'mean':16s} model {m:.3f} dB  bicubic {mb:.3f} dB  gain {m - mb:+.3f}")
 
@@ -879,6 +896,8 @@ def main():
     s = sub.add_parser("eval")
     s.add_argument("--weights", default="models/default_x4.safetensors")
     s.add_argument("--photos", default="tests/photos")
+    s.add_argument("--train-crops", default=None,
+                   help="score one 256x256 crop of each image in this pack instead of the photos")
     s.add_argument("--threads", type=int, default=1)
     s = sub.add_parser("narrow", help="rewrite a model's upsampler for fewer channels")
     s.add_argument("--weights", required=True)
