@@ -303,11 +303,15 @@ def load_val(photos_dir):
     for name in HELD_OUT:
         hr = np.asarray(Image.open(os.path.join(photos_dir, f"{name}.png")).convert("RGB"))
         h, w = hr.shape[0] // SCALE * SCALE, hr.shape[1] // SCALE * SCALE
-        hr = hr[:h, :w]
-        lr = to_uint8(imresize(hr.astype(np.float64), scale=1.0 / SCALE))
-        bic = to_uint8(imresize(lr.astype(np.float64), scale=float(SCALE)))
-        val.append((name, hr, lr, psnr_y(bic, hr)))
+        val.append(val_entry(name, hr[:h, :w]))
     return val
+
+
+def val_entry(name, hr):
+    """(name, HR, LR, bicubic Y-PSNR) for an HR image whose sides are multiples of SCALE."""
+    lr = to_uint8(imresize(hr.astype(np.float64), scale=1.0 / SCALE))
+    bic = to_uint8(imresize(lr.astype(np.float64), scale=float(SCALE)))
+    return name, hr, lr, psnr_y(bic, hr)
 
 
 @torch.no_grad()
@@ -664,8 +668,8 @@ def cmd_export(a):
 
 
 def config_from_weights(sd):
-    """Reads the config back from the file, so the fixture tests the file and
-    not what the recipe currently says."""
+    """Reads the config back from a state dict, so that evaluating a file or making its
+    parity fixture uses the file's shape and not what CONFIG currently says."""
     groups = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
     table = sd["layers.0.swin1.attn.relative_position_bias_table"]
     return dict(
@@ -780,7 +784,6 @@ def cmd_narrow(a):
     save_file(sd, a.out, metadata={"format": "pt", "architecture": "DRCT", "scale": str(SCALE),
                                    "narrowed_from": os.path.basename(a.weights),
                                    "num_feat": str(a.num_feat), "recipe": "models/train_default.py"})
-    CONFIG["num_feat"] = a.num_feat
     rows = evaluate(load_weights(a.out), load_val(a.photos))
     for n, p, b in rows:
         print(f"{n:16s} model {p:.3f} dB  bicubic {b:.3f} dB  gain {p - b:+.3f}")
@@ -798,10 +801,7 @@ def train_crops(path, side=256, seed=0):
             img = np.stack([img] * 3, -1)
         ch, cw = min(side, img.shape[0] // SCALE * SCALE), min(side, img.shape[1] // SCALE * SCALE)
         y, x = rng.integers(0, img.shape[0] - ch + 1), rng.integers(0, img.shape[1] - cw + 1)
-        hr = img[y:y + ch, x:x + cw]
-        lr = to_uint8(imresize(hr.astype(np.float64), scale=1.0 / SCALE))
-        bic = to_uint8(imresize(lr.astype(np.float64), scale=float(SCALE)))
-        val.append((src.rsplit("/", 1)[-1], hr, lr, psnr_y(bic, hr)))
+        val.append(val_entry(src.rsplit("/", 1)[-1], img[y:y + ch, x:x + cw]))
     return val
 
 

@@ -11,9 +11,8 @@
 # (`train_default.py narrow`, fitted to its own activations); then v3's two groups carry
 # over, the third group starts as the identity, and for the first 500 steps only the third
 # group and the upsampler train. Rerunning the same command resumes from
-# WORKDIR/v4/run/last.pt. The optional
-# deadline fits the cosine schedule (at most 8,000 steps) to end by then; the committed run
-# used one.
+# WORKDIR/v4/run/last.pt. The optional deadline fits the cosine schedule (at most 8,000
+# steps) to end by then; the committed run used one.
 set -eu
 WORK=${1:?usage: train_v4_cpu.sh WORKDIR [STOP_BY_UTC_HH:MM]}
 STOP_BY=${2:-}
