@@ -36,6 +36,7 @@ import hashlib
 import json
 import math
 import random
+import shutil
 import time
 
 import numpy as np
@@ -776,6 +777,11 @@ def cmd_narrow(a):
     from safetensors.torch import save_file
     torch.set_num_threads(a.threads)
     model = load_weights(a.weights)
+    if CONFIG["num_feat"] <= a.num_feat:
+        # Already that narrow (the embedded model since v4): the start is the model itself.
+        shutil.copyfile(a.weights, a.out)
+        print(f"{a.out}: {a.weights} already has a {CONFIG['num_feat']}-channel upsampler; copied")
+        return
     hrs = packed_images(a.images, print)
     data = Patches([img for _, img in hrs], a.patch, np.random.default_rng(a.seed))
     lrs, _ = data.batch(a.samples)

@@ -10,12 +10,15 @@
 # models/train_v3_cpu.sh (hours). v3's upsampler is first narrowed from 64 to 32 channels
 # (`train_default.py narrow`, fitted to its own activations); then v3's two groups carry
 # over, the third group starts as the identity, and for the first 500 steps only the third
-# group and the upsampler train. Rerunning the same command resumes from
-# WORKDIR/v4/run/last.pt. The optional deadline fits the cosine schedule (at most 8,000
-# steps) to end by then; the committed run used one.
+# group and the upsampler train. A second stage then restarts the schedule from the first
+# stage's last checkpoint (weights, Adam moments and EMA carried over), as v3 did after v2.
+# Rerunning the same command resumes where it stopped (WORKDIR/v4/run, then WORKDIR/v4b/run).
+# The optional deadlines fit each stage's cosine schedule (at most 8,000 steps) to end by
+# then; the committed runs used them (stage 1: 5,026 steps, stage 2: see the log).
 set -eu
-WORK=${1:?usage: train_v4_cpu.sh WORKDIR [STOP_BY_UTC_HH:MM]}
+WORK=${1:?usage: train_v4_cpu.sh WORKDIR [STAGE1_STOP_BY_UTC_HH:MM [STAGE2_STOP_BY_UTC_HH:MM]]}
 STOP_BY=${2:-}
+STOP_BY2=${3:-}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
 V3_COMMIT=c98facf
@@ -36,5 +39,11 @@ set -- train --images "$WORK/pack/train_v3.npz" --photos "$HERE/../tests/photos"
   --lr 2e-4 --warmup 200 --val-every 250 --ema 0.999 --seed 5 --threads 2
 [ -n "$STOP_BY" ] && set -- "$@" --stop-by "$STOP_BY"
 nice -n 5 "$PY" "$HERE/train_default.py" "$@"
-"$PY" "$HERE/train_default.py" export --ckpt "$WORK/v4/run/best.pt" \
+set -- train --images "$WORK/pack/train_v3.npz" --photos "$HERE/../tests/photos" \
+  --workdir "$WORK/v4b/run" --init "$WORK/v4/run/last.pt" \
+  --config '{"groups": 3, "num_feat": 32}' --steps 8000 --batch 8 --patch 48 \
+  --lr 3e-4 --warmup 200 --val-every 250 --ema 0.999 --seed 6 --threads 2
+[ -n "$STOP_BY2" ] && set -- "$@" --stop-by "$STOP_BY2"
+nice -n 5 "$PY" "$HERE/train_default.py" "$@"
+"$PY" "$HERE/train_default.py" export --ckpt "$WORK/v4b/run/best.pt" \
   --photos "$HERE/../tests/photos" --out "$WORK/default_x4_v4.safetensors"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the folder a GPU training run carries (scripts/gpu-train.sh): the v3 training images,
 # shrunk as training reads them, in one .npz made from the pinned packages, the embedded model
-# with a narrowed upsampler (a start for --grow-from) and the spandrel wheel (the GPU machine
+# with a 32-channel upsampler (a start for --grow-from) and the spandrel wheel (the GPU machine
 # has PyTorch but no network). About 25 MB.
 #
 # usage: scripts/gpu-train-pack.sh [DIR]            (default: train-pack)
@@ -22,8 +22,8 @@ trap 'rm -rf "$work"' EXIT
 )
 mkdir -p "$out"
 "$PY" models/train_default.py pack --debroot "$work/root" --out "$out/train_v3.npz" --sources v3
-# The start of the same-cost deeper model (models/README.md, "v4"): the embedded model with
-# its upsampler narrowed to 32 channels, for --grow-from.
+# A start for --grow-from (models/README.md, "v4"): the embedded model with a 32-channel
+# upsampler. Since v4 it has one, and `narrow` copies it; a wider one would be narrowed.
 "$PY" models/train_default.py narrow --weights models/default_x4.safetensors \
   --images "$out/train_v3.npz" --num-feat 32 --out "$out/default_nf32.safetensors"
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$out" spandrel==0.4.2
