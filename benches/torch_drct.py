@@ -24,8 +24,9 @@ import torch.nn.functional as F
 PRESETS = {
     "drct": dict(groups=6, embed_dim=180, window=16, heads=6, gc=32, mlp_ratio=2.0),
     "drct-l": dict(groups=12, embed_dim=180, window=16, heads=6, gc=32, mlp_ratio=2.0),
-    # the embedded default model's shape (models/default_x4.safetensors: pass it as --weights)
-    "default": dict(groups=2, embed_dim=48, window=8, heads=4, gc=16, mlp_ratio=2.0),
+    # the embedded default model's shape (models/default_x4.safetensors: pass it as --weights);
+    # its upsampler is 32 channels wide where the released models' is 64
+    "default": dict(groups=3, embed_dim=48, window=8, heads=4, gc=16, mlp_ratio=2.0, num_feat=32),
     # small enough for a CPU smoke test
     "tiny": dict(groups=1, embed_dim=24, window=8, heads=6, gc=10, mlp_ratio=2.0),
 }
@@ -43,6 +44,16 @@ def build_model(preset, scale=4, seed=0, img_size=64):
         drop_path_rate=0.0, upscale=scale, img_range=1.0, upsampler="pixelshuffle",
         resi_connection="1conv", gc=p["gc"],
     )
+    nf = p.get("num_feat", 64)
+    if nf != 64:
+        # spandrel hard-codes a 64-channel upsampler; the forward pass only calls these
+        # three modules, so swapping them is the whole change.
+        from spandrel.architectures.DRCT.__arch.drct_arch import Upsample
+
+        model.conv_before_upsample = torch.nn.Sequential(
+            torch.nn.Conv2d(p["embed_dim"], nf, 3, 1, 1), torch.nn.LeakyReLU(inplace=True))
+        model.upsample = Upsample(scale, nf)
+        model.conv_last = torch.nn.Conv2d(nf, 3, 3, 1, 1)
     randomise(model, seed)
     return model.float().eval()
 
