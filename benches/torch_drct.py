@@ -44,19 +44,23 @@ def build_model(preset, scale=4, seed=0, img_size=64):
         drop_path_rate=0.0, upscale=scale, img_range=1.0, upsampler="pixelshuffle",
         resi_connection="1conv", gc=p["gc"],
     )
-    nf = p.get("num_feat", 64)
-    if nf != 64:
-        # spandrel hard-codes a 64-channel upsampler; the forward pass only calls these
-        # three modules, so swapping them is the whole change.
-        from spandrel.architectures.DRCT.__arch.drct_arch import Upsample
-
-        model.conv_before_upsample = torch.nn.Sequential(
-            torch.nn.Conv2d(p["embed_dim"], nf, 3, 1, 1), torch.nn.LeakyReLU(inplace=True))
-        model.upsample = Upsample(scale, nf)
-        model.conv_last = torch.nn.Conv2d(nf, 3, 3, 1, 1)
+    # The default model's upsampler is narrower than spandrel's fixed 64 channels.
+    set_upsampler_width(model, p["embed_dim"], p.get("num_feat", 64), scale)
     randomise(model, seed)
     return model.float().eval()
 
+
+def set_upsampler_width(model, embed_dim, nf, scale):
+    """spandrel's DRCT with an nf-channel upsampler. The reference hard-codes 64; these three
+    modules are the whole upsampler and the forward pass only calls them, so replacing them
+    changes nothing else."""
+    if nf != 64:
+        from spandrel.architectures.DRCT.__arch.drct_arch import Upsample
+        model.conv_before_upsample = torch.nn.Sequential(
+            torch.nn.Conv2d(embed_dim, nf, 3, 1, 1), torch.nn.LeakyReLU(inplace=True))
+        model.upsample = Upsample(scale, nf)
+        model.conv_last = torch.nn.Conv2d(nf, 3, 3, 1, 1)
+    return model
 
 @torch.no_grad()
 def randomise(model, seed):

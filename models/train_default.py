@@ -37,12 +37,16 @@ import json
 import math
 import random
 import shutil
+import sys
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches"))
+from torch_drct import set_upsampler_width  # noqa: E402  (torch only: the GPU benches use it too)
 
 SCALE = 4
 
@@ -264,16 +268,8 @@ def build_model(img_size=64):
         drop_path_rate=0.0, ape=False, patch_norm=True, upscale=SCALE,
         img_range=1.0, upsampler="pixelshuffle", resi_connection="1conv", gc=c["gc"],
     )
-    nf = c.get("num_feat", 64)
-    if nf != 64:
-        # The reference hard-codes 64; these three modules are the whole upsampler and
-        # the forward pass only calls them, so replacing them changes nothing else.
-        from spandrel.architectures.DRCT.__arch.drct_arch import Upsample
-        model.conv_before_upsample = torch.nn.Sequential(
-            torch.nn.Conv2d(c["embed_dim"], nf, 3, 1, 1), torch.nn.LeakyReLU(inplace=True))
-        model.upsample = Upsample(SCALE, nf)
-        model.conv_last = torch.nn.Conv2d(nf, 3, 3, 1, 1)
-    return model
+    return set_upsampler_width(model, c["embed_dim"], c.get("num_feat", 64), SCALE)
+
 
 
 def run_padded(model, lr):
