@@ -62,6 +62,7 @@ def set_upsampler_width(model, embed_dim, nf, scale):
         model.conv_last = torch.nn.Conv2d(nf, 3, 3, 1, 1)
     return model
 
+
 @torch.no_grad()
 def randomise(model, seed):
     """Fan-in scaled normal weights; LayerNorm affine near (1, 0); biases and the relative

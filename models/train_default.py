@@ -271,7 +271,6 @@ def build_model(img_size=64):
     return set_upsampler_width(model, c["embed_dim"], c.get("num_feat", 64), SCALE)
 
 
-
 def run_padded(model, lr):
     """Official test-pipeline padding: reflect-101 bottom/right to a multiple of
     the window only when needed, forward, crop."""
