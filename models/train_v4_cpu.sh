@@ -3,22 +3,25 @@
 # upsampler (the same inference cost as v3's two groups and 64 channels), trained on the v3
 # photographs (CC0, public domain or CC-BY), in one command:
 #
-#   sh models/train_v4_cpu.sh WORKDIR [STOP_BY_UTC_HH:MM]
+#   sh models/train_v4_cpu.sh WORKDIR [STAGE1_STOP_BY [STAGE2_STOP_BY [STAGE3_STOP_BY]]]   (UTC HH:MM)
 #
 # The start is v3 (WORKDIR/default_x4_v3.safetensors): when missing, it is taken from this
 # repository's history (the commit that embedded v3) or, outside a git checkout, rebuilt with
 # models/train_v3_cpu.sh (hours). v3's upsampler is first narrowed from 64 to 32 channels
 # (`train_default.py narrow`, fitted to its own activations); then v3's two groups carry
 # over, the third group starts as the identity, and for the first 500 steps only the third
-# group and the upsampler train. A second stage then restarts the schedule from the first
-# stage's last checkpoint (weights, Adam moments and EMA carried over), as v3 did after v2.
-# Rerunning the same command resumes where it stopped (WORKDIR/v4/run, then WORKDIR/v4b/run).
+# group and the upsampler train. A second and a third stage each restart the schedule from
+# the previous stage's last checkpoint (weights, Adam moments and EMA carried over), as v3
+# did after v2; the third at a lower peak (2e-4), which loses less at its restart.
+# Rerunning the same command resumes where it stopped (WORKDIR/v4/run, WORKDIR/v4b/run, then
+# WORKDIR/v4c/run).
 # The optional deadlines fit each stage's cosine schedule (at most 8,000 steps) to end by
-# then; the committed runs used them (stage 1: 5,026 steps, stage 2: see the log).
+# then; the committed runs used them (stage 1: 5,026 steps, stages 2 and 3: see the log).
 set -eu
-WORK=${1:?usage: train_v4_cpu.sh WORKDIR [STAGE1_STOP_BY_UTC_HH:MM [STAGE2_STOP_BY_UTC_HH:MM]]}
+WORK=${1:?usage: train_v4_cpu.sh WORKDIR [STAGE1_STOP_BY [STAGE2_STOP_BY [STAGE3_STOP_BY]]] (UTC HH:MM)}
 STOP_BY=${2:-}
 STOP_BY2=${3:-}
+STOP_BY3=${4:-}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
 V3_COMMIT=c98facf
@@ -45,5 +48,11 @@ set -- train --images "$WORK/pack/train_v3.npz" --photos "$HERE/../tests/photos"
   --lr 3e-4 --warmup 200 --val-every 250 --ema 0.999 --seed 6 --threads 2
 [ -n "$STOP_BY2" ] && set -- "$@" --stop-by "$STOP_BY2"
 nice -n 5 "$PY" "$HERE/train_default.py" "$@"
-"$PY" "$HERE/train_default.py" export --ckpt "$WORK/v4b/run/best.pt" \
+set -- train --images "$WORK/pack/train_v3.npz" --photos "$HERE/../tests/photos" \
+  --workdir "$WORK/v4c/run" --init "$WORK/v4b/run/last.pt" \
+  --config '{"groups": 3, "num_feat": 32}' --steps 8000 --batch 8 --patch 48 \
+  --lr 2e-4 --warmup 200 --val-every 250 --ema 0.999 --seed 7 --threads 2
+[ -n "$STOP_BY3" ] && set -- "$@" --stop-by "$STOP_BY3"
+nice -n 5 "$PY" "$HERE/train_default.py" "$@"
+"$PY" "$HERE/train_default.py" export --ckpt "$WORK/v4c/run/best.pt" \
   --photos "$HERE/../tests/photos" --out "$WORK/default_x4_v4.safetensors"
