@@ -42,17 +42,18 @@ set -- train --images "$WORK/pack/train_v3.npz" --photos "$HERE/../tests/photos"
   --lr 2e-4 --warmup 200 --val-every 250 --ema 0.999 --seed 5 --threads 2
 [ -n "$STOP_BY" ] && set -- "$@" --stop-by "$STOP_BY"
 nice -n 5 "$PY" "$HERE/train_default.py" "$@"
-set -- train --images "$WORK/pack/train_v3.npz" --photos "$HERE/../tests/photos" \
-  --workdir "$WORK/v4b/run" --init "$WORK/v4/run/last.pt" \
-  --config '{"groups": 3, "num_feat": 32}' --steps 8000 --batch 8 --patch 48 \
-  --lr 3e-4 --warmup 200 --val-every 250 --ema 0.999 --seed 6 --threads 2
-[ -n "$STOP_BY2" ] && set -- "$@" --stop-by "$STOP_BY2"
-nice -n 5 "$PY" "$HERE/train_default.py" "$@"
-set -- train --images "$WORK/pack/train_v3.npz" --photos "$HERE/../tests/photos" \
-  --workdir "$WORK/v4c/run" --init "$WORK/v4b/run/last.pt" \
-  --config '{"groups": 3, "num_feat": 32}' --steps 8000 --batch 8 --patch 48 \
-  --lr 2e-4 --warmup 200 --val-every 250 --ema 0.999 --seed 7 --threads 2
-[ -n "$STOP_BY3" ] && set -- "$@" --stop-by "$STOP_BY3"
-nice -n 5 "$PY" "$HERE/train_default.py" "$@"
+# Stages 2 and 3: a warm restart from the previous stage's last checkpoint.
+# usage: restart RUN_DIR FROM_CHECKPOINT PEAK_LR SEED [STOP_BY]
+restart() {
+  run=$1 from=$2 lr=$3 seed=$4 stop=${5:-}
+  set -- train --images "$WORK/pack/train_v3.npz" --photos "$HERE/../tests/photos" \
+    --workdir "$run" --init "$from" \
+    --config '{"groups": 3, "num_feat": 32}' --steps 8000 --batch 8 --patch 48 \
+    --lr "$lr" --warmup 200 --val-every 250 --ema 0.999 --seed "$seed" --threads 2
+  [ -n "$stop" ] && set -- "$@" --stop-by "$stop"
+  nice -n 5 "$PY" "$HERE/train_default.py" "$@"
+}
+restart "$WORK/v4b/run" "$WORK/v4/run/last.pt" 3e-4 6 "$STOP_BY2"
+restart "$WORK/v4c/run" "$WORK/v4b/run/last.pt" 2e-4 7 "$STOP_BY3"
 "$PY" "$HERE/train_default.py" export --ckpt "$WORK/v4c/run/best.pt" \
   --photos "$HERE/../tests/photos" --out "$WORK/default_x4_v4.safetensors"
