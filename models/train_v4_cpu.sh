@@ -1,5 +1,5 @@
 #!/bin/sh
-# The default x4 model v4 on a CPU: v3 grown to three residual groups with a 32-channel
+# The default x4 model v4.1 on a CPU (v4's two stages and a third): v3 grown to three residual groups with a 32-channel
 # upsampler (the same inference cost as v3's two groups and 64 channels), trained on the v3
 # photographs (CC0, public domain or CC-BY), in one command:
 #
@@ -17,6 +17,8 @@
 # WORKDIR/v4c/run).
 # The optional deadlines fit each stage's cosine schedule (at most 8,000 steps) to end by
 # then; the committed runs used them (stage 1: 5,026 steps, stages 2 and 3: see the log).
+# The export's `train_steps` metadata counts the last stage only; the embedded file was
+# exported with --total-steps (v3's steps and all three stages', as the log shows).
 set -eu
 WORK=${1:?usage: train_v4_cpu.sh WORKDIR [STAGE1_STOP_BY [STAGE2_STOP_BY [STAGE3_STOP_BY]]] (UTC HH:MM)}
 STOP_BY=${2:-}
