@@ -325,13 +325,29 @@ def evaluate(model, val):
 
 
 # ---------------------------------------------------------------------------
+def shrunk_copies(hr, scales, min_side):
+    """The image at each factor of `scales` (1 = as it is; below 1 a MATLAB-style shrink),
+    leaving out copies whose short side falls below `min_side`. Shrinking a photograph
+    further gives ground truths with more detail per pixel, as the multi-scale ground
+    truths of Real-ESRGAN's DF2K recipe (factors 0.75, 0.5, 1/3) do."""
+    out = []
+    h, w = hr.shape[:2]
+    for s in scales:
+        size = (int(round(h * s)), int(round(w * s)))
+        if min(size) < min_side:
+            continue
+        out.append(hr if s == 1 else to_uint8(imresize(hr.astype(np.float64), out_hw=size)))
+    return out
+
+
 class Patches:
     """Random aligned LR/HR crops with flips and transposes, from LR images
-    precomputed once per HR image (as DIV2K's bicubic LR set is)."""
+    precomputed once per HR image (as DIV2K's bicubic LR set is). With `scales`, each
+    image also contributes shrunk copies (`shrunk_copies`)."""
 
-    def __init__(self, hrs, lr_patch, rng):
+    def __init__(self, hrs, lr_patch, rng, scales=(1.0,)):
         self.items = []
-        for hr in hrs:
+        for hr in (c for img in hrs for c in shrunk_copies(img, scales, lr_patch * SCALE)):
             h, w = hr.shape[0] // SCALE * SCALE, hr.shape[1] // SCALE * SCALE
             hr = hr[:h, :w]
             lr = to_uint8(imresize(hr.astype(np.float64), scale=1.0 / SCALE))
@@ -465,7 +481,9 @@ def cmd_train(a):
         hrs = packed_images(a.images, log)
     else:
         hrs = training_images(a.debroot, log, a.sources)
-    data = Patches([img for _, img in hrs], a.patch, data_rng)
+    data = Patches([img for _, img in hrs], a.patch, data_rng, a.scales)
+    if a.scales != [1.0]:
+        log(f"scales {a.scales}: {len(data.items)} ground-truth images")
     val = load_val(a.photos)
     for name, _, _, p_bic in val:
         log(f"val {name} bicubic {p_bic:.3f}")
@@ -872,6 +890,9 @@ def main():
     s.add_argument("--init-weights", choices=("raw", "ema"), default="raw",
                    help="which of --init's weights the trained model starts from (the EMA copy starts from its EMA either way)")
     s.add_argument("--loss", choices=("l1", "mse"), default="l1")
+    s.add_argument("--scales", type=lambda v: [float(x) for x in v.split(",")], default=[1.0],
+                   help="comma-separated factors (1 = as packed) at which every training image "
+                        "is used, e.g. 1,0.75,0.5; copies too small for a patch are left out")
     s.add_argument("--grow-from", default=None,
                    help="start from the tensors of this .safetensors model that fit (a model with fewer "
                         "groups or another upsampler); added groups start as the identity")
