@@ -18,7 +18,7 @@
 # Rerunning the same command resumes where it stopped (WORKDIR/v4/run, WORKDIR/v4b/run, then
 # WORKDIR/v4c/run, WORKDIR/v4d/run).
 # The optional deadlines fit each stage's cosine schedule (at most 8,000 steps) to end by
-# then; the committed runs used them (stage 1: 5,026 steps, stages 2 and 3: see the log).
+# then; the committed runs used them (stage 1: 5,026 steps, stages 2 to 4: see the log).
 # The export's `train_steps` metadata counts the last stage only; the embedded file was
 # exported with --total-steps (v3's steps and all four stages', as the log shows).
 set -eu
