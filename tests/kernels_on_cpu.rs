@@ -4,7 +4,8 @@
 //! with PTX's documented fragment layout) and compares every variant with a double-precision
 //! reference written from the model's definition. This is what CI, which has no GPU, knows
 //! about the kernels' indexing, masks and softmax; the GPU tests check the same kernels on
-//! the device. Needs a C++20 compiler with `_Float16` (GCC 12+, Clang 15+): `$CXX`, else `c++`.
+//! the device. Needs a C++20 compiler with `_Float16` and AddressSanitizer (GCC 12+, Clang 15+):
+//! `$CXX`, else `c++`.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -21,9 +22,14 @@ fn cuda_kernels_match_double_precision_references_on_the_cpu() {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let build = Command::new(&cxx)
         .args(["-std=c++20", "-O2", "-pthread", "-ffp-contract=off"])
-        // A GPU faults on a misaligned 32-bit load where x86 does not: the sanitizer stops
-        // the check at any load through a pointer its type does not align.
-        .args(["-fsanitize=alignment", "-fno-sanitize-recover=alignment"])
+        // A GPU faults on a misaligned 32-bit load, or on a read past a buffer or past the
+        // launch's shared memory, where a CPU mostly reads on: the sanitizers stop the check
+        // at each (tests/kernels/emulator.h poisons the shared memory no launch asked for).
+        .args([
+            "-g",
+            "-fsanitize=address,alignment",
+            "-fno-sanitize-recover=alignment",
+        ])
         .arg(format!("-I{}", dir.join("include").display()))
         .arg("-include")
         .arg(dir.join("emulator.h"))

@@ -19,6 +19,13 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#else
+#define ASAN_POISON_MEMORY_REGION(addr, size) ((void)(addr), (void)(size))
+#define ASAN_UNPOISON_MEMORY_REGION(addr, size) ((void)(addr), (void)(size))
+#endif
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -104,10 +111,17 @@ auto exchange(const uint64_t* mine, unsigned words, F&& read) {
     return result;
 }
 
-// Runs `kernel` over the grid: one OS thread per CUDA thread, one block at a time.
-inline void launch(dim3 grid, dim3 threads, const std::function<void()>& kernel) {
+// Runs `kernel` over the grid: one OS thread per CUDA thread, one block at a time, with
+// `shared_bytes` of dynamic shared memory (the launch's). Under AddressSanitizer the rest of
+// the buffer is poisoned, so a kernel that reaches past what its launch asked for stops
+// the check instead of reading another block's memory, or faulting only on the GPU.
+inline void launch(dim3 grid, dim3 threads, const std::function<void()>& kernel,
+                   size_t shared_bytes = 0) {
     if (threads.y != 1 || threads.z != 1 || threads.x % WARP != 0 || threads.x == 0) {
         throw std::invalid_argument("the emulator runs 1-D blocks of whole warps");
+    }
+    if (shared_bytes > sizeof(smem)) {
+        throw std::invalid_argument("shared memory larger than the emulator's");
     }
     gridDim = grid;
     blockDim = threads;
@@ -115,7 +129,10 @@ inline void launch(dim3 grid, dim3 threads, const std::function<void()>& kernel)
         for (unsigned by = 0; by < grid.y; ++by) {
             for (unsigned bx = 0; bx < grid.x; ++bx) {
                 Block b(threads.x);
-                std::memset(smem, 0xff, sizeof(smem));  // NaN garbage, as uninitialised memory
+                ASAN_UNPOISON_MEMORY_REGION(smem, sizeof(smem));
+                std::memset(smem, 0xff, shared_bytes);  // NaN garbage, as uninitialised memory
+                ASAN_POISON_MEMORY_REGION(reinterpret_cast<char*>(smem) + shared_bytes,
+                                          sizeof(smem) - shared_bytes);
                 std::vector<std::thread> pool;
                 pool.reserve(threads.x);
                 for (unsigned t = 0; t < threads.x; ++t) {
