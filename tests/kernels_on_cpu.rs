@@ -12,24 +12,44 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A kernel that loses a warp's convergence deadlocks the emulator: give up instead of
-/// hanging the test run.
+/// hanging the test run (the thread sanitizer runs the same check several times slower).
 const LIMIT: Duration = Duration::from_secs(300);
+const LIMIT_TSAN: Duration = Duration::from_secs(1200);
 
 #[test]
 fn cuda_kernels_match_double_precision_references_on_the_cpu() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernels");
-    let exe = std::env::temp_dir().join(format!("upscale-kernel-check-{}", std::process::id()));
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let build = Command::new(&cxx)
-        .args(["-std=c++20", "-O2", "-pthread", "-ffp-contract=off"])
-        // A GPU faults on a misaligned 32-bit load, or on a read past a buffer or past the
-        // launch's shared memory, where a CPU mostly reads on: the sanitizers stop the check
-        // at each (tests/kernels/emulator.h poisons the shared memory no launch asked for).
-        .args([
-            "-g",
+    // A GPU faults on a misaligned 32-bit load, or on a read past a buffer or past the
+    // launch's shared memory, where a CPU mostly reads on: the sanitizers stop the check at
+    // each (tests/kernels/emulator.h poisons the shared memory no launch asked for).
+    run_check(
+        "asan",
+        &[
+            "-O2",
             "-fsanitize=address,alignment",
             "-fno-sanitize-recover=alignment",
-        ])
+        ],
+        LIMIT,
+    );
+}
+
+/// A missing `__syncthreads` (a thread reading shared memory another writes without a barrier
+/// between them) gives right answers on most runs, on the CPU and the GPU alike; the thread
+/// sanitizer sees the emulator's barriers and reports it every time.
+#[test]
+fn cuda_kernels_share_memory_without_data_races() {
+    run_check("tsan", &["-O1", "-fsanitize=thread"], LIMIT_TSAN);
+}
+
+/// Builds tests/kernels/harness.cpp with `flags`, runs it within `limit` and checks that every
+/// kernel family passed.
+fn run_check(tag: &str, flags: &[&str], limit: Duration) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernels");
+    let exe =
+        std::env::temp_dir().join(format!("upscale-kernel-check-{tag}-{}", std::process::id()));
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let build = Command::new(&cxx)
+        .args(["-std=c++20", "-g", "-pthread", "-ffp-contract=off"])
+        .args(flags)
         .arg(format!("-I{}", dir.join("include").display()))
         .arg("-include")
         .arg(dir.join("emulator.h"))
@@ -40,11 +60,13 @@ fn cuda_kernels_match_double_precision_references_on_the_cpu() {
         .unwrap_or_else(|e| panic!("running {cxx}: {e} (set CXX to a C++20 compiler)"));
     assert!(
         build.status.success(),
-        "{cxx} could not build the kernel check:\n{}",
+        "{cxx} could not build the kernel check ({tag}):\n{}",
         String::from_utf8_lossy(&build.stderr)
     );
 
+    // The first report ends the run, so its output stays small.
     let mut child = Command::new(&exe)
+        .env("TSAN_OPTIONS", "halt_on_error=1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -55,10 +77,10 @@ fn cuda_kernels_match_double_precision_references_on_the_cpu() {
         .expect("waiting for the kernel check")
         .is_none()
     {
-        if start.elapsed() > LIMIT {
+        if start.elapsed() > limit {
             let _ = child.kill();
             let _ = std::fs::remove_file(&exe);
-            panic!("the kernel check ran past {LIMIT:?}: a kernel deadlocked its warp or block");
+            panic!("the kernel check ({tag}) ran past {limit:?}: a kernel deadlocked its warp or block");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -68,7 +90,7 @@ fn cuda_kernels_match_double_precision_references_on_the_cpu() {
     eprintln!("{stdout}");
     assert!(
         out.status.success(),
-        "kernel check failed:\n{stdout}{}",
+        "kernel check ({tag}) failed:\n{stdout}{}",
         String::from_utf8_lossy(&out.stderr)
     );
     // Every attention variant family, the blend kernel and each row-wise kernel reported, none
