@@ -4,8 +4,8 @@
 //! with PTX's documented fragment layout) and compares every variant with a double-precision
 //! reference written from the model's definition. This is what CI, which has no GPU, knows
 //! about the kernels' indexing, masks and softmax; the GPU tests check the same kernels on
-//! the device. Needs a C++20 compiler with `_Float16` and AddressSanitizer (GCC 12+, Clang 15+):
-//! `$CXX`, else `c++`.
+//! the device. Needs a C++20 compiler with `_Float16` and the address and thread sanitizers
+//! (GCC 12+, Clang 15+): `$CXX`, else `c++`.
 
 use std::path::Path;
 use std::process::{Command, Stdio};

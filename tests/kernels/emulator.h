@@ -19,12 +19,9 @@
 #include <thread>
 #include <vector>
 
-#if defined(__SANITIZE_ADDRESS__)
+// The header makes the poisoning macros no-ops unless the build has AddressSanitizer (GCC or
+// Clang).
 #include <sanitizer/asan_interface.h>
-#else
-#define ASAN_POISON_MEMORY_REGION(addr, size) ((void)(addr), (void)(size))
-#define ASAN_UNPOISON_MEMORY_REGION(addr, size) ((void)(addr), (void)(size))
-#endif
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
