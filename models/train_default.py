@@ -12,6 +12,9 @@ Subcommands (all paths are arguments; nothing is fetched at run time):
       instead of the sources (for a machine without the packages).
   pack    --debroot DIR --out FILE.npz [--sources v3]
       Writes the training images, shrunk as training reads them, to one file.
+      With --held-out-photos tests/photos instead of --debroot it packs the held-out
+      photos themselves: training on them measures how far a shape can go on the
+      test set when it has seen it (a ceiling, never a model to ship).
   export  --ckpt DIR/best.pt --out models/default_x4.safetensors
       Writes the official DRCT key layout, float32, no buffers, with metadata.
   eval    --weights models/default_x4.safetensors --photos tests/photos
@@ -410,7 +413,12 @@ def packed_images(path, log):
 
 
 def cmd_pack(a):
-    hrs = training_images(a.debroot, print, a.sources)
+    if a.held_out_photos:
+        hrs = [(f"held-out:{name}",
+                np.asarray(Image.open(os.path.join(a.held_out_photos, f"{name}.png")).convert("RGB")))
+               for name in HELD_OUT]
+    else:
+        hrs = training_images(a.debroot, print, a.sources)
     arrays = {f"img{i}": img for i, (_, img) in enumerate(hrs)}
     np.savez_compressed(a.out, ids=np.array([src for src, _ in hrs]), **arrays)
     print(f"{a.out}: {len(hrs)} images, {os.path.getsize(a.out)} bytes")
@@ -861,7 +869,9 @@ def main():
     s.add_argument("--debroot", required=True)
     s.add_argument("--out", default="tests/photos")
     s = sub.add_parser("pack")
-    s.add_argument("--debroot", required=True)
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--debroot")
+    src.add_argument("--held-out-photos", help="pack these held-out photos instead (ceiling runs only)")
     s.add_argument("--out", required=True)
     s.add_argument("--sources", choices=("v2", "v3"), default="v2")
     s = sub.add_parser("train")
