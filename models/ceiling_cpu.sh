@@ -28,6 +28,9 @@ run() {
   nice -n 5 "$PY" "$HERE/train_default.py" "$@"
 }
 run "$WORK/ceiling3/run" 11 --init "$WORK/v4e/run/last.pt" --config '{"groups": 3, "num_feat": 32}' &
+three=$!
 run "$WORK/ceiling4/run" 12 --grow-from "$WORK/default_x4_v4.3.safetensors" \
   --config '{"groups": 4, "num_feat": 32}' &
-wait
+# Wait for each by name, so that either run failing fails the script.
+wait "$three"
+wait $!

@@ -414,9 +414,7 @@ def packed_images(path, log):
 
 def cmd_pack(a):
     if a.held_out_photos:
-        hrs = [(f"held-out:{name}",
-                np.asarray(Image.open(os.path.join(a.held_out_photos, f"{name}.png")).convert("RGB")))
-               for name in HELD_OUT]
+        hrs = [(f"held-out:{name}", hr) for name, hr, _, _ in load_val(a.held_out_photos)]
     else:
         hrs = training_images(a.debroot, print, a.sources)
     arrays = {f"img{i}": img for i, (_, img) in enumerate(hrs)}
