@@ -9,6 +9,9 @@
 // The shift mask is not read from memory: a token's region label in the rolled, padded map
 // follows from its window index and position, so the (nW, n, n) mask tensor is never built.
 //
+// Two kernels: the scalar one below (f32 arithmetic throughout, any dtype, any bias), and the
+// tensor-core one further down (bf16/f16).
+//
 // Work split: blockIdx.x = window * heads + head, blockIdx.y = a slice of query rows. Each
 // query row belongs to a group of TPR = DMAX / 32 adjacent threads, each holding 32 of the row's
 // (zero-padded) head dims for q and the output accumulator in registers; partial dot products
@@ -16,9 +19,6 @@
 // KEY_TILE keys converted to f32, with the tile's bias rows beside them, and an online softmax
 // (running max and sum, rescaled once per tile) keeps everything in f32. Shared memory does
 // not grow with n, so 16x16 windows with head dims up to 128 fit in under 48 KiB.
-//
-// The key-tile loop is the place for tensor cores later: the two inner products per tile
-// map onto mma tiles once q/k/v are staged in bf16 and the head dim padded to 16.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -198,21 +198,34 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
 //
 // Same inputs, output and arithmetic order as above, but both products run as
 // mma.m16n8k16 (16-bit inputs, f32 accumulation). Each warp owns 16 query rows, a block
-// mma_warps(DP) warps; keys stream through shared memory in tiles of MMA_KEYS, k row-major and v transposed
-// so that every B fragment is one 32-bit shared load. Scores stay in registers in the
-// accumulator layout, and the online softmax works on them there: a thread holds two rows
-// (g and g+8 of its warp's 16) at two adjacent keys per 8-key tile, so a row's max and sum
-// meet across the four threads of a quad. The probabilities are rounded to the input type
-// (the A operand of the second product); the row sum adds the rounded values, so the
-// normalisation matches the weights actually applied.
+// mma_warps(DP) warps. Scores stay in registers in the accumulator layout, and the online
+// softmax works on them there: a thread holds two rows (g and g+8 of its warp's 16) at two
+// adjacent keys per 8-key tile, so a row's max and sum meet across the four threads of a quad.
+// The probabilities are rounded to the input type (the A operand of the second product); the
+// row sum adds the rounded values, so the normalisation matches the weights actually applied.
+//
+// Nothing in the key loop waits on device memory:
+// - k and v tiles are copied with cp.async into two shared buffers, so the next tile loads
+//   while this one is computed. A staged row is the head's values from the even element at or
+//   before its first (a head of odd width starts at an odd element in every other head):
+//   32-bit copies whatever the parity, and q is placed at the same offset `e` so that the
+//   products line up. Words past the head are zero-filled; the one neighbouring value a word
+//   may carry meets a zero q (scores) or lands in a column that is not written (outputs).
+// - The bias is the relative-position bias, one value per (dy, dx) offset: the (2ws-1)^2
+//   distinct values of this head are read once from `bias` into shared memory, and each score
+//   looks its value up by the offset of its query and key. (`bias` must be such a gathered
+//   table, as the model's always is; the scalar kernel reads any bias.)
+// - Each key's table offset and region label sit in shared memory for the whole window.
+//
+// The host guarantees c even and a 4-byte aligned qkv (else it runs the scalar kernel).
 
-// Keys per shared-memory tile, and warps per block by padded head dim: every warp of a block
-// shares each staged k/v tile, so more warps stage less per product; the narrow heads (DRCT's
-// 30) take a whole 256-token window in one block. Wider heads hold more registers per thread
-// and take fewer warps. The host computes the same launch: keep in step with `mma_plan` in
-// src/model/fused.rs.
-constexpr int MMA_KEYS = 64;
+// Warps per block and keys per staged tile by padded head dim: every warp of a block shares
+// each staged tile, so more warps stage less per product; the narrow heads (DRCT's 30) take a
+// whole 256-token window in one block. Wider heads hold more registers per thread and take
+// fewer warps, and a shorter tile keeps both double-buffered tiles under 48 KiB. The host
+// computes the same launch: keep in step with `mma_plan` in src/model/fused.rs.
 __host__ __device__ constexpr int mma_warps(int dp) { return dp <= 32 ? 16 : (dp <= 64 ? 8 : 4); }
+__host__ __device__ constexpr int mma_keys(int dp) { return dp <= 64 ? 64 : 32; }
 
 __device__ __forceinline__ unsigned short bits_of(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
 __device__ __forceinline__ unsigned short bits_of(__half x) { return __half_as_ushort(x); }
@@ -233,6 +246,13 @@ __device__ __forceinline__ void mma_16816(float (&acc)[4], const unsigned (&a)[4
                                           const unsigned (&b)[2]) {
     emu::mma_m16n8k16<T>(acc, a, b, acc);
 }
+// The emulator copies at once; the waits have nothing left to wait for.
+__device__ __forceinline__ void copy_word_async(void* dst, const void* src, bool real) {
+    emu::cp_async4(dst, src, real);
+}
+__device__ __forceinline__ void async_commit() {}
+template <int PENDING>
+__device__ __forceinline__ void async_wait() {}
 #else
 template <>
 __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&acc)[4], const unsigned (&a)[4],
@@ -252,50 +272,27 @@ __device__ __forceinline__ void mma_16816<__half>(float (&acc)[4], const unsigne
         : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// One 32-bit word from device to shared memory without passing through registers; zero-filled
+// when `real` is false (then `src` is not read).
+__device__ __forceinline__ void copy_word_async(void* dst, const void* src, bool real) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src),
+                 "r"(real ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Until at most PENDING of this thread's committed groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
 #endif
 
-template <typename T> __device__ __forceinline__ T from_bits(unsigned short b);
-template <> __device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(unsigned short b) {
-    return __ushort_as_bfloat16(b);
-}
-template <> __device__ __forceinline__ __half from_bits<__half>(unsigned short b) {
-    return __ushort_as_half(b);
-}
-
-// The bias of query row `row` at keys `key` and `key + 1` of this head (`real` says which of
-// the two exist), zero for rows past n. With n even, a pair starting at an even key is one
-// aligned 32-bit load.
-template <typename T>
-__device__ __forceinline__ void bias_pair(const T* bias, long long head_base, int n, int row,
-                                          int key, bool real0, bool real1, float (&out)[2]) {
-    out[0] = out[1] = 0.0f;
-    if (row >= n) {
-        return;
-    }
-    const T* p = bias + (head_base + row) * n + key;
-    if ((n & 1) == 0 && real0 && real1) {
-        const unsigned w = *reinterpret_cast<const unsigned*>(p);
-        out[0] = to_f32(from_bits<T>(static_cast<unsigned short>(w)));
-        out[1] = to_f32(from_bits<T>(static_cast<unsigned short>(w >> 16)));
-        return;
-    }
-    if (real0) {
-        out[0] = to_f32(p[0]);
-    }
-    if (real1) {
-        out[1] = to_f32(p[1]);
-    }
-}
-
-// The query value at (row, col) of this head as raw bits, zero outside the window and head.
-template <typename T>
-__device__ __forceinline__ unsigned short q_bits(const T* base, long long row_stride, int n,
-                                                 int d, int head, int row, int col) {
-    return row < n && col < d ? bits_of(base[row * row_stride + head * d + col]) : 0;
-}
-
 // Per (window, head) and 16 * mma_warps(DP) query rows: softmax(q kᵀ + bias + mask) v on tensor
-// cores. DP is the head dim padded to a multiple of 16 (the k of the first product).
+// cores. DP is the head dim (plus its offset e) padded to a multiple of 16 (the k of the first
+// product).
 template <typename T, int DP>
 __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
                                                      const T* __restrict__ bias,
@@ -303,22 +300,31 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
                                                      int d, int ws, int height, int width,
                                                      int shifted) {
     static_assert(DP % 16 == 0, "the head dim is padded to whole k steps");
-    // Row pitches in 16-bit elements; the +8 spreads a fragment's 32 loads over all banks.
+    constexpr int KEYS = mma_keys(DP);
+    // Row pitch in 16-bit elements; the +8 spreads a fragment's 32 loads over all banks.
     constexpr int KP = DP + 8;
-    constexpr int VP = MMA_KEYS + 8;
+    constexpr int TILE = KEYS * KP;
+    constexpr int WORDS = DP / 2;
     constexpr unsigned FULL = 0xffffffffu;
 
-    // Layout: k tile [MMA_KEYS][KP], v tile transposed [DP][VP], then MMA_KEYS key labels.
+    // Layout: buffer 0 (k tile, v tile), buffer 1 (k tile, v tile), each tile KEYS rows of KP
+    // 16-bit values, row-major; then this head's bias table (f32, side x side); then, per key
+    // of the window, 16 x its table offset + its region label.
     extern __shared__ float smem[];
-    unsigned short* s_k = reinterpret_cast<unsigned short*>(smem);
-    unsigned short* s_vt = s_k + MMA_KEYS * KP;
-    int* s_label = reinterpret_cast<int*>(s_vt + DP * VP);
+    unsigned short* s_kv = reinterpret_cast<unsigned short*>(smem);
+    const int side = 2 * ws - 1;
+    float* s_table = reinterpret_cast<float*>(s_kv + 4 * TILE);
+    int* s_key = reinterpret_cast<int*>(s_table + side * side);
 
     const int head = blockIdx.x % heads;
     const long long win = blockIdx.x / heads;
     const int c = heads * d;
     const long long row_stride = 3LL * c;
     const T* base = qkv + win * n * row_stride;
+    // Rows are even (c is), so a head's parity is the same in every row and in q, k and v.
+    const int e = (head * d) & 1;
+    const int words = (e + d + 1) / 2;
+    const T* k_base = base + c + head * d - e;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int g = lane / 4;
@@ -327,27 +333,68 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
     const int r_lo = blockIdx.y * (16 * mma_warps(DP)) + warp * 16 + g;
     const int r_hi = r_lo + 8;
 
+    // Tile `tile` of k and v into buffer `buf`, every word of it: keys past n and words past
+    // the head are zeros, so padded products add nothing and dropped keys' v rows are finite.
+    auto issue = [&](int tile, int buf) {
+        unsigned short* s_k = s_kv + buf * 2 * TILE;
+        const int j0 = tile * KEYS;
+        for (int i = threadIdx.x; i < KEYS * WORDS; i += blockDim.x) {
+            const int key = i / WORDS;
+            const int w = i - key * WORDS;
+            const bool real = j0 + key < n && w < words;
+            const T* src = real ? k_base + (j0 + key) * row_stride + 2 * w : qkv;
+            copy_word_async(s_k + key * KP + 2 * w, src, real);
+            copy_word_async(s_k + TILE + key * KP + 2 * w, real ? src + c : qkv, real);
+        }
+        async_commit();
+    };
+    issue(0, 0);
+
     const int shift = shifted ? ws / 2 : 0;
     const int nwx = width / ws;
     const int w_img = static_cast<int>(win % ((height / ws) * nwx));
     const int wy = w_img / nwx;
     const int wx = w_img % nwx;
+    // The bias of offset (dy, dx) is that of a query at (max(dy, 0), max(dx, 0)) and the key
+    // (dy, dx) before it.
+    const long long head_rows = static_cast<long long>(head) * n;
+    for (int i = threadIdx.x; i < side * side; i += blockDim.x) {
+        const int dy = i / side - (ws - 1);
+        const int dx = i % side - (ws - 1);
+        const int yi = max(dy, 0);
+        const int xi = max(dx, 0);
+        s_table[i] = to_f32(bias[(head_rows + yi * ws + xi) * n + (yi - dy) * ws + (xi - dx)]);
+    }
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const int label = shifted ? token_label(j, wy, wx, ws, shift, height, width) : 0;
+        s_key[j] = ((j / ws) * side + j % ws) * 16 + label;
+    }
+    // A query's part of the table index (its key's part is subtracted); rows past n, whose
+    // results are dropped, take the last row's.
+    auto row_offset = [&](int r) {
+        r = min(r, n - 1);
+        return (r / ws + ws - 1) * side + r % ws + ws - 1;
+    };
+    const int a_lo = row_offset(r_lo);
+    const int a_hi = row_offset(r_hi);
     const int label_lo = shifted && r_lo < n ? token_label(r_lo, wy, wx, ws, shift, height, width) : 0;
     const int label_hi = shifted && r_hi < n ? token_label(r_hi, wy, wx, ws, shift, height, width) : 0;
 
-    // q as A fragments, one per 16 head dims; rows past n and dims past d are zero.
+    // q as A fragments, one per 16 staged columns (column `raw` holds head dim raw - e); rows
+    // past n and columns outside the head are zero.
+    auto q_at = [&](int row, int raw) -> unsigned short {
+        const int col = raw - e;
+        return row < n && col >= 0 && col < d ? bits_of(base[row * row_stride + head * d + col])
+                                              : 0;
+    };
     unsigned qa[DP / 16][4];
 #pragma unroll
     for (int ks = 0; ks < DP / 16; ++ks) {
         const int col = ks * 16 + 2 * t;
-        qa[ks][0] = pack2(q_bits(base, row_stride, n, d, head, r_lo, col),
-                          q_bits(base, row_stride, n, d, head, r_lo, col + 1));
-        qa[ks][1] = pack2(q_bits(base, row_stride, n, d, head, r_hi, col),
-                          q_bits(base, row_stride, n, d, head, r_hi, col + 1));
-        qa[ks][2] = pack2(q_bits(base, row_stride, n, d, head, r_lo, col + 8),
-                          q_bits(base, row_stride, n, d, head, r_lo, col + 9));
-        qa[ks][3] = pack2(q_bits(base, row_stride, n, d, head, r_hi, col + 8),
-                          q_bits(base, row_stride, n, d, head, r_hi, col + 9));
+        qa[ks][0] = pack2(q_at(r_lo, col), q_at(r_lo, col + 1));
+        qa[ks][1] = pack2(q_at(r_hi, col), q_at(r_hi, col + 1));
+        qa[ks][2] = pack2(q_at(r_lo, col + 8), q_at(r_lo, col + 9));
+        qa[ks][3] = pack2(q_at(r_hi, col + 8), q_at(r_hi, col + 9));
     }
 
     float o[DP / 8][4];
@@ -360,53 +407,25 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
     float max_lo = -INFINITY, max_hi = -INFINITY;
     float sum_lo = 0.0f, sum_hi = 0.0f;
 
-    for (int j0 = 0; j0 < n; j0 += MMA_KEYS) {
-        const int count = min(MMA_KEYS, n - j0);
-        // Everyone is done with the previous tile.
-        __syncthreads();
-        // Dims past d and keys past n are stored as zeros: padded products then add nothing,
-        // and v rows of dropped keys are finite.
-        if ((d & 1) == 0) {
-            // Even head dims: every (col, col + 1) pair with col even starts at an even element
-            // (the strides 3c and c and the head offset are all even), so one 32-bit load each.
-            for (int i = threadIdx.x; i < MMA_KEYS * DP / 2; i += blockDim.x) {
-                const int key = i / (DP / 2);
-                const int col = 2 * (i - key * (DP / 2));
-                unsigned kw = 0, vw = 0;
-                if (key < count && col < d) {
-                    const T* src = base + (j0 + key) * row_stride + c + head * d + col;
-                    kw = *reinterpret_cast<const unsigned*>(src);
-                    vw = *reinterpret_cast<const unsigned*>(src + c);
-                }
-                *reinterpret_cast<unsigned*>(s_k + key * KP + col) = kw;
-                s_vt[col * VP + key] = static_cast<unsigned short>(vw);
-                s_vt[(col + 1) * VP + key] = static_cast<unsigned short>(vw >> 16);
-            }
+    const int tiles = (n + KEYS - 1) / KEYS;
+    for (int tile = 0; tile < tiles; ++tile) {
+        if (tile + 1 < tiles) {
+            issue(tile + 1, (tile + 1) & 1);
+            async_wait<1>();
         } else {
-            for (int i = threadIdx.x; i < MMA_KEYS * DP; i += blockDim.x) {
-                const int key = i / DP;
-                const int col = i - key * DP;
-                unsigned short kb = 0, vb = 0;
-                if (key < count && col < d) {
-                    const T* src = base + (j0 + key) * row_stride + c + head * d + col;
-                    kb = bits_of(src[0]);
-                    vb = bits_of(src[c]);
-                }
-                s_k[key * KP + col] = kb;
-                s_vt[col * VP + key] = vb;
-            }
+            async_wait<0>();
         }
-        if (shifted) {
-            for (int j = threadIdx.x; j < MMA_KEYS; j += blockDim.x) {
-                s_label[j] = j < count ? token_label(j0 + j, wy, wx, ws, shift, height, width) : -1;
-            }
-        }
+        // This tile (and, the first time, the table and key offsets) is in place for everyone.
         __syncthreads();
+        const int j0 = tile * KEYS;
+        const int count = min(KEYS, n - j0);
+        const unsigned short* s_k = s_kv + (tile & 1) * 2 * TILE;
+        const unsigned short* s_v = s_k + TILE;
 
         // Scores of the warp's 16 rows against the tile's keys, 8 keys per accumulator.
-        float s[MMA_KEYS / 8][4];
+        float s[KEYS / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < MMA_KEYS / 8; ++nt) {
+        for (int nt = 0; nt < KEYS / 8; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
             const unsigned short* krow = s_k + (nt * 8 + g) * KP + 2 * t;
 #pragma unroll
@@ -420,23 +439,19 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
         // (q·k + bias) + mask, as the reference adds them; keys past n drop out.
         float tile_lo = -INFINITY, tile_hi = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < MMA_KEYS / 8; ++nt) {
-            const int j_pair = nt * 8 + 2 * t;
-            const long long head_base = static_cast<long long>(head) * n;
-            float b_lo[2], b_hi[2];
-            bias_pair(bias, head_base, n, r_lo, j0 + j_pair, j_pair < count, j_pair + 1 < count, b_lo);
-            bias_pair(bias, head_base, n, r_hi, j0 + j_pair, j_pair < count, j_pair + 1 < count, b_hi);
+        for (int nt = 0; nt < KEYS / 8; ++nt) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const int j = j_pair + i;
+                const int j = nt * 8 + 2 * t + i;
                 float lo = -INFINITY, hi = -INFINITY;
                 if (j < count) {
-                    lo = s[nt][i] + b_lo[i];
-                    hi = s[nt][2 + i] + b_hi[i];
-                    if (shifted && s_label[j] != label_lo) {
+                    const int key = s_key[j0 + j];
+                    lo = s[nt][i] + s_table[a_lo - (key >> 4)];
+                    hi = s[nt][2 + i] + s_table[a_hi - (key >> 4)];
+                    if (shifted && (key & 15) != label_lo) {
                         lo += MASK_VALUE;
                     }
-                    if (shifted && s_label[j] != label_hi) {
+                    if (shifted && (key & 15) != label_hi) {
                         hi += MASK_VALUE;
                     }
                 }
@@ -471,9 +486,10 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
         }
 
         // Probabilities, rounded to T, become the A fragments of p v (the accumulator layout
-        // of two adjacent 8-key tiles is the A layout of one 16-key step).
+        // of two adjacent 8-key tiles is the A layout of one 16-key step). v is row-major, so a
+        // B fragment (two adjacent keys of one column) is two 16-bit loads.
 #pragma unroll
-        for (int kk = 0; kk < MMA_KEYS / 16; ++kk) {
+        for (int kk = 0; kk < KEYS / 16; ++kk) {
             unsigned short p[2][4];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -490,14 +506,16 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
             }
             const unsigned pa[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
                                     pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
+            const unsigned short* vkey = s_v + (kk * 16 + 2 * t) * KP + g;
 #pragma unroll
             for (int dt = 0; dt < DP / 8; ++dt) {
-                const unsigned short* vrow = s_vt + (dt * 8 + g) * VP + kk * 16 + 2 * t;
-                const unsigned b[2] = {*reinterpret_cast<const unsigned*>(vrow),
-                                       *reinterpret_cast<const unsigned*>(vrow + 8)};
+                const unsigned short* v = vkey + dt * 8;
+                const unsigned b[2] = {pack2(v[0], v[KP]), pack2(v[8 * KP], v[9 * KP])};
                 mma_16816<T>(o[dt], pa, b);
             }
         }
+        // Everyone is done with this buffer before the next issue refills it.
+        __syncthreads();
     }
 
 #pragma unroll
@@ -511,11 +529,11 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
     for (int dt = 0; dt < DP / 8; ++dt) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            const int col = dt * 8 + 2 * t + i;
-            if (col < d && r_lo < n) {
+            const int col = dt * 8 + 2 * t + i - e;
+            if (col >= 0 && col < d && r_lo < n) {
                 out[(win * n + r_lo) * c + head * d + col] = from_f32<T>(o[dt][i] * inv_lo);
             }
-            if (col < d && r_hi < n) {
+            if (col >= 0 && col < d && r_hi < n) {
                 out[(win * n + r_hi) * c + head * d + col] = from_f32<T>(o[dt][2 + i] * inv_hi);
             }
         }
@@ -548,9 +566,19 @@ WINDOW_ATTENTION(window_attention_f16_d128, __half, 128)
 
 #define WINDOW_ATTENTION_MMA(NAME, T, DP) ENTRY(NAME, window_attention_mma, 32 * mma_warps(DP), T, DP)
 
+WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d16, __nv_bfloat16, 16)
 WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d32, __nv_bfloat16, 32)
+WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d48, __nv_bfloat16, 48)
 WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d64, __nv_bfloat16, 64)
+WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d80, __nv_bfloat16, 80)
+WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d96, __nv_bfloat16, 96)
+WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d112, __nv_bfloat16, 112)
 WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d128, __nv_bfloat16, 128)
+WINDOW_ATTENTION_MMA(window_attention_mma_f16_d16, __half, 16)
 WINDOW_ATTENTION_MMA(window_attention_mma_f16_d32, __half, 32)
+WINDOW_ATTENTION_MMA(window_attention_mma_f16_d48, __half, 48)
 WINDOW_ATTENTION_MMA(window_attention_mma_f16_d64, __half, 64)
+WINDOW_ATTENTION_MMA(window_attention_mma_f16_d80, __half, 80)
+WINDOW_ATTENTION_MMA(window_attention_mma_f16_d96, __half, 96)
+WINDOW_ATTENTION_MMA(window_attention_mma_f16_d112, __half, 112)
 WINDOW_ATTENTION_MMA(window_attention_mma_f16_d128, __half, 128)

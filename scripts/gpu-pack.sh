@@ -9,6 +9,8 @@
 #   upscale.xz from an earlier pack; LABEL: its commit) for gpu-run.sh's before/after part.
 #   A bare commit (UPSCALE_BASES="ca9a024 77ac68e") is built here, in a temporary worktree
 #   that shares the CUDA target directory (so only the crate itself is recompiled).
+#   UPSCALE_PACK_TESTS=0 leaves the CUDA test binary out, which makes room for more earlier
+#   builds in a pack meant for the before/after part alone.
 # then, on the GPU machine, from the repository root: scripts/gpu-run.sh PACK OUTDIR [part]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,8 +40,11 @@ for line in sys.stdin:
 rm -rf "$pack"
 mkdir -p "$pack"
 strip -o "$pack/upscale" "$CARGO_TARGET_DIR/release/upscale"
-strip -o "$pack/gpu-tests" "$tests"
-xz -T0 -6 "$pack/upscale" "$pack/gpu-tests"
+xz -T0 -6 "$pack/upscale"
+if [ "${UPSCALE_PACK_TESTS:-1}" != 0 ]; then
+  strip -o "$pack/gpu-tests" "$tests"
+  xz -T0 -6 "$pack/gpu-tests"
+fi
 # The PyTorch reference builds its model with spandrel (pure Python), which the GPU machine
 # lacks; torch, numpy, safetensors and einops are there.
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$pack" spandrel==0.4.2

@@ -5,7 +5,10 @@
 #   scripts/gpu-profile.sh PACK OUTDIR PRESET [upscale bench flags...]     (PRESET: drct | drct-l)
 #
 # On the GPU machine, from the repository root, with the folder scripts/gpu-pack.sh made.
-# Writes OUTDIR/kernels.csv (ncu's raw rows) and OUTDIR/profile.md (the table).
+# Writes OUTDIR/kernels.csv (ncu's raw rows) and OUTDIR/profile.md (the table), then profiles
+# the first five window-attention launches (a group's five blocks: every head-dim variant of
+# the released models) with Nsight Compute's throughput, occupancy and stall sections, to
+# OUTDIR/attention.csv and OUTDIR/attention.md: what bounds the kernel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 pack=${1:?usage: $0 PACK OUTDIR PRESET [bench flags...]}
@@ -52,3 +55,21 @@ for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:40]:
     print(f"| `{name}` | {c} | {t:.4f} | {t / total:.1%} |")
 PYEOF
 cat "$out/profile.md"
+
+ncu --kernel-name regex:window_attention --launch-count 5 --section SpeedOfLight \
+  --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+  --section MemoryWorkloadAnalysis --csv --page details --print-units base \
+  --log-file "$out/attention.csv" "${bench[@]}" > /dev/null
+"$PY" - "$out/attention.csv" > "$out/attention.md" <<'PYEOF'
+import csv, sys
+rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+kernel = None
+for r in rows:
+    name = f'{r["Kernel Name"].split("(")[0]} (block {r.get("Block Size", "?")}, grid {r.get("Grid Size", "?")})'
+    if r.get("ID") != kernel:
+        kernel = r.get("ID")
+        print(f"\n### `{name}`\n\n| section | metric | value |\n|---|---|---|")
+    unit = r.get("Metric Unit", "")
+    print(f'| {r["Section Name"]} | {r["Metric Name"]} | {r["Metric Value"]} {unit} |')
+PYEOF
+cat "$out/attention.md"

@@ -305,8 +305,9 @@ ab_part() {
     for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
       set -- $m
       for i in "${!bins[@]}"; do
+        # Every build names its attention: the first ones defaulted to another.
         line=$(timeout 240 "${bins[$i]}" bench -m "$2" --device "$device" --json --precision bf16 \
-          --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3 \
+          --attention tensor-core --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3 \
           2>> "$logs/ab.log" | tail -n 1)
         record ab "${line:-failed}" "\"label\":\"$1-${labels[$i]}\",\"round\":$round"
       done

@@ -44,7 +44,10 @@ pub const MAX_HEAD_DIM: usize = 128;
 /// `window x window` windows after a cyclic shift by half a window when `shifted`.
 ///
 /// Inputs: `qkv` `(B*nW, N, 3C)` (q | k | v, each head-major, q already scaled by
-/// `head_dim^-0.5`) and `bias` `(heads, N, N)`, both contiguous and of one float dtype.
+/// `head_dim^-0.5`) and `bias` `(heads, N, N)`, both contiguous and of one float dtype. `bias`
+/// is a relative-position bias, as the model gathers it from its table
+/// ([`super::cache::relative_position_bias`]): the tensor-core kernel reads one value per
+/// (dy, dx) offset, the other paths read all of it.
 /// Output: `(B*nW, N, C)` with heads concatenated, in the input dtype; the arithmetic is f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FusedWindowAttention {
@@ -287,27 +290,36 @@ mod cuda {
         })
     }
 
-    /// Keys per shared-memory tile of the tensor-core kernel (`MMA_KEYS`).
-    const MMA_KEYS: usize = 64;
-
     /// Warps per block of the tensor-core kernel for a padded head dim (`mma_warps`), each
     /// owning 16 query rows.
-    fn mma_warps(dmax: usize) -> usize {
-        match dmax {
+    fn mma_warps(dp: usize) -> usize {
+        match dp {
             0..=32 => 16,
             33..=64 => 8,
             _ => 4,
         }
     }
 
-    /// The tensor-core kernel's launch: the k tile (MMA_KEYS rows of dmax + 8 16-bit values),
-    /// the transposed v tile (dmax rows of MMA_KEYS + 8) and MMA_KEYS key labels.
-    fn mma_plan(head_dim: usize) -> Result<Plan> {
-        let dmax = padded_head_dim(head_dim)?;
-        let shared_bytes = (MMA_KEYS * (dmax + 8) + dmax * (MMA_KEYS + 8)) * 2 + MMA_KEYS * 4;
-        let warps = mma_warps(dmax);
+    /// Keys per staged tile of the tensor-core kernel (`mma_keys`).
+    fn mma_keys(dp: usize) -> usize {
+        if dp <= 64 {
+            64
+        } else {
+            32
+        }
+    }
+
+    /// The tensor-core kernel's launch for windows of `window x window` tokens: the head dim
+    /// padded to a multiple of 16; two buffers of k and v tiles (`mma_keys` rows of dp + 8
+    /// 16-bit values each), the head's bias table (f32) and one int per token of the window.
+    fn mma_plan(window: usize, head_dim: usize) -> Result<Plan> {
+        padded_head_dim(head_dim)?;
+        let dp = head_dim.next_multiple_of(16);
+        let (n, side) = (window * window, 2 * window - 1);
+        let shared_bytes = 4 * mma_keys(dp) * (dp + 8) * 2 + side * side * 4 + n * 4;
+        let warps = mma_warps(dp);
         Ok(Plan {
-            dmax,
+            dmax: dp,
             threads: warps * 32,
             rows: warps * 16,
             shared_bytes,
@@ -327,19 +339,26 @@ mod cuda {
         else {
             candle_core::bail!("{name}: inputs must be contiguous")
         };
-        // The tensor-core kernel takes 16-bit inputs only.
-        let mma = op.tensor_cores && dtype != "f32";
-        let plan = if mma {
-            mma_plan(dims.head_dim)?
-        } else {
-            plan(dims.n, dims.head_dim)?
-        };
         let limit = dev
             .cuda_stream()
             .context()
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)
             .w()?;
-        if plan.shared_bytes > limit.max(0) as usize {
+        let limit = limit.max(0) as usize;
+        // The tensor-core kernel takes 16-bit inputs only, copies 32-bit words (so an even
+        // channel count and an even start), and stages its table and tiles in shared memory;
+        // anything else runs the scalar kernel, which has none of these conditions.
+        let tensor_core_plan =
+            (op.tensor_cores && dtype != "f32" && dims.c.is_multiple_of(2) && q0.is_multiple_of(2))
+                .then(|| mma_plan(op.window, dims.head_dim))
+                .transpose()?
+                .filter(|p| p.shared_bytes <= limit);
+        let mma = tensor_core_plan.is_some();
+        let plan = match tensor_core_plan {
+            Some(p) => p,
+            None => plan(dims.n, dims.head_dim)?,
+        };
+        if plan.shared_bytes > limit {
             candle_core::bail!(
                 "{name}: needs {} bytes of shared memory per block, the device allows {limit}",
                 plan.shared_bytes
@@ -442,13 +461,16 @@ mod cuda {
                 }
             }
             assert!(plan(256, 129).is_err());
-            for d in [1, 30, 46, 53, 77, 122, 128] {
-                let p = mma_plan(d).unwrap();
-                assert!(p.shared_bytes <= 48 << 10, "d {d}: {}", p.shared_bytes);
-                assert!(p.dmax >= d && p.dmax.is_multiple_of(16));
-                assert!(p.threads <= 512 && p.rows * 2 == p.threads);
+            // Every window up to the released models' 16 fits, whatever the head dim.
+            for window in [4, 5, 8, 16] {
+                for d in [1, 7, 30, 46, 53, 77, 122, 128] {
+                    let p = mma_plan(window, d).unwrap();
+                    assert!(p.shared_bytes <= 48 << 10, "d {d}: {}", p.shared_bytes);
+                    assert!(p.dmax >= d && p.dmax - d < 16 && p.dmax.is_multiple_of(16));
+                    assert!(p.threads <= 512 && p.rows * 2 == p.threads);
+                }
             }
-            assert!(mma_plan(129).is_err());
+            assert!(mma_plan(16, 129).is_err());
         }
     }
 }

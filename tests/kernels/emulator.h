@@ -185,6 +185,21 @@ inline __nv_bfloat16 from_bits<__nv_bfloat16>(uint16_t bits) { return __ushort_a
 template <>
 inline __half from_bits<__half>(uint16_t bits) { return __ushort_as_half(bits); }
 
+// cp.async of one 32-bit word (cp.async.ca.shared.global with cp-size 4), done at once: the
+// copy is complete by the wait that the kernel must still reach before its barrier. Zero-fills
+// when `real` is false, and then reads nothing. Both addresses must be 4-byte aligned, as on
+// the GPU.
+inline void cp_async4(void* dst, const void* src, bool real) {
+    if (reinterpret_cast<uintptr_t>(dst) % 4 != 0 || (real && reinterpret_cast<uintptr_t>(src) % 4 != 0)) {
+        throw std::logic_error("cp.async of a misaligned word");
+    }
+    if (real) {
+        std::memcpy(dst, src, 4);
+    } else {
+        std::memset(dst, 0, 4);
+    }
+}
+
 // D = A B + C for one m16n8k16 tile with the fragment layout of PTX's
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: lane l holds, with g = l / 4 and
 // t = l % 4, A rows g and g+8 at columns 2t, 2t+1 (+8), B rows (the k index) 2t, 2t+1 (+8)
