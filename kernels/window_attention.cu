@@ -253,6 +253,10 @@ __device__ __forceinline__ void copy_word_async(void* dst, const void* src, bool
 __device__ __forceinline__ void async_commit() {}
 template <int PENDING>
 __device__ __forceinline__ void async_wait() {}
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const unsigned short* row) {
+    emu::ldmatrix_x4<TRANS>(r, row);
+}
 #else
 template <>
 __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&acc)[4], const unsigned (&a)[4],
@@ -288,6 +292,26 @@ template <int PENDING>
 __device__ __forceinline__ void async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
+// Four 8x8 matrices of 16-bit values from shared memory, one instruction for the warp: lane
+// 8m + r gives row r of matrix m (16-byte aligned); register m of lane l receives row l/4,
+// columns 2(l%4) and 2(l%4)+1 of matrix m, or with TRANS rows 2(l%4) and 2(l%4)+1 of column
+// l/4: the B fragment of mma.m16n8k16 from a row-major k tile (keys x dims) or, transposed, from
+// a row-major v tile.
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const unsigned short* row) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(s)
+                     : "memory");
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(s)
+                     : "memory");
+    }
+}
 #endif
 
 // Per (window, head) and 16 * mma_warps(DP) query rows: softmax(q kᵀ + bias + mask) v on tensor
@@ -301,7 +325,8 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
                                                      int shifted) {
     static_assert(DP % 16 == 0, "the head dim is padded to whole k steps");
     constexpr int KEYS = mma_keys(DP);
-    // Row pitch in 16-bit elements; the +8 spreads a fragment's 32 loads over all banks.
+    // Row pitch in 16-bit elements: 16-byte rows for ldmatrix, and the +8 makes the pitch an odd
+    // number of 16-byte units, so the eight rows of each matrix fall in different banks.
     constexpr int KP = DP + 8;
     constexpr int TILE = KEYS * KP;
     constexpr int WORDS = DP / 2;
@@ -422,17 +447,25 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
         const unsigned short* s_k = s_kv + (tile & 1) * 2 * TILE;
         const unsigned short* s_v = s_k + TILE;
 
-        // Scores of the warp's 16 rows against the tile's keys, 8 keys per accumulator.
+        // Scores of the warp's 16 rows against the tile's keys, 8 keys per accumulator. One
+        // ldmatrix gives the B fragments of two 8-key tiles (matrices: keys 0-7 of the pair
+        // at dims 0-7 and 8-15 of the k step, then keys 8-15 at the same dims).
+        const int m = lane / 8;
+        const int mr = lane % 8;
         float s[KEYS / 8][4];
 #pragma unroll
         for (int nt = 0; nt < KEYS / 8; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-            const unsigned short* krow = s_k + (nt * 8 + g) * KP + 2 * t;
+        }
+#pragma unroll
+        for (int np = 0; np < KEYS / 16; ++np) {
+            const unsigned short* krow = s_k + ((2 * np + m / 2) * 8 + mr) * KP + (m % 2) * 8;
 #pragma unroll
             for (int ks = 0; ks < DP / 16; ++ks) {
-                const unsigned b[2] = {*reinterpret_cast<const unsigned*>(krow + ks * 16),
-                                       *reinterpret_cast<const unsigned*>(krow + ks * 16 + 8)};
-                mma_16816<T>(s[nt], qa[ks], b);
+                unsigned b[4];
+                ldmatrix_x4<false>(b, krow + ks * 16);
+                mma_16816<T>(s[2 * np], qa[ks], {b[0], b[1]});
+                mma_16816<T>(s[2 * np + 1], qa[ks], {b[2], b[3]});
             }
         }
 
@@ -486,8 +519,9 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
         }
 
         // Probabilities, rounded to T, become the A fragments of p v (the accumulator layout
-        // of two adjacent 8-key tiles is the A layout of one 16-key step). v is row-major, so a
-        // B fragment (two adjacent keys of one column) is two 16-bit loads.
+        // of two adjacent 8-key tiles is the A layout of one 16-key step). One transposing
+        // ldmatrix gives the B fragments of two 8-column tiles of the row-major v tile
+        // (matrices: keys 0-7 and 8-15 of the step at the first 8 columns, then at the next).
 #pragma unroll
         for (int kk = 0; kk < KEYS / 16; ++kk) {
             unsigned short p[2][4];
@@ -506,12 +540,13 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
             }
             const unsigned pa[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
                                     pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
-            const unsigned short* vkey = s_v + (kk * 16 + 2 * t) * KP + g;
+            const unsigned short* vrow = s_v + (kk * 16 + (m % 2) * 8 + mr) * KP + (m / 2) * 8;
 #pragma unroll
-            for (int dt = 0; dt < DP / 8; ++dt) {
-                const unsigned short* v = vkey + dt * 8;
-                const unsigned b[2] = {pack2(v[0], v[KP]), pack2(v[8 * KP], v[9 * KP])};
-                mma_16816<T>(o[dt], pa, b);
+            for (int dp = 0; dp < DP / 16; ++dp) {
+                unsigned b[4];
+                ldmatrix_x4<true>(b, vrow + dp * 16);
+                mma_16816<T>(o[2 * dp], pa, {b[0], b[1]});
+                mma_16816<T>(o[2 * dp + 1], pa, {b[2], b[3]});
             }
         }
         // Everyone is done with this buffer before the next issue refills it.
@@ -545,14 +580,15 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
 // The most threads a block is launched with; the host uses the same bound.
 #define MAX_THREADS 128
 
-// One entry point: the template FN<T, D> launched with at most THREADS threads per block.
-#define ENTRY(NAME, FN, THREADS, T, D)                                                        \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                     \
+// One entry point: the template FN<T, D> launched with at most THREADS threads per block, of
+// which the registers must leave room for MIN_BLOCKS blocks per multiprocessor.
+#define ENTRY(NAME, FN, THREADS, MIN_BLOCKS, T, D)                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)                         \
         NAME(const T* qkv, const T* bias, T* out, int n, int heads, int d, int ws,            \
              int height, int width, int shifted) {                                            \
         FN<T, D>(qkv, bias, out, n, heads, d, ws, height, width, shifted);                    \
     }
-#define WINDOW_ATTENTION(NAME, T, DMAX) ENTRY(NAME, window_attention, MAX_THREADS, T, DMAX)
+#define WINDOW_ATTENTION(NAME, T, DMAX) ENTRY(NAME, window_attention, MAX_THREADS, 1, T, DMAX)
 
 WINDOW_ATTENTION(window_attention_f32_d32, float, 32)
 WINDOW_ATTENTION(window_attention_f32_d64, float, 64)
@@ -564,7 +600,14 @@ WINDOW_ATTENTION(window_attention_f16_d32, __half, 32)
 WINDOW_ATTENTION(window_attention_f16_d64, __half, 64)
 WINDOW_ATTENTION(window_attention_f16_d128, __half, 128)
 
-#define WINDOW_ATTENTION_MMA(NAME, T, DP) ENTRY(NAME, window_attention_mma, 32 * mma_warps(DP), T, DP)
+// Blocks per multiprocessor the registers must allow: 16 resident warps (at most 128 registers
+// per thread) up to head dim 112, at a spill of 8 bytes at most; left free, ptxas took up to
+// 177 for some of them. Head dim 128 needs about 170 and takes three blocks.
+__host__ __device__ constexpr int mma_min_blocks(int dp) {
+    return dp <= 64 ? 16 / mma_warps(dp) : (dp == 128 ? 3 : 4);
+}
+#define WINDOW_ATTENTION_MMA(NAME, T, DP)                                                     \
+    ENTRY(NAME, window_attention_mma, 32 * mma_warps(DP), mma_min_blocks(DP), T, DP)
 
 WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d16, __nv_bfloat16, 16)
 WINDOW_ATTENTION_MMA(window_attention_mma_bf16_d32, __nv_bfloat16, 32)

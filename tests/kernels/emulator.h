@@ -200,6 +200,31 @@ inline void cp_async4(void* dst, const void* src, bool real) {
     }
 }
 
+// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16: lane 8m + r gives the address of row r of
+// matrix m (8 16-bit values, 16-byte aligned); register m of lane l receives, from matrix m,
+// row l/4 at columns 2(l%4), 2(l%4)+1, or with `trans` rows 2(l%4), 2(l%4)+1 at column l/4.
+template <bool TRANS>
+void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+    if (reinterpret_cast<uintptr_t>(row) % 16 != 0) {
+        throw std::logic_error("ldmatrix row address not 16-byte aligned");
+    }
+    const uint64_t mine = reinterpret_cast<uintptr_t>(row);
+    unsigned got[4];
+    exchange(&mine, 1, [&](uint64_t (*slot)[8]) {
+        const unsigned g = lane / 4, t = lane % 4;
+        for (unsigned m = 0; m < 4; ++m) {
+            auto at = [&](unsigned row_in_matrix, unsigned col) {
+                const auto* p = reinterpret_cast<const uint16_t*>(slot[8 * m + row_in_matrix][0]);
+                return static_cast<unsigned>(p[col]);
+            };
+            got[m] = TRANS ? at(2 * t, g) | (at(2 * t + 1, g) << 16)
+                           : at(g, 2 * t) | (at(g, 2 * t + 1) << 16);
+        }
+        return 0;
+    });
+    std::copy(got, got + 4, r);
+}
+
 // D = A B + C for one m16n8k16 tile with the fragment layout of PTX's
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: lane l holds, with g = l / 4 and
 // t = l % 4, A rows g and g+8 at columns 2t, 2t+1 (+8), B rows (the k index) 2t, 2t+1 (+8)
