@@ -394,6 +394,7 @@ int main(int argc, char** argv) {
     const Shape odd{2, 12, 18, 6, 2, 53, true};
     const Shape small{2, 8, 8, 4, 3, 7, false};
     const Shape small_even{2, 8, 8, 4, 2, 7, true};
+    const Shape plain{1, 16, 8, 8, 2, 53, false};
     const Shape small_shifted{1, 8, 12, 4, 2, 46, true};
     const Shape wide_odd{1, 16, 32, 16, 2, 77, true};
     // An odd token count (window 5): the bias is read one value at a time.
@@ -425,6 +426,7 @@ int main(int argc, char** argv) {
         RUN(__nv_bfloat16, window_attention_mma_bf16_d128, 128, true, wide, bf16_bound);
         RUN(__half, window_attention_mma_f16_d80, 80, true, wide_odd, f16_bound);
         RUN(__nv_bfloat16, window_attention_mma_bf16_d64, 64, true, small_even, bf16_bound);
+        RUN(__nv_bfloat16, window_attention_mma_bf16_d64, 64, true, plain, bf16_bound);
     }
     blend_case(1);
     blend_case(4);

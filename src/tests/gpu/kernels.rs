@@ -61,8 +61,9 @@ const fn case(
 }
 
 /// Windows 4, 8 and 16; non-square maps; odd head dims; every kernel variant and its bounds
-/// (d 1..32, 33..64, 65..128); the official DRCT blocks (window 16: 6x30, 4x53, 2x122, 6x46,
-/// 4x77).
+/// (scalar: d 1..32, 33..64, 65..128; tensor cores: d padded to 16, 32, ..., 128, and odd
+/// channel counts, which fall back to the scalar kernel); the official DRCT blocks (window 16:
+/// 6x30, 4x53, 2x122, 6x46, 4x77).
 const CASES: &[Case] = &[
     case(2, 8, 12, 4, 3, 5),
     case(2, 16, 8, 4, 2, 3),
@@ -75,6 +76,8 @@ const CASES: &[Case] = &[
     case(1, 16, 8, 8, 2, 64),
     case(1, 8, 16, 8, 2, 65),
     case(1, 16, 8, 8, 1, 128),
+    case(1, 16, 16, 8, 2, 90),
+    case(1, 8, 16, 8, 1, 112),
     case(2, 32, 48, 16, 6, 30),
     case(1, 48, 32, 16, 4, 53),
     case(1, 32, 32, 16, 2, 122),
