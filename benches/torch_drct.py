@@ -32,11 +32,21 @@ PRESETS = {
 }
 
 
-def build_model(preset, scale=4, seed=0, img_size=64):
-    """spandrel's DRCT of the preset's shape with seeded random weights, float32, eval."""
+# models/train_default.py's CONFIG names for the fields whose names differ here.
+TRAIN_NAMES = {"window_size": "window", "num_heads": "heads"}
+
+
+def build_model(preset, scale=4, seed=0, img_size=64, config=None):
+    """spandrel's DRCT of the preset's shape, with `config` (a dict in train_default.py's CONFIG
+    names) overriding fields, with seeded random weights, float32, eval."""
     from spandrel.architectures.DRCT import DRCT
 
-    p = PRESETS[preset]
+    p = dict(PRESETS[preset])
+    for key, value in (config or {}).items():
+        key = TRAIN_NAMES.get(key, key)
+        if key not in ("groups", "embed_dim", "window", "heads", "gc", "mlp_ratio", "num_feat"):
+            sys.exit(f"--config: unknown field {key}")
+        p[key] = value
     model = DRCT(
         img_size=img_size, patch_size=1, in_chans=3, embed_dim=p["embed_dim"],
         depths=(6,) * p["groups"], num_heads=(p["heads"],) * p["groups"],
@@ -112,7 +122,7 @@ def pad_to_window(x, window):
 def cmd_make_weights(a):
     from safetensors.torch import save_file
 
-    model = build_model(a.preset, a.scale, a.seed)
+    model = build_model(a.preset, a.scale, a.seed, config=json.loads(a.config) if a.config else None)
     sd = params_state_dict(model)
     n = sum(v.numel() for v in sd.values())
     save_file(sd, a.out, metadata={"preset": a.preset, "scale": str(a.scale), "seed": str(a.seed)})
@@ -170,6 +180,8 @@ def main():
     mw.add_argument("--preset", choices=sorted(PRESETS), default="drct")
     mw.add_argument("--scale", type=int, choices=(2, 3, 4), default=4)
     mw.add_argument("--seed", type=int, default=0)
+    mw.add_argument("--config", help='JSON overrides of the preset in train_default.py\'s names, '
+                    'e.g. \'{"groups": 4, "embed_dim": 64}\'')
     mw.set_defaults(fn=cmd_make_weights)
 
     t = sub.add_parser("time", help="time spandrel's DRCT forward, float32, CPU")
