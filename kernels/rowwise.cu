@@ -36,18 +36,65 @@ __device__ __forceinline__ float activate(float v, int act, float slope) {
     return v;
 }
 
+// Four adjacent values, moved as one 8-byte (16-bit types) or 16-byte (f32) access: a warp
+// then moves 256 or 512 bytes per instruction instead of 64 or 128, and the column
+// arithmetic runs once per four values. Every row width of the released models is a multiple
+// of four (180 + 32k channels, their MLP widths, 3x for qkv).
+template <typename T>
+struct alignas(4 * sizeof(T)) Quad {
+    T v[4];
+};
+
+// Whether every pointer can be read as quads (views may start at any element).
+template <typename T>
+__device__ __forceinline__ bool quads_fit(const void *a, const void *b, const void *c,
+                                          const void *d) {
+    const size_t bits = reinterpret_cast<size_t>(a) | reinterpret_cast<size_t>(b) |
+                        reinterpret_cast<size_t>(c) | reinterpret_cast<size_t>(d);
+    return bits % sizeof(Quad<T>) == 0;
+}
+
+// act(y + bias) + res, rounded once.
+template <typename T>
+__device__ __forceinline__ T epilogue(T y, T bias, const T *res, int act, float slope) {
+    float v = activate(to_f32(y) + to_f32(bias), act, slope);
+    if (res != nullptr) {
+        v += to_f32(*res);
+    }
+    return from_f32<T>(v);
+}
+
 // y, out and res: rows x cols; bias: cols. res is read only when has_res.
 template <typename T>
 __device__ void bias_act(const T *__restrict__ y, const T *__restrict__ bias,
                          const T *__restrict__ res, T *__restrict__ out, unsigned int n,
                          unsigned int cols, int act, float slope, int has_res) {
-    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += blockDim.x * gridDim.x) {
-        float v = activate(to_f32(y[i]) + to_f32(bias[i % cols]), act, slope);
-        if (has_res) {
-            v += to_f32(res[i]);
+    const unsigned int start = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int step = blockDim.x * gridDim.x;
+    if (cols % 4 == 0 && quads_fit<T>(y, bias, out, has_res ? res : out)) {
+        const Quad<T> *yq = reinterpret_cast<const Quad<T> *>(y);
+        const Quad<T> *bq = reinterpret_cast<const Quad<T> *>(bias);
+        const Quad<T> *rq = reinterpret_cast<const Quad<T> *>(res);
+        Quad<T> *oq = reinterpret_cast<Quad<T> *>(out);
+        const unsigned int qcols = cols / 4;
+        for (unsigned int i = start; i < n / 4; i += step) {
+            const Quad<T> a = yq[i];
+            const Quad<T> b = bq[i % qcols];
+            Quad<T> r;
+            if (has_res) {
+                r = rq[i];
+            }
+            Quad<T> o;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                o.v[k] = epilogue(a.v[k], b.v[k], has_res ? &r.v[k] : nullptr, act, slope);
+            }
+            oq[i] = o;
         }
-        out[i] = from_f32<T>(v);
+        return;
+    }
+    for (unsigned int i = start; i < n; i += step) {
+        out[i] = epilogue(y[i], bias[i % cols], has_res ? &res[i] : nullptr, act, slope);
     }
 }
 
@@ -56,14 +103,39 @@ template <typename T>
 __device__ void cat_bias_act(const T *__restrict__ prev, const T *__restrict__ y,
                              const T *__restrict__ bias, T *__restrict__ out, unsigned int n,
                              unsigned int pc, unsigned int cols, int act, float slope) {
+    const unsigned int start = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int step = blockDim.x * gridDim.x;
+    if (pc % 4 == 0 && cols % 4 == 0 && quads_fit<T>(prev, y, bias, out)) {
+        const Quad<T> *pq = reinterpret_cast<const Quad<T> *>(prev);
+        const Quad<T> *yq = reinterpret_cast<const Quad<T> *>(y);
+        const Quad<T> *bq = reinterpret_cast<const Quad<T> *>(bias);
+        Quad<T> *oq = reinterpret_cast<Quad<T> *>(out);
+        const unsigned int qp = pc / 4, qc = cols / 4, width = qp + qc;
+        for (unsigned int i = start; i < n / 4; i += step) {
+            const unsigned int r = i / width;
+            const unsigned int c = i - r * width;
+            if (c < qp) {
+                oq[i] = pq[r * qp + c];
+            } else {
+                const Quad<T> a = yq[r * qc + c - qp];
+                const Quad<T> b = bq[c - qp];
+                Quad<T> o;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    o.v[k] = epilogue(a.v[k], b.v[k], static_cast<const T *>(nullptr), act, slope);
+                }
+                oq[i] = o;
+            }
+        }
+        return;
+    }
     const unsigned int width = pc + cols;
-    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += blockDim.x * gridDim.x) {
+    for (unsigned int i = start; i < n; i += step) {
         const unsigned int r = i / width;
         const unsigned int c = i - r * width;
         out[i] = c < pc ? prev[r * pc + c]
-                        : from_f32<T>(activate(to_f32(y[r * cols + c - pc]) + to_f32(bias[c - pc]),
-                                               act, slope));
+                        : epilogue(y[r * cols + c - pc], bias[c - pc],
+                                   static_cast<const T *>(nullptr), act, slope);
     }
 }
 

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <tuple>
 
 namespace {
 
@@ -268,34 +269,66 @@ dim3 rowwise_grid(size_t units, unsigned per_block, bool one_block) {
 }
 
 template <typename T>
+void bias_act_shape(const char* suffix_in, void (*kernel)(const T*, const T*, const T*, T*,
+                                                          unsigned, unsigned, int, float, int),
+                    void (*cat)(const T*, const T*, const T*, T*, unsigned, unsigned, unsigned,
+                                int, float),
+                    double u, unsigned cols, unsigned pc, unsigned offset);
+
+template <typename T>
 void bias_act_cases(const char* suffix, void (*kernel)(const T*, const T*, const T*, T*, unsigned,
                                                         unsigned, int, float, int),
                     void (*cat)(const T*, const T*, const T*, T*, unsigned, unsigned, unsigned,
                                 int, float),
                     double u) {
-    const unsigned rows = 19, cols = 37, pc = 45;
-    const auto y = random_values<T>(rows * cols, 1), bias = random_values<T>(cols, 2),
-               res = random_values<T>(rows * cols, 3), prev = random_values<T>(rows * pc, 4);
+    // Widths of four (the quad path), odd widths, and quad widths at a start that is not a
+    // quad (the element path again).
+    for (const auto& [cols, pc, offset] : {std::tuple{37u, 45u, 0u}, std::tuple{36u, 44u, 0u},
+                                           std::tuple{36u, 44u, 1u}}) {
+        bias_act_shape<T>(suffix, kernel, cat, u, cols, pc, offset);
+    }
+}
+
+template <typename T>
+void bias_act_shape(const char* suffix_in, void (*kernel)(const T*, const T*, const T*, T*,
+                                                          unsigned, unsigned, int, float, int),
+                    void (*cat)(const T*, const T*, const T*, T*, unsigned, unsigned, unsigned,
+                                int, float),
+                    double u, unsigned cols, unsigned pc, unsigned offset) {
+    const std::string suffix = std::string(suffix_in) + " cols " + std::to_string(cols) +
+                               (offset ? " offset" : "");
+    const unsigned rows = 19;
+    // `offset` extra values in front: every pointer then starts `offset` elements in.
+    const auto y_all = random_values<T>(rows * cols + offset, 1),
+               bias_all = random_values<T>(cols + offset, 2),
+               res_all = random_values<T>(rows * cols + offset, 3),
+               prev_all = random_values<T>(rows * pc + offset, 4);
+    const std::vector<T> y(y_all.begin() + offset, y_all.end()),
+        bias(bias_all.begin() + offset, bias_all.end()),
+        res(res_all.begin() + offset, res_all.end()),
+        prev(prev_all.begin() + offset, prev_all.end());
     for (int act = 0; act < 3; ++act) {
         for (int has_res = 0; has_res < 2; ++has_res) {
             const float slope = 0.2f;
-            std::vector<T> out(rows * cols, convert<T>(NAN));
-            std::vector<double> want(out.size());
+            std::vector<T> out_all(rows * cols + offset, convert<T>(NAN));
+            T* out = out_all.data() + offset;
+            std::vector<double> want(rows * cols);
             for (unsigned i = 0; i < want.size(); ++i) {
                 want[i] = activate_ref(double(widen(y[i])) + widen(bias[i % cols]), act, slope) +
                           (has_res ? widen(res[i]) : 0.0);
             }
-            emu::launch(rowwise_grid(out.size(), 256, has_res), dim3{256, 1, 1}, [&] {
-                kernel(y.data(), bias.data(), res.data(), out.data(), rows * cols, cols, act,
-                       slope, has_res);
+            emu::launch(rowwise_grid(rows * cols, 256, has_res), dim3{256, 1, 1}, [&] {
+                kernel(y_all.data() + offset, bias_all.data() + offset, res_all.data() + offset,
+                       out, rows * cols, cols, act, slope, has_res);
             });
             report(std::string("bias_act_") + suffix + " act " + std::to_string(act) +
                        " residual " + std::to_string(has_res),
-                   out, want, u, 1e-6);
+                   std::vector<T>(out, out + rows * cols), want, u, 1e-6);
         }
     }
-    std::vector<T> out(rows * (pc + cols), convert<T>(NAN));
-    std::vector<double> want(out.size());
+    std::vector<T> out_all(rows * (pc + cols) + offset, convert<T>(NAN));
+    T* out = out_all.data() + offset;
+    std::vector<double> want(rows * (pc + cols));
     for (unsigned r = 0; r < rows; ++r) {
         for (unsigned c = 0; c < pc + cols; ++c) {
             want[r * (pc + cols) + c] =
@@ -305,12 +338,12 @@ void bias_act_cases(const char* suffix, void (*kernel)(const T*, const T*, const
         }
     }
     for (bool one_block : {false, true}) {
-        emu::launch(rowwise_grid(out.size(), 256, one_block), dim3{256, 1, 1}, [&] {
-            cat(prev.data(), y.data(), bias.data(), out.data(), rows * (pc + cols), pc, cols, 2,
-                0.2f);
+        emu::launch(rowwise_grid(want.size(), 256, one_block), dim3{256, 1, 1}, [&] {
+            cat(prev_all.data() + offset, y_all.data() + offset, bias_all.data() + offset, out,
+                rows * (pc + cols), pc, cols, 2, 0.2f);
         });
-        report(std::string("cat_bias_act_") + suffix + (one_block ? " one block" : ""), out,
-               want, u, 1e-6);
+        report(std::string("cat_bias_act_") + suffix + (one_block ? " one block" : ""),
+               std::vector<T>(out, out + want.size()), want, u, 1e-6);
     }
 }
 
