@@ -3,6 +3,8 @@
 # metric, so one replay per kernel), summed by kernel name, against the run's wall time.
 #
 #   scripts/gpu-profile.sh PACK OUTDIR PRESET [upscale bench flags...]     (PRESET: drct | drct-l)
+#   UPSCALE_BIN=upscale-COMMIT profiles an earlier build of the pack instead (gpu-pack.sh's
+#   UPSCALE_BASES), for a kernel-by-kernel before/after in the same session.
 #
 # On the GPU machine, from the repository root, with the folder scripts/gpu-pack.sh made.
 # Writes OUTDIR/kernels.csv (ncu's raw rows) and OUTDIR/profile.md (the table), then profiles
@@ -26,7 +28,7 @@ wheel=$(ls "$pack"/spandrel-*.whl 2>/dev/null | head -n 1)
 [ -n "$wheel" ] && "$PY" -m pip install -q --no-index --no-deps --target "$work/site" "$wheel" >/dev/null 2>&1 &&
   export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-  "$pack/upscale.xz" "$work/upscale"
+  "$pack/${UPSCALE_BIN:-upscale}.xz" "$work/upscale"
 chmod +x "$work/upscale"
 "$PY" benches/torch_drct.py make-weights "$work/w.safetensors" --preset "$preset" --scale 4 --seed 0 >/dev/null
 bench=("$work/upscale" bench -m "$work/w.safetensors" --device cuda --json "$@")
