@@ -171,7 +171,7 @@ check() {
     record memcheck "$(grep -E 'ERROR SUMMARY|test result' "$logs/memcheck.log" | tail -n 4)"
     # Shared-memory hazards of the two attention kernels (the CPU check's ThreadSanitizer run
     # sees missing barriers; this sees what the warps really do).
-    run racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 "$tests" \
+    run racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 1 "$tests" \
       fused_kernel_matches_the_cpu_in_f32 tensor_core_kernel_matches_the_cpu_in_bf16_and_f16 \
       --test-threads=1
     record racecheck "$(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|test result' "$logs/racecheck.log" | tail -n 4)"
