@@ -216,6 +216,8 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
 //   looks its value up by the offset of its query and key. (`bias` must be such a gathered
 //   table, as the model's always is; the scalar kernel reads any bias.)
 // - Each key's table offset and region label sit in shared memory for the whole window.
+// The B fragments of both products come from the staged tiles by ldmatrix, v transposed on
+// the way, so both tiles keep the row-major layout that cp.async writes.
 //
 // The host guarantees c even and a 4-byte aligned qkv (else it runs the scalar kernel).
 
