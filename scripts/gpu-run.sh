@@ -9,7 +9,8 @@
 #   compute-sanitizer), bf16 and fp16 against fp32 (PSNR) on tests/photos, DRCT-L bf16 on
 #   1920x1080 with the automatic tile.
 # bench: DRCT-L x4 960x540 and DRCT x4 640x480 against the PyTorch reference on the same GPU
-#   in the same run; streams 1/2/4 on one image and on a folder (GPU utilisation sampled by
+#   in the same run; DRCT-L's GEMMs at their real shapes and the body's memory floor
+#   (benches/gemm_shapes.py); streams 1/2/4 on one image and on a folder (GPU utilisation sampled by
 #   nvidia-smi).
 # matrix: precision x batch x attention for DRCT-L, and tile 512.
 # ab: the earlier builds in the pack (scripts/gpu-pack.sh with UPSCALE_BASES) against upscale,
@@ -218,6 +219,13 @@ bench_part() {
       record side "skipped: the PyTorch reference needs PyTorch and a GPU" "\"label\":\"$1-bf16-pytorch\""
     fi
   done
+
+  echo "== what bounds the body: its GEMMs at their real shapes, and its memory traffic"
+  local gemm_args=(--calc-only)
+  [ "$have_torch" = 1 ] && [ "$smoke" = 0 ] && gemm_args=()
+  if run gemm_shapes 180 "$PY" benches/gemm_shapes.py --preset drct-l "${gemm_args[@]}" --json "$work/gemm.json"; then
+    record gemm_shapes "$(cat "$work/gemm.json")"
+  fi
 
   echo "== streams"
   for s in 1 2 4; do

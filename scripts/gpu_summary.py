@@ -71,7 +71,32 @@ def main(path):
             print(f"| {r.get('precision')} | {r.get('attention', 'fused')} | {cell(s.get('mean_psnr_y'))} | "
                   f"{cell(s.get('mean_psnr_rgb'))} | {cell(min(rgb) if rgb else None)} |")
         print()
-    other = [r for r in rows if "status" not in r and r not in benches + torch_rows + psnr]
+    gemm = [r for r in rows if r["step"] == "gemm_shapes" and isinstance(r.get("result"), dict)]
+    for r in gemm:
+        g = r["result"]
+        print(f"## What bounds the body ({g['preset']}, {g['tokens']} tokens per forward)\n")
+        f = g["floors"]
+        rate = f"measured {cell(g['bf16_tflops'])} TFLOP/s and {cell(g['copy_gbps'])} GB/s" \
+            if "copy_gbps" in g else f"assumed {g['assumed_tflops']} TFLOP/s and {g['assumed_gbps']} GB/s"
+        print(f"Body {cell(g['body_gflop'])} GFLOP; bytes moved {cell(g['bytes_as_run_gb'])} GB as run, "
+              f"{cell(g['bytes_fused_gb'])} GB with every epilogue fused ({rate}).\n")
+        print("| graph | compute floor s | memory floor s | MFU ceiling |\n|---|---|---|---|")
+        for key in ("as_run", "fused"):
+            print(f"| {key} | {cell(f['compute_s'])} | {cell(f[f'memory_{key}_s'])} | "
+                  f"{cell(f[f'mfu_ceiling_{key}'])} |")
+        print()
+        if "gemms" in g:
+            print("| K | N | per forward | x@w.T s | TFLOP/s | GB/s | addmm s | K,N to 8 s | floor s |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for m in g["gemms"]:
+                print(f"| {m['k']} | {m['n']} | {m['per_forward']} | {cell(m['plain_s'])} | "
+                      f"{cell(m['plain_tflops'])} | {cell(m['plain_gbps'])} | {cell(m['addmm_s'])} | "
+                      f"{cell(m['aligned8_s'])} | {cell(m['floor_s'])} |")
+            t = g["gemm_totals"]
+            print(f"| **all, per forward** | | | {cell(t['plain_s'])} | | | {cell(t['addmm_s'])} | "
+                  f"{cell(t['aligned8_s'])} | {cell(t['floor_s'])} |")
+            print()
+    other = [r for r in rows if "status" not in r and r not in benches + torch_rows + psnr + gemm]
     if other:
         print("## Other results\n")
         for r in other:
