@@ -7,9 +7,10 @@ and the memory traffic of the forward pass as `upscale` runs it.
   python benches/gemm_shapes.py --device cpu --tokens 256 --square 256 --copy-mib 8  (checks part 2)
 
 Part 1, a calculation (stdlib only): FLOPs and bytes moved per tile by the Swin blocks, pass by
-pass, counted from the order `src/model/drct.rs` runs them on CUDA (each GEMM, then its bias
-epilogue as a separate pass), and for the same graph with every bias, activation, residual and
-concatenation done inside the GEMM's epilogue. Dividing by a bandwidth gives the least time
+pass, counted from the order `src/model/drct.rs` runs them on CUDA in bf16 (qkv and proj with
+the bias in cuBLASLt's epilogue; fc1, fc2 and adjust as a GEMM and then a pass for the bias,
+activation, residual or concatenation), and for the same graph with all of those done inside
+the GEMM's epilogue. Dividing by a bandwidth gives the least time
 either graph can take, whatever its kernels do.
 
 Part 2, measured (needs PyTorch and a GPU): the copy bandwidth of device memory, the bf16 matmul
@@ -50,11 +51,9 @@ def per_token(d, h, a, n):
     # As run on CUDA: one line per pass, in elements read + written per token.
     run = [
         d + d,  # layer norm 1 fused with the shift/partition gather
-        d + 3 * d,  # qkv GEMM
-        3 * d + 3 * d,  # its bias
+        d + 3 * d,  # qkv GEMM, bias in its epilogue (cuBLASLt, bf16 and f16)
         3 * d + d,  # window attention
-        d + d,  # proj GEMM
-        d + d,  # its bias
+        d + d,  # proj GEMM, bias in its epilogue
         d + d + d + d,  # un-partition + residual add + layer norm 2 (reads x, y; writes x, normed)
         d + h,  # fc1 GEMM
         h + h,  # its bias and GELU

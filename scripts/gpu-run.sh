@@ -168,7 +168,8 @@ check() {
   if [ -n "$tests" ] && [ "$smoke" = 0 ] && command -v compute-sanitizer >/dev/null; then
     run memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
       fused_kernel_matches_the_cpu_in_f32 tensor_core_kernel_matches_the_cpu_in_bf16_and_f16 \
-      cuda_blend_kernel_matches_the_host_accumulator tests::gpu::rowwise:: --test-threads=1
+      cuda_blend_kernel_matches_the_host_accumulator tests::gpu::rowwise:: tests::gpu::epilogue:: \
+      --test-threads=1
     record memcheck "$(grep -E 'ERROR SUMMARY|test result' "$logs/memcheck.log" | tail -n 4)"
     # Shared-memory hazards of the two attention kernels (the CPU check's ThreadSanitizer run
     # sees missing barriers; this sees what the warps really do).

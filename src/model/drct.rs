@@ -276,6 +276,16 @@ impl Dense {
     fn forward_then(&self, x: &Tensor, after: After) -> Result<Tensor> {
         match self {
             Self::Candle(inner) if x.device().is_cuda() => {
+                if matches!(after, After::Nothing) {
+                    let k = x.dim(D::Minus1)?;
+                    let tokens = x.reshape((x.elem_count() / k.max(1), k))?;
+                    let bias = dense_bias(inner)?;
+                    if let Some(y) = super::epilogue::linear_bias(&tokens, inner.weight(), bias)? {
+                        let mut dims = x.dims().to_vec();
+                        *dims.last_mut().expect("a linear layer's input has a rank") = y.dim(1)?;
+                        return y.reshape(dims);
+                    }
+                }
                 let y = token_gemm(inner, x)?;
                 let (residual, act) = match after {
                     After::Nothing => (None, Act::None),

@@ -5,6 +5,7 @@ pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod drct;
+pub mod epilogue;
 pub mod fused;
 pub mod norm;
 pub mod ops;

@@ -4,6 +4,7 @@
 //! `UPSCALE_REPO` pointing at the fixtures. Without a GPU every test fails with a message
 //! saying so; none passes by skipping.
 
+mod epilogue;
 mod kernels;
 mod lanes;
 mod parity;

@@ -1,0 +1,78 @@
+//! The cuBLASLt linear layer with the bias in its epilogue (src/model/epilogue.rs) against the
+//! same product on the CPU in f32, from the same rounded inputs. The GPU may differ from it by
+//! the output's one rounding plus f32 noise; a wrong bias column or a transposed operand moves
+//! outputs by about their own size.
+
+use super::gpu;
+use crate::model::epilogue::linear_bias;
+use candle_core::{DType, Device, Result, Tensor};
+
+fn randn(shape: &[usize], scale: f64) -> Result<Tensor> {
+    Tensor::randn(0f32, 1.0, shape, &Device::Cpu)? * scale
+}
+
+fn rounded(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    t.to_dtype(dtype)?.to_dtype(DType::F32)
+}
+
+#[test]
+fn linear_bias_matches_the_cpu_in_bf16_and_f16() -> Result<()> {
+    let dev = gpu();
+    // DRCT-L's qkv (rows of 180: 8-byte aligned in bf16, not 16), a narrow odd head-sized
+    // product, and a wide one; token counts that fill no GEMM tile exactly.
+    for (t, k, n) in [(1000, 180, 540), (333, 53, 53), (4099, 308, 308)] {
+        let x = randn(&[t, k], 1.0)?;
+        let w = randn(&[n, k], 1.0 / (k as f64).sqrt())?;
+        let b = randn(&[n], 1.0)?;
+        for (dtype, u) in [(DType::BF16, 1.0 / 256.0), (DType::F16, 1.0 / 2048.0)] {
+            let (xr, wr, br) = (
+                rounded(&x, dtype)?,
+                rounded(&w, dtype)?,
+                rounded(&b, dtype)?,
+            );
+            let want = xr.matmul(&wr.t()?)?.broadcast_add(&br)?;
+            let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(&dev);
+            let ours = linear_bias(&on(&x)?, &on(&w)?, &on(&b)?)?
+                .unwrap_or_else(|| panic!("{dtype:?} {t}x{k}x{n}: cuBLASLt did not run"));
+            assert_eq!(ours.dims(), [t, n]);
+            let ours = ours.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+            let err = (&ours - &want)?.abs()?;
+            let limit = ((want.abs()? * u)? + 1e-3)?;
+            let over = err
+                .gt(&limit)?
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()?;
+            let worst = err.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(
+                over, 0.0,
+                "{dtype:?} {t}x{k}x{n}: {over} outputs off, worst {worst}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn linear_bias_leaves_f32_and_offset_views_to_the_caller() -> Result<()> {
+    let dev = gpu();
+    let (x, w, b) = (
+        randn(&[64, 32], 1.0)?,
+        randn(&[16, 32], 1.0)?,
+        randn(&[16], 1.0)?,
+    );
+    let f32s = (x.to_device(&dev)?, w.to_device(&dev)?, b.to_device(&dev)?);
+    assert!(
+        linear_bias(&f32s.0, &f32s.1, &f32s.2)?.is_none(),
+        "f32 must stay exact"
+    );
+    let bf = |t: &Tensor| t.to_dtype(DType::BF16)?.to_device(&dev);
+    let (xb, wb, bb) = (bf(&x)?, bf(&w)?, bf(&b)?);
+    assert!(linear_bias(&xb, &wb, &bb)?.is_some());
+    let view = xb.narrow(0, 1, 63)?;
+    assert!(
+        linear_bias(&view, &wb, &bb)?.is_none(),
+        "a view inside a buffer"
+    );
+    Ok(())
+}
