@@ -7,9 +7,9 @@ and the memory traffic of the forward pass as `upscale` runs it.
   python benches/gemm_shapes.py --device cpu --tokens 256 --square 256 --copy-mib 8  (checks part 2)
 
 Part 1, a calculation (stdlib only): FLOPs and bytes moved per tile by the Swin blocks, pass by
-pass, counted from the order `src/model/drct.rs` runs them on CUDA in bf16 (qkv and proj with
-the bias in cuBLASLt's epilogue; fc1, fc2 and adjust as a GEMM and then a pass for the bias,
-activation, residual or concatenation), and for the same graph with all of those done inside
+pass, counted from the order `src/model/drct.rs` runs them on CUDA in bf16 (qkv, proj and fc2
+with the bias in cuBLASLt's epilogue, fc2 onto its residual in place; fc1 and adjust as a GEMM
+and then a pass for the bias with the GELU, or the LeakyReLU and the concatenation), and for the same graph with all of those done inside
 the GEMM's epilogue. Dividing by a bandwidth gives the least time
 either graph can take, whatever its kernels do.
 
@@ -57,8 +57,7 @@ def per_token(d, h, a, n):
         d + d + d + d,  # un-partition + residual add + layer norm 2 (reads x, y; writes x, normed)
         d + h,  # fc1 GEMM
         h + h,  # its bias and GELU
-        h + d,  # fc2 GEMM
-        d + d + d,  # its bias and the residual
+        h + d + d,  # fc2 GEMM onto the residual in place, bias in its epilogue
         d + a,  # adjust GEMM
         (d + a) + (d + a) if a != d else a + a + a,  # bias, leaky ReLU, concatenation (or residual)
     ]

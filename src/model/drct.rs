@@ -273,6 +273,29 @@ impl Dense {
         cat_leaky(prev, &self.forward(x)?)
     }
 
+    /// `acc + self(x)` written into `acc`'s buffer, on CUDA in bf16 and f16 (see
+    /// [`super::epilogue`]); `None` elsewhere. The caller gives `acc` up: every tensor that
+    /// shares its storage sees the sum.
+    fn accumulate_onto(&self, x: &Tensor, acc: Tensor) -> Result<Option<Tensor>> {
+        let Self::Candle(inner) = self else {
+            return Ok(None);
+        };
+        if !x.device().is_cuda() {
+            return Ok(None);
+        }
+        let k = x.dim(D::Minus1)?;
+        let n = acc.dim(D::Minus1)?;
+        let tokens = x.reshape((x.elem_count() / k.max(1), k))?;
+        let acc2 = acc.reshape((acc.elem_count() / n.max(1), n))?;
+        let done = super::epilogue::accumulate_linear_bias(
+            &acc2,
+            &tokens,
+            inner.weight(),
+            dense_bias(inner)?,
+        )?;
+        done.then(|| acc2.reshape(acc.shape())).transpose()
+    }
+
     fn forward_then(&self, x: &Tensor, after: After) -> Result<Tensor> {
         match self {
             Self::Candle(inner) if x.device().is_cuda() => {
@@ -397,11 +420,15 @@ impl Mlp {
 }
 
 impl Mlp {
-    /// `residual + mlp(x)`.
-    fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+    /// `residual + mlp(x)`. Takes the residual by value: on CUDA in bf16 and f16 the second
+    /// layer adds onto its buffer in place.
+    fn forward_residual(&self, x: &Tensor, residual: Tensor) -> Result<Tensor> {
         // The official model uses nn.GELU(): the exact erf form, not the tanh approximation.
         let hidden = self.fc1.forward_gelu(x)?;
-        self.fc2.forward_residual(&hidden, residual)
+        if let Some(y) = self.fc2.accumulate_onto(&hidden, residual.clone())? {
+            return Ok(y);
+        }
+        self.fc2.forward_residual(&hidden, &residual)
     }
 }
 
@@ -608,9 +635,7 @@ impl Module for SwinBlock {
                 .forward(&windows, (h, w), self.shifted, &self.windows)?
         };
         let (x, normed) = add_gather_norm(&self.norm2, &x, &y.reshape((b, h * w, c))?, &back)?;
-        self.mlp
-            .forward_residual(&normed, &x)?
-            .reshape((b, h, w, c))
+        self.mlp.forward_residual(&normed, x)?.reshape((b, h, w, c))
     }
 }
 

@@ -1,32 +1,57 @@
-//! Linear layers on CUDA as one cuBLASLt call that adds the bias in the GEMM's epilogue.
+//! Linear layers on CUDA as one cuBLASLt call that adds the bias (and a residual) in the
+//! GEMM's epilogue.
 //!
 //! candle's GEMM writes `x · wᵀ`, and a bias pass then reads it back and writes it again: three
-//! passes over the output where one will do. The linear layers without an activation or a
-//! residual (qkv and proj of every attention) take this path in bf16 and f16; f32 stays on
-//! candle's GEMM, because cuBLASLt's f32 here computes in TF32 and the f32 path is held to the
-//! CPU within 1e-4.
+//! passes over the output where one will do. In bf16 and f16 the linear layers with nothing
+//! after them but the bias (qkv and proj of every attention) take [`linear_bias`], and the
+//! MLP's second layer, whose residual the Swin block owns, takes [`accumulate_linear_bias`]
+//! onto that residual in place. f32 stays on candle's GEMM, because cuBLASLt's f32 here
+//! computes in TF32 and the f32 path is held to the CPU within 1e-4.
 
 use candle_core::{Result, Tensor};
 
-/// `x · wᵀ + b` for `x` `(T, K)`, `w` `(N, K)` and `b` `(N)`, all contiguous, or `None` where
-/// this path does not apply (not CUDA, f32, a view that does not start its buffer, or no
-/// cuBLASLt algorithm for the shape) and the caller runs its own.
-pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+fn check(x: &Tensor, w: &Tensor, b: &Tensor, what: &str) -> Result<(usize, usize)> {
     let (t, k) = x.dims2()?;
     let (n, kw) = w.dims2()?;
     if kw != k || b.dims() != [n] || t == 0 {
         candle_core::bail!(
-            "linear_bias: x {:?}, w {:?}, b {:?}",
+            "{what}: x {:?}, w {:?}, b {:?}",
             x.dims(),
             w.dims(),
             b.dims()
         );
     }
+    Ok((t, n))
+}
+
+/// `x · wᵀ + b` for `x` `(T, K)`, `w` `(N, K)` and `b` `(N)`, all contiguous, or `None` where
+/// this path does not apply (not CUDA, f32, a view that does not start its buffer, or no
+/// cuBLASLt algorithm for the shape) and the caller runs its own.
+pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+    check(x, w, b, "linear_bias")?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
         return cuda::linear_bias(x, w, b);
     }
     Ok(None)
+}
+
+/// `acc += x · wᵀ + b` in place, for `acc` `(T, N)`; `false` where this path does not apply
+/// (as for [`linear_bias`]), and `acc` is then unchanged. Every tensor that shares `acc`'s
+/// storage sees the sum, so the caller must own it.
+pub fn accumulate_linear_bias(acc: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<bool> {
+    let (t, n) = check(x, w, b, "accumulate_linear_bias")?;
+    if acc.dims() != [t, n] {
+        candle_core::bail!(
+            "accumulate_linear_bias: acc {:?}, x · wᵀ ({t}, {n})",
+            acc.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return cuda::accumulate_linear_bias(acc, x, w, b);
+    }
+    Ok(false)
 }
 
 #[cfg(feature = "cuda")]
@@ -35,10 +60,13 @@ mod cuda {
     use std::sync::{Arc, Mutex, OnceLock};
 
     use candle_core::cuda_backend::cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtrMut, DeviceRepr};
     use candle_core::cuda_backend::CudaDType;
     use candle_core::op::BackpropOp;
-    use candle_core::{CudaDevice, CudaStorage, DType, Result, Storage, Tensor};
+    use candle_core::{
+        CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp2, Layout, Result, Storage, Tensor,
+        WithDType,
+    };
     use half::{bf16, f16};
 
     /// One cuBLASLt handle (and its workspace) per CUDA stream: each lane has its own stream.
@@ -61,54 +89,37 @@ mod cuda {
         Ok(h)
     }
 
-    /// The whole buffer of `t` as a view, or `None` when `t` is a view into a larger one:
-    /// cuBLASLt's algorithms may assume buffers aligned as allocations are.
-    fn whole<'a, T: CudaDType>(s: &'a Storage, t: &Tensor) -> Result<Option<CudaView<'a, T>>> {
-        let Storage::Cuda(s) = s else {
-            return Ok(None);
-        };
-        match t.layout().contiguous_offsets() {
-            Some((0, end)) => Ok(Some(s.as_cuda_slice::<T>()?.slice(0..end))),
+    /// The elements of a layout that starts its buffer and is contiguous: cuBLASLt's
+    /// algorithms may assume buffers aligned as allocations are.
+    fn whole_len(layout: &Layout) -> Option<usize> {
+        match layout.contiguous_offsets() {
+            Some((0, end)) => Some(end),
+            _ => None,
+        }
+    }
+
+    fn view<'a, T: CudaDType>(s: &'a Storage, layout: &Layout) -> Result<Option<CudaView<'a, T>>> {
+        match (s, whole_len(layout)) {
+            (Storage::Cuda(s), Some(end)) => Ok(Some(s.as_cuda_slice::<T>()?.slice(0..end))),
             _ => Ok(None),
         }
     }
 
-    pub(super) fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
-        match x.dtype() {
-            DType::BF16 => typed::<bf16>(x, w, b),
-            DType::F16 => typed::<f16>(x, w, b),
-            _ => Ok(None),
-        }
-    }
-
-    fn typed<T>(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>>
+    /// `out = x · wᵀ + b + beta · out` over `t` tokens; `false` when cuBLASLt has no algorithm
+    /// for it, and then nothing was launched.
+    fn gemm<T, O>(
+        dev: &CudaDevice,
+        (x, w, b): (&CudaView<T>, &CudaView<T>, &CudaView<T>),
+        out: &mut O,
+        (t, k, n): (usize, usize, usize),
+        beta: f32,
+    ) -> Result<bool>
     where
-        T: CudaDType + DeviceRepr + candle_core::WithDType,
+        T: CudaDType,
+        O: DevicePtrMut<T>,
         CudaBlasLT: Matmul<T>,
     {
-        if w.dtype() != x.dtype() || b.dtype() != x.dtype() {
-            return Ok(None);
-        }
-        let (t, k) = x.dims2()?;
-        let n = w.dim(0)?;
-        let (sx, _) = x.storage_and_layout();
-        let (sw, _) = w.storage_and_layout();
-        let (sb, _) = b.storage_and_layout();
-        let (Some(xv), Some(wv), Some(bv)) = (
-            whole::<T>(&sx, x)?,
-            whole::<T>(&sw, w)?,
-            whole::<T>(&sb, b)?,
-        ) else {
-            return Ok(None);
-        };
-        let Storage::Cuda(cs) = &*sx else {
-            return Ok(None);
-        };
-        let dev = cs.device.clone();
-        let lt = handle(&dev)?;
-        // SAFETY: cuBLASLt writes every element of the output before anything reads it
-        // (beta is 0, so it never reads the uninitialised buffer).
-        let mut out = unsafe { dev.alloc::<T>(t * n) }?;
+        let lt = handle(dev)?;
         // Column-major view of the row-major product: out (N x T) = w (K x N)ᵀ · x (K x T).
         let cfg = MatmulConfig {
             transa: true,
@@ -120,7 +131,7 @@ mod cuda {
             alpha: 1.0,
             lda: k as i64,
             ldb: k as i64,
-            beta: 0.0,
+            beta,
             ldc: n as i64,
             stride_a: None,
             stride_b: None,
@@ -130,7 +141,43 @@ mod cuda {
         };
         // SAFETY: the views hold K x N, K x T and N elements and `out` N x T, as the config
         // describes them.
-        if unsafe { lt.matmul(cfg, &wv, &xv, &mut out, Some(&bv), None) }.is_err() {
+        Ok(unsafe { lt.matmul(cfg, w, x, out, Some(b), None) }.is_ok())
+    }
+
+    fn same_16bit(ts: &[&Tensor]) -> Option<DType> {
+        let d = ts[0].dtype();
+        (matches!(d, DType::BF16 | DType::F16) && ts.iter().all(|t| t.dtype() == d)).then_some(d)
+    }
+
+    pub(super) fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+        match same_16bit(&[x, w, b]) {
+            Some(DType::BF16) => typed::<bf16>(x, w, b),
+            Some(DType::F16) => typed::<f16>(x, w, b),
+            _ => Ok(None),
+        }
+    }
+
+    fn typed<T>(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>>
+    where
+        T: CudaDType + DeviceRepr + WithDType,
+        CudaBlasLT: Matmul<T>,
+    {
+        let ((t, k), n) = (x.dims2()?, w.dim(0)?);
+        let (sx, lx) = x.storage_and_layout();
+        let (sw, lw) = w.storage_and_layout();
+        let (sb, lb) = b.storage_and_layout();
+        let (Some(xv), Some(wv), Some(bv), Storage::Cuda(cs)) = (
+            view::<T>(&sx, lx)?,
+            view::<T>(&sw, lw)?,
+            view::<T>(&sb, lb)?,
+            &*sx,
+        ) else {
+            return Ok(None);
+        };
+        let dev = cs.device.clone();
+        // SAFETY: with beta 0 cuBLASLt writes every element of `out` and reads none.
+        let mut out = unsafe { dev.alloc::<T>(t * n) }?;
+        if !gemm(&dev, (&xv, &wv, &bv), &mut out, (t, k, n), 0.0)? {
             // No algorithm for this shape or alignment: the caller's GEMM and bias pass.
             return Ok(None);
         }
@@ -141,6 +188,99 @@ mod cuda {
             BackpropOp::none(),
             false,
         )))
+    }
+
+    pub(super) fn accumulate_linear_bias(
+        acc: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+    ) -> Result<bool> {
+        if same_16bit(&[acc, x, w, b]).is_none() || whole_len(acc.layout()).is_none() {
+            return Ok(false);
+        }
+        let op = Accumulate {
+            w,
+            b,
+            ran: false.into(),
+        };
+        acc.inplace_op2(x, &op)?;
+        Ok(op.ran.into_inner())
+    }
+
+    /// The in-place op behind [`accumulate_linear_bias`]: `dst += x · wᵀ + b`.
+    struct Accumulate<'a> {
+        w: &'a Tensor,
+        b: &'a Tensor,
+        /// Whether cuBLASLt ran (it may find no algorithm, and then `dst` is untouched).
+        ran: std::cell::Cell<bool>,
+    }
+
+    impl Accumulate<'_> {
+        fn typed<T>(
+            &self,
+            dst: &mut CudaStorage,
+            dl: &Layout,
+            x: &CudaStorage,
+            xl: &Layout,
+        ) -> Result<()>
+        where
+            T: CudaDType + DeviceRepr + WithDType,
+            CudaBlasLT: Matmul<T>,
+        {
+            let ((t, k), n) = (xl.shape().dims2()?, self.w.dim(0)?);
+            let (sw, lw) = self.w.storage_and_layout();
+            let (sb, lb) = self.b.storage_and_layout();
+            let xv = match whole_len(xl) {
+                Some(end) => x.as_cuda_slice::<T>()?.slice(0..end),
+                None => return Ok(()),
+            };
+            let (Some(wv), Some(bv), Some(end)) =
+                (view::<T>(&sw, lw)?, view::<T>(&sb, lb)?, whole_len(dl))
+            else {
+                return Ok(());
+            };
+            let dev = dst.device.clone();
+            let mut out = dst.as_cuda_slice_mut::<T>()?.slice_mut(0..end);
+            self.ran
+                .set(gemm(&dev, (&xv, &wv, &bv), &mut out, (t, k, n), 1.0)?);
+            Ok(())
+        }
+    }
+
+    impl InplaceOp2 for Accumulate<'_> {
+        fn name(&self) -> &'static str {
+            "accumulate-linear-bias"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &mut CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> Result<()> {
+            candle_core::bail!("accumulate-linear-bias runs on CUDA only")
+        }
+
+        fn cuda_fwd(
+            &self,
+            dst: &mut CudaStorage,
+            dl: &Layout,
+            x: &CudaStorage,
+            xl: &Layout,
+        ) -> Result<()> {
+            match dl.shape().dims().len() {
+                2 if xl.shape().dims().len() == 2 => {}
+                _ => candle_core::bail!("accumulate-linear-bias: 2-D tensors"),
+            }
+            // accumulate_linear_bias checked that every operand has w's dtype.
+            match self.w.dtype() {
+                DType::BF16 => self.typed::<bf16>(dst, dl, x, xl),
+                DType::F16 => self.typed::<f16>(dst, dl, x, xl),
+                other => candle_core::bail!("accumulate-linear-bias: dtype {other:?}"),
+            }
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 //! outputs by about their own size.
 
 use super::gpu;
-use crate::model::epilogue::linear_bias;
+use crate::model::epilogue::{accumulate_linear_bias, linear_bias};
 use candle_core::{DType, Device, Result, Tensor};
 
 fn randn(shape: &[usize], scale: f64) -> Result<Tensor> {
@@ -13,6 +13,23 @@ fn randn(shape: &[usize], scale: f64) -> Result<Tensor> {
 
 fn rounded(t: &Tensor, dtype: DType) -> Result<Tensor> {
     t.to_dtype(dtype)?.to_dtype(DType::F32)
+}
+
+/// Panics unless `ours` (any device and dtype) is within `u |want| + 1e-3` of `want` (f32,
+/// CPU) everywhere.
+fn assert_close(what: &str, ours: &Tensor, want: &Tensor, u: f64) -> Result<()> {
+    assert_eq!(ours.dims(), want.dims(), "{what}");
+    let ours = ours.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+    let err = (&ours - want)?.abs()?;
+    let limit = ((want.abs()? * u)? + 1e-3)?;
+    let over = err
+        .gt(&limit)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    let worst = err.max_all()?.to_scalar::<f32>()?;
+    assert_eq!(over, 0.0, "{what}: {over} outputs off, worst {worst}");
+    Ok(())
 }
 
 #[test]
@@ -34,20 +51,7 @@ fn linear_bias_matches_the_cpu_in_bf16_and_f16() -> Result<()> {
             let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(&dev);
             let ours = linear_bias(&on(&x)?, &on(&w)?, &on(&b)?)?
                 .unwrap_or_else(|| panic!("{dtype:?} {t}x{k}x{n}: cuBLASLt did not run"));
-            assert_eq!(ours.dims(), [t, n]);
-            let ours = ours.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-            let err = (&ours - &want)?.abs()?;
-            let limit = ((want.abs()? * u)? + 1e-3)?;
-            let over = err
-                .gt(&limit)?
-                .to_dtype(DType::F32)?
-                .sum_all()?
-                .to_scalar::<f32>()?;
-            let worst = err.max_all()?.to_scalar::<f32>()?;
-            assert_eq!(
-                over, 0.0,
-                "{dtype:?} {t}x{k}x{n}: {over} outputs off, worst {worst}"
-            );
+            assert_close(&format!("{dtype:?} {t}x{k}x{n}"), &ours, &want, u)?;
         }
     }
     Ok(())
@@ -74,5 +78,52 @@ fn linear_bias_leaves_f32_and_offset_views_to_the_caller() -> Result<()> {
         linear_bias(&view, &wb, &bb)?.is_none(),
         "a view inside a buffer"
     );
+    Ok(())
+}
+
+#[test]
+fn accumulate_linear_bias_adds_in_place_in_bf16_and_f16() -> Result<()> {
+    let dev = gpu();
+    // DRCT-L's fc2 of the first block (360 -> 180) and an odd narrow one.
+    for (t, k, n) in [(1000, 360, 180), (333, 53, 77)] {
+        let x = randn(&[t, k], 1.0)?;
+        let w = randn(&[n, k], 1.0 / (k as f64).sqrt())?;
+        let b = randn(&[n], 1.0)?;
+        let acc = randn(&[t, n], 1.0)?;
+        for (dtype, u) in [(DType::BF16, 1.0 / 256.0), (DType::F16, 1.0 / 2048.0)] {
+            let r = |t: &Tensor| rounded(t, dtype);
+            let want = ((r(&x)?.matmul(&r(&w)?.t()?)?.broadcast_add(&r(&b)?))? + r(&acc)?)?;
+            let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(&dev);
+            let ours = on(&acc)?;
+            // A second handle on the same storage: it must see the sum too.
+            let alias = ours.clone();
+            let ran = accumulate_linear_bias(&ours, &on(&x)?, &on(&w)?, &on(&b)?)?;
+            assert!(ran, "{dtype:?} {t}x{k}x{n}: cuBLASLt did not run");
+            assert_close(&format!("{dtype:?} {t}x{k}x{n}"), &alias, &want, u)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn accumulate_linear_bias_leaves_f32_untouched() -> Result<()> {
+    let dev = gpu();
+    let (x, w, b) = (
+        randn(&[64, 32], 1.0)?,
+        randn(&[16, 32], 1.0)?,
+        randn(&[16], 1.0)?,
+    );
+    let acc = randn(&[64, 16], 1.0)?;
+    let on = |t: &Tensor| t.to_device(&dev);
+    let ours = on(&acc)?;
+    assert!(!accumulate_linear_bias(
+        &ours,
+        &on(&x)?,
+        &on(&w)?,
+        &on(&b)?
+    )?);
+    let back = ours.to_device(&Device::Cpu)?;
+    let diff = (back - &acc)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert_eq!(diff, 0.0, "f32 must be left to the caller, unchanged");
     Ok(())
 }
