@@ -57,14 +57,19 @@ fn linear_bias_matches_the_cpu_in_bf16_and_f16() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn linear_bias_leaves_f32_and_offset_views_to_the_caller() -> Result<()> {
-    let dev = gpu();
-    let (x, w, b) = (
+/// `x` (64, 32), `w` (16, 32) and `b` (16) in f32 on the CPU.
+fn small_layer() -> Result<(Tensor, Tensor, Tensor)> {
+    Ok((
         randn(&[64, 32], 1.0)?,
         randn(&[16, 32], 1.0)?,
         randn(&[16], 1.0)?,
-    );
+    ))
+}
+
+#[test]
+fn linear_bias_leaves_f32_and_offset_views_to_the_caller() -> Result<()> {
+    let dev = gpu();
+    let (x, w, b) = small_layer()?;
     let f32s = (x.to_device(&dev)?, w.to_device(&dev)?, b.to_device(&dev)?);
     assert!(
         linear_bias(&f32s.0, &f32s.1, &f32s.2)?.is_none(),
@@ -108,11 +113,7 @@ fn accumulate_linear_bias_adds_in_place_in_bf16_and_f16() -> Result<()> {
 #[test]
 fn accumulate_linear_bias_leaves_f32_untouched() -> Result<()> {
     let dev = gpu();
-    let (x, w, b) = (
-        randn(&[64, 32], 1.0)?,
-        randn(&[16, 32], 1.0)?,
-        randn(&[16], 1.0)?,
-    );
+    let (x, w, b) = small_layer()?;
     let acc = randn(&[64, 16], 1.0)?;
     let on = |t: &Tensor| t.to_device(&dev);
     let ours = on(&acc)?;
