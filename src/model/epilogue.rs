@@ -60,7 +60,9 @@ mod cuda {
     use std::sync::{Arc, Mutex, OnceLock};
 
     use candle_core::cuda_backend::cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtrMut, DeviceRepr};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
+    };
     use candle_core::cuda_backend::CudaDType;
     use candle_core::op::BackpropOp;
     use candle_core::{
@@ -105,8 +107,8 @@ mod cuda {
         }
     }
 
-    /// `out = x · wᵀ + b + beta · out` over `t` tokens; `false` when cuBLASLt has no algorithm
-    /// for it, and then nothing was launched.
+    /// `out = x · wᵀ + b + beta · out` over `t` tokens; `false` when a buffer is not aligned
+    /// as an allocation or cuBLASLt has no algorithm for it, and then nothing was launched.
     fn gemm<T, O>(
         dev: &CudaDevice,
         (x, w, b): (&CudaView<T>, &CudaView<T>, &CudaView<T>),
@@ -119,6 +121,17 @@ mod cuda {
         O: DevicePtrMut<T>,
         CudaBlasLT: Matmul<T>,
     {
+        // cuBLASLt picks its algorithm assuming 256-byte aligned buffers unless told otherwise;
+        // allocations are, and anything else goes back to the caller.
+        let stream = dev.cuda_stream();
+        let aligned = |p: u64| p.is_multiple_of(256);
+        if !(aligned(x.device_ptr(&stream).0)
+            && aligned(w.device_ptr(&stream).0)
+            && aligned(b.device_ptr(&stream).0)
+            && aligned(out.device_ptr_mut(&stream).0))
+        {
+            return Ok(false);
+        }
         let lt = handle(dev)?;
         // Column-major view of the row-major product: out (N x T) = w (K x N)ᵀ · x (K x T).
         let cfg = MatmulConfig {
