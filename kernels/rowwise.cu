@@ -7,6 +7,10 @@
 //   the concatenation costs no pass of its own.
 // - gather_norm / add_gather_norm: the window partition (a token permutation) fused with the
 //   layer norm beside it, one warp per token row.
+// - patches3x3: the patch matrix of a 3x3 convolution in one pass, where candle's zero
+//   padding, nine strided tap copies and their concatenation took eleven.
+// - conv3x3_narrow: a 3x3 convolution with at most four outputs (the RGB output layer at the
+//   full output size) computed directly, one warp per pixel, with no patch matrix at all.
 //
 // Arithmetic is f32 whatever the storage type; every stored value is rounded once. Each
 // thread reads and writes its own elements only, so outputs never alias inputs.
@@ -207,6 +211,104 @@ __device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ y
     }
 }
 
+// The patch matrix of a 3x3 convolution (stride 1, zero padding 1) for map rows
+// [y0, y0 + rows) of x (maps, h, w, c), channels-last: out row (m * rows + r) * w + j holds
+// the nine taps (dy, dx) in row-major order, c values each, zero where a tap falls outside the
+// map. Moves groups of G values (G = 4 where c allows, else 1); n = maps*rows*w*9*c/G.
+template <typename G>
+__device__ void patches3x3_groups(const G *__restrict__ x, G *__restrict__ out, unsigned int n,
+                                  unsigned int h, unsigned int w, unsigned int cg,
+                                  unsigned int y0, unsigned int rows, G zero) {
+    const unsigned int start = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int step = blockDim.x * gridDim.x;
+    for (unsigned int i = start; i < n; i += step) {
+        const unsigned int t = i / cg;
+        const unsigned int ch = i - t * cg;
+        const unsigned int p = t / 9;
+        const unsigned int tap = t - p * 9;
+        const unsigned int q = p / w;
+        const unsigned int j = p - q * w;
+        const unsigned int m = q / rows;
+        const unsigned int r = q - m * rows;
+        // Unsigned wrap-around makes the taps above row 0 and left of column 0 fail the test.
+        const unsigned int yy = y0 + r + tap / 3 - 1;
+        const unsigned int xx = j + tap % 3 - 1;
+        out[i] = (yy < h && xx < w) ? x[((size_t)(m * h + yy) * w + xx) * cg + ch] : zero;
+    }
+}
+
+template <typename T>
+__device__ void patches3x3(const T *__restrict__ x, T *__restrict__ out, unsigned int n,
+                           unsigned int h, unsigned int w, unsigned int c, unsigned int y0,
+                           unsigned int rows) {
+    if (c % 4 == 0 && quads_fit<T>(x, out, x, out)) {
+        Quad<T> zero;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            zero.v[k] = from_f32<T>(0.0f);
+        }
+        patches3x3_groups<Quad<T>>(reinterpret_cast<const Quad<T> *>(x),
+                                      reinterpret_cast<Quad<T> *>(out), n / 4, h, w, c / 4, y0,
+                                      rows, zero);
+        return;
+    }
+    patches3x3_groups<T>(x, out, n, h, w, c, y0, rows, from_f32<T>(0.0f));
+}
+
+// Most output channels conv3x3_narrow computes.
+constexpr unsigned int NARROW_MAX = 4;
+
+// out (maps, h, w, cout) = conv3x3(x (maps, h, w, cin)) + bias, stride 1, zero padding 1;
+// wt: (9 * cin, cout), rows ordered (dy, dx, cin); cout <= NARROW_MAX; pixels = maps*h*w.
+// One warp per pixel: the lanes split the input channels, so each tap is one coalesced read,
+// and the four partial sums meet in a butterfly.
+template <typename T>
+__device__ void conv3x3_narrow(const T *__restrict__ x, const T *__restrict__ wt,
+                               const T *__restrict__ bias, T *__restrict__ out,
+                               unsigned int pixels, unsigned int h, unsigned int w,
+                               unsigned int cin, unsigned int cout) {
+    const unsigned int lane = threadIdx.x % 32;
+    const unsigned int warps = blockDim.x * gridDim.x / 32;
+    // Every lane of a warp takes the same pixels, so the shuffles below see the whole warp.
+    for (unsigned int p = (blockIdx.x * blockDim.x + threadIdx.x) / 32; p < pixels; p += warps) {
+        const unsigned int q = p / w;
+        const unsigned int j = p - q * w;
+        const unsigned int m = q / h;
+        const unsigned int y = q - m * h;
+        float acc[NARROW_MAX] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (unsigned int tap = 0; tap < 9; ++tap) {
+            // Unsigned wrap-around makes the taps above row 0 and left of column 0 fail.
+            const unsigned int yy = y + tap / 3 - 1;
+            const unsigned int xx = j + tap % 3 - 1;
+            if (yy >= h || xx >= w) {
+                continue;
+            }
+            const T *src = x + ((size_t)(m * h + yy) * w + xx) * cin;
+            const T *wrow = wt + (size_t)tap * cin * cout;
+            for (unsigned int c = lane; c < cin; c += 32) {
+                const float v = to_f32(src[c]);
+#pragma unroll
+                for (unsigned int o = 0; o < NARROW_MAX; ++o) {
+                    if (o < cout) {
+                        acc[o] += v * to_f32(wrow[c * cout + o]);
+                    }
+                }
+            }
+        }
+        float mine = 0.0f;
+#pragma unroll
+        for (unsigned int o = 0; o < NARROW_MAX; ++o) {
+            for (int d = 16; d > 0; d /= 2) {
+                acc[o] += __shfl_xor_sync(0xffffffffu, acc[o], d);
+            }
+            mine = lane == o ? acc[o] : mine;
+        }
+        if (lane < cout) {
+            out[(size_t)p * cout + lane] = from_f32<T>(mine + to_f32(bias[lane]));
+        }
+    }
+}
+
 }  // namespace rowwise
 
 #define ROWWISE(T, SUFFIX)                                                                     \
@@ -233,6 +335,17 @@ __device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ y
         unsigned int cols, float eps) {                                                        \
         rowwise::add_gather_norm(x, y, back, gamma, beta, sum, normed, rows, tokens, tokens_y, \
                                  cols, eps);                                                   \
+    }                                                                                          \
+    extern "C" __global__ void patches3x3_##SUFFIX(const T *x, T *out, unsigned int n,         \
+                                                   unsigned int h, unsigned int w,             \
+                                                   unsigned int c, unsigned int y0,            \
+                                                   unsigned int rows) {                        \
+        rowwise::patches3x3(x, out, n, h, w, c, y0, rows);                                     \
+    }                                                                                          \
+    extern "C" __global__ void conv3x3_narrow_##SUFFIX(                                        \
+        const T *x, const T *wt, const T *bias, T *out, unsigned int pixels, unsigned int h,   \
+        unsigned int w, unsigned int cin, unsigned int cout) {                                 \
+        rowwise::conv3x3_narrow(x, wt, bias, out, pixels, h, w, cin, cout);                    \
     }
 
 ROWWISE(float, f32)

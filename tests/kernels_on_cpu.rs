@@ -110,6 +110,12 @@ fn run_check(tag: &str, flags: &[&str], limit: Duration) {
         "cat_bias_act_f16",
         "gather_norm_f32",
         "add_gather_norm_bf16",
+        "patches3x3_f32",
+        "patches3x3_bf16",
+        "patches3x3_f16",
+        "conv3x3_narrow_f32",
+        "conv3x3_narrow_bf16",
+        "conv3x3_narrow_f16",
     ] {
         assert!(
             stdout

@@ -43,8 +43,8 @@ const CONV_CHUNK_ELEMS_GPU: usize = 128 << 20;
 
 /// A 3x3 convolution (stride 1, zero padding 1) on channels-last features.
 ///
-/// The patch matrix is built with nine contiguous copies along the channel axis and fed to
-/// one matmul per chunk of rows, so the work is a large GEMM on the CPU and on CUDA alike,
+/// On the CPU the kernels of [`super::ops`] run it. Elsewhere the patch matrix of each chunk
+/// of rows ([`rowwise::patches3x3`]: one kernel pass on CUDA) is fed to one matmul, so the work is a large GEMM on the CPU and on CUDA alike,
 /// with memory bounded by `CONV_CHUNK_ELEMS` (`CONV_CHUNK_ELEMS_GPU` on a GPU) however large
 /// the feature map.
 pub struct Conv3x3 {
@@ -119,18 +119,6 @@ impl Conv3x3 {
             ..self
         })
     }
-
-    fn patches(&self, padded: &Tensor, rows: usize, w: usize) -> Result<Tensor> {
-        let mut taps = Vec::with_capacity(9);
-        for dy in 0..3 {
-            for dx in 0..3 {
-                // Contiguous taps let the concatenation run as block copies; candle's cat of
-                // strided views falls back to element-wise copying.
-                taps.push(padded.narrow(1, dy, rows)?.narrow(2, dx, w)?.contiguous()?);
-            }
-        }
-        Tensor::cat(&taps, D::Minus1)
-    }
 }
 
 impl Module for Conv3x3 {
@@ -152,7 +140,9 @@ impl Module for Conv3x3 {
         }
         let (b, h, w, c) = x.dims4()?;
         debug_assert_eq!(c, self.cin);
-        let padded = x.pad_with_zeros(1, 1, 1)?.pad_with_zeros(2, 1, 1)?;
+        if x.device().is_cuda() && self.bias.dim(0)? <= rowwise::NARROW_CONV_MAX {
+            return rowwise::conv3x3_narrow(x, &self.weight, &self.bias);
+        }
         let chunk = if x.device().is_cpu() {
             CONV_CHUNK_ELEMS
         } else {
@@ -163,8 +153,7 @@ impl Module for Conv3x3 {
         let mut y = 0;
         while y < h {
             let n = rows.min(h - y);
-            let cols = self.patches(&padded.narrow(1, y, n + 2)?, n, w)?;
-            let out = cols.reshape((b * n * w, 9 * c))?.matmul(&self.weight)?;
+            let out = rowwise::patches3x3(x, y, n)?.matmul(&self.weight)?;
             let out = rowwise::bias_act(&out, &self.bias, None, Act::None)?;
             outs.push(out.reshape((b, n, w, ()))?);
             y += n;

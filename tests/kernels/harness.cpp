@@ -347,6 +347,99 @@ void bias_act_shape(const char* suffix_in, void (*kernel)(const T*, const T*, co
     }
 }
 
+// The patch matrix of a 3x3 convolution for rows [y0, y0 + rows) of `maps` maps, against the
+// definition; `offset` starts both buffers that many elements in (the element path).
+template <typename T>
+void patches_case(const char* suffix, void (*kernel)(const T*, T*, unsigned, unsigned, unsigned,
+                                                     unsigned, unsigned, unsigned),
+                  unsigned maps, unsigned h, unsigned w, unsigned c, unsigned y0, unsigned rows,
+                  unsigned offset, bool one_block) {
+    const auto x_all = random_values<T>(maps * h * w * c + offset, 5);
+    const T* x = x_all.data() + offset;
+    const unsigned n = maps * rows * w * 9 * c;
+    std::vector<T> out_all(n + offset, convert<T>(NAN));
+    T* out = out_all.data() + offset;
+    std::vector<double> want(n);
+    for (unsigned m = 0; m < maps; ++m)
+        for (unsigned r = 0; r < rows; ++r)
+            for (unsigned j = 0; j < w; ++j)
+                for (unsigned tap = 0; tap < 9; ++tap)
+                    for (unsigned ch = 0; ch < c; ++ch) {
+                        const int yy = int(y0 + r) + int(tap / 3) - 1;
+                        const int xx = int(j) + int(tap % 3) - 1;
+                        const bool inside = yy >= 0 && yy < int(h) && xx >= 0 && xx < int(w);
+                        want[(((m * rows + r) * w + j) * 9 + tap) * c + ch] =
+                            inside ? widen(x[((m * h + yy) * w + xx) * c + ch]) : 0.0;
+                    }
+    emu::launch(rowwise_grid(c % 4 == 0 && offset == 0 ? n / 4 : n, 256, one_block),
+                dim3{256, 1, 1}, [&] { kernel(x, out, n, h, w, c, y0, rows); });
+    report(std::string("patches3x3_") + suffix + " c " + std::to_string(c) + " rows " +
+               std::to_string(y0) + "+" + std::to_string(rows) + (offset ? " offset" : "") +
+               (one_block ? " one block" : ""),
+           std::vector<T>(out, out + n), want, 0.0, 0.0);
+}
+
+template <typename T>
+void patches_cases(const char* suffix, void (*kernel)(const T*, T*, unsigned, unsigned, unsigned,
+                                                      unsigned, unsigned, unsigned)) {
+    // The whole map, a chunk of rows in the middle, the last rows (bottom padding), an odd
+    // channel count, and quad widths at a start that is not a quad.
+    patches_case<T>(suffix, kernel, 2, 5, 7, 8, 0, 5, 0, false);
+    patches_case<T>(suffix, kernel, 2, 6, 5, 8, 2, 2, 0, true);
+    patches_case<T>(suffix, kernel, 1, 6, 4, 4, 4, 2, 0, false);
+    patches_case<T>(suffix, kernel, 1, 4, 6, 3, 1, 3, 0, false);
+    patches_case<T>(suffix, kernel, 1, 4, 5, 8, 0, 4, 1, false);
+}
+
+// A 3x3 convolution with at most four outputs, against the definition in double.
+template <typename T>
+void narrow_case(const char* suffix, void (*kernel)(const T*, const T*, const T*, T*, unsigned,
+                                                    unsigned, unsigned, unsigned, unsigned),
+                 double u, unsigned maps, unsigned h, unsigned w, unsigned cin, unsigned cout,
+                 bool one_block) {
+    const auto x = random_values<T>(maps * h * w * cin, 6);
+    const auto wt = random_values<T>(9 * cin * cout, 7, 0.2f);
+    const auto bias = random_values<T>(cout, 8);
+    const unsigned pixels = maps * h * w;
+    std::vector<T> out(pixels * cout, convert<T>(NAN));
+    std::vector<double> want(pixels * cout);
+    double scale = 0;  // the largest sum of |terms|: the bound for f32 summation order
+    for (unsigned p = 0; p < pixels; ++p) {
+        const unsigned j = p % w, y = (p / w) % h, m = p / (w * h);
+        for (unsigned o = 0; o < cout; ++o) {
+            double sum = widen(bias[o]), mag = std::fabs(sum);
+            for (unsigned tap = 0; tap < 9; ++tap) {
+                const int yy = int(y + tap / 3) - 1, xx = int(j + tap % 3) - 1;
+                if (yy < 0 || yy >= int(h) || xx < 0 || xx >= int(w)) continue;
+                for (unsigned c = 0; c < cin; ++c) {
+                    const double t = double(widen(x[((m * h + yy) * w + xx) * cin + c])) *
+                                     widen(wt[(tap * cin + c) * cout + o]);
+                    sum += t;
+                    mag += std::fabs(t);
+                }
+            }
+            want[p * cout + o] = sum;
+            scale = std::max(scale, mag);
+        }
+    }
+    emu::launch(rowwise_grid(pixels, 256 / 32, one_block), dim3{256, 1, 1}, [&] {
+        kernel(x.data(), wt.data(), bias.data(), out.data(), pixels, h, w, cin, cout);
+    });
+    report(std::string("conv3x3_narrow_") + suffix + " cin " + std::to_string(cin) + " cout " +
+               std::to_string(cout) + (one_block ? " one block" : ""),
+           out, want, u, 1e-6 * scale);
+}
+
+template <typename T>
+void narrow_cases(const char* suffix, void (*kernel)(const T*, const T*, const T*, T*, unsigned,
+                                                     unsigned, unsigned, unsigned, unsigned),
+                  double u) {
+    // The released output layer (64 -> 3), channels fewer than a warp, four outputs, one.
+    narrow_case<T>(suffix, kernel, u, 2, 5, 6, 64, 3, false);
+    narrow_case<T>(suffix, kernel, u, 1, 4, 7, 20, 4, true);
+    narrow_case<T>(suffix, kernel, u, 1, 3, 3, 35, 1, false);
+}
+
 // ln(row) in double, with the affine parameters.
 void norm_ref(const double* row, const std::vector<double>& gamma, const std::vector<double>& beta,
               double eps, double* out) {
@@ -469,6 +562,12 @@ int main(int argc, char** argv) {
     norm_cases<float>("f32", gather_norm_f32, add_gather_norm_f32, 0.0);
     norm_cases<__nv_bfloat16>("bf16", gather_norm_bf16, add_gather_norm_bf16, 1.0 / 256);
     norm_cases<__half>("f16", gather_norm_f16, add_gather_norm_f16, 1.0 / 2048);
+    patches_cases<float>("f32", patches3x3_f32);
+    patches_cases<__nv_bfloat16>("bf16", patches3x3_bf16);
+    patches_cases<__half>("f16", patches3x3_f16);
+    narrow_cases<float>("f32", conv3x3_narrow_f32, 0.0);
+    narrow_cases<__nv_bfloat16>("bf16", conv3x3_narrow_bf16, 1.0 / 256);
+    narrow_cases<__half>("f16", conv3x3_narrow_f16, 1.0 / 2048);
     if (failures != 0) {
         std::printf("%d case(s) failed\n", failures);
         return 1;

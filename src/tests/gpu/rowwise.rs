@@ -206,6 +206,65 @@ fn add_gather_norm_matches_candle() {
 }
 
 /// Inputs the kernels cannot take are errors, not launches.
+/// The patch kernel copies values, so it must match candle's composition exactly, on both
+/// of its paths (channels a multiple of four, and not) and for chunks at both map edges.
+#[test]
+fn patches3x3_matches_candle() -> Result<()> {
+    let dev = gpu();
+    for (dims, chunks) in [
+        ((2, 9, 7, 8), [(0, 9), (0, 4), (4, 5)]),
+        ((1, 6, 5, 3), [(0, 6), (1, 2), (5, 1)]),
+    ] {
+        let x = randn(&[dims.0, dims.1, dims.2, dims.3]);
+        for (dtype, _) in DTYPES {
+            let xd = x.to_dtype(dtype)?;
+            for (y0, rows) in chunks {
+                let want = rowwise::patches3x3(&xd, y0, rows)?;
+                let ours = rowwise::patches3x3(&xd.to_device(&dev)?, y0, rows)?;
+                let diff = (ours.to_device(&Device::Cpu)?.to_dtype(DType::F32)?
+                    - want.to_dtype(DType::F32)?)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "{dtype:?} {dims:?} rows {y0}+{rows}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The narrow convolution sums 9 x cin products in f32 in its own order: it may differ from
+/// candle's composition by the output's rounding plus f32 noise on sums of about one.
+#[test]
+fn conv3x3_narrow_matches_candle() -> Result<()> {
+    let dev = gpu();
+    for (b, h, w, cin, cout) in [(2, 9, 7, 64, 3), (1, 5, 6, 20, 4), (1, 4, 3, 35, 1)] {
+        let x = randn(&[b, h, w, cin]);
+        let wt = (randn(&[9 * cin, cout]) / (9.0 * cin as f64).sqrt())?;
+        let bias = randn(&[cout]);
+        for (dtype, u) in DTYPES {
+            let (xr, wr, br) = (
+                rounded(&x, dtype),
+                rounded(&wt, dtype),
+                rounded(&bias, dtype),
+            );
+            let want = rowwise::conv3x3_narrow(&xr, &wr, &br)?;
+            let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(&dev);
+            let ours = rowwise::conv3x3_narrow(&on(&x)?, &on(&wt)?, &on(&bias)?)?;
+            let ours = ours.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+            let err = (&ours - &want)?.abs()?;
+            let limit = ((want.abs()? * f64::from(u))? + 1e-4)?;
+            let over = err
+                .gt(&limit)?
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()?;
+            assert_eq!(over, 0.0, "{dtype:?} {b}x{h}x{w}x{cin} -> {cout}");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn bad_inputs_are_errors() -> Result<()> {
     let dev = gpu();
