@@ -45,51 +45,57 @@ def blocks(p):
     return out
 
 
-def per_token(d, h, a, n):
-    """FLOPs and bytes per token of one block: (flops, bytes as run, bytes fused)."""
-    flops = 2 * d * 3 * d + 2 * d * d + 2 * d * h + 2 * h * d + 2 * d * a + 4 * n * d
-    # As run on CUDA: one line per pass, in elements read + written per token.
-    run = [
-        d + d,  # layer norm 1 fused with the shift/partition gather
-        d + 3 * d,  # qkv GEMM, bias in its epilogue (cuBLASLt, bf16 and f16)
-        3 * d + d,  # window attention
-        d + d,  # proj GEMM, bias in its epilogue
-        d + d + d + d,  # un-partition + residual add + layer norm 2 (reads x, y; writes x, normed)
-        d + h,  # fc1 GEMM
-        h + h,  # its bias and GELU
-        h + d + d,  # fc2 GEMM onto the residual in place, bias in its epilogue
-        d + a,  # adjust GEMM
-        (d + a) + (d + a) if a != d else a + a + a,  # bias, leaky ReLU, concatenation (or residual)
+def passes(d, h, a, n):
+    """The passes of one block as run on CUDA in bf16: (name, FLOPs, elements read + written)
+    per token."""
+    last = a == d  # adjust5: back to the embedding width, onto the group's residual
+    return [
+        ("norm1 + window gather", 0, d + d),
+        ("qkv GEMM + bias (cuBLASLt epilogue)", 2 * d * 3 * d, d + 3 * d),
+        ("window attention", 4 * n * d, 3 * d + d),
+        ("proj GEMM + bias (cuBLASLt epilogue)", 2 * d * d, d + d),
+        # Reads x and the attention output; writes the sum and its norm.
+        ("un-gather + residual + norm2", 0, 4 * d),
+        ("fc1 GEMM", 2 * d * h, d + h),
+        ("fc1 bias + GELU", 0, h + h),
+        ("fc2 GEMM + bias onto the residual in place", 2 * h * d, h + d + d),
+        ("adjust GEMM", 2 * d * a, d + a),
+        # The dense concatenation (reads prev and y, writes both), or the group residual.
+        ("adjust bias + act + concatenation", 0, 3 * a if last else 2 * (d + a)),
     ]
-    # Everything after a GEMM done in its epilogue, the concatenation written in place.
-    fused = [
-        d + d,
-        d + 3 * d,
-        3 * d + d,
-        d + d,
-        d + d + d + d,
-        d + h,
-        h + d + d,
-        d + a + (a if a == d else 0),
-    ]
-    return flops, sum(run) * BYTES, sum(fused) * BYTES
+
+
+def fused_elements(d, h, a):
+    """Elements per token of the same block with everything after a GEMM in its epilogue and
+    the concatenation written in place."""
+    extra = a if a == d else 0
+    return (d + d) + (d + 3 * d) + (3 * d + d) + (d + d) + 4 * d + (d + h) + (h + d + d) + (
+        d + a + extra)
 
 
 def calc(preset, tokens):
     p = PRESETS[preset]
     n = p["window"] ** 2
-    flops = run = fused = 0
+    scale = p["groups"] * tokens
+    per_pass, fused = {}, 0
     for d, h, a in blocks(p):
-        f, r, u = per_token(d, h, a, n)
-        flops, run, fused = flops + f, run + r, fused + u
-    g = p["groups"]
-    return {"preset": preset, "tokens": tokens, "body_gflop": flops * g * tokens / 1e9,
-            "bytes_as_run_gb": run * g * tokens / 1e9, "bytes_fused_gb": fused * g * tokens / 1e9}
+        for name, flops, elements in passes(d, h, a, n):
+            entry = per_pass.setdefault(name, {"gflop": 0.0, "gb": 0.0})
+            entry["gflop"] += flops * scale / 1e9
+            entry["gb"] += elements * BYTES * scale / 1e9
+        fused += fused_elements(d, h, a)
+    return {"preset": preset, "tokens": tokens,
+            "body_gflop": sum(e["gflop"] for e in per_pass.values()),
+            "bytes_as_run_gb": sum(e["gb"] for e in per_pass.values()),
+            "bytes_fused_gb": fused * BYTES * scale / 1e9, "passes": per_pass}
 
 
 def floors(c, tflops, gbps):
     compute = c["body_gflop"] / 1e3 / tflops
     out = {"compute_s": compute}
+    # Each pass's least time: its FLOPs at the matmul rate or its bytes at the bandwidth.
+    out["pass_s"] = {name: max(e["gflop"] / 1e3 / tflops, e["gb"] / gbps)
+                     for name, e in c["passes"].items()}
     for key in ("as_run", "fused"):
         memory = c[f"bytes_{key}_gb"] / gbps
         out[f"memory_{key}_s"] = memory

@@ -85,6 +85,10 @@ def main(path):
             print(f"| {key} | {cell(f['compute_s'])} | {cell(f[f'memory_{key}_s'])} | "
                   f"{cell(f[f'mfu_ceiling_{key}'])} |")
         print()
+        print("| pass (all blocks) | GFLOP | GB moved | floor s |\n|---|---|---|---|")
+        for name, e in g.get("passes", {}).items():
+            print(f"| {name} | {cell(e['gflop'])} | {cell(e['gb'])} | {cell(f['pass_s'][name])} |")
+        print()
         if "gemms" in g:
             print("| K | N | per forward | x@w.T s | TFLOP/s | GB/s | addmm s | K,N to 8 s | floor s |")
             print("|---|---|---|---|---|---|---|---|---|")
