@@ -72,7 +72,10 @@ mod cuda {
     use half::{bf16, f16};
 
     /// One cuBLASLt handle (and its workspace) per CUDA stream: each lane has its own stream.
-    fn handle(dev: &CudaDevice) -> Result<Arc<CudaBlasLT>> {
+    /// `None` when no handle can be made: cudarc panics when the handle's 32 MiB workspace
+    /// cannot be allocated, which a lane started late on a full GPU may meet, and the
+    /// caller's own GEMM then runs instead.
+    fn handle(dev: &CudaDevice) -> Option<Arc<CudaBlasLT>> {
         static HANDLES: OnceLock<Mutex<HashMap<usize, Arc<CudaBlasLT>>>> = OnceLock::new();
         let stream = dev.cuda_stream();
         // The handle keeps its stream alive, so the address cannot be reused by another.
@@ -82,13 +85,13 @@ mod cuda {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if let Some(h) = map.get(&key) {
-            return Ok(h.clone());
+            return Some(h.clone());
         }
-        let h = CudaBlasLT::new(stream)
-            .map_err(|e| candle_core::Error::Msg(format!("cuBLASLt handle: {e:?}")))?;
-        let h = Arc::new(h);
+        let made =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| CudaBlasLT::new(stream)));
+        let h = Arc::new(made.ok()?.ok()?);
         map.insert(key, h.clone());
-        Ok(h)
+        Some(h)
     }
 
     /// The elements of a layout that starts its buffer and is contiguous: cuBLASLt's
@@ -132,7 +135,9 @@ mod cuda {
         {
             return Ok(false);
         }
-        let lt = handle(dev)?;
+        let Some(lt) = handle(dev) else {
+            return Ok(false);
+        };
         // Column-major view of the row-major product: out (N x T) = w (K x N)ᵀ · x (K x T).
         let cfg = MatmulConfig {
             transa: true,
