@@ -44,9 +44,10 @@ const CONV_CHUNK_ELEMS_GPU: usize = 128 << 20;
 /// A 3x3 convolution (stride 1, zero padding 1) on channels-last features.
 ///
 /// On the CPU the kernels of [`super::ops`] run it. Elsewhere the patch matrix of each chunk
-/// of rows ([`rowwise::patches3x3`]: one kernel pass on CUDA) is fed to one matmul, so the work is a large GEMM on the CPU and on CUDA alike,
-/// with memory bounded by `CONV_CHUNK_ELEMS` (`CONV_CHUNK_ELEMS_GPU` on a GPU) however large
-/// the feature map.
+/// of rows ([`rowwise::patches3x3`]: one kernel pass on CUDA) is fed to one matmul, with
+/// memory bounded by `CONV_CHUNK_ELEMS` (`CONV_CHUNK_ELEMS_GPU` on a GPU) however large the
+/// feature map; on CUDA the RGB output layer skips the patch matrix
+/// ([`rowwise::conv3x3_narrow`]).
 pub struct Conv3x3 {
     /// `(9 * cin, cout)`, rows ordered (dy, dx, cin) to match the patch matrix.
     weight: Tensor,
@@ -252,10 +253,7 @@ impl Dense {
     /// `cat([prev, leaky_relu(self(x))], -1)`: the dense connection of a residual group.
     fn forward_cat_leaky(&self, x: &Tensor, prev: &Tensor) -> Result<Tensor> {
         if let (Self::Candle(inner), true) = (self, x.device().is_cuda()) {
-            let y = token_gemm(inner, x)?;
-            let mut dims = prev.dims().to_vec();
-            *dims.last_mut().expect("token_gemm checked the rank") = y.dim(1)?;
-            let y = y.reshape(dims)?;
+            let y = unrows(&token_gemm(inner, x)?, prev)?;
             let act = Act::Leaky(RDG_SLOPE as f32);
             return rowwise::cat_bias_act(prev, &y, dense_bias(inner)?, act);
         }
@@ -272,13 +270,10 @@ impl Dense {
         if !x.device().is_cuda() {
             return Ok(None);
         }
-        let k = x.dim(D::Minus1)?;
-        let n = acc.dim(D::Minus1)?;
-        let tokens = x.reshape((x.elem_count() / k.max(1), k))?;
-        let acc2 = acc.reshape((acc.elem_count() / n.max(1), n))?;
+        let acc2 = rows(&acc)?;
         let done = super::epilogue::accumulate_linear_bias(
             &acc2,
-            &tokens,
+            &rows(x)?,
             inner.weight(),
             dense_bias(inner)?,
         )?;
@@ -289,13 +284,10 @@ impl Dense {
         match self {
             Self::Candle(inner) if x.device().is_cuda() => {
                 if matches!(after, After::Nothing) {
-                    let k = x.dim(D::Minus1)?;
-                    let tokens = x.reshape((x.elem_count() / k.max(1), k))?;
                     let bias = dense_bias(inner)?;
-                    if let Some(y) = super::epilogue::linear_bias(&tokens, inner.weight(), bias)? {
-                        let mut dims = x.dims().to_vec();
-                        *dims.last_mut().expect("a linear layer's input has a rank") = y.dim(1)?;
-                        return y.reshape(dims);
+                    if let Some(y) = super::epilogue::linear_bias(&rows(x)?, inner.weight(), bias)?
+                    {
+                        return unrows(&y, x);
                     }
                 }
                 let y = token_gemm(inner, x)?;
@@ -305,9 +297,7 @@ impl Dense {
                     After::Gelu => (None, Act::Gelu),
                 };
                 let y = rowwise::bias_act(&y, dense_bias(inner)?, residual.as_ref(), act)?;
-                let mut dims = x.dims().to_vec();
-                *dims.last_mut().expect("token_gemm checked the rank") = y.dim(1)?;
-                y.reshape(dims)
+                unrows(&y, x)
             }
             Self::Candle(inner) => {
                 if let Some(y) = super::ops::linear(x, inner.weight(), inner.bias(), after)? {
@@ -336,13 +326,27 @@ impl Dense {
     }
 }
 
+/// `t` `(.., c)` as the 2-D `(tokens, c)` its linear layers multiply.
+fn rows(t: &Tensor) -> Result<Tensor> {
+    let c = t.dim(D::Minus1)?;
+    t.reshape((t.elem_count() / c.max(1), c))
+}
+
+/// `y` `(tokens, n)` back in the leading axes of `like` `(.., c)`: `(.., n)`.
+fn unrows(y: &Tensor, like: &Tensor) -> Result<Tensor> {
+    let mut dims = like.dims().to_vec();
+    match dims.last_mut() {
+        Some(last) => *last = y.dim(1)?,
+        None => candle_core::bail!("a linear layer's input has a channel axis"),
+    }
+    y.reshape(dims)
+}
+
 /// `x · wᵀ` over all tokens of `x` `(.., cin)` as one 2-D GEMM: `(tokens, cout)`, without
 /// the bias. candle's `Linear` would broadcast the weight over the leading axes (a batched
 /// GEMM) and add the bias with its strided broadcast kernel.
 fn token_gemm(inner: &Linear, x: &Tensor) -> Result<Tensor> {
-    let k = x.dim(D::Minus1)?;
-    x.reshape((x.elem_count() / k.max(1), k))?
-        .matmul(&inner.weight().t()?)
+    rows(x)?.matmul(&inner.weight().t()?)
 }
 
 fn dense_bias(inner: &Linear) -> Result<&Tensor> {
