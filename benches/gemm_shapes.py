@@ -197,8 +197,8 @@ def main():
                "floors": floors(c, a.tflops, a.gbps)}
     else:
         out = {**c, **measured(a, c)}
-    text = json.dumps(out, default=lambda v: round(v, 6))
-    text = json.dumps(json.loads(text, parse_float=lambda s: round(float(s), 6)))
+    # Six decimals are plenty for seconds, GB and TFLOP/s.
+    text = json.dumps(json.loads(json.dumps(out), parse_float=lambda v: round(float(v), 6)))
     print(text)
     if a.json:
         with open(a.json, "w") as f:
