@@ -39,6 +39,11 @@ fn scrambled(n: usize, bound: usize) -> Tensor {
 /// `Some(message)` when `ours` (any dtype, any device) is further from `want` (f32, CPU)
 /// than `u |want| + NOISE` anywhere.
 fn excess(what: &str, ours: &Tensor, want: &Tensor, u: f32) -> Option<String> {
+    excess_over(what, ours, want, u, NOISE)
+}
+
+/// [`excess`] with `noise` for `NOISE`.
+fn excess_over(what: &str, ours: &Tensor, want: &Tensor, u: f32, noise: f32) -> Option<String> {
     assert_eq!(ours.dims(), want.dims(), "{what}");
     let ours = ours
         .to_device(&Device::Cpu)
@@ -64,7 +69,7 @@ fn excess(what: &str, ours: &Tensor, want: &Tensor, u: f32) -> Option<String> {
         })
         .fold(f32::NEG_INFINITY, f32::max);
     eprintln!("{what}: worst excess over u|want| {worst:.2e}");
-    (worst > NOISE).then(|| format!("{what}: {worst:.2e} over u|want| + {NOISE:e}"))
+    (worst > noise).then(|| format!("{what}: {worst:.2e} over u|want| + {noise:e}"))
 }
 
 #[test]
@@ -219,14 +224,10 @@ fn patches3x3_matches_candle() -> Result<()> {
         for (dtype, _) in DTYPES {
             let xd = x.to_dtype(dtype)?;
             for (y0, rows) in chunks {
-                let want = rowwise::patches3x3(&xd, y0, rows)?;
+                let want = rowwise::patches3x3(&xd, y0, rows)?.to_dtype(DType::F32)?;
                 let ours = rowwise::patches3x3(&xd.to_device(&dev)?, y0, rows)?;
-                let diff = (ours.to_device(&Device::Cpu)?.to_dtype(DType::F32)?
-                    - want.to_dtype(DType::F32)?)?
-                .abs()?
-                .max_all()?
-                .to_scalar::<f32>()?;
-                assert_eq!(diff, 0.0, "{dtype:?} {dims:?} rows {y0}+{rows}");
+                let what = format!("{dtype:?} {dims:?} rows {y0}+{rows}");
+                assert_eq!(excess_over(&what, &ours, &want, 0.0, 0.0), None);
             }
         }
     }
@@ -251,15 +252,8 @@ fn conv3x3_narrow_matches_candle() -> Result<()> {
             let want = rowwise::conv3x3_narrow(&xr, &wr, &br)?;
             let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(&dev);
             let ours = rowwise::conv3x3_narrow(&on(&x)?, &on(&wt)?, &on(&bias)?)?;
-            let ours = ours.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-            let err = (&ours - &want)?.abs()?;
-            let limit = ((want.abs()? * f64::from(u))? + 1e-4)?;
-            let over = err
-                .gt(&limit)?
-                .to_dtype(DType::F32)?
-                .sum_all()?
-                .to_scalar::<f32>()?;
-            assert_eq!(over, 0.0, "{dtype:?} {b}x{h}x{w}x{cin} -> {cout}");
+            let what = format!("{dtype:?} {b}x{h}x{w}x{cin} -> {cout}");
+            assert_eq!(excess_over(&what, &ours, &want, u, 1e-4), None);
         }
     }
     Ok(())
