@@ -124,8 +124,8 @@ pub fn open_device(
 }
 
 /// The dtype the model runs in. On the CPU, bf16 means f32 activations with bf16 weights and
-/// products (AMX, or AVX512-BF16 where it beats f32), and falls back to fp32 with a warning
-/// on CPUs without them;
+/// products (AMX, or AVX512-BF16 on AMD cores, where it beats f32), and falls back to fp32
+/// with a warning on CPUs without them;
 /// fp16 always does: no x86 CPU multiplies fp16 with f32 sums, and converting to f32 first
 /// would only be fp32 with rounded weights.
 pub fn choose_dtype(p: Precision, device: &Device, warn: &mut dyn FnMut(String)) -> DType {
@@ -135,7 +135,7 @@ pub fn choose_dtype(p: Precision, device: &Device, warn: &mut dyn FnMut(String))
         (Precision::Bf16, true) => {
             warn(
                 "--precision bf16: this CPU has no fast bf16 arithmetic (AMX, or AVX512-BF16 \
-                 faster than f32); using fp32"
+                 on an AMD core); using fp32"
                     .into(),
             );
             DType::F32

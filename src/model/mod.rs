@@ -87,7 +87,7 @@ impl Model {
             (false, _) => None,
             (true, Some(isa)) => Some(isa),
             (true, None) => return Err(build_error(
-                "bf16 on the CPU needs AMX, or AVX512-BF16 faster than f32; this CPU has neither"
+                "bf16 on the CPU needs AMX, or AVX512-BF16 on an AMD core; this CPU has neither"
                     .into(),
             )),
         };
