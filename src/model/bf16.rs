@@ -64,20 +64,24 @@ pub fn isa() -> Option<Isa> {
 /// layer shapes. Decided by the CPU's vendor, not by a timing: a timing near 1.0x flips from
 /// run to run, and the same command must give the same pixels every time.
 fn vector_kernel_pays_off() -> bool {
+    cpu_vendor() == *b"AuthenticAMD"
+}
+
+/// The CPU's vendor string ("GenuineIntel", "AuthenticAMD"), spelled by CPUID leaf 0 in EBX,
+/// EDX, ECX; blank off x86-64.
+fn cpu_vendor() -> [u8; 12] {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::__cpuid;
-        // Leaf 0 spells the vendor in EBX, EDX, ECX: "AuthenticAMD".
-        let r = __cpuid(0);
-        let mut vendor = [0u8; 12];
+        let r = std::arch::x86_64::__cpuid(0);
+        let mut vendor = [0; 12];
         vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
         vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
         vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
-        &vendor == b"AuthenticAMD"
+        vendor
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        false
+        [b' '; 12]
     }
 }
 
@@ -959,6 +963,20 @@ pub(super) fn available_isas() -> Vec<Isa> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The vendor the AVX512-BF16 choice rests on reads as the kernel reports it.
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    #[test]
+    fn cpu_vendor_matches_the_kernels_report() {
+        let info = std::fs::read_to_string("/proc/cpuinfo").unwrap();
+        let reported = info
+            .lines()
+            .find_map(|l| l.strip_prefix("vendor_id"))
+            .and_then(|l| l.split(':').nth(1))
+            .unwrap()
+            .trim();
+        assert_eq!(std::str::from_utf8(&cpu_vendor()).unwrap(), reported);
+    }
 
     fn round(x: f32) -> f32 {
         half::bf16::from_f32(x).to_f32()
