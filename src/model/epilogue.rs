@@ -71,12 +71,15 @@ mod cuda {
     };
     use half::{bf16, f16};
 
-    /// One cuBLASLt handle (and its workspace) per CUDA stream: each lane has its own stream.
-    /// `None` when no handle can be made: cudarc panics when the handle's 32 MiB workspace
-    /// cannot be allocated, which a lane started late on a full GPU may meet, and the
-    /// caller's own GEMM then runs instead.
+    /// One cuBLASLt handle (and its workspace) per CUDA stream: each lane has its own stream,
+    /// and a handle must not be shared by threads that launch on different streams (they
+    /// would share its workspace). `None` when no handle can be made: cudarc panics when the
+    /// handle's 32 MiB workspace cannot be allocated, which a lane started late on a full GPU
+    /// may meet, and the caller's own GEMM then runs instead. The failure is remembered, so
+    /// the stream does not try (and print cudarc's panic) again on every layer.
     fn handle(dev: &CudaDevice) -> Option<Arc<CudaBlasLT>> {
-        static HANDLES: OnceLock<Mutex<HashMap<usize, Arc<CudaBlasLT>>>> = OnceLock::new();
+        type Handles = HashMap<usize, Option<Arc<CudaBlasLT>>>;
+        static HANDLES: OnceLock<Mutex<Handles>> = OnceLock::new();
         let stream = dev.cuda_stream();
         // The handle keeps its stream alive, so the address cannot be reused by another.
         let key = Arc::as_ptr(&stream) as usize;
@@ -85,13 +88,13 @@ mod cuda {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if let Some(h) = map.get(&key) {
-            return Some(h.clone());
+            return h.clone();
         }
         let made =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| CudaBlasLT::new(stream)));
-        let h = Arc::new(made.ok()?.ok()?);
+        let h = made.ok().and_then(|r| r.ok()).map(Arc::new);
         map.insert(key, h.clone());
-        Some(h)
+        h
     }
 
     /// The elements of a layout that starts its buffer and is contiguous: cuBLASLt's

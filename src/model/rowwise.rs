@@ -186,6 +186,26 @@ pub(super) fn add_gather_dims(
     Ok((b, t, c, ty))
 }
 
+/// Threads per block of the CUDA kernels: whole warps; the norms give each row one warp.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const THREADS: usize = 256;
+/// Grid cap: the kernels' loops stride over the rest.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const MAX_BLOCKS: usize = 1 << 16;
+/// The largest count the kernels take. They index in 32 bits and stride by up to a whole
+/// grid of threads, so a count within one grid's stride of 2³² would wrap the index
+/// (`i += step` back below `n`) and the loop would never end.
+const COUNT_MAX: usize = (1 << 32) - THREADS * MAX_BLOCKS;
+
+/// `v` as a kernel's 32-bit count, or an error naming `what` where it is too large.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn u32_of(v: usize, what: &str) -> Result<u32> {
+    if v > COUNT_MAX {
+        candle_core::bail!("rowwise kernels: {what} {v} exceeds {COUNT_MAX}");
+    }
+    Ok(v as u32)
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::ops::Deref;
@@ -201,10 +221,7 @@ mod cuda {
 
     use super::Act;
 
-    /// Threads per block: whole warps; the norms give each row one warp.
-    const THREADS: usize = 256;
-    /// Grid cap: the kernels' loops stride over the rest.
-    const MAX_BLOCKS: usize = 1 << 16;
+    use super::{u32_of, MAX_BLOCKS, THREADS};
 
     /// A tensor's storage held for a launch, with its contiguous element range.
     struct Held<G> {
@@ -234,12 +251,6 @@ mod cuda {
                 _ => candle_core::bail!("rowwise kernels take CUDA tensors"),
             }
         }
-    }
-
-    fn u32_of(v: usize, what: &str) -> Result<u32> {
-        u32::try_from(v).map_err(|_| {
-            candle_core::Error::Msg(format!("rowwise kernels: {what} {v} exceeds 32 bits"))
-        })
     }
 
     fn act_args(act: Act) -> (i32, f32) {
@@ -532,8 +543,33 @@ mod cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::patches3x3;
+    use super::{patches3x3, u32_of, MAX_BLOCKS, THREADS};
     use candle_core::{Device, Result, Tensor};
+
+    /// Every count a kernel takes leaves room for one more grid stride below 2³², so its
+    /// index cannot wrap; a larger count is an error, not a kernel that never ends.
+    #[test]
+    fn kernel_counts_leave_room_for_a_grid_stride() {
+        let stride = (THREADS * MAX_BLOCKS) as u32;
+        let mut largest = 0;
+        for v in [
+            0,
+            1 << 31,
+            (1 << 32) - (1 << 25),
+            (1 << 32) - (1 << 24),
+            (1 << 32) - 1,
+            1 << 32,
+        ] {
+            match u32_of(v, "elements") {
+                Ok(n) => {
+                    assert!((n.max(1) - 1).checked_add(stride).is_some(), "{v}");
+                    largest = v;
+                }
+                Err(e) => assert!(e.to_string().contains("elements"), "{e}"),
+            }
+        }
+        assert!(largest >= (1 << 32) - (1 << 25), "{largest}");
+    }
 
     /// Each chunk's patch matrix against the definition: out[(m, r, j), (tap, ch)] is
     /// x[m, y0 + r + dy - 1, j + dx - 1, ch], or 0 outside the map.
