@@ -2,9 +2,15 @@
 # Everything a GPU session must prove and measure, in one command on the GPU machine (which has
 # no Rust and no network), from the repository root, with the folder scripts/gpu-pack.sh made:
 #
-#   scripts/gpu-run.sh PACK OUTDIR [check|bench|matrix|ab|all]   on the GPU machine (default: all)
-#   scripts/gpu-run.sh --smoke PACK OUTDIR               any machine, CPU, tiny shapes (CI)
+#   scripts/gpu-run.sh PACK OUTDIR [proof|check|bench|matrix|ab|all]   on the GPU machine (default: all)
+#   scripts/gpu-run.sh --smoke PACK OUTDIR [part]        any machine, CPU, tiny shapes (CI)
 #
+# proof: the one call for a session with a few minutes of device time. The issue's evidence in
+#   the order it is needed (the CUDA tests and precision parity; the side by side with PyTorch
+#   and the matmul peak for utilisation; DRCT-L at 1080p; a kernel-by-kernel profile; streams;
+#   the sanitizers; a folder run), each step given at most what is left of
+#   UPSCALE_PROOF_BUDGET_S seconds (default 480) and skipped, with a line saying so, when its
+#   least useful time is no longer left. Give the device call about 80 s more than the budget.
 # check: device facts, the measured matmul peaks, the CUDA test binary (and our kernels under
 #   compute-sanitizer), bf16 and fp16 against fp32 (PSNR) on tests/photos, DRCT-L bf16 on
 #   1920x1080 with the automatic tile.
@@ -15,8 +21,8 @@
 # matrix: precision x batch x attention for DRCT-L, and tile 512.
 # ab: the earlier builds in the pack (scripts/gpu-pack.sh with UPSCALE_BASES) against upscale,
 #   in turns, on the side-by-side shapes (not part of all).
-# Each part is planned to finish well inside one 10-minute call; the first GPU session should
-# run them as three calls (check first: if it fails, fix that before measuring anything).
+# Each part is planned to finish inside one 10-minute call. With only minutes of device time,
+# run proof alone; with more, check first (if it fails, fix that before measuring anything).
 # Every step's output goes to OUTDIR/logs/<step>.log (packed into OUTDIR/logs.tar.gz on the
 # GPU machine, which returns few files); each measurement is one JSON line in
 # OUTDIR/results.jsonl; OUTDIR/summary.md tabulates them. A failing step is recorded and the
@@ -85,9 +91,32 @@ record() { # STEP JSON-OBJECT-OR-TEXT [extra JSON fields]
   echo "{\"step\":\"$step\",${extra:+$extra,}\"result\":$body}" >> "$results"
 }
 
+# A deadline (the proof part's): every limit below is cut to the time left before it.
+deadline=
+left() { echo $(( deadline - $(date +%s) )); }
+cap() { # SECONDS -> SECONDS, or what is left before the deadline if that is less
+  if [ -n "$deadline" ] && [ "$(left)" -lt "$1" ]; then
+    local l
+    l=$(left)
+    echo $(( l > 1 ? l : 1 ))
+  else
+    echo "$1"
+  fi
+}
+# fits STEP SECONDS: whether at least SECONDS are left for STEP; if not, a line says it was
+# skipped, so the summary shows what the budget left out.
+fits() {
+  if [ -z "$deadline" ] || [ "$(left)" -ge "$2" ]; then
+    return 0
+  fi
+  record "$1" "skipped: needs ${2} s, $(left) s of the budget left"
+  return 1
+}
+
 # run STEP SECONDS CMD...: the command's output to OUTDIR/STEP.log, its status recorded.
 run() {
-  local step=$1 limit=$2
+  local step=$1 limit
+  limit=$(cap "$2")
   shift 2
   local t0 t1 status
   t0=$(date +%s.%N)
@@ -103,7 +132,7 @@ bench() {
   local step=$1 label=$2 model=$3
   shift 3
   local line
-  line=$(timeout 240 "$up" bench -m "$model" --device "$device" --json "${peak[@]}" "$@" 2>> "$logs/$step.log" | tail -n 1)
+  line=$(timeout "$(cap 240)" "$up" bench -m "$model" --device "$device" --json "${peak[@]}" "$@" 2>> "$logs/$step.log" | tail -n 1)
   if [ -n "$line" ]; then
     record "$step" "$line" "\"label\":\"$label\",\"args\":\"$*\""
   else
@@ -148,14 +177,13 @@ measure_peak() {
   fi
 }
 
-check() {
+facts() {
   echo "== facts"
   { nvidia-smi || true; nvidia-smi -q -d CLOCK,MEMORY,POWER || true; uname -a; nproc; } > "$logs/facts.log" 2>&1
   record facts "$(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi ($device run)")"
+}
 
-  echo "== matmul peak"
-  measure_peak
-
+cuda_tests() {
   echo "== CUDA tests"
   if [ -n "$tests" ]; then
     run tests 300 "$tests" tests::gpu:: --test-threads=1 --nocapture
@@ -163,26 +191,34 @@ check() {
   else
     record tests "no test binary in the pack"
   fi
+}
 
+sanitizers() { # [memcheck seconds] [racecheck seconds]
   echo "== memcheck of our kernels"
   if [ -n "$tests" ] && [ "$smoke" = 0 ] && command -v compute-sanitizer >/dev/null; then
-    run memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
-      fused_kernel_matches_the_cpu_in_f32 tensor_core_kernel_matches_the_cpu_in_bf16_and_f16 \
-      cuda_blend_kernel_matches_the_host_accumulator tests::gpu::rowwise:: tests::gpu::epilogue:: \
-      --test-threads=1
-    record memcheck "$(grep -E 'ERROR SUMMARY|test result' "$logs/memcheck.log" | tail -n 4)"
+    if fits memcheck 60; then
+      run memcheck "${1:-240}" compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
+        fused_kernel_matches_the_cpu_in_f32 tensor_core_kernel_matches_the_cpu_in_bf16_and_f16 \
+        cuda_blend_kernel_matches_the_host_accumulator tests::gpu::rowwise:: tests::gpu::epilogue:: \
+        --test-threads=1
+      record memcheck "$(grep -E 'ERROR SUMMARY|test result' "$logs/memcheck.log" | tail -n 4)"
+    fi
     # Shared-memory hazards of the two attention kernels (the CPU check's ThreadSanitizer run
     # sees missing barriers; this sees what the warps really do).
-    run racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 1 "$tests" \
-      fused_kernel_matches_the_cpu_in_f32 tensor_core_kernel_matches_the_cpu_in_bf16_and_f16 \
-      --test-threads=1
-    record racecheck "$(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|test result' "$logs/racecheck.log" | tail -n 4)"
+    if fits racecheck 60; then
+      run racecheck "${2:-180}" compute-sanitizer --tool racecheck --error-exitcode 1 "$tests" \
+        fused_kernel_matches_the_cpu_in_f32 tensor_core_kernel_matches_the_cpu_in_bf16_and_f16 \
+        --test-threads=1
+      record racecheck "$(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|test result' "$logs/racecheck.log" | tail -n 4)"
+    fi
   else
     record memcheck "skipped: needs the CUDA test binary and compute-sanitizer"
   fi
+}
 
+parity() { # ATTENTION...: bf16 and fp16 against fp32 on tests/photos with each attention kernel
   echo "== precision parity on tests/photos"
-  local ref="$work/ref-fp32" photos=tests/photos
+  local ref="$work/ref-fp32" photos=tests/photos p a line
   if [ "$smoke" = 1 ]; then
     photos="$work/photos"
     mkdir -p "$photos"
@@ -190,55 +226,75 @@ check() {
   fi
   run psnr_ref 300 "$up" --device "$device" --precision fp32 -q --overwrite "$photos" -o "$ref"
   for p in bf16 fp16; do
-    for a in fused tensor-core; do
-      local line
-      line=$(timeout 300 "$up" eval --device "$device" --precision "$p" --attention "$a" --hr "$ref" --lr "$photos" --scale 4 --json 2>> "$logs/psnr.log" | tail -n 1)
+    for a in "$@"; do
+      line=$(timeout "$(cap 300)" "$up" eval --device "$device" --precision "$p" --attention "$a" --hr "$ref" --lr "$photos" --scale 4 --json 2>> "$logs/psnr.log" | tail -n 1)
       record psnr "${line:-failed}" "\"precision\":\"$p\",\"attention\":\"$a\",\"against\":\"fp32\""
     done
   done
-
-  echo "== DRCT-L bf16 1080p, automatic tile"
-  models
-  bench auto1080 drct-l-bf16-auto "$drct_l" --precision bf16 --size "$s1080" --warmup 0 --reps 1
 }
 
-bench_part() {
-  models
+auto1080() {
+  echo "== DRCT-L bf16 1080p, automatic tile"
+  fits auto1080 40 && bench auto1080 drct-l-bf16-auto "$drct_l" --precision bf16 --size "$s1080" --warmup 0 --reps 1
+}
+
+check() {
+  facts
+  echo "== matmul peak"
   measure_peak
+  cuda_tests
+  sanitizers
+  parity fused tensor-core
+  models
+  auto1080
+}
+
+side_by_side() { # REPS: DRCT-L x4 960x540 and DRCT x4 640x480 against PyTorch, bf16, tile 256, batch 4
   echo "== side by side: DRCT-L x4 960x540 and DRCT x4 640x480, bf16, tile 256, batch 4"
+  local r=$1 m line
   for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
     set -- $m
-    bench side "$1-bf16-ours" "$2" --precision bf16 --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$reps"
-    bench side "$1-bf16-ours-tensor-core" "$2" --precision bf16 --attention tensor-core --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$reps"
+    fits side 30 || continue
+    [ -n "$deadline" ] || bench side "$1-bf16-ours-fused" "$2" --precision bf16 --attention fused --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
+    bench side "$1-bf16-ours-tensor-core" "$2" --precision bf16 --attention tensor-core --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
     if [ "$have_torch" = 1 ] && [ "$smoke" = 0 ]; then
-      local line
-      line=$(timeout 300 "$PY" benches/torch_gpu_reference.py --device cuda --preset "$1" --weights "$2" \
+      line=$(timeout "$(cap 300)" "$PY" benches/torch_gpu_reference.py --device cuda --preset "$1" --weights "$2" \
         --dtype bf16 --height "${3%x*}" --width "${3#*x}" --tile "$t256" --overlap "$ov" --tile-batch 4 \
-        --reps "$reps" 2>> "$logs/side.log" | tail -n 1)
+        --reps "$r" 2>> "$logs/side.log" | tail -n 1)
       record side "${line:-failed}" "\"label\":\"$1-bf16-pytorch\""
     else
       record side "skipped: the PyTorch reference needs PyTorch and a GPU" "\"label\":\"$1-bf16-pytorch\""
     fi
   done
+}
 
+gemm_bounds() {
   echo "== what bounds the body: its GEMMs at their real shapes, and its memory traffic"
   local gemm_args=(--calc-only)
   [ "$have_torch" = 1 ] && [ "$smoke" = 0 ] && gemm_args=()
   if run gemm_shapes 180 "$PY" benches/gemm_shapes.py --preset drct-l "${gemm_args[@]}" --json "$work/gemm.json"; then
     record gemm_shapes "$(cat "$work/gemm.json")"
   fi
+}
 
+streams() { # COUNT...: DRCT-L bf16 960x540, batch 4, with that many lanes
   echo "== streams"
-  for s in 1 2 4; do
+  local s
+  for s in "$@"; do
+    fits streams 25 || break
     bench streams "drct-l-bf16-b4-s$s" "$drct_l" --precision bf16 --size "$s540" --tile "$t256" \
       --tile_overlap "$ov" --tile_batch_size 4 --streams "$s" --reps 3
   done
-  local folder="$work/folder"
+}
+
+folder_runs() { # COUNT...: a folder of 12 photos with that many lanes, GPU utilisation sampled
+  local folder="$work/folder" s i f
   mkdir -p "$folder"
   for i in 1 2 3; do
     for f in tests/photos/*.png; do cp "$f" "$folder/$(basename "${f%.png}")-$i.png"; done
   done
-  for s in 1 2; do
+  for s in "$@"; do
+    fits "folder_s$s" 30 || break
     local util="$logs/util-s$s.csv" sampler=""
     if [ "$smoke" = 0 ] && command -v nvidia-smi >/dev/null; then
       nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$util" 2>/dev/null &
@@ -266,6 +322,51 @@ print(json.dumps({"wall_s": summary.get("seconds"), "lanes": len(lanes),
 PYEOF
 )"
   done
+}
+
+bench_part() {
+  models
+  measure_peak
+  side_by_side "$reps"
+  gemm_bounds
+  streams 1 2 4
+  folder_runs 1 2
+}
+
+# Where one DRCT-L forward's GPU time goes, kernel by kernel (scripts/gpu-profile.sh), with
+# its tables beside the results and its raw files in the logs.
+profile() {
+  echo "== profile: DRCT-L bf16 256x256, every kernel"
+  if [ "$smoke" = 1 ] || ! command -v ncu >/dev/null; then
+    record profile "skipped: needs Nsight Compute on a GPU"
+    return
+  fi
+  fits profile 90 || return
+  run profile 240 scripts/gpu-profile.sh "$pack" "$work/prof" drct-l --precision bf16 \
+    --size 256x256 --tile 0 --warmup 0 --reps 1
+  local f
+  for f in profile.md attention.md; do
+    [ -f "$work/prof/$f" ] && cp "$work/prof/$f" "$out/$f"
+  done
+  cp "$work/prof"/*.csv "$work/prof"/*.json "$logs/" 2>/dev/null
+  record profile "$(head -n 3 "$out/profile.md" 2>/dev/null | tail -n 1)"
+}
+
+# One call, a budget: what the issue needs first comes first, and each later step runs only in
+# the time the budget has left.
+proof_part() {
+  deadline=$(( $(date +%s) + ${UPSCALE_PROOF_BUDGET_S:-480} ))
+  facts
+  cuda_tests
+  parity tensor-core fused
+  models
+  measure_peak
+  side_by_side 3
+  auto1080
+  profile
+  streams 1 2
+  sanitizers 120 90
+  folder_runs 1 2
 }
 
 matrix_part() {
@@ -325,12 +426,13 @@ ab_part() {
 }
 
 case $part in
+  proof) proof_part ;;
   check) check ;;
   bench) bench_part ;;
   matrix) matrix_part ;;
   ab) ab_part ;;
   all) check; bench_part; matrix_part ;;
-  *) echo "unknown part '$part' (check, bench, matrix, ab or all)" >&2; exit 2 ;;
+  *) echo "unknown part '$part' (proof, check, bench, matrix, ab or all)" >&2; exit 2 ;;
 esac
 "$PY" scripts/gpu_summary.py "$results" > "$out/summary.md"
 cat "$out/summary.md"
