@@ -37,7 +37,7 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>>
 }
 
 /// `acc += x · wᵀ + b` in place, for `acc` `(T, N)`; `false` where this path does not apply
-/// (as for [`linear_bias`]), and `acc` is then unchanged. Every tensor that shares `acc`'s
+/// (as for [`linear_bias`], or an operand shares `acc`'s storage), and `acc` is then unchanged. Every tensor that shares `acc`'s
 /// storage sees the sum, so the caller must own it.
 pub fn accumulate_linear_bias(acc: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<bool> {
     let (t, n) = check(x, w, b, "accumulate_linear_bias")?;
@@ -56,12 +56,14 @@ pub fn accumulate_linear_bias(acc: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) 
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, OnceLock};
+    use std::sync::{Arc, Mutex, OnceLock, Weak};
+    use std::thread::ThreadId;
 
+    use candle_core::cuda_backend::cudarc::cublaslt::result::CublasError;
+    use candle_core::cuda_backend::cudarc::cublaslt::sys::cublasStatus_t;
     use candle_core::cuda_backend::cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
+        CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
     };
     use candle_core::cuda_backend::CudaDType;
     use candle_core::op::BackpropOp;
@@ -72,29 +74,60 @@ mod cuda {
     use half::{bf16, f16};
 
     /// One cuBLASLt handle (and its workspace) per CUDA stream: each lane has its own stream,
-    /// and a handle must not be shared by threads that launch on different streams (they
-    /// would share its workspace). `None` when no handle can be made: cudarc panics when the
+    /// and a handle must not be shared by launches on different streams (they would share its
+    /// workspace). candle's default device launches on the per-thread default stream, one
+    /// handle value that CUDA resolves to a different stream in each thread, so there the
+    /// thread is part of the key. `None` when no handle can be made: cudarc panics when the
     /// handle's 32 MiB workspace cannot be allocated, which a lane started late on a full GPU
     /// may meet, and the caller's own GEMM then runs instead. The failure is remembered, so
     /// the stream does not try (and print cudarc's panic) again on every layer.
     fn handle(dev: &CudaDevice) -> Option<Arc<CudaBlasLT>> {
-        type Handles = HashMap<usize, Option<Arc<CudaBlasLT>>>;
-        static HANDLES: OnceLock<Mutex<Handles>> = OnceLock::new();
+        struct Entry {
+            // Weak, so that the stream's address is not reused while the entry names it.
+            stream: Weak<CudaStream>,
+            thread: Option<ThreadId>,
+            handle: Option<Arc<CudaBlasLT>>,
+        }
+        static HANDLES: OnceLock<Mutex<Vec<Entry>>> = OnceLock::new();
         let stream = dev.cuda_stream();
-        // The handle keeps its stream alive, so the address cannot be reused by another.
-        let key = Arc::as_ptr(&stream) as usize;
-        let mut map = HANDLES
+        let thread =
+            (stream.cu_stream() as usize == PER_THREAD_STREAM).then(|| std::thread::current().id());
+        let mut entries = HANDLES
             .get_or_init(Default::default)
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some(h) = map.get(&key) {
-            return h.clone();
+        // A failure's stream may be gone (a handle keeps its own alive).
+        entries.retain(|e| e.stream.strong_count() > 0);
+        if let Some(e) = entries
+            .iter()
+            .find(|e| Weak::as_ptr(&e.stream) == Arc::as_ptr(&stream) && e.thread == thread)
+        {
+            return e.handle.clone();
         }
-        let made =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| CudaBlasLT::new(stream)));
-        let h = made.ok().and_then(|r| r.ok()).map(Arc::new);
-        map.insert(key, h.clone());
-        h
+        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            CudaBlasLT::new(stream.clone())
+        }));
+        let handle = made.ok().and_then(|r| r.ok()).map(Arc::new);
+        entries.push(Entry {
+            stream: Arc::downgrade(&stream),
+            thread,
+            handle: handle.clone(),
+        });
+        handle
+    }
+
+    /// The value of CUDA's `CU_STREAM_PER_THREAD` handle.
+    const PER_THREAD_STREAM: usize = 0x2;
+
+    /// Whether a cuBLASLt error means "not for this shape or layout" (the caller's GEMM then
+    /// runs) rather than a failure that must not be hidden.
+    fn declined(e: &CublasError) -> bool {
+        matches!(
+            e.0,
+            cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED
+                | cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE
+                | cublasStatus_t::CUBLAS_STATUS_ARCH_MISMATCH
+        )
     }
 
     /// The elements of a layout that starts its buffer and is contiguous: cuBLASLt's
@@ -114,7 +147,8 @@ mod cuda {
     }
 
     /// `out = x · wᵀ + b + beta · out` over `t` tokens; `false` when a buffer is not aligned
-    /// as an allocation or cuBLASLt has no algorithm for it, and then nothing was launched.
+    /// as an allocation or cuBLASLt declines the shape, and then nothing was launched; an
+    /// error when cuBLASLt fails otherwise.
     fn gemm<T, O>(
         dev: &CudaDevice,
         (x, w, b): (&CudaView<T>, &CudaView<T>, &CudaView<T>),
@@ -162,7 +196,11 @@ mod cuda {
         };
         // SAFETY: the views hold K x N, K x T and N elements and `out` N x T, as the config
         // describes them.
-        Ok(unsafe { lt.matmul(cfg, w, x, out, Some(b), None) }.is_ok())
+        match unsafe { lt.matmul(cfg, w, x, out, Some(b), None) } {
+            Ok(()) => Ok(true),
+            Err(e) if declined(&e) => Ok(false),
+            Err(e) => candle_core::bail!("cuBLASLt linear layer ({t} x {k} -> {n}): {e}"),
+        }
     }
 
     fn same_16bit(ts: &[&Tensor]) -> Option<DType> {
@@ -220,6 +258,12 @@ mod cuda {
         if same_16bit(&[acc, x, w, b]).is_none() || whole_len(acc.layout()).is_none() {
             return Ok(false);
         }
+        // candle refuses an in-place op whose operand shares the destination's storage, and
+        // `w` or `b` doing so would deadlock on its lock: such a caller gets its own path.
+        let place = storage_address(acc);
+        if [x, w, b].iter().any(|t| storage_address(t) == place) {
+            return Ok(false);
+        }
         let op = Accumulate {
             w,
             b,
@@ -227,6 +271,12 @@ mod cuda {
         };
         acc.inplace_op2(x, &op)?;
         Ok(op.ran.into_inner())
+    }
+
+    /// Which storage a tensor views (tensors that share one have the same address).
+    fn storage_address(t: &Tensor) -> usize {
+        let (s, _) = t.storage_and_layout();
+        std::ptr::from_ref::<Storage>(&s).addr()
     }
 
     /// The in-place op behind [`accumulate_linear_bias`]: `dst += x · wᵀ + b`.

@@ -141,3 +141,30 @@ fn accumulate_linear_bias_leaves_f32_untouched() -> Result<()> {
     assert_eq!(diff, 0.0, "f32 must be left to the caller, unchanged");
     Ok(())
 }
+
+/// An operand that shares the accumulator's storage is handed back to the caller: candle
+/// refuses such an in-place op, and a weight inside the accumulator's buffer would wait on the
+/// accumulator's own lock for ever.
+#[test]
+fn accumulate_linear_bias_leaves_operands_inside_the_accumulator_to_the_caller() -> Result<()> {
+    let dev = gpu();
+    let acc = randn(&[64, 16], 1.0)?
+        .to_dtype(DType::BF16)?
+        .to_device(&dev)?;
+    let (x, w, b) = small_layer()?;
+    let bf = |t: &Tensor| t.to_dtype(DType::BF16)?.to_device(&dev);
+    let before = acc.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+    let own_w = bf(&w.narrow(1, 0, 16)?.contiguous()?)?;
+    // x is the accumulator itself; then w is its first 16 rows (a view that starts the buffer).
+    assert!(!accumulate_linear_bias(&acc, &acc, &own_w, &bf(&b)?)?);
+    let w_in_acc = acc.narrow(0, 0, 16)?;
+    assert!(!accumulate_linear_bias(
+        &acc,
+        &bf(&x.narrow(1, 0, 16)?.contiguous()?)?,
+        &w_in_acc,
+        &bf(&b)?
+    )?);
+    let after = acc.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+    assert_close("aliased operands", &after, &before, 0.0)?;
+    Ok(())
+}
