@@ -7,10 +7,11 @@
 #
 # proof: the one call for a session with a few minutes of device time. The issue's evidence in
 #   the order it is needed (the CUDA tests and precision parity; the side by side with PyTorch
-#   and the matmul peak for utilisation; DRCT-L at 1080p; a kernel-by-kernel profile; streams;
-#   the sanitizers; a folder run), each step given at most what is left of
-#   UPSCALE_PROOF_BUDGET_S seconds (default 480) and skipped, with a line saying so, when its
-#   least useful time is no longer left. Give the device call about 80 s more than the budget.
+#   and the matmul peak for utilisation; the same with cudarc's event tracking on; DRCT-L at
+#   1080p; a kernel-by-kernel profile; streams; the sanitizers; a folder run), each step given
+#   at most what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a
+#   line saying so, when its least useful time is no longer left. Give the device call about
+#   80 s more than the budget (a 10-minute call for the default).
 # check: device facts, the measured matmul peaks, the CUDA test binary (and our kernels under
 #   compute-sanitizer), bf16 and fp16 against fp32 (PSNR) on tests/photos, DRCT-L bf16 on
 #   1920x1080 with the automatic tile.
@@ -268,6 +269,22 @@ side_by_side() { # REPS: DRCT-L x4 960x540 and DRCT x4 640x480 against PyTorch, 
   done
 }
 
+# The side-by-side shapes and two lanes again with cudarc's event tracking on (its default, and
+# ours before engine::lanes::skip_event_tracking): the before/after of leaving it off.
+event_tracking() {
+  echo "== cudarc event tracking on (before) against off (side by side, streams)"
+  local m
+  for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
+    set -- $m
+    fits events 25 || return
+    UPSCALE_CUDA_EVENT_TRACKING=1 bench events "$1-bf16-ours-tensor-core-events-on" "$2" --precision bf16 \
+      --attention tensor-core --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3
+  done
+  fits events 25 || return
+  UPSCALE_CUDA_EVENT_TRACKING=1 bench events "drct-l-bf16-b4-s2-events-on" "$drct_l" --precision bf16 \
+    --size "$s540" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --streams 2 --reps 3
+}
+
 gemm_bounds() {
   echo "== what bounds the body: its GEMMs at their real shapes, and its memory traffic"
   local gemm_args=(--calc-only)
@@ -355,13 +372,14 @@ profile() {
 # One call, a budget: what the issue needs first comes first, and each later step runs only in
 # the time the budget has left.
 proof_part() {
-  deadline=$(( $(date +%s) + ${UPSCALE_PROOF_BUDGET_S:-480} ))
+  deadline=$(( $(date +%s) + ${UPSCALE_PROOF_BUDGET_S:-520} ))
   facts
   cuda_tests
   parity tensor-core fused
   models
   measure_peak
   side_by_side 3
+  event_tracking
   auto1080
   profile
   streams 1 2

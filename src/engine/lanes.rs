@@ -81,6 +81,7 @@ impl Lanes {
                 let lane = Device::new_cuda_with_stream(id).map_err(|e| {
                     EngineError::Device(format!("cuda:{id}: {}", super::first_line(&e)))
                 })?;
+                skip_event_tracking(&lane);
                 keep_pool_memory(&lane, warn);
                 engines.push(Engine::with_attention(ck.clone(), lane, dtype, attention)?);
             }
@@ -211,6 +212,28 @@ pub fn keep_pool_memory(device: &Device, warn: &mut dyn FnMut(String)) {
             device_label(device)
         ));
     }
+}
+
+/// Stops cudarc from pairing every allocation on `device` with two CUDA events and every
+/// kernel argument with an event wait and record. That bookkeeping orders a buffer's uses
+/// across streams; a lane's buffers are only ever used on its own stream, so here it is only
+/// driver calls (a DRCT-L forward is some 3,000 launches and as many allocations), made
+/// under the context's locks that every lane shares. Must run before the device allocates
+/// (buffers made earlier keep their events). `UPSCALE_CUDA_EVENT_TRACKING=1` keeps cudarc's
+/// default, for a before/after on a GPU.
+pub fn skip_event_tracking(device: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        if std::env::var_os("UPSCALE_CUDA_EVENT_TRACKING").is_some_and(|v| v == "1") {
+            return;
+        }
+        // SAFETY: nothing allocated on this device so far, and no buffer of it is used on
+        // another stream (each lane has its own weights, input and canvas; the single device
+        // launches everything on its one stream handle).
+        unsafe { dev.cuda_stream().context().disable_event_tracking() };
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
 }
 
 /// Starts the pool's peak counters afresh.

@@ -101,7 +101,10 @@ pub fn open_device(
         DeviceChoice::Auto => {
             if candle_core::utils::cuda_is_available() {
                 match Device::new_cuda(0) {
-                    Ok(d) => return Ok(d),
+                    Ok(d) => {
+                        lanes::skip_event_tracking(&d);
+                        return Ok(d);
+                    }
                     Err(e) => warn(format!(
                         "no usable CUDA device ({}); running on the CPU",
                         first_line(&e)
@@ -117,8 +120,10 @@ pub fn open_device(
                         .into(),
                 ));
             }
-            Device::new_cuda(ids[0])
-                .map_err(|e| EngineError::Device(format!("cuda:{}: {}", ids[0], first_line(&e))))
+            let d = Device::new_cuda(ids[0])
+                .map_err(|e| EngineError::Device(format!("cuda:{}: {}", ids[0], first_line(&e))))?;
+            lanes::skip_event_tracking(&d);
+            Ok(d)
         }
     }
 }
