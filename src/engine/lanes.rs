@@ -228,8 +228,8 @@ pub fn skip_event_tracking(device: &Device) {
             return;
         }
         // SAFETY: nothing allocated on this device so far, and no buffer of it is used on
-        // another stream (each lane has its own weights, input and canvas; the single device
-        // launches everything on its one stream handle).
+        // another stream: each device has its own stream (open_device, Lanes::open) and its
+        // own weights, input and canvas.
         unsafe { dev.cuda_stream().context().disable_event_tracking() };
     }
     #[cfg(not(feature = "cuda"))]

@@ -92,6 +92,9 @@ pub enum EngineError {
 
 /// Open the requested device (the first one of a list: [`lanes::Lanes`] opens the rest).
 /// `auto` takes the first GPU when this build has CUDA and one answers, else the CPU.
+/// A GPU gets a stream of its own, as every lane does, rather than candle's default, the
+/// per-thread default stream: on that one, weights uploaded by the thread that loads the
+/// model and kernels launched by another thread that uses it would run unordered.
 pub fn open_device(
     choice: &DeviceChoice,
     warn: &mut dyn FnMut(String),
@@ -100,7 +103,7 @@ pub fn open_device(
         DeviceChoice::Cpu => Ok(Device::Cpu),
         DeviceChoice::Auto => {
             if candle_core::utils::cuda_is_available() {
-                match Device::new_cuda(0) {
+                match Device::new_cuda_with_stream(0) {
                     Ok(d) => {
                         lanes::skip_event_tracking(&d);
                         return Ok(d);
@@ -120,7 +123,7 @@ pub fn open_device(
                         .into(),
                 ));
             }
-            let d = Device::new_cuda(ids[0])
+            let d = Device::new_cuda_with_stream(ids[0])
                 .map_err(|e| EngineError::Device(format!("cuda:{}: {}", ids[0], first_line(&e))))?;
             lanes::skip_event_tracking(&d);
             Ok(d)
