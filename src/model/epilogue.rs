@@ -37,8 +37,8 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>>
 }
 
 /// `acc += x · wᵀ + b` in place, for `acc` `(T, N)`; `false` where this path does not apply
-/// (as for [`linear_bias`], or an operand shares `acc`'s storage), and `acc` is then unchanged. Every tensor that shares `acc`'s
-/// storage sees the sum, so the caller must own it.
+/// (as for [`linear_bias`], or an operand shares `acc`'s storage), and `acc` is then
+/// unchanged. Every tensor that shares `acc`'s storage sees the sum, so the caller must own it.
 pub fn accumulate_linear_bias(acc: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<bool> {
     let (t, n) = check(x, w, b, "accumulate_linear_bias")?;
     if acc.dims() != [t, n] {
@@ -75,12 +75,13 @@ mod cuda {
 
     /// One cuBLASLt handle (and its workspace) per CUDA stream: each lane has its own stream,
     /// and a handle must not be shared by launches on different streams (they would share its
-    /// workspace). candle's default device launches on the per-thread default stream, one
-    /// handle value that CUDA resolves to a different stream in each thread, so there the
-    /// thread is part of the key. `None` when no handle can be made: cudarc panics when the
-    /// handle's 32 MiB workspace cannot be allocated, which a lane started late on a full GPU
-    /// may meet, and the caller's own GEMM then runs instead. The failure is remembered, so
-    /// the stream does not try (and print cudarc's panic) again on every layer.
+    /// workspace). candle's default device (`Device::new_cuda`, which the GPU tests use)
+    /// launches on the per-thread default stream, one handle value that CUDA resolves to a
+    /// different stream in each thread, so there the thread is part of the key. `None` when
+    /// no handle can be made: cudarc panics when the handle's 32 MiB workspace cannot be
+    /// allocated, which a lane started late on a full GPU may meet, and the caller's own GEMM
+    /// then runs instead. The failure is remembered, so the stream does not try (and print
+    /// cudarc's panic) again on every layer.
     fn handle(dev: &CudaDevice) -> Option<Arc<CudaBlasLT>> {
         struct Entry {
             // Weak, so that the stream's address is not reused while the entry names it.
