@@ -182,6 +182,8 @@ facts() {
   echo "== facts"
   { nvidia-smi || true; nvidia-smi -q -d CLOCK,MEMORY,POWER || true; uname -a; nproc; } > "$logs/facts.log" 2>&1
   record facts "$(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi ($device run)")"
+  # Which build every number below belongs to.
+  record build "$(cat "$pack/commit" 2>/dev/null || echo "unknown (no commit file in the pack)")"
 }
 
 cuda_tests() {
