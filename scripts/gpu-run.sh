@@ -6,7 +6,8 @@
 #   scripts/gpu-run.sh --smoke PACK OUTDIR [part]        any machine, CPU, tiny shapes (CI)
 #
 # proof: the one call for a session with a few minutes of device time. The issue's evidence in
-#   the order it is needed (the CUDA tests and precision parity; the side by side with PyTorch
+#   the order it is needed (the CUDA tests; a probe that, if our kernels fail on the GPU,
+#   picks the fallback every later step runs with; precision parity; the side by side with PyTorch
 #   and the matmul peak for utilisation; the same with cudarc's event tracking on; DRCT-L at
 #   1080p; a kernel-by-kernel profile; streams; the sanitizers; a folder run), each step given
 #   at most what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a
@@ -132,8 +133,10 @@ run() {
 bench() {
   local step=$1 label=$2 model=$3
   shift 3
-  local line
-  line=$(timeout "$(cap 240)" "$up" bench -m "$model" --device "$device" --json "${peak[@]}" "$@" 2>> "$logs/$step.log" | tail -n 1)
+  local line attn_arg=()
+  # The probe's attention unless the step names one.
+  [[ " $* " == *" --attention "* ]] || attn_arg=(--attention "$attn")
+  line=$(timeout "$(cap 240)" "$up" bench -m "$model" --device "$device" --json "${peak[@]}" "${attn_arg[@]}" "$@" 2>> "$logs/$step.log" | tail -n 1)
   if [ -n "$line" ]; then
     record "$step" "$line" "\"label\":\"$label\",\"args\":\"$*\""
   else
@@ -147,7 +150,9 @@ models() {
   if [ "$smoke" = 1 ] || [ "$have_torch" = 0 ]; then
     drct=tests/golden/x2_w8_b2.safetensors
     drct_l=$drct
+    drct_scale=2
   else
+    drct_scale=4
     drct="$work/drct.safetensors"
     drct_l="$work/drct-l.safetensors"
     [ -f "$drct" ] || "$PY" benches/torch_drct.py make-weights "$drct" --preset drct --scale 4 --seed 0 >> "$logs/weights.log" 2>&1
@@ -236,6 +241,63 @@ parity() { # ATTENTION...: bf16 and fp16 against fp32 on tests/photos with each 
   done
 }
 
+# The attention kernel and the UPSCALE_CUDA_OFF parts (src/model/cuda_off.rs) every later
+# step runs with: ours, unless the first real runs show one of them broken. Then the first
+# fallback that works is taken and exported, so that a short call still measures the rest;
+# the CUDA tests' log says which kernel failed.
+attn=tensor-core
+probe() {
+  echo "== probe: the default model on a photo and DRCT-L, GPU against the CPU"
+  local dir="$work/probe" cfg a off tried=""
+  mkdir -p "$dir/photo" "$dir/small"
+  cp tests/photos/coffee.png "$dir/photo/"
+  cp tests/fixtures/metrics/resize_quarter_in.png "$dir/small/"
+  if ! run probe_ref 120 "$up" --device cpu --precision fp32 -q --overwrite "$dir/photo" -o "$dir/ref-default" ||
+    ! run probe_ref 120 "$up" -m "$drct_l" --device cpu --precision fp32 -q --overwrite "$dir/small" -o "$dir/ref-l"; then
+    record probe "no CPU reference: every step runs with attention $attn and nothing off"
+    return
+  fi
+  for cfg in tensor-core: fused: tensor-core:cublaslt tensor-core:rowwise tensor-core:all fused:all reference:all; do
+    a=${cfg%%:*} off=${cfg#*:}
+    tried="$tried $cfg"
+    fits probe 15 || break
+    if probe_ok "$dir" "$a" "$off"; then
+      attn=$a
+      export UPSCALE_CUDA_OFF=$off
+      record probe "{\"attention\":\"$a\",\"cuda_off\":\"$off\",\"tried\":\"${tried# }\"}"
+      return
+    fi
+  done
+  record probe "failed: no configuration matched the CPU (tried${tried}); every step runs with attention $attn and nothing off"
+}
+
+probe_ok() { # DIR ATTENTION OFF: fp32 within 60 dB and bf16 within 40 dB of the CPU's fp32
+  local dir=$1 a=$2 off=$3 p t min
+  for p in fp32 bf16; do
+    t=60
+    [ "$p" = bf16 ] && t=40
+    for min in "$(probe_psnr "$p" "$a" "$off" "$dir/ref-default" "$dir/photo" 4)" \
+      "$(probe_psnr "$p" "$a" "$off" "$dir/ref-l" "$dir/small" "$drct_scale" -m "$drct_l")"; do
+      awk -v v="$min" -v t="$t" 'BEGIN { exit !(v != "nan" && v + 0 >= t) }' || return 1
+    done
+  done
+}
+
+probe_psnr() { # PRECISION ATTENTION OFF HR LR SCALE [MODEL ARGS]: the lowest PSNR-RGB, or nan
+  local p=$1 a=$2 off=$3 hr=$4 lr=$5 sc=$6 min
+  shift 6
+  min=$(UPSCALE_CUDA_OFF=$off timeout "$(cap 60)" "$up" eval "$@" --device "$device" --precision "$p" \
+    --attention "$a" --hr "$hr" --lr "$lr" --scale "$sc" --json 2>> "$logs/probe.log" |
+    tail -n 1 | "$PY" -c 'import json, sys
+try:
+    v = [float(i["psnr_rgb"]) for i in json.loads(sys.stdin.read())["images"]]
+    print("nan" if not v or any(x != x for x in v) else min(min(v), 999.0))
+except Exception:
+    print("nan")')
+  echo "attention $a, off '$off', $p, ${lr##*/}: lowest PSNR-RGB $min dB" >> "$logs/probe.log"
+  echo "$min"
+}
+
 auto1080() {
   echo "== DRCT-L bf16 1080p, automatic tile"
   fits auto1080 40 && bench auto1080 drct-l-bf16-auto "$drct_l" --precision bf16 --size "$s1080" --warmup 0 --reps 1
@@ -247,8 +309,9 @@ check() {
   measure_peak
   cuda_tests
   sanitizers
-  parity fused tensor-core
   models
+  probe
+  parity fused tensor-core
   auto1080
 }
 
@@ -259,7 +322,7 @@ side_by_side() { # REPS: DRCT-L x4 960x540 and DRCT x4 640x480 against PyTorch, 
     set -- $m
     fits side 30 || continue
     [ -n "$deadline" ] || bench side "$1-bf16-ours-fused" "$2" --precision bf16 --attention fused --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
-    bench side "$1-bf16-ours-tensor-core" "$2" --precision bf16 --attention tensor-core --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
+    bench side "$1-bf16-ours-$attn" "$2" --precision bf16 --attention "$attn" --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
     if [ "$have_torch" = 1 ] && [ "$smoke" = 0 ]; then
       line=$(timeout "$(cap 300)" "$PY" benches/torch_gpu_reference.py --device cuda --preset "$1" --weights "$2" \
         --dtype bf16 --height "${3%x*}" --width "${3#*x}" --tile "$t256" --overlap "$ov" --tile-batch 4 \
@@ -279,8 +342,8 @@ event_tracking() {
   for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
     set -- $m
     fits events 25 || return
-    UPSCALE_CUDA_EVENT_TRACKING=1 bench events "$1-bf16-ours-tensor-core-events-on" "$2" --precision bf16 \
-      --attention tensor-core --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3
+    UPSCALE_CUDA_EVENT_TRACKING=1 bench events "$1-bf16-ours-$attn-events-on" "$2" --precision bf16 \
+      --attention "$attn" --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3
   done
   fits events 25 || return
   UPSCALE_CUDA_EVENT_TRACKING=1 bench events "drct-l-bf16-b4-s2-events-on" "$drct_l" --precision bf16 \
@@ -319,7 +382,7 @@ folder_runs() { # COUNT...: a folder of 12 photos with that many lanes, GPU util
       nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$util" 2>/dev/null &
       sampler=$!
     fi
-    run "folder_s$s" 300 "$up" -m "$drct" --device "$device" --precision bf16 --streams "$s" \
+    run "folder_s$s" 300 "$up" -m "$drct" --device "$device" --precision bf16 --attention "$attn" --streams "$s" \
       --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --overwrite --json "$folder" -o "$work/folder-out-$s"
     if [ -n "$sampler" ]; then
       kill "$sampler" 2>/dev/null
@@ -345,6 +408,7 @@ PYEOF
 
 bench_part() {
   models
+  probe
   measure_peak
   side_by_side "$reps"
   gemm_bounds
@@ -362,7 +426,7 @@ profile() {
   fi
   fits profile 90 || return
   run profile 240 scripts/gpu-profile.sh "$pack" "$work/prof" drct-l --precision bf16 \
-    --size 256x256 --tile 0 --warmup 0 --reps 1
+    --attention "$attn" --size 256x256 --tile 0 --warmup 0 --reps 1
   local f
   for f in profile.md attention.md; do
     [ -f "$work/prof/$f" ] && cp "$work/prof/$f" "$out/$f"
@@ -377,8 +441,9 @@ proof_part() {
   deadline=$(( $(date +%s) + ${UPSCALE_PROOF_BUDGET_S:-520} ))
   facts
   cuda_tests
-  parity tensor-core fused
   models
+  probe
+  parity tensor-core fused
   measure_peak
   side_by_side 3
   event_tracking

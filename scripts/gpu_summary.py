@@ -15,6 +15,15 @@ def cell(v):
 def main(path):
     rows = [json.loads(line) for line in open(path) if line.strip()]
     print("# GPU run summary\n")
+    for r in rows:
+        if r["step"] == "probe":
+            p = r["result"]
+            if isinstance(p, dict):
+                off = p["cuda_off"] or "nothing"
+                print(f"Ran with attention `{p['attention']}`, UPSCALE_CUDA_OFF: {off} "
+                      f"(the probe's first working choice of: {p['tried']}).\n")
+            else:
+                print(f"Probe: {p}\n")
     steps = [r for r in rows if "status" in r]
     print("| step | status | wall s |\n|---|---|---|")
     for r in steps:
@@ -100,7 +109,8 @@ def main(path):
             print(f"| **all, per forward** | | | {cell(t['plain_s'])} | | | {cell(t['addmm_s'])} | "
                   f"{cell(t['aligned8_s'])} | {cell(t['floor_s'])} |")
             print()
-    other = [r for r in rows if "status" not in r and r not in benches + torch_rows + psnr + gemm]
+    other = [r for r in rows if "status" not in r and r["step"] != "probe"
+             and r not in benches + torch_rows + psnr + gemm]
     if other:
         print("## Other results\n")
         for r in other:

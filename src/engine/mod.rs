@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Module, Tensor};
 
-use crate::model::{Attention, Checkpoint, Model, ModelError, Source};
+use crate::model::{cuda_off, Attention, Checkpoint, Model, ModelError, Source};
 use crate::planar::Planar;
 
 /// How far the probe's measured cost per pixel may exceed the analytic one before
@@ -104,10 +104,7 @@ pub fn open_device(
         DeviceChoice::Auto => {
             if candle_core::utils::cuda_is_available() {
                 match Device::new_cuda_with_stream(0) {
-                    Ok(d) => {
-                        lanes::skip_event_tracking(&d);
-                        return Ok(d);
-                    }
+                    Ok(d) => return cuda_opened(d, warn),
                     Err(e) => warn(format!(
                         "no usable CUDA device ({}); running on the CPU",
                         first_line(&e)
@@ -125,10 +122,24 @@ pub fn open_device(
             }
             let d = Device::new_cuda_with_stream(ids[0])
                 .map_err(|e| EngineError::Device(format!("cuda:{}: {}", ids[0], first_line(&e))))?;
-            lanes::skip_event_tracking(&d);
-            Ok(d)
+            cuda_opened(d, warn)
         }
     }
+}
+
+/// A CUDA device just opened, made ready: cudarc's event tracking off, and `UPSCALE_CUDA_OFF`
+/// checked (a misspelt part stops the run here) and, when it leaves anything out, said.
+fn cuda_opened(d: Device, warn: &mut dyn FnMut(String)) -> Result<Device, EngineError> {
+    lanes::skip_event_tracking(&d);
+    let off = cuda_off::from_env().map_err(EngineError::Device)?;
+    if off != cuda_off::Off::default() {
+        warn(format!(
+            "{}={}: candle's ops run in place of ours there",
+            cuda_off::VAR,
+            off.names()
+        ));
+    }
+    Ok(d)
 }
 
 /// The dtype the model runs in. On the CPU, bf16 means f32 activations with bf16 weights and

@@ -141,7 +141,7 @@ impl Module for Conv3x3 {
         }
         let (b, h, w, c) = x.dims4()?;
         debug_assert_eq!(c, self.cin);
-        if x.device().is_cuda() && self.bias.dim(0)? <= rowwise::NARROW_CONV_MAX {
+        if rowwise::ours(x) && self.bias.dim(0)? <= rowwise::NARROW_CONV_MAX {
             return rowwise::conv3x3_narrow(x, &self.weight, &self.bias);
         }
         let chunk = if x.device().is_cpu() {

@@ -25,12 +25,13 @@ fn check(x: &Tensor, w: &Tensor, b: &Tensor, what: &str) -> Result<(usize, usize
 }
 
 /// `x · wᵀ + b` for `x` `(T, K)`, `w` `(N, K)` and `b` `(N)`, all contiguous, or `None` where
-/// this path does not apply (not CUDA, f32, a view that does not start its buffer, or no
-/// cuBLASLt algorithm for the shape) and the caller runs its own.
+/// this path does not apply (not CUDA, f32, a view that does not start its buffer, no
+/// cuBLASLt algorithm for the shape, or `UPSCALE_CUDA_OFF=cublaslt`) and the caller runs its
+/// own.
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     check(x, w, b, "linear_bias")?;
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
+    if x.device().is_cuda() && !super::cuda_off::current().cublaslt {
         return cuda::linear_bias(x, w, b);
     }
     Ok(None)
@@ -48,7 +49,7 @@ pub fn accumulate_linear_bias(acc: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) 
         );
     }
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
+    if x.device().is_cuda() && !super::cuda_off::current().cublaslt {
         return cuda::accumulate_linear_bias(acc, x, w, b);
     }
     Ok(false)

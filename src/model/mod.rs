@@ -4,6 +4,7 @@ pub mod bf16;
 pub mod cache;
 pub mod checkpoint;
 pub mod config;
+pub mod cuda_off;
 pub mod drct;
 pub mod epilogue;
 pub mod fused;

@@ -8,12 +8,17 @@
 //! - [`patches3x3`]: a 3x3 convolution's patch matrix, zero padding included, in one pass;
 //! - [`conv3x3_narrow`]: a 3x3 convolution with at most four outputs, with no patch matrix.
 //!
-//! On other devices each runs candle's composition of the same ops, which is also what the
-//! GPU tests hold the kernels to. The CPU model has its own fused kernels
+//! On other devices (and on CUDA with `UPSCALE_CUDA_OFF=rowwise`) each runs candle's
+//! composition of the same ops, which is also what the GPU tests hold the kernels to. The CPU model has its own fused kernels
 //! ([`super::ops`], [`super::norm`]) and does not come here.
 
 use candle_core::{Module, Result, Tensor, D};
 use candle_nn::LayerNorm;
+
+/// Whether `t`'s op runs our kernel: on CUDA, unless `UPSCALE_CUDA_OFF` names `rowwise`.
+pub fn ours(t: &Tensor) -> bool {
+    t.device().is_cuda() && !super::cuda_off::current().rowwise
+}
 
 /// The activation a GEMM's epilogue applies after the bias.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -48,7 +53,7 @@ pub fn bias_act(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>, act: Act) 
         }
     }
     #[cfg(feature = "cuda")]
-    if y.device().is_cuda() {
+    if ours(y) {
         let residual = residual.map(Tensor::contiguous).transpose()?;
         return cuda::bias_act(
             &y.contiguous()?,
@@ -75,7 +80,7 @@ pub fn cat_bias_act(prev: &Tensor, y: &Tensor, bias: &Tensor, act: Act) -> Resul
         );
     }
     #[cfg(feature = "cuda")]
-    if y.device().is_cuda() {
+    if ours(y) {
         let (prev, y, bias) = (prev.contiguous()?, y.contiguous()?, bias.contiguous()?);
         return cuda::cat_bias_act(&prev, &y, &bias, act);
     }
@@ -91,7 +96,7 @@ pub fn patches3x3(x: &Tensor, y0: usize, rows: usize) -> Result<Tensor> {
         candle_core::bail!("patches3x3: rows {y0}..{} of {h}", y0 + rows);
     }
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
+    if ours(x) {
         return cuda::patches3x3(&x.contiguous()?, y0, rows);
     }
     // The rows the taps read, with zero rows where they run off the map.
@@ -128,7 +133,7 @@ pub fn conv3x3_narrow(x: &Tensor, wt: &Tensor, bias: &Tensor) -> Result<Tensor> 
         );
     }
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
+    if ours(x) {
         return cuda::conv3x3_narrow(&x.contiguous()?, &wt.contiguous()?, &bias.contiguous()?);
     }
     let out = patches3x3(x, 0, h)?.matmul(wt)?.broadcast_add(bias)?;
@@ -142,7 +147,7 @@ pub const NARROW_CONV_MAX: usize = 4;
 /// `T`; returns `(B, T', C)`.
 pub fn gather_norm(ln: &LayerNorm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
+    if ours(x) {
         return cuda::gather_norm(ln, &x.contiguous()?, &order.contiguous()?);
     }
     ln.forward(x)?.index_select(order, 1)
@@ -157,7 +162,7 @@ pub fn add_gather_norm(
     back: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
+    if ours(x) {
         let (x, y, back) = (x.contiguous()?, y.contiguous()?, back.contiguous()?);
         return cuda::add_gather_norm(ln, &x, &y, &back);
     }

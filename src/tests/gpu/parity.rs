@@ -56,6 +56,52 @@ fn cuda_f32_and_bf16_match_the_reference() {
     }
 }
 
+/// `UPSCALE_CUDA_OFF`'s fallbacks, each part alone and both: candle's ops in place of ours
+/// must give the same network, in f32 and bf16 (the paths a user on a GPU where one of ours
+/// fails is told to take).
+#[test]
+fn cuda_with_our_paths_off_still_matches_the_reference() {
+    use crate::model::cuda_off::{self, Off};
+    let gpu = super::gpu();
+    let parts = [
+        Off {
+            cublaslt: true,
+            rowwise: false,
+        },
+        Off {
+            cublaslt: false,
+            rowwise: true,
+        },
+        Off::ALL,
+    ];
+    for case in cases() {
+        let (input, expected) = load_io(&case.io);
+        let x = input.to_device(&gpu).unwrap();
+        for off in parts {
+            let run = |dtype: DType| {
+                let model = Model::load(&case.weights, dtype, &gpu).unwrap();
+                let out = cuda_off::with(off, || model.net.forward(&x)).unwrap();
+                out.to_device(&Device::Cpu).unwrap()
+            };
+            let d32 = max_abs_diff(&run(DType::F32), &expected);
+            let rms16 = rms_diff(&run(DType::BF16), &expected);
+            eprintln!(
+                "{:<28} off {:<16} f32 {d32:.3e} max, bf16 {rms16:.3e} rms vs reference",
+                case.name,
+                off.names()
+            );
+            assert!(
+                d32 < TOLERANCE,
+                "{} with {} off: f32",
+                case.name,
+                off.names()
+            );
+            // NaN fails this too.
+            assert!(rms16 < 2e-2, "{} with {} off: bf16", case.name, off.names());
+        }
+    }
+}
+
 fn rms_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
     let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
     d.sqr()

@@ -1,0 +1,124 @@
+//! `UPSCALE_CUDA_OFF`: which of our own CUDA paths a run leaves out, each falling back to
+//! candle's ops for the same result (slower; they are what the GPU tests hold ours to). On a
+//! GPU where one of ours fails, a user can still run, and a short GPU session can still
+//! measure everything else. Window attention has its own switch, `--attention reference`.
+
+use std::cell::Cell;
+use std::sync::OnceLock;
+
+/// The environment variable: a comma-separated list of the parts below, `all` or `none`.
+pub const VAR: &str = "UPSCALE_CUDA_OFF";
+
+/// The parts of the CUDA path that can be left out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Off {
+    /// cuBLASLt GEMMs with the bias in their epilogue ([`super::epilogue`]).
+    pub cublaslt: bool,
+    /// The row-wise kernels of kernels/rowwise.cu ([`super::rowwise`]).
+    pub rowwise: bool,
+}
+
+const PARTS: &str = "cublaslt, rowwise, all or none";
+
+impl Off {
+    pub const ALL: Off = Off {
+        cublaslt: true,
+        rowwise: true,
+    };
+
+    pub fn parse(spec: &str) -> Result<Off, String> {
+        let mut off = Off::default();
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            match part.to_ascii_lowercase().as_str() {
+                "cublaslt" => off.cublaslt = true,
+                "rowwise" => off.rowwise = true,
+                "all" => off = Off::ALL,
+                "none" => {}
+                _ => return Err(format!("{VAR}: unknown part '{part}' (expected {PARTS})")),
+            }
+        }
+        Ok(off)
+    }
+
+    /// The parts left out, as the variable names them ("" for none).
+    pub fn names(self) -> String {
+        let parts = [("cublaslt", self.cublaslt), ("rowwise", self.rowwise)];
+        let on: Vec<&str> = parts.iter().filter(|p| p.1).map(|p| p.0).collect();
+        on.join(",")
+    }
+}
+
+/// The variable's value, read once per process; an error names the variable and the part it
+/// does not know. Opening a CUDA device checks it, so a run with a misspelt value stops there.
+pub fn from_env() -> Result<Off, String> {
+    static OFF: OnceLock<Result<Off, String>> = OnceLock::new();
+    OFF.get_or_init(|| match std::env::var(VAR) {
+        Ok(v) => Off::parse(&v),
+        Err(std::env::VarError::NotPresent) => Ok(Off::default()),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{VAR} is not valid UTF-8")),
+    })
+    .clone()
+}
+
+thread_local! {
+    static OVERRIDE: Cell<Option<Off>> = const { Cell::new(None) };
+}
+
+/// What the model code on this thread leaves out: the variable's parts (none if its value
+/// was refused), or a test's override.
+pub fn current() -> Off {
+    OVERRIDE
+        .with(Cell::get)
+        .unwrap_or_else(|| from_env().unwrap_or_default())
+}
+
+/// Runs `f` with `off` in place of the variable on this thread (a GPU test runs the model both
+/// ways in one process).
+#[cfg(test)]
+pub fn with<R>(off: Off, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Off>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            OVERRIDE.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(OVERRIDE.with(|o| o.replace(Some(off))));
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_parts_lists_and_names_them_back() {
+        assert_eq!(Off::parse(""), Ok(Off::default()));
+        assert_eq!(Off::parse("none"), Ok(Off::default()));
+        let lt = Off::parse("cuBLASLt").unwrap();
+        assert!(lt.cublaslt && !lt.rowwise);
+        let row = Off::parse(" rowwise ,").unwrap();
+        assert!(row.rowwise && !row.cublaslt);
+        assert_eq!(Off::parse("rowwise,cublaslt"), Ok(Off::ALL));
+        assert_eq!(Off::parse("all"), Ok(Off::ALL));
+        assert_eq!(Off::ALL.names(), "cublaslt,rowwise");
+        assert_eq!(row.names(), "rowwise");
+        assert_eq!(Off::default().names(), "");
+    }
+
+    #[test]
+    fn an_unknown_part_is_refused_by_name() {
+        let e = Off::parse("rowwise,attention").unwrap_err();
+        assert!(e.contains(VAR) && e.contains("'attention'"), "{e}");
+    }
+
+    #[test]
+    fn an_override_holds_inside_and_is_undone_after() {
+        let before = current();
+        let inside = with(Off::ALL, || {
+            let nested = with(Off::default(), current);
+            (current(), nested)
+        });
+        assert_eq!(inside, (Off::ALL, Off::default()));
+        assert_eq!(current(), before);
+    }
+}
