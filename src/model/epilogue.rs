@@ -82,30 +82,22 @@ mod cuda {
     /// no handle can be made: cudarc panics when the handle's 32 MiB workspace cannot be
     /// allocated, which a lane started late on a full GPU may meet, and the caller's own GEMM
     /// then runs instead. The failure is remembered, so the stream does not try (and print
-    /// cudarc's panic) again on every layer.
+    /// cudarc's panic) again on every layer. An entry goes when nothing but its own handle
+    /// holds its stream any more (the device and its tensors are gone), so a program that
+    /// opens and drops models keeps one stale workspace at most, not one per model.
     fn handle(dev: &CudaDevice) -> Option<Arc<CudaBlasLT>> {
-        struct Entry {
-            // Weak, so that the stream's address is not reused while the entry names it.
-            stream: Weak<CudaStream>,
-            thread: Option<ThreadId>,
-            handle: Option<Arc<CudaBlasLT>>,
-        }
-        static HANDLES: OnceLock<Mutex<Vec<Entry>>> = OnceLock::new();
         let stream = dev.cuda_stream();
         let thread =
             (stream.cu_stream() as usize == PER_THREAD_STREAM).then(|| std::thread::current().id());
-        let mut entries = HANDLES
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        // A failure's stream may be gone (a handle keeps its own alive).
-        entries.retain(|e| e.stream.strong_count() > 0);
+        let mut entries = handles();
+        entries.retain(|e| e.stream.strong_count() > e.own);
         if let Some(e) = entries
             .iter()
             .find(|e| Weak::as_ptr(&e.stream) == Arc::as_ptr(&stream) && e.thread == thread)
         {
             return e.handle.clone();
         }
+        let before = Arc::strong_count(&stream);
         let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             CudaBlasLT::new(stream.clone())
         }));
@@ -113,9 +105,31 @@ mod cuda {
         entries.push(Entry {
             stream: Arc::downgrade(&stream),
             thread,
+            // Counted rather than assumed from cudarc's fields (the handle and its workspace
+            // buffer each hold one). Another thread allocating on this stream meanwhile can
+            // only skew it: too high drops an entry in use, which then makes a new handle;
+            // too low keeps a stale one.
+            own: Arc::strong_count(&stream).saturating_sub(before),
             handle: handle.clone(),
         });
         handle
+    }
+
+    struct Entry {
+        // Weak, so that the stream's address is not reused while the entry names it.
+        stream: Weak<CudaStream>,
+        thread: Option<ThreadId>,
+        /// How many of the stream's strong references the handle itself holds.
+        own: usize,
+        handle: Option<Arc<CudaBlasLT>>,
+    }
+
+    fn handles() -> std::sync::MutexGuard<'static, Vec<Entry>> {
+        static HANDLES: OnceLock<Mutex<Vec<Entry>>> = OnceLock::new();
+        HANDLES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// The value of CUDA's `CU_STREAM_PER_THREAD` handle.
