@@ -248,13 +248,15 @@ __device__ __forceinline__ void mma_16816(float (&acc)[4], const unsigned (&a)[4
                                           const unsigned (&b)[2]) {
     emu::mma_m16n8k16<T>(acc, a, b, acc);
 }
-// The emulator copies at once; the waits have nothing left to wait for.
+// The emulator lands each group of copies at the wait that covers it, the latest the GPU may.
 __device__ __forceinline__ void copy_word_async(void* dst, const void* src, bool real) {
     emu::cp_async4(dst, src, real);
 }
-__device__ __forceinline__ void async_commit() {}
+__device__ __forceinline__ void async_commit() { emu::cp_async_commit(); }
 template <int PENDING>
-__device__ __forceinline__ void async_wait() {}
+__device__ __forceinline__ void async_wait() {
+    emu::cp_async_wait(PENDING);
+}
 template <bool TRANS>
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const unsigned short* row) {
     emu::ldmatrix_x4<TRANS>(r, row);

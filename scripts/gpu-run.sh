@@ -73,6 +73,13 @@ else
   device=cuda
   # shellcheck source=scripts/cuda-runtime-libs.sh
   . scripts/cuda-runtime-libs.sh
+  # Our kernels ship as PTX, which the driver compiles for the GPU when a process first loads
+  # them (about 8 s of ptxas for the attention kernels): every process of this run must find
+  # the driver's compile cache, so only the first pays.
+  if [ -z "${CUDA_CACHE_PATH:-}" ] && ! { mkdir -p "$HOME/.nv/ComputeCache" && [ -w "$HOME/.nv/ComputeCache" ]; } 2>/dev/null; then
+    export CUDA_CACHE_PATH="$work/cuda-cache"
+  fi
+  export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-1073741824}
 fi
 have_torch=0
 if "$PY" -c 'import torch' 2>/dev/null; then

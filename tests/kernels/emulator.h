@@ -92,6 +92,8 @@ struct Block {
     std::vector<Warp> warps;
 };
 
+void check_no_async_left();  // below, with cp.async
+
 inline thread_local Block* block = nullptr;
 inline thread_local unsigned lane = 0;
 
@@ -139,6 +141,7 @@ inline void launch(dim3 grid, dim3 threads, const std::function<void()>& kernel,
                         block = &b;
                         lane = t % WARP;
                         kernel();
+                        check_no_async_left();
                     });
                 }
                 for (auto& th : pool) {
@@ -185,18 +188,52 @@ inline __nv_bfloat16 from_bits<__nv_bfloat16>(uint16_t bits) { return __ushort_a
 template <>
 inline __half from_bits<__half>(uint16_t bits) { return __ushort_as_half(bits); }
 
-// cp.async of one 32-bit word (cp.async.ca.shared.global with cp-size 4), done at once: the
-// copy is complete by the wait that the kernel must still reach before its barrier. Zero-fills
-// when `real` is false, and then reads nothing. Both addresses must be 4-byte aligned, as on
-// the GPU.
+// cp.async in flight. On the GPU a copy may land at any time up to the cp.async.wait_group
+// that covers its group; here it lands exactly then, the latest it may. So a kernel that reads
+// a tile before waiting for it reads the launch's NaN garbage or an older tile, on every run.
+struct AsyncWord {
+    void* dst;
+    uint32_t value;
+};
+inline thread_local std::vector<AsyncWord> async_open;                  // not yet committed
+inline thread_local std::vector<std::vector<AsyncWord>> async_groups;  // committed, oldest first
+
+// cp.async of one 32-bit word (cp.async.ca.shared.global with cp-size 4). Zero-fills when
+// `real` is false, and then reads nothing. Both addresses must be 4-byte aligned, as on the
+// GPU. The source is read now: the kernels' sources do not change while a copy is in flight.
 inline void cp_async4(void* dst, const void* src, bool real) {
     if (reinterpret_cast<uintptr_t>(dst) % 4 != 0 || (real && reinterpret_cast<uintptr_t>(src) % 4 != 0)) {
         throw std::logic_error("cp.async of a misaligned word");
     }
+    uint32_t value = 0;
     if (real) {
-        std::memcpy(dst, src, 4);
-    } else {
-        std::memset(dst, 0, 4);
+        std::memcpy(&value, src, 4);
+    }
+    async_open.push_back({dst, value});
+}
+
+// cp.async.commit_group: the copies issued since the last commit become one group.
+inline void cp_async_commit() {
+    async_groups.push_back(std::move(async_open));
+    async_open.clear();
+}
+
+// cp.async.wait_group `pending`: every group but the newest `pending` has landed.
+inline void cp_async_wait(unsigned pending) {
+    const size_t done = async_groups.size() > pending ? async_groups.size() - pending : 0;
+    for (size_t g = 0; g < done; ++g) {
+        for (const AsyncWord& w : async_groups[g]) {
+            std::memcpy(w.dst, &w.value, 4);
+        }
+    }
+    async_groups.erase(async_groups.begin(), async_groups.begin() + static_cast<long>(done));
+}
+
+// A thread that ends with copies it never waited for: on the GPU they would land after the
+// block may have reused the memory.
+inline void check_no_async_left() {
+    if (!async_open.empty() || !async_groups.empty()) {
+        throw std::logic_error("a thread ended with cp.async copies it never waited for");
     }
 }
 
