@@ -7,12 +7,13 @@
 #
 # proof: the one call for a session with a few minutes of device time. The issue's evidence in
 #   the order it is needed (the CUDA tests; a probe that, if our kernels fail on the GPU,
-#   picks the fallback every later step runs with; precision parity; the side by side with PyTorch
-#   and the matmul peak for utilisation; the same with cudarc's event tracking on; DRCT-L at
-#   1080p; a kernel-by-kernel profile; streams; the sanitizers; a folder run), each step given
-#   at most what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a
-#   line saying so, when its least useful time is no longer left. Give the device call about
-#   80 s more than the budget (a 10-minute call for the default).
+#   picks the fallback every later step runs with; precision parity; the side by side with
+#   PyTorch and the matmul peak for utilisation; the same with cudarc's event tracking on;
+#   DRCT-L at 1080p; a kernel-by-kernel profile; streams; the sanitizers; a folder run; the
+#   start-up cost of the driver compiling our PTX), each step given at most what is left of
+#   UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a line saying so, when its
+#   least useful time is no longer left. Give the device call about 80 s more than the budget
+#   (a 10-minute call for the default).
 # check: device facts, the measured matmul peaks, the CUDA test binary (and our kernels under
 #   compute-sanitizer), bf16 and fp16 against fp32 (PSNR) on tests/photos, DRCT-L bf16 on
 #   1920x1080 with the automatic tile.
@@ -442,6 +443,18 @@ profile() {
   record profile "$(head -n 3 "$out/profile.md" 2>/dev/null | tail -n 1)"
 }
 
+# What a user pays at start for the driver compiling our PTX: the README command on the GPU
+# with the driver's compile cache off, then with it warm (steps jit_cold and jit_warm).
+jit() {
+  echo "== start-up: PTX compiled by the driver, with and without its cache"
+  fits jit 40 || return
+  local dir="$work/jit"
+  mkdir -p "$dir"
+  run jit_warm 60 "$up" --device "$device" -q --overwrite tests/photos/coffee.png -o "$dir/warm.png"
+  run jit_cold 60 env CUDA_CACHE_DISABLE=1 "$up" --device "$device" -q --overwrite tests/photos/coffee.png -o "$dir/cold.png"
+  run jit_warm 60 "$up" --device "$device" -q --overwrite tests/photos/coffee.png -o "$dir/warm.png"
+}
+
 # One call, a budget: what the issue needs first comes first, and each later step runs only in
 # the time the budget has left.
 proof_part() {
@@ -459,6 +472,7 @@ proof_part() {
   streams 1 2
   sanitizers 120 90
   folder_runs 1 2
+  jit
 }
 
 matrix_part() {
