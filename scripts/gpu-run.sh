@@ -199,10 +199,10 @@ facts() {
   record build "$(cat "$pack/commit" 2>/dev/null || echo "unknown (no commit file in the pack)")"
 }
 
-cuda_tests() {
+cuda_tests() { # [SECONDS]
   echo "== CUDA tests"
   if [ -n "$tests" ]; then
-    run tests 300 "$tests" tests::gpu:: --test-threads=1 --nocapture
+    run tests "${1:-300}" "$tests" tests::gpu:: --test-threads=1 --nocapture
     record tests "$(grep -E '^test result|passed|FAILED|panicked' "$logs/tests.log" | tail -n 20)"
   else
     record tests "no test binary in the pack"
@@ -460,7 +460,8 @@ jit() {
 proof_part() {
   deadline=$(( $(date +%s) + ${UPSCALE_PROOF_BUDGET_S:-520} ))
   facts
-  cuda_tests
+  # A hung test must not take more than a third of the budget.
+  cuda_tests 180
   models
   probe
   parity tensor-core fused
