@@ -213,7 +213,8 @@ sanitizers() { # [memcheck seconds] [racecheck seconds]
   echo "== memcheck of our kernels"
   if [ -n "$tests" ] && [ "$smoke" = 0 ] && command -v compute-sanitizer >/dev/null; then
     if fits memcheck 60; then
-      run memcheck "${1:-240}" compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
+      # Our kernels themselves, whatever the probe turned off for the measurements.
+      run memcheck "${1:-240}" env -u UPSCALE_CUDA_OFF compute-sanitizer --tool memcheck --error-exitcode 1 "$tests" \
         fused_kernel_matches_the_cpu_in_f32 tensor_core_kernel_matches_the_cpu_in_bf16_and_f16 \
         cuda_blend_kernel_matches_the_host_accumulator tests::gpu::rowwise:: tests::gpu::epilogue:: \
         --test-threads=1
@@ -222,7 +223,7 @@ sanitizers() { # [memcheck seconds] [racecheck seconds]
     # Shared-memory hazards of the two attention kernels (the CPU check's ThreadSanitizer run
     # sees missing barriers; this sees what the warps really do).
     if fits racecheck 60; then
-      run racecheck "${2:-180}" compute-sanitizer --tool racecheck --error-exitcode 1 "$tests" \
+      run racecheck "${2:-180}" env -u UPSCALE_CUDA_OFF compute-sanitizer --tool racecheck --error-exitcode 1 "$tests" \
         fused_kernel_matches_the_cpu_in_f32 tensor_core_kernel_matches_the_cpu_in_bf16_and_f16 \
         --test-threads=1
       record racecheck "$(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|test result' "$logs/racecheck.log" | tail -n 4)"

@@ -9,8 +9,8 @@
 //! - [`conv3x3_narrow`]: a 3x3 convolution with at most four outputs, with no patch matrix.
 //!
 //! On other devices (and on CUDA with `UPSCALE_CUDA_OFF=rowwise`) each runs candle's
-//! composition of the same ops, which is also what the GPU tests hold the kernels to. The CPU model has its own fused kernels
-//! ([`super::ops`], [`super::norm`]) and does not come here.
+//! composition of the same ops, which is also what the GPU tests hold the kernels to. The CPU
+//! model has its own fused kernels ([`super::ops`], [`super::norm`]) and does not come here.
 
 use candle_core::{Module, Result, Tensor, D};
 use candle_nn::LayerNorm;

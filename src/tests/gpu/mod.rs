@@ -12,7 +12,13 @@ mod rowwise;
 
 use candle_core::Device;
 
-/// The GPU the tests run on.
+/// The GPU the tests run on. With `UPSCALE_CUDA_OFF` set, the kernel tests would hold
+/// candle's fallbacks to themselves and pass whatever our kernels do, so it must be unset.
 fn gpu() -> Device {
+    assert!(
+        std::env::var_os(crate::model::cuda_off::VAR).is_none(),
+        "unset {}: the GPU tests check our kernels",
+        crate::model::cuda_off::VAR
+    );
     Device::new_cuda(0).expect("an NVIDIA GPU: these tests run on a GPU machine")
 }
