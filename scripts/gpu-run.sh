@@ -10,10 +10,10 @@
 #   picks the fallback every later step runs with; precision parity; the side by side with
 #   PyTorch and the matmul peak for utilisation; the same with cudarc's event tracking on;
 #   DRCT-L at 1080p; a kernel-by-kernel profile; streams; the sanitizers; a folder run; the
-#   start-up cost of the driver compiling our PTX), each step given at most what is left of
-#   UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a line saying so, when its
-#   least useful time is no longer left. Give the device call about 80 s more than the budget
-#   (a 10-minute call for the default).
+#   start-up cost of the driver compiling our PTX; rows of the precision x batch matrix),
+#   each step given at most what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and
+#   skipped, with a line saying so, when its least useful time is no longer left. Give the
+#   device call about 80 s more than the budget (a 10-minute call for the default).
 # check: device facts, the measured matmul peaks, the CUDA test binary (and our kernels under
 #   compute-sanitizer), bf16 and fp16 against fp32 (PSNR) on tests/photos, DRCT-L bf16 on
 #   1920x1080 with the automatic tile.
@@ -475,6 +475,20 @@ proof_part() {
   sanitizers 120 90
   folder_runs 1 2
   jit
+  matrix_rows "bf16 8" "bf16 1" "fp16 4" "fp32 4"
+}
+
+# matrix_rows "PRECISION BATCH"...: DRCT-L 960x540, tile 256, with the probe's attention, as
+# long as the budget lasts (proof's share of the matrix part; bf16 batch 4 is the side by side).
+matrix_rows() {
+  echo "== precision x batch, DRCT-L, tile 256"
+  local row
+  for row in "$@"; do
+    set -- $row
+    fits matrix 25 || break
+    bench matrix "drct-l-$1-b$2-$attn" "$drct_l" --precision "$1" --size "$s540" --tile "$t256" \
+      --tile_overlap "$ov" --tile_batch_size "$2" --reps 2
+  done
 }
 
 matrix_part() {
