@@ -8,12 +8,13 @@
 # proof: the one call for a session with a few minutes of device time. The issue's evidence in
 #   the order it is needed (the CUDA tests; a probe that, if our kernels fail on the GPU,
 #   picks the fallback every later step runs with; precision parity; the side by side with
-#   PyTorch and the matmul peak for utilisation; the same with cudarc's event tracking on;
-#   DRCT-L at 1080p; a kernel-by-kernel profile; streams; the sanitizers; a folder run; the
-#   start-up cost of the driver compiling our PTX; rows of the precision x batch matrix),
-#   each step given at most what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and
-#   skipped, with a line saying so, when its least useful time is no longer left. Give the
-#   device call about 80 s more than the budget (a 10-minute call for the default).
+#   PyTorch and the matmul peak for utilisation; the same with cudarc's event tracking on; a
+#   round of before/after against the earlier builds in the pack, if any; DRCT-L at 1080p; a
+#   kernel-by-kernel profile; streams; the sanitizers; a folder run; the start-up cost of the
+#   driver compiling our PTX; rows of the precision x batch matrix), each step given at most
+#   what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a line
+#   saying so, when its least useful time is no longer left. Give the device call about 80 s
+#   more than the budget (a 10-minute call for the default).
 # check: device facts, the measured matmul peaks, the CUDA test binary (and our kernels under
 #   compute-sanitizer), bf16 and fp16 against fp32 (PSNR) on tests/photos, DRCT-L bf16 on
 #   1920x1080 with the automatic tile.
@@ -469,6 +470,8 @@ proof_part() {
   measure_peak
   side_by_side 3
   event_tracking
+  # Earlier builds in the pack (UPSCALE_BASES) against this one: one round of before/after.
+  ab_part 1
   auto1080
   profile
   streams 1 2
@@ -515,7 +518,8 @@ matrix_part() {
 # Before/after measurements: every earlier build in the pack (upscale-LABEL, packed by
 # scripts/gpu-pack.sh from UPSCALE_BASES) and `upscale` take turns on the side-by-side shapes,
 # so all of them see the same GPU state.
-ab_part() {
+ab_part() { # [ROUNDS]
+  local rounds=${1:-3}
   models
   local bins=() labels=() f label
   for f in "$pack"/upscale-*.xz; do
@@ -533,13 +537,14 @@ ab_part() {
   labels+=("$(cut -c1-7 "$pack/commit" 2>/dev/null || echo new)")
   echo "== before/after: ${labels[*]}"
   local round i line m
-  for round in 1 2 3; do
+  for round in $(seq 1 "$rounds"); do
     for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
       set -- $m
       for i in "${!bins[@]}"; do
-        # Every build names its attention: the first ones defaulted to another.
-        line=$(timeout 240 "${bins[$i]}" bench -m "$2" --device "$device" --json --precision bf16 \
-          --attention tensor-core --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3 \
+        fits ab 20 || return
+        # Every build names its attention (the first ones defaulted to another): the probe's.
+        line=$(timeout "$(cap 240)" "${bins[$i]}" bench -m "$2" --device "$device" --json --precision bf16 \
+          --attention "$attn" --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3 \
           2>> "$logs/ab.log" | tail -n 1)
         record ab "${line:-failed}" "\"label\":\"$1-${labels[$i]}\",\"round\":$round"
       done
