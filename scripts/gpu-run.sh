@@ -452,9 +452,9 @@ jit() {
   fits jit 40 || return
   local dir="$work/jit"
   mkdir -p "$dir"
-  run jit_warm 60 "$up" --device "$device" -q --overwrite tests/photos/coffee.png -o "$dir/warm.png"
-  run jit_cold 60 env CUDA_CACHE_DISABLE=1 "$up" --device "$device" -q --overwrite tests/photos/coffee.png -o "$dir/cold.png"
-  run jit_warm 60 "$up" --device "$device" -q --overwrite tests/photos/coffee.png -o "$dir/warm.png"
+  run jit_warm 60 "$up" --device "$device" --attention "$attn" -q --overwrite tests/photos/coffee.png -o "$dir/warm.png"
+  run jit_cold 60 env CUDA_CACHE_DISABLE=1 "$up" --device "$device" --attention "$attn" -q --overwrite tests/photos/coffee.png -o "$dir/cold.png"
+  run jit_warm 60 "$up" --device "$device" --attention "$attn" -q --overwrite tests/photos/coffee.png -o "$dir/warm.png"
 }
 
 # One call, a budget: what the issue needs first comes first, and each later step runs only in
