@@ -1,6 +1,7 @@
 //! With the `cuda` feature, compiles every CUDA source in kernels/ to PTX and writes
 //! `$OUT_DIR/ptx.rs`, one `&str` constant per kernel file (`kernels/blend.cu` becomes
-//! `BLEND`), for `src/gpu` to load at run time. The default build needs no CUDA toolkit.
+//! `BLEND`), for `src/gpu` to load at run time, and the compute capability it targets. The
+//! default build needs no CUDA toolkit.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -52,6 +53,11 @@ fn main() {
             ptx.display().to_string()
         ));
     }
+    consts.push_str(&format!(
+        "/// The compute capability the PTX was built for (`CUDA_COMPUTE_CAP`), times ten.\n\
+         pub const COMPUTE_CAP: u32 = {};\n",
+        cap.parse::<u32>().unwrap_or(0) * 10
+    ));
     std::fs::write(out.join("ptx.rs"), consts).expect("writing ptx.rs");
 }
 

@@ -25,6 +25,14 @@
 
 #include "dtype.cuh"
 
+// cp.async and mma.m16n8k16 on 16-bit inputs need sm_80. A build for an older GPU
+// (CUDA_COMPUTE_CAP=75: a T4) leaves the tensor-core kernels out, so that the module still
+// loads there, and the host runs the scalar kernels (src/model/fused.rs reads the same build
+// setting).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define TENSOR_CORE_KERNELS 1
+#endif
+
 namespace {
 
 // Keys per shared-memory tile. The host computes the same shared-memory layout: keep in step
@@ -193,6 +201,7 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
 }
 
 
+#ifdef TENSOR_CORE_KERNELS
 // ---------------------------------------------------------------------------------------------
 // Tensor-core variant for bf16 and f16 inputs.
 //
@@ -578,6 +587,7 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
         }
     }
 }
+#endif  // TENSOR_CORE_KERNELS
 
 }  // namespace
 
@@ -604,6 +614,7 @@ WINDOW_ATTENTION(window_attention_f16_d32, __half, 32)
 WINDOW_ATTENTION(window_attention_f16_d64, __half, 64)
 WINDOW_ATTENTION(window_attention_f16_d128, __half, 128)
 
+#ifdef TENSOR_CORE_KERNELS
 // Blocks per multiprocessor the registers must allow: 16 resident warps (at most 128 registers
 // per thread) up to head dim 112, at a spill of 8 bytes at most; left free, ptxas took up to
 // 177 for some of them. Head dim 128 needs about 170 and takes three blocks.
@@ -629,3 +640,4 @@ WINDOW_ATTENTION_MMA(window_attention_mma_f16_d80, __half, 80)
 WINDOW_ATTENTION_MMA(window_attention_mma_f16_d96, __half, 96)
 WINDOW_ATTENTION_MMA(window_attention_mma_f16_d112, __half, 112)
 WINDOW_ATTENTION_MMA(window_attention_mma_f16_d128, __half, 128)
+#endif

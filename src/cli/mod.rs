@@ -137,7 +137,8 @@ pub struct InferArgs {
         value_parser = parse_device
     )]
     pub device: DeviceChoice,
-    /// auto: bf16 on capable GPUs, fp32 on the CPU. bf16 on the CPU needs AMX or
+    /// auto: bf16 on GPUs from compute capability 8.0 (Ampere) on, fp16 on older ones, fp32 on
+    /// the CPU. bf16 on an older GPU falls back to fp16; on the CPU it needs AMX or
     /// AVX512-BF16 (activations stay f32) and falls back to fp32 without them, as fp16 does.
     #[arg(long, default_value = "auto", ignore_case = true, value_parser = precision_parser())]
     pub precision: Precision,

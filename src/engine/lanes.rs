@@ -81,6 +81,8 @@ impl Lanes {
                 let lane = Device::new_cuda_with_stream(id).map_err(|e| {
                     EngineError::Device(format!("cuda:{id}: {}", super::first_line(&e)))
                 })?;
+                super::gpu_runs_this_build(&lane)
+                    .map_err(|e| EngineError::Device(format!("cuda:{id}: {e}")))?;
                 skip_event_tracking(&lane);
                 keep_pool_memory(&lane, warn);
                 engines.push(Engine::with_attention(ck.clone(), lane, dtype, attention)?);

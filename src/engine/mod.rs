@@ -104,7 +104,10 @@ pub fn open_device(
         DeviceChoice::Auto => {
             if candle_core::utils::cuda_is_available() {
                 match Device::new_cuda_with_stream(0) {
-                    Ok(d) => return cuda_opened(d, warn),
+                    Ok(d) => match gpu_runs_this_build(&d) {
+                        Ok(()) => return cuda_opened(d, warn),
+                        Err(e) => warn(format!("cuda:0: {e}; running on the CPU")),
+                    },
                     Err(e) => warn(format!(
                         "no usable CUDA device ({}); running on the CPU",
                         first_line(&e)
@@ -122,6 +125,8 @@ pub fn open_device(
             }
             let d = Device::new_cuda_with_stream(ids[0])
                 .map_err(|e| EngineError::Device(format!("cuda:{}: {}", ids[0], first_line(&e))))?;
+            gpu_runs_this_build(&d)
+                .map_err(|e| EngineError::Device(format!("cuda:{}: {e}", ids[0])))?;
             cuda_opened(d, warn)
         }
     }
@@ -140,6 +145,47 @@ fn cuda_opened(d: Device, warn: &mut dyn FnMut(String)) -> Result<Device, Engine
         ));
     }
     Ok(d)
+}
+
+/// A CUDA device's compute capability as 10 x major + minor (75 for a T4, 90 for an H100);
+/// `None` for the CPU or when the driver does not say.
+pub fn compute_capability(device: &Device) -> Option<u32> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let (major, minor) = d.cuda_stream().context().compute_capability().ok()?;
+        return u32::try_from(10 * major + minor).ok();
+    }
+    let _ = device;
+    None
+}
+
+/// Whether the GPU can load this build's kernels (ours and candle's, compiled to PTX for
+/// `CUDA_COMPUTE_CAP`): the driver compiles PTX for that GPU generation or a later one only,
+/// and otherwise every kernel launch would fail with a message that does not say why.
+pub fn gpu_runs_this_build(device: &Device) -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    let built = Some(crate::gpu::ptx::COMPUTE_CAP / 10);
+    #[cfg(not(feature = "cuda"))]
+    let built = None;
+    match (built, compute_capability(device)) {
+        (Some(built), Some(gpu)) => build_runs_on(built, gpu),
+        _ => Ok(()),
+    }
+}
+
+/// [`gpu_runs_this_build`] for a build for compute capability `built` and a GPU of `gpu`.
+fn build_runs_on(built: u32, gpu: u32) -> Result<(), String> {
+    if gpu >= built {
+        return Ok(());
+    }
+    Err(format!(
+        "this GPU has compute capability {}.{}, and this binary's CUDA kernels were built for \
+         {}.{} and newer: rebuild it with CUDA_COMPUTE_CAP={gpu} (README, CUDA)",
+        gpu / 10,
+        gpu % 10,
+        built / 10,
+        built % 10
+    ))
 }
 
 /// The dtype the model runs in. On the CPU, bf16 means f32 activations with bf16 weights and
@@ -163,8 +209,28 @@ pub fn choose_dtype(p: Precision, device: &Device, warn: &mut dyn FnMut(String))
             warn("--precision fp16 is not available on the CPU; using fp32".into());
             DType::F32
         }
-        (Precision::Auto | Precision::Bf16, false) => DType::BF16,
+        (Precision::Auto | Precision::Bf16, false) => gpu_half(p, compute_capability(device), warn),
         (Precision::Fp16, false) => DType::F16,
+    }
+}
+
+/// bf16 on GPUs that compute in it (compute capability 8.0, Ampere, and later); fp16 on older
+/// ones (a T4, a V100), whose tensor cores take fp16 and where candle has no bf16 kernels.
+/// An unknown capability is taken as a current GPU.
+fn gpu_half(p: Precision, capability: Option<u32>, warn: &mut dyn FnMut(String)) -> DType {
+    match capability {
+        Some(cc) if cc < 80 => {
+            if p == Precision::Bf16 {
+                warn(format!(
+                    "--precision bf16: this GPU (compute capability {}.{}) has no bf16 \
+                     arithmetic; using fp16",
+                    cc / 10,
+                    cc % 10
+                ));
+            }
+            DType::F16
+        }
+        _ => DType::BF16,
     }
 }
 
@@ -482,5 +548,28 @@ mod tests {
         let d = choose_dtype(Precision::Auto, &Device::Cpu, &mut |w| warnings.push(w));
         assert_eq!(d, DType::F32);
         assert_eq!(warnings.len(), 1);
+    }
+
+    #[test]
+    fn gpu_half_precision_is_bf16_from_ampere_on_and_fp16_before() {
+        let mut warnings = Vec::new();
+        let mut half = |p, cc| gpu_half(p, cc, &mut |w| warnings.push(w));
+        assert_eq!(half(Precision::Auto, Some(90)), DType::BF16);
+        assert_eq!(half(Precision::Bf16, Some(80)), DType::BF16);
+        assert_eq!(half(Precision::Auto, None), DType::BF16);
+        assert_eq!(half(Precision::Auto, Some(75)), DType::F16);
+        assert_eq!(half(Precision::Bf16, Some(70)), DType::F16);
+        // Only the explicit request is warned about.
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].contains("7.0") && warnings[0].contains("fp16"));
+    }
+
+    #[test]
+    fn a_build_runs_on_its_gpu_generation_and_later_only() {
+        assert_eq!(build_runs_on(90, 90), Ok(()));
+        assert_eq!(build_runs_on(75, 120), Ok(()));
+        let e = build_runs_on(90, 75).unwrap_err();
+        assert!(e.contains("7.5") && e.contains("9.0"), "{e}");
+        assert!(e.contains("CUDA_COMPUTE_CAP=75"), "{e}");
     }
 }

@@ -245,6 +245,10 @@ mod cuda {
     use super::{Dims, FusedWindowAttention, MAX_HEAD_DIM};
 
     /// Keys per shared-memory tile; `KEY_TILE` in the kernel.
+    /// Whether kernels/window_attention.cu's tensor-core kernels are in the PTX: they need
+    /// sm_80 (cp.async, 16-bit mma), and a build for an older GPU leaves them out.
+    const TENSOR_CORE_KERNELS_BUILT: bool = crate::gpu::ptx::COMPUTE_CAP >= 800;
+
     const KEY_TILE: usize = 32;
     /// Head dims each thread of a query row's group holds; `COLS_PER_THREAD` in the kernel.
     const COLS_PER_THREAD: usize = 32;
@@ -346,13 +350,17 @@ mod cuda {
             .w()?;
         let limit = limit.max(0) as usize;
         // The tensor-core kernel takes 16-bit inputs only, copies 32-bit words (so an even
-        // channel count and an even start), and stages its table and tiles in shared memory;
-        // anything else runs the scalar kernel, which has none of these conditions.
-        let tensor_core_plan =
-            (op.tensor_cores && dtype != "f32" && dims.c.is_multiple_of(2) && q0.is_multiple_of(2))
-                .then(|| mma_plan(op.window, dims.head_dim))
-                .transpose()?
-                .filter(|p| p.shared_bytes <= limit);
+        // channel count and an even start), stages its table and tiles in shared memory, and
+        // is in the build only from sm_80 on; anything else runs the scalar kernel, which has
+        // none of these conditions.
+        let tensor_core_plan = (op.tensor_cores
+            && TENSOR_CORE_KERNELS_BUILT
+            && dtype != "f32"
+            && dims.c.is_multiple_of(2)
+            && q0.is_multiple_of(2))
+        .then(|| mma_plan(op.window, dims.head_dim))
+        .transpose()?
+        .filter(|p| p.shared_bytes <= limit);
         let mma = tensor_core_plan.is_some();
         let plan = match tensor_core_plan {
             Some(p) => p,
