@@ -163,14 +163,18 @@ pub fn compute_capability(device: &Device) -> Option<u32> {
 /// `CUDA_COMPUTE_CAP`): the driver compiles PTX for that GPU generation or a later one only,
 /// and otherwise every kernel launch would fail with a message that does not say why.
 pub fn gpu_runs_this_build(device: &Device) -> Result<(), String> {
-    #[cfg(feature = "cuda")]
-    let built = Some(crate::gpu::ptx::COMPUTE_CAP / 10);
-    #[cfg(not(feature = "cuda"))]
-    let built = None;
-    match (built, compute_capability(device)) {
+    match (built_for(), compute_capability(device)) {
         (Some(built), Some(gpu)) => build_runs_on(built, gpu),
         _ => Ok(()),
     }
+}
+
+/// The compute capability this build's kernels were compiled for (`CUDA_COMPUTE_CAP`).
+fn built_for() -> Option<u32> {
+    #[cfg(feature = "cuda")]
+    return Some(crate::gpu::ptx::COMPUTE_CAP / 10);
+    #[cfg(not(feature = "cuda"))]
+    None
 }
 
 /// [`gpu_runs_this_build`] for a build for compute capability `built` and a GPU of `gpu`.
@@ -209,21 +213,26 @@ pub fn choose_dtype(p: Precision, device: &Device, warn: &mut dyn FnMut(String))
             warn("--precision fp16 is not available on the CPU; using fp32".into());
             DType::F32
         }
-        (Precision::Auto | Precision::Bf16, false) => gpu_half(p, compute_capability(device), warn),
+        (Precision::Auto | Precision::Bf16, false) => {
+            // A build for an older GPU has no bf16 kernels (candle's need sm_80), whatever GPU
+            // it runs on.
+            let cc = compute_capability(device).map(|cc| built_for().map_or(cc, |b| cc.min(b)));
+            gpu_half(p, cc, warn)
+        }
         (Precision::Fp16, false) => DType::F16,
     }
 }
 
-/// bf16 on GPUs that compute in it (compute capability 8.0, Ampere, and later); fp16 on older
-/// ones (a T4, a V100), whose tensor cores take fp16 and where candle has no bf16 kernels.
-/// An unknown capability is taken as a current GPU.
+/// bf16 on GPUs that compute in it (compute capability 8.0, Ampere, and later) with a build
+/// for them; fp16 on older ones (a T4, a V100), whose tensor cores take fp16 and where candle
+/// has no bf16 kernels. An unknown capability is taken as a current GPU.
 fn gpu_half(p: Precision, capability: Option<u32>, warn: &mut dyn FnMut(String)) -> DType {
     match capability {
         Some(cc) if cc < 80 => {
             if p == Precision::Bf16 {
                 warn(format!(
-                    "--precision bf16: this GPU (compute capability {}.{}) has no bf16 \
-                     arithmetic; using fp16",
+                    "--precision bf16: no bf16 arithmetic at compute capability {}.{} (the \
+                     GPU's, or the build's CUDA_COMPUTE_CAP if lower); using fp16",
                     cc / 10,
                     cc % 10
                 ));
