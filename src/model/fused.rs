@@ -26,7 +26,8 @@ pub enum Attention {
     /// candle's op graph: matmul, bias, stored mask, softmax, matmul.
     Reference,
     /// The fused kernel with both products on tensor cores (bf16/fp16 inputs, f32 sums; the
-    /// probabilities are rounded to the input type); f32 runs `fused`.
+    /// probabilities are rounded to the input type); f32, and builds for GPUs before compute
+    /// capability 8.0, run `fused`.
     TensorCore,
 }
 
