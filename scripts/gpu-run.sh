@@ -11,7 +11,7 @@
 #   PyTorch and the matmul peak for utilisation; the same with cudarc's event tracking on; a
 #   round of before/after against the earlier builds in the pack, if any; DRCT-L at 1080p; a
 #   kernel-by-kernel profile; streams; the sanitizers; a folder run; the start-up cost of the
-#   driver compiling our PTX; rows of the precision x batch matrix), each step given at most
+#   driver compiling PTX, with our SASS and without; rows of the precision x batch matrix), each step given at most
 #   what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a line
 #   saying so, when its least useful time is no longer left. Give the device call about 80 s
 #   more than the budget (a 10-minute call for the default).
@@ -75,9 +75,10 @@ else
   device=cuda
   # shellcheck source=scripts/cuda-runtime-libs.sh
   . scripts/cuda-runtime-libs.sh
-  # Our kernels ship as PTX, which the driver compiles for the GPU when a process first loads
-  # them (about 8 s of ptxas for the attention kernels): every process of this run must find
-  # the driver's compile cache, so only the first pays.
+  # candle's kernels (and ours in earlier builds, or with UPSCALE_CUDA_OFF=sass) ship as PTX,
+  # which the driver compiles for the GPU when a process first loads them (about 8 s of
+  # ptxas for our attention kernels): every process of this run must find the driver's
+  # compile cache, so only the first pays.
   if [ -z "${CUDA_CACHE_PATH:-}" ] && ! { mkdir -p "$HOME/.nv/ComputeCache" && [ -w "$HOME/.nv/ComputeCache" ]; } 2>/dev/null; then
     export CUDA_CACHE_PATH="$work/cuda-cache"
   fi
@@ -267,7 +268,7 @@ probe() {
     record probe "no CPU reference: every step runs with attention $attn and nothing off"
     return
   fi
-  for cfg in tensor-core: fused: tensor-core:cublaslt tensor-core:rowwise tensor-core:all fused:all reference:all; do
+  for cfg in tensor-core: tensor-core:sass fused: tensor-core:cublaslt tensor-core:rowwise tensor-core:all fused:all reference:all; do
     a=${cfg%%:*} off=${cfg#*:}
     tried="$tried $cfg"
     fits probe 15 || break
@@ -445,16 +446,19 @@ profile() {
   record profile "$(head -n 3 "$out/profile.md" 2>/dev/null | tail -n 1)"
 }
 
-# What a user pays at start for the driver compiling our PTX: the README command on the GPU
-# with the driver's compile cache off, then with it warm (steps jit_cold and jit_warm).
+# What a user pays at start for the driver compiling PTX: the README command on the GPU with
+# the driver's compile cache off, with our SASS (jit_cold: candle's PTX only) and without
+# (jit_cold_ptx: ours from PTX too), then with the cache warm (jit_warm).
 jit() {
-  echo "== start-up: PTX compiled by the driver, with and without its cache"
-  fits jit 40 || return
-  local dir="$work/jit"
+  echo "== start-up: PTX compiled by the driver, with and without its cache and our SASS"
+  fits jit 50 || return
+  local dir="$work/jit" cmd
   mkdir -p "$dir"
-  run jit_warm 60 "$up" --device "$device" --attention "$attn" -q --overwrite tests/photos/coffee.png -o "$dir/warm.png"
-  run jit_cold 60 env CUDA_CACHE_DISABLE=1 "$up" --device "$device" --attention "$attn" -q --overwrite tests/photos/coffee.png -o "$dir/cold.png"
-  run jit_warm 60 "$up" --device "$device" --attention "$attn" -q --overwrite tests/photos/coffee.png -o "$dir/warm.png"
+  cmd=("$up" --device "$device" --attention "$attn" -q --overwrite tests/photos/coffee.png)
+  run jit_warm 60 "${cmd[@]}" -o "$dir/warm.png"
+  run jit_cold 60 env CUDA_CACHE_DISABLE=1 "${cmd[@]}" -o "$dir/cold.png"
+  run jit_cold_ptx 60 env CUDA_CACHE_DISABLE=1 UPSCALE_CUDA_OFF="${UPSCALE_CUDA_OFF:+$UPSCALE_CUDA_OFF,}sass" "${cmd[@]}" -o "$dir/cold_ptx.png"
+  run jit_warm 60 "${cmd[@]}" -o "$dir/warm.png"
 }
 
 # One call, a budget: what the issue needs first comes first, and each later step runs only in

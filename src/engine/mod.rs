@@ -139,9 +139,10 @@ fn cuda_opened(d: Device, warn: &mut dyn FnMut(String)) -> Result<Device, Engine
     let off = cuda_off::from_env().map_err(EngineError::Device)?;
     if off != cuda_off::Off::default() {
         warn(format!(
-            "{}={}: candle's ops run in place of ours there",
+            "{}={}: {}",
             cuda_off::VAR,
-            off.names()
+            off.names(),
+            off.effect()
         ));
     }
     Ok(d)
@@ -172,7 +173,7 @@ pub fn gpu_runs_this_build(device: &Device) -> Result<(), String> {
 /// The compute capability this build's kernels were compiled for (`CUDA_COMPUTE_CAP`).
 fn built_for() -> Option<u32> {
     #[cfg(feature = "cuda")]
-    return Some(crate::gpu::ptx::COMPUTE_CAP / 10);
+    return Some(crate::gpu::kernels::COMPUTE_CAP / 10);
     #[cfg(not(feature = "cuda"))]
     None
 }

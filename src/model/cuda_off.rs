@@ -2,6 +2,8 @@
 //! candle's ops for the same result (slower; they are what the GPU tests hold ours to). On a
 //! GPU where one of ours fails, a user can still run, and a short GPU session can still
 //! measure everything else. Window attention has its own switch, `--attention reference`.
+//! `sass` keeps our kernels but loads them from PTX, for a GPU whose driver refuses the
+//! built SASS, and to measure what the SASS saves at start.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -16,14 +18,18 @@ pub struct Off {
     pub cublaslt: bool,
     /// The row-wise kernels of kernels/rowwise.cu ([`super::rowwise`]).
     pub rowwise: bool,
+    /// The SASS built for the target GPU: our kernels load from their PTX, which the driver
+    /// compiles on first use, as on a GPU newer than the build's ([`crate::gpu`]).
+    pub sass: bool,
 }
 
-const PARTS: &str = "cublaslt, rowwise, all or none";
+const PARTS: &str = "cublaslt, rowwise, sass, all or none";
 
 impl Off {
     pub const ALL: Off = Off {
         cublaslt: true,
         rowwise: true,
+        sass: true,
     };
 
     pub fn parse(spec: &str) -> Result<Off, String> {
@@ -32,6 +38,7 @@ impl Off {
             match part.to_ascii_lowercase().as_str() {
                 "cublaslt" => off.cublaslt = true,
                 "rowwise" => off.rowwise = true,
+                "sass" => off.sass = true,
                 "all" => off = Off::ALL,
                 "none" => {}
                 _ => return Err(format!("{VAR}: unknown part '{part}' (expected {PARTS})")),
@@ -40,9 +47,25 @@ impl Off {
         Ok(off)
     }
 
+    /// What a run with these parts off does differently, for the line it prints.
+    pub fn effect(self) -> String {
+        let mut said = Vec::new();
+        if self.cublaslt || self.rowwise {
+            said.push("candle's ops run in place of ours there");
+        }
+        if self.sass {
+            said.push("our kernels load from PTX, which the driver compiles");
+        }
+        said.join("; ")
+    }
+
     /// The parts left out, as the variable names them ("" for none).
     pub fn names(self) -> String {
-        let parts = [("cublaslt", self.cublaslt), ("rowwise", self.rowwise)];
+        let parts = [
+            ("cublaslt", self.cublaslt),
+            ("rowwise", self.rowwise),
+            ("sass", self.sass),
+        ];
         let on: Vec<&str> = parts.iter().filter(|p| p.1).map(|p| p.0).collect();
         on.join(",")
     }
@@ -95,14 +118,19 @@ mod tests {
         assert_eq!(Off::parse(""), Ok(Off::default()));
         assert_eq!(Off::parse("none"), Ok(Off::default()));
         let lt = Off::parse("cuBLASLt").unwrap();
-        assert!(lt.cublaslt && !lt.rowwise);
+        assert!(lt.cublaslt && !lt.rowwise && !lt.sass);
         let row = Off::parse(" rowwise ,").unwrap();
-        assert!(row.rowwise && !row.cublaslt);
-        assert_eq!(Off::parse("rowwise,cublaslt"), Ok(Off::ALL));
+        assert!(row.rowwise && !row.cublaslt && !row.sass);
+        let sass = Off::parse("SASS").unwrap();
+        assert!(sass.sass && !sass.rowwise && !sass.cublaslt);
+        assert_eq!(Off::parse("sass,rowwise,cublaslt"), Ok(Off::ALL));
+        assert_ne!(Off::parse("rowwise,cublaslt"), Ok(Off::ALL));
         assert_eq!(Off::parse("all"), Ok(Off::ALL));
-        assert_eq!(Off::ALL.names(), "cublaslt,rowwise");
+        assert_eq!(Off::ALL.names(), "cublaslt,rowwise,sass");
         assert_eq!(row.names(), "rowwise");
         assert_eq!(Off::default().names(), "");
+        assert!(!sass.effect().contains("candle") && sass.effect().contains("PTX"));
+        assert!(row.effect().contains("candle") && !row.effect().contains("PTX"));
     }
 
     #[test]

@@ -248,7 +248,7 @@ mod cuda {
     /// Keys per shared-memory tile; `KEY_TILE` in the kernel.
     /// Whether kernels/window_attention.cu's tensor-core kernels are in the PTX: they need
     /// sm_80 (cp.async, 16-bit mma), and a build for an older GPU leaves them out.
-    const TENSOR_CORE_KERNELS_BUILT: bool = crate::gpu::ptx::COMPUTE_CAP >= 800;
+    const TENSOR_CORE_KERNELS_BUILT: bool = crate::gpu::kernels::COMPUTE_CAP >= 800;
 
     const KEY_TILE: usize = 32;
     /// Head dims each thread of a query row's group holds; `COLS_PER_THREAD` in the kernel.
@@ -397,20 +397,21 @@ mod cuda {
             block_dim: (plan.threads as u32, 1, 1),
             shared_mem_bytes: plan.shared_bytes as u32,
         };
-        let func = dev.get_or_load_custom_func(
+        let func = crate::gpu::function(
+            dev,
+            &crate::gpu::kernels::WINDOW_ATTENTION,
             &format!(
                 "window_attention_{}{dtype}_d{}",
                 if mma { "mma_" } else { "" },
                 plan.dmax
             ),
-            "upscale_window_attention",
-            crate::gpu::ptx::WINDOW_ATTENTION,
         )?;
         let qkv = qkv.slice(q0..q1);
         let bias = bias.slice(b0..b1);
         // SAFETY: the kernel writes every element before anything reads the output.
         let out = unsafe { dev.alloc::<T>(dims.windows * dims.n * dims.c)? };
-        let mut builder = func.builder();
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
         builder.arg(&qkv);
         builder.arg(&bias);
         builder.arg(&out);

@@ -283,12 +283,11 @@ mod cuda {
             DType::F16 => "f16",
             other => candle_core::bail!("rowwise kernels: dtype {other:?} (f32, bf16, f16)"),
         };
-        dev.get_or_load_custom_func(
+        crate::gpu::function(
+            dev,
+            &crate::gpu::kernels::ROWWISE,
             &format!("{name}_{suffix}"),
-            "upscale_rowwise",
-            crate::gpu::ptx::ROWWISE,
         )
-        .map(|f| f.into_cuda_function())
     }
 
     /// An output buffer of `n` elements, which the kernel writes in full.

@@ -269,7 +269,7 @@ impl InplaceOp3 for BlendAdd {
 
         let (co, to, wo) = self.offsets(canvas_l, out_l, table_l)?;
         let dev = canvas.device().clone();
-        let func = dev.get_or_load_custom_func("blend_add_f32", "upscale_blend", BLEND_PTX)?;
+        let func = crate::gpu::function(&dev, &crate::gpu::kernels::BLEND, "blend_add_f32")?;
         let u32_arg = |v: usize, what: &str| {
             u32::try_from(v).map_err(|_| {
                 candle_core::Error::Msg(format!("blend_add: {what} {v} exceeds 32 bits"))
@@ -292,7 +292,8 @@ impl InplaceOp3 for BlendAdd {
         let out = out.as_cuda_slice::<f32>()?.slice(to..);
         let table = table.as_cuda_slice::<f32>()?.slice(wo..);
         let mut canvas = canvas.as_cuda_slice_mut::<f32>()?.slice_mut(co..);
-        let mut builder = func.builder();
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
         builder.arg(&mut canvas);
         builder.arg(&out);
         builder.arg(&table);
@@ -305,9 +306,6 @@ impl InplaceOp3 for BlendAdd {
         Ok(())
     }
 }
-
-#[cfg(feature = "cuda")]
-const BLEND_PTX: &str = crate::gpu::ptx::BLEND;
 
 #[cfg(test)]
 mod tests {

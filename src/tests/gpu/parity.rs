@@ -56,9 +56,9 @@ fn cuda_f32_and_bf16_match_the_reference() {
     }
 }
 
-/// `UPSCALE_CUDA_OFF`'s fallbacks, each part alone and both: candle's ops in place of ours
-/// must give the same network, in f32 and bf16 (the paths a user on a GPU where one of ours
-/// fails is told to take).
+/// `UPSCALE_CUDA_OFF`'s fallbacks, each part alone and all: candle's ops in place of ours, and
+/// ours loaded from PTX rather than the built SASS, must give the same network, in f32 and
+/// bf16 (the paths a user on a GPU where one of ours fails is told to take).
 #[test]
 fn cuda_with_our_paths_off_still_matches_the_reference() {
     use crate::model::cuda_off::{self, Off};
@@ -66,11 +66,15 @@ fn cuda_with_our_paths_off_still_matches_the_reference() {
     let parts = [
         Off {
             cublaslt: true,
-            rowwise: false,
+            ..Off::default()
         },
         Off {
-            cublaslt: false,
             rowwise: true,
+            ..Off::default()
+        },
+        Off {
+            sass: true,
+            ..Off::default()
         },
         Off::ALL,
     ];

@@ -280,3 +280,33 @@ fn bad_inputs_are_errors() -> Result<()> {
     assert!(rowwise::gather_norm(&ln, &x, &float_idx).is_err());
     Ok(())
 }
+
+/// Our kernel modules are cached per context (a fatbin of the attention kernels is several
+/// MB of GPU code); a dropped device's go at the next lookup from any device.
+#[test]
+fn a_dropped_devices_kernel_modules_are_let_go() -> Result<()> {
+    let (y, b) = (randn(&[4, 40]), randn(&[40]));
+    let run = |dev: &Device| -> Result<()> {
+        let out = rowwise::bias_act(&y.to_device(dev)?, &b.to_device(dev)?, None, Act::Gelu)?;
+        out.to_device(&Device::Cpu).map(drop)
+    };
+    let gone = {
+        let dev = Device::new_cuda_with_stream(0)?;
+        run(&dev)?;
+        let Device::Cuda(cuda) = &dev else {
+            unreachable!("a CUDA device")
+        };
+        std::sync::Arc::downgrade(cuda.cuda_stream().context())
+    };
+    assert!(
+        gone.strong_count() > 0,
+        "the cached module holds its context"
+    );
+    run(&gpu())?;
+    assert_eq!(
+        gone.strong_count(),
+        0,
+        "a dropped device's context is still held by its kernel modules"
+    );
+    Ok(())
+}
