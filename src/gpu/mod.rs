@@ -33,10 +33,17 @@ pub fn function(dev: &CudaDevice, file: &Kernels, name: &str) -> Result<CudaFunc
 }
 
 /// `file`'s module on `ctx`, loaded on first use. candle keeps a device's modules in the
-/// device, where ours cannot go, so they are kept here, per context (every candle device has
-/// its own), and go when nothing but them holds their context any more.
+/// device, where ours cannot go (it loads only PTX text), so they are kept here, per context
+/// (every candle device has its own), and go once nothing but them holds their context.
 fn module(ctx: &Arc<CudaContext>, file: &Kernels, sass: bool) -> Result<Arc<CudaModule>> {
     let mut entries = modules();
+    if let Some(e) = entries
+        .iter()
+        .find(|e| Weak::as_ptr(&e.ctx) == Arc::as_ptr(ctx) && e.file == file.file && e.sass == sass)
+    {
+        return Ok(e.module.clone());
+    }
+    // Every new device loads here first, so stale entries go no later than the next device.
     let held_here = |ctx: &Weak<CudaContext>| entries.iter().filter(|e| e.ctx.ptr_eq(ctx)).count();
     let stale: Vec<Weak<CudaContext>> = entries
         .iter()
@@ -44,12 +51,6 @@ fn module(ctx: &Arc<CudaContext>, file: &Kernels, sass: bool) -> Result<Arc<Cuda
         .map(|e| e.ctx.clone())
         .collect();
     entries.retain(|e| !stale.iter().any(|s| s.ptr_eq(&e.ctx)));
-    if let Some(e) = entries
-        .iter()
-        .find(|e| Weak::as_ptr(&e.ctx) == Arc::as_ptr(ctx) && e.file == file.file && e.sass == sass)
-    {
-        return Ok(e.module.clone());
-    }
     let image = if sass {
         Ptx::from_binary(file.fatbin.to_vec())
     } else {
