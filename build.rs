@@ -74,6 +74,9 @@ fn main() {
         cap.parse::<u32>().unwrap_or(0) * 10
     ));
     std::fs::write(out.join("kernels.rs"), consts).expect("writing kernels.rs");
+    // For `--version`: "9.0" from "90".
+    let (major, minor) = cap.split_at(cap.len().saturating_sub(1));
+    println!("cargo::rustc-env=UPSCALE_CUDA_CAP={major}.{minor}");
 }
 
 /// Stops the build unless `path` holds SASS for `sm_{cap}` (without it every process compiles

@@ -1929,3 +1929,18 @@ fn version_credits_the_models_training_images() {
         assert!(text.contains(needle), "{needle} missing from:\n{text}");
     }
 }
+
+/// `--version` says what the binary runs on, so a bug report names its build.
+#[test]
+fn version_names_the_build() {
+    let d = tempdir();
+    let out = bare(d.path()).arg("--version").output().unwrap();
+    assert_success(&out);
+    let text = stdout(&out);
+    let want = if cfg!(feature = "cuda") {
+        "Build: CPU and CUDA"
+    } else {
+        "Build: CPU only"
+    };
+    assert!(text.contains(want), "{want} missing from:\n{text}");
+}

@@ -22,15 +22,33 @@ use crate::tile::BlendMode;
 
 /// `upscale --version`: the version, and the credits the embedded model's training images
 /// ask for.
-const LONG_VERSION: &str = concat!(
-    env!("CARGO_PKG_VERSION"),
-    "\nEmbedded default model: a small DRCT x4, weights under the MIT licence like the code,",
-    "\ntrained only on CC0, public-domain and CC-BY photographs. CC-BY credits: Trevor",
-    "\n\"Freespace\", Jakub Mede, Aitzol Berasategi (CC-BY-4.0, Debian lomiri-wallpapers);",
-    "\ndanielbuechele and vultilion on Flickr (CC-BY-2.0, scikit-learn's sample images);",
-    "\nNevit Dilmen (CC-BY-3.0, Debian sddm-theme-maldives).",
-    "\nEvery image and its licence: models/README.md."
-);
+/// `--version`: the version, what the binary was built to run on, and the default model's
+/// credits.
+macro_rules! long_version {
+    ($build:expr) => {
+        concat!(
+            env!("CARGO_PKG_VERSION"),
+            "\n",
+            $build,
+            "\nEmbedded default model: a small DRCT x4, weights under the MIT licence like the code,",
+            "\ntrained only on CC0, public-domain and CC-BY photographs. CC-BY credits: Trevor",
+            "\n\"Freespace\", Jakub Mede, Aitzol Berasategi (CC-BY-4.0, Debian lomiri-wallpapers);",
+            "\ndanielbuechele and vultilion on Flickr (CC-BY-2.0, scikit-learn's sample images);",
+            "\nNevit Dilmen (CC-BY-3.0, Debian sddm-theme-maldives).",
+            "\nEvery image and its licence: models/README.md."
+        )
+    };
+}
+
+#[cfg(feature = "cuda")]
+const LONG_VERSION: &str = long_version!(concat!(
+    "Build: CPU and CUDA; our kernels compiled for GPUs of compute capability ",
+    env!("UPSCALE_CUDA_CAP"),
+    " and newer"
+));
+#[cfg(not(feature = "cuda"))]
+const LONG_VERSION: &str =
+    long_version!("Build: CPU only; for NVIDIA GPUs, build with --features cuda (README, CUDA)");
 
 #[derive(Parser, Debug)]
 #[command(
