@@ -199,6 +199,8 @@ facts() {
   record facts "$(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi ($device run)")"
   # Which build every number below belongs to.
   record build "$(cat "$pack/commit" 2>/dev/null || echo "unknown (no commit file in the pack)")"
+  # What the binary says it was built for; a library it cannot load shows here first.
+  record binary "$("$up" --version 2>&1 | sed -n 2p)"
 }
 
 cuda_tests() { # [SECONDS]
