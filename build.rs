@@ -108,12 +108,18 @@ fn fatbin_entries(d: &[u8]) -> Option<Vec<(u16, u32)>> {
         return None;
     }
     let start = usize::from(u16_at(6)?);
-    let end = start + usize::try_from(u64_at(8)?).ok()?;
+    let end = start.checked_add(usize::try_from(u64_at(8)?).ok()?)?;
     let mut found = Vec::new();
     let mut at = start;
     while at < end.min(d.len()) {
         found.push((u16_at(at)?, u32_at(at + 28)?));
-        at += usize::try_from(u32_at(at + 4)?).ok()? + usize::try_from(u64_at(at + 8)?).ok()?;
+        let step = usize::try_from(u32_at(at + 4)?)
+            .ok()?
+            .checked_add(usize::try_from(u64_at(at + 8)?).ok()?)?;
+        if step == 0 {
+            return None;
+        }
+        at = at.checked_add(step)?;
     }
     Some(found)
 }
