@@ -20,10 +20,8 @@ use crate::io::{parse_shard, Format, Shard};
 use crate::model::Attention;
 use crate::tile::BlendMode;
 
-/// `upscale --version`: the version, and the credits the embedded model's training images
-/// ask for.
-/// `--version`: the version, what the binary was built to run on, and the default model's
-/// credits.
+/// `upscale --version`: the version, what the binary was built to run on, and the credits the
+/// embedded model's training images ask for.
 macro_rules! long_version {
     ($build:expr) => {
         concat!(
