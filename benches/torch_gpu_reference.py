@@ -4,6 +4,12 @@
   python benches/torch_gpu_reference.py --preset drct --height 512 --width 512 \
       --tile 256 --overlap 32 --tile-batch 4 --reps 5
   python benches/torch_gpu_reference.py --device cpu --preset tiny      # smoke test
+  python benches/torch_gpu_reference.py --preset drct-l --height 540 --width 960 --compile
+
+With --compile, after the eager timing (printed as without it) the same model is run through
+torch.compile (default mode, dynamic=False) on the same image: the first, compiling call is
+timed on its own (first_call_s), then the reps; its summary line (impl "compile-default")
+carries the peak memory and the largest difference from the eager output (max_abs_vs_eager).
 
 What it does, beyond stock spandrel:
 - window attention through F.scaled_dot_product_attention (relative-position bias plus the
@@ -234,6 +240,8 @@ def main():
                     help="zero-pad head dims to this multiple (default 8 on cuda, 1 elsewhere)")
     ap.add_argument("--no-sdpa", action="store_true", help="keep spandrel's attention (baseline)")
     ap.add_argument("--no-channels-last", action="store_true")
+    ap.add_argument("--compile", action="store_true",
+                    help="after the eager run, time torch.compile(model) too (default mode, dynamic=False)")
     a = ap.parse_args()
 
     dev = torch.device(a.device)
@@ -283,10 +291,10 @@ def main():
         if cuda:
             torch.cuda.synchronize(dev)
 
-    def once():
+    def once(net=model):
         sync()
         t0 = time.perf_counter()
-        y, nt = upscale_tiled(model, img_cpu.to(dev, non_blocking=True), a.scale, ws, tile,
+        y, nt = upscale_tiled(net, img_cpu.to(dev, non_blocking=True), a.scale, ws, tile,
                               overlap, a.tile_batch, dtype, not a.no_channels_last)
         y = y.cpu()
         sync()
@@ -303,16 +311,62 @@ def main():
         print(json.dumps({"rep": i, "seconds": round(t, 4), "tiles_per_s": round(nt / t, 2)}), flush=True)
     med = statistics.median(times)
     hd = sorted({m.dim // m.num_heads for m in model.modules() if isinstance(m, WindowAttention)})
-    print(json.dumps({
-        "summary": True, "impl": "pytorch-spandrel-sdpa" if n_attn else "pytorch-spandrel",
+    # What the run was, shared by the eager and the compiled summary lines.
+    run = {
         "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "preset": a.preset,
         "scale": a.scale, "dtype": a.dtype, "channels_last": not a.no_channels_last,
         "input": list(img_cpu.shape), "tile": tile, "overlap": overlap, "tile_batch": a.tile_batch,
-        "tiles": nt, "reps": a.reps, "median_s_per_image": round(med, 4),
+        "tiles": nt, "reps": a.reps,
+    }
+    print(json.dumps({
+        "summary": True, "impl": "pytorch-spandrel-sdpa" if n_attn else "pytorch-spandrel",
+        **run, "median_s_per_image": round(med, 4),
         "tiles_per_s": round(nt / med, 2),
         "peak_mem_mib": round(torch.cuda.max_memory_allocated(dev) / 2**20, 1) if cuda else None,
         "head_dims": hd, "head_multiple": head_multiple if n_attn else None,
         "finite": bool(torch.isfinite(y).all()), "torch": torch.__version__, **check,
+    }), flush=True)
+
+    if a.compile:
+        run_compiled(model, once, a.reps, run, y, med, dev if cuda else None)
+
+
+def run_compiled(model, once, reps, run, y_eager, eager_med, cuda_dev):
+    """torch.compile(model) on the image the eager run just did (once(net) upscales it with
+    net); y_eager is the eager output, eager_med its median."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    # Every DRCT block of another width costs a recompile: past the default limit (8) dynamo
+    # silently runs the rest eagerly, and "compiled" would time mostly eager code.
+    # (recompile_limit is the newer name of cache_size_limit.)
+    limit_name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, limit_name, 256)
+    compiled = torch.compile(model, dynamic=False)
+    nt = run["tiles"]
+    # The first call compiles (a smaller last batch compiles once more): timed on its own, and
+    # it is the reps' warm-up.
+    first, y, _ = once(compiled)
+    print(json.dumps({"impl": "compile-default", "first_call_s": round(first, 2)}), flush=True)
+    if cuda_dev is not None:
+        torch.cuda.reset_peak_memory_stats(cuda_dev)
+    times = []
+    for i in range(reps):
+        t, y, _ = once(compiled)
+        times.append(t)
+        print(json.dumps({"impl": "compile-default", "rep": i, "seconds": round(t, 4),
+                          "tiles_per_s": round(nt / t, 2)}), flush=True)
+    med = statistics.median(times)
+    print(json.dumps({
+        "summary": True, "impl": "compile-default", **run, "median_s_per_image": round(med, 4),
+        "times": [round(t, 4) for t in times], "tiles_per_s": round(nt / med, 2),
+        "first_call_s": round(first, 2),
+        "peak_mem_mib": round(torch.cuda.max_memory_allocated(cuda_dev) / 2**20, 1)
+        if cuda_dev is not None else None,
+        "eager_median_s_per_image": round(eager_med, 4), "eager_over_compiled": round(eager_med / med, 3),
+        "max_abs_vs_eager": float((y - y_eager).abs().max()),
+        "finite": bool(torch.isfinite(y).all()), "torch": torch.__version__,
+        "mode": "default", "dynamic": False, limit_name: 256,
     }), flush=True)
 
 

@@ -8,9 +8,9 @@
 # proof: the one call for a session with a few minutes of device time. The issue's evidence in
 #   the order it is needed (the CUDA tests; a probe that, if our kernels fail on the GPU,
 #   picks the fallback every later step runs with; precision parity; the side by side with
-#   PyTorch and the matmul peak for utilisation; the same with cudarc's event tracking on; a
-#   round of before/after against the earlier builds in the pack, if any; DRCT-L at 1080p; a
-#   kernel-by-kernel profile; streams; the sanitizers; a folder run; the start-up cost of the
+#   PyTorch, eager and torch.compile, and the matmul peak for utilisation; the same with
+#   cudarc's event tracking on; a round of before/after against the earlier builds in the
+#   pack, if any; DRCT-L at 1080p; a kernel-by-kernel profile; streams; the sanitizers; a folder run; the start-up cost of the
 #   driver compiling PTX, with our SASS and without; rows of the precision x batch matrix), each step given at most
 #   what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a line
 #   saying so, when its least useful time is no longer left. Give the device call about 80 s
@@ -18,9 +18,9 @@
 # check: device facts, the measured matmul peaks, the CUDA test binary (and our kernels under
 #   compute-sanitizer), bf16 and fp16 against fp32 (PSNR) on tests/photos, DRCT-L bf16 on
 #   1920x1080 with the automatic tile.
-# bench: DRCT-L x4 960x540 and DRCT x4 640x480 against the PyTorch reference on the same GPU
-#   in the same run; DRCT-L's GEMMs at their real shapes and the body's memory floor
-#   (benches/gemm_shapes.py); streams 1/2/4 on one image and on a folder (GPU utilisation sampled by
+# bench: DRCT-L x4 960x540 and DRCT x4 640x480 against the PyTorch reference, eager and
+#   torch.compile, on the same GPU in the same run; DRCT-L's GEMMs at their real shapes and
+#   the body's memory floor (benches/gemm_shapes.py); streams 1/2/4 on one image and on a folder (GPU utilisation sampled by
 #   nvidia-smi).
 # matrix: precision x batch x attention for DRCT-L, and tile 512.
 # ab: the earlier builds in the pack (scripts/gpu-pack.sh with UPSCALE_BASES) against upscale,
@@ -115,13 +115,13 @@ cap() { # SECONDS -> SECONDS, or what is left before the deadline if that is les
     echo "$1"
   fi
 }
-# fits STEP SECONDS: whether at least SECONDS are left for STEP; if not, a line says it was
-# skipped, so the summary shows what the budget left out.
+# fits STEP SECONDS [extra JSON fields]: whether at least SECONDS are left for STEP; if not, a
+# line says it was skipped, so the summary shows what the budget left out.
 fits() {
   if [ -z "$deadline" ] || [ "$(left)" -ge "$2" ]; then
     return 0
   fi
-  record "$1" "skipped: needs ${2} s, $(left) s of the budget left"
+  record "$1" "skipped: needs ${2} s, $(left) s of the budget left" "${3:-}"
   return 1
 }
 
@@ -328,21 +328,39 @@ check() {
   auto1080
 }
 
-side_by_side() { # REPS: DRCT-L x4 960x540 and DRCT x4 640x480 against PyTorch, bf16, tile 256, batch 4
+# side_by_side REPS: DRCT-L x4 960x540 and DRCT x4 640x480 against PyTorch eager and
+# torch.compile, bf16, tile 256, batch 4.
+compile_s=150 # the least budget left for a torch.compile row: eager, a minute of compiling, reps
+side_by_side() {
   echo "== side by side: DRCT-L x4 960x540 and DRCT x4 640x480, bf16, tile 256, batch 4"
-  local r=$1 m line
+  local r=$1 m line log limit compile
   for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
     set -- $m
     fits side 30 || continue
     [ -n "$deadline" ] || bench side "$1-bf16-ours-fused" "$2" --precision bf16 --attention fused --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
     bench side "$1-bf16-ours-$attn" "$2" --precision bf16 --attention "$attn" --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
     if [ "$have_torch" = 1 ] && [ "$smoke" = 0 ]; then
-      line=$(timeout "$(cap 300)" "$PY" benches/torch_gpu_reference.py --device cuda --preset "$1" --weights "$2" \
+      # torch.compile's row comes from the same process, after the eager one (whose output it
+      # is checked against). Its first call compiles for about a minute (51 s for DRCT-L on an
+      # H200), so it runs only when the budget has room for that as well as the eager row.
+      compile=() limit=300
+      if fits side "$compile_s" "\"label\":\"$1-bf16-torch-compile\""; then
+        compile=(--compile) limit=$(( 300 + compile_s ))
+      fi
+      log="$logs/side-$1-pytorch.jsonl"
+      timeout "$(cap "$limit")" "$PY" benches/torch_gpu_reference.py --device cuda --preset "$1" --weights "$2" \
         --dtype bf16 --height "${3%x*}" --width "${3#*x}" --tile "$t256" --overlap "$ov" --tile-batch 4 \
-        --reps "$r" 2>> "$logs/side.log" | tail -n 1)
+        --reps "$r" "${compile[@]}" > "$log" 2>> "$logs/side.log"
+      # The eager summary is written before the compile starts: kept even if the compile is cut.
+      line=$(grep '"summary": true' "$log" | grep -v '"impl": "compile-default"' | tail -n 1)
       record side "${line:-failed}" "\"label\":\"$1-bf16-pytorch\""
+      if [ ${#compile[@]} -gt 0 ]; then
+        line=$(grep '"summary": true' "$log" | grep '"impl": "compile-default"' | tail -n 1)
+        record side "${line:-failed}" "\"label\":\"$1-bf16-torch-compile\""
+      fi
     else
       record side "skipped: the PyTorch reference needs PyTorch and a GPU" "\"label\":\"$1-bf16-pytorch\""
+      record side "skipped: torch.compile needs PyTorch and a GPU" "\"label\":\"$1-bf16-torch-compile\""
     fi
   done
 }

@@ -63,13 +63,7 @@ def main(path):
         print()
     torch_rows = [r for r in rows if isinstance(r.get("result"), dict) and "median_s_per_image" in r["result"]]
     if torch_rows:
-        print("## PyTorch reference\n")
-        print("| label | median s | tiles/s | peak MiB |\n|---|---|---|---|")
-        for r in torch_rows:
-            t = r["result"]
-            print(f"| {r.get('label', '')} | {cell(t['median_s_per_image'])} | "
-                  f"{cell(t.get('tiles_per_s'))} | {cell(t.get('peak_mem_mib'))} |")
-        print()
+        torch_table(torch_rows, benches, rows)
     psnr = [r for r in rows if r["step"] == "psnr" and isinstance(r.get("result"), dict)]
     if psnr:
         print("## Precision against fp32 (tests/photos, 8-bit outputs)\n")
@@ -115,6 +109,46 @@ def main(path):
         print("## Other results\n")
         for r in other:
             print(f"- **{r['step']}** {r.get('label', '')}: `{json.dumps(r['result'])[:600]}`")
+
+
+def model_of(label):
+    """'drct-l-bf16-ours-fused' -> 'drct-l': the side-by-side labels start with the model."""
+    return label.split("-bf16-")[0]
+
+
+def torch_table(torch_rows, benches, rows):
+    """PyTorch eager and torch.compile rows; their TFLOP/s and MFU count the model FLOPs as
+    upscale bench does for the same model and tiles, against the bf16 matmul rate measured in
+    the same run; then ours against torch.compile, model by model."""
+    peak = next((r["result"]["bf16_tflops"] for r in rows if r["step"] == "peak"
+                 and isinstance(r.get("result"), dict) and "bf16_tflops" in r["result"]), None)
+    ours = [r for r in benches if r["step"] == "side" and "-ours-" in r.get("label", "")]
+    flop = {(model_of(r["label"]), r["result"].get("tiles")): r["result"].get("model_tflop") for r in ours}
+    print("## PyTorch reference\n")
+    print("| label | impl | median s | first call s | tiles/s | TFLOP/s | MFU | peak MiB | max abs vs eager | finite |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in torch_rows:
+        t = r["result"]
+        tflop = flop.get((model_of(r.get("label", "")), t.get("tiles")))
+        rate = tflop / t["median_s_per_image"] if tflop else None
+        print(f"| {r.get('label', '')} | {t.get('impl', '')} | {cell(t['median_s_per_image'])} | "
+              f"{cell(t.get('first_call_s'))} | {cell(t.get('tiles_per_s'))} | {cell(rate)} | "
+              f"{cell(rate / peak if rate and peak else None)} | {cell(t.get('peak_mem_mib'))} | "
+              f"{cell(t.get('max_abs_vs_eager'))} | {cell(t.get('finite'))} |")
+    print()
+    by_label = {r.get("label"): r["result"]["median_s_per_image"] for r in torch_rows}
+    lines = []
+    for r in ours:
+        model, ours_s = model_of(r["label"]), r["result"]["median_s"]
+        compiled, eager = by_label.get(f"{model}-bf16-torch-compile"), by_label.get(f"{model}-bf16-pytorch")
+        if compiled:
+            eager_part = f"; against eager {cell(eager)} s: {cell(ours_s / eager)}" if eager else ""
+            lines.append(f"- {model}, ours `{r['label'].split('-ours-')[1]}` {cell(ours_s)} s / "
+                         f"torch.compile {cell(compiled)} s = **{cell(ours_s / compiled)}**{eager_part}")
+    if lines:
+        print("Ours / torch.compile, median time per image (the goal: 0.5 or less):\n")
+        print("\n".join(lines))
+        print()
 
 
 if __name__ == "__main__":
