@@ -26,30 +26,37 @@ use image::DynamicImage;
 
 use crate::engine::image::{TileChoice, TileSettings};
 use crate::engine::lanes::Lanes;
-use crate::engine::{choose_dtype, open_device, read_checkpoint, DeviceChoice, Precision};
+use crate::engine::{
+    choose_dtype, open_device, read_checkpoint, DeviceChoice, EngineError, Precision,
+};
 use crate::io::{EncodeOptions, Format};
 use crate::model::fused::Attention;
 use crate::model::ModelError;
 use crate::size::OutputSize;
-use crate::tile::BlendMode;
+use crate::tile::{BlendMode, TileError};
 
-/// How to run the model. `Options::default()` is what the command line does without flags.
-#[derive(Clone, Debug)]
+/// How to run the model. `Options::default()` is what the command line does without flags
+/// (a test holds the two equal).
+#[derive(Clone, Debug, PartialEq)]
 pub struct Options {
     /// CPU, a GPU, several GPUs, or the first GPU that answers (else the CPU).
     pub device: DeviceChoice,
     /// `Auto` is bf16 on a GPU and fp32 on the CPU.
     pub precision: Precision,
-    /// Window attention on a GPU: the fused kernel or candle's op graph.
+    /// Window attention on a GPU; the default is the fastest kernel for the device and
+    /// precision (the CPU runs its own kernel whatever the choice).
     pub attention: Attention,
     /// Lanes per GPU (each its own CUDA stream and copy of the weights).
     pub streams: usize,
+    /// Let fp32 matrix products on a GPU use TF32 tensor cores (about 1e-3 relative error).
+    pub tf32: bool,
     /// Tile side in input pixels (0: the whole image); `None` chooses from free memory.
     pub tile: Option<usize>,
-    /// Input pixels shared by neighbouring tiles.
+    /// Input pixels shared by neighbouring tiles; smaller than a fixed tile.
     pub overlap: usize,
     /// Tiles per forward pass; `None` chooses with the tile.
     pub batch: Option<usize>,
+    /// How overlapping tiles are merged.
     pub blend: BlendMode,
     /// Test-time self-ensemble over the eight flips and transpositions (8x the time).
     pub tta: bool,
@@ -65,6 +72,7 @@ impl Default for Options {
             precision: Precision::Auto,
             attention: Attention::default(),
             streams: 1,
+            tf32: false,
             tile: None,
             overlap: 32,
             batch: None,
@@ -75,17 +83,24 @@ impl Default for Options {
     }
 }
 
+/// What can go wrong opening a model or upscaling an image.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The weights could not be read or do not describe a DRCT model.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The options contradict each other (a fixed tile no larger than the overlap).
+    #[error("{0}")]
+    Options(String),
     /// The device could not be opened or the model not placed on it.
-    #[error("{0}")]
-    Device(String),
+    #[error(transparent)]
+    Device(#[from] EngineError),
     /// The network or the tiling failed on this image.
+    #[error(transparent)]
+    Tiling(#[from] TileError),
+    /// The result could not be resampled or converted to an image.
     #[error("{0}")]
-    Upscale(String),
+    Output(String),
 }
 
 /// A model loaded on its device(s), ready for any number of images.
@@ -98,12 +113,38 @@ pub struct Upscaler {
 
 impl Upscaler {
     /// Opens `model` (a `.pth` or `.safetensors` file; `None` for the embedded default model)
-    /// as `opts` asks.
+    /// as `opts` asks. This is the one place a model, its device(s) and the tile plan are put
+    /// together; the command-line tool comes through here too. What it falls back from (a GPU
+    /// that did not answer, a precision the device lacks) is logged as a warning (the `log`
+    /// crate) and kept in [`Upscaler::warnings`].
     pub fn open(model: Option<&Path>, opts: &Options) -> Result<Self, Error> {
+        if let Some(t) = opts.tile {
+            if t != 0 && t <= opts.overlap {
+                return Err(Error::Options(format!(
+                    "tile {t} must be larger than the overlap {}",
+                    opts.overlap
+                )));
+            }
+        }
         let mut warnings = Vec::new();
-        let device = open_device(&opts.device, &mut |w| warnings.push(w))
-            .map_err(|e| Error::Device(format!("{e:#}")))?;
-        let dtype = choose_dtype(opts.precision, &device, &mut |w| warnings.push(w));
+        let mut warn = |w: String| {
+            log::warn!("{w}");
+            warnings.push(w);
+        };
+        let device = open_device(&opts.device, &mut warn)?;
+        let dtype = choose_dtype(opts.precision, &device, &mut warn);
+        if opts.streams > 1 && device.is_cpu() {
+            warn(format!(
+                "{} streams apply to CUDA devices; the CPU runs one",
+                opts.streams
+            ));
+        }
+        if opts.tf32 {
+            if device.is_cpu() {
+                warn("TF32 applies to CUDA devices; the CPU computes in fp32".into());
+            }
+            candle_core::cuda::set_gemm_reduced_precision_f32(true);
+        }
         let ck = read_checkpoint(model)?;
         let lanes = Lanes::open(
             ck,
@@ -111,15 +152,13 @@ impl Upscaler {
             (dtype, opts.attention),
             &opts.device,
             opts.streams.max(1),
-            &mut |w| warnings.push(w),
-        )
-        .map_err(|e| Error::Device(format!("{e:#}")))?;
+            &mut warn,
+        )?;
         let settings = TileSettings {
             choice: opts.tile.map_or(TileChoice::Auto, TileChoice::Fixed),
             overlap: opts.overlap,
             batch: opts.batch,
             blend: opts.blend,
-            quiet: true,
             tta: opts.tta,
         };
         Ok(Self {
@@ -128,6 +167,18 @@ impl Upscaler {
             size: opts.size,
             warnings,
         })
+    }
+
+    /// The engine(s) the command-line tool's folder pipeline and bench drive directly.
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    pub(crate) fn lanes(&self) -> &Lanes {
+        &self.lanes
+    }
+
+    /// The tile settings [`Upscaler::open`] made of its options.
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    pub(crate) fn settings(&self) -> &TileSettings {
+        &self.settings
     }
 
     /// The model's upscaling factor.
@@ -146,15 +197,12 @@ impl Upscaler {
     /// follows the input (16-bit in, 16-bit out).
     pub fn upscale(&self, img: &DynamicImage) -> Result<DynamicImage, Error> {
         let dec = crate::io::decode::to_planar(img.clone(), Format::Png);
-        let up = self
-            .lanes
-            .upscale_decoded(&dec, &self.settings)
-            .map_err(|e| Error::Upscale(format!("{e:#}")))?;
+        let up = self.lanes.upscale_decoded(&dec, &self.settings)?;
         let (w, h) = self.size.dims(dec.rgb.width, dec.rgb.height, self.scale());
-        let (rgb, alpha) = crate::size::resize(up.rgb, up.alpha, w, h).map_err(Error::Upscale)?;
+        let (rgb, alpha) = crate::size::resize(up.rgb, up.alpha, w, h).map_err(Error::Output)?;
         let mut opts = EncodeOptions::new(Format::Png);
         opts.bit_depth = dec.bit_depth;
-        crate::io::encode::to_image(&rgb, alpha.as_ref(), dec.gray, &opts).map_err(Error::Upscale)
+        crate::io::encode::to_image(&rgb, alpha.as_ref(), dec.gray, &opts).map_err(Error::Output)
     }
 }
 

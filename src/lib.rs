@@ -34,7 +34,8 @@ mod tile;
 pub use api::{cpu_computes_bf16, Error, Options, Upscaler};
 #[cfg(feature = "cli")]
 pub use cli::main;
-pub use engine::{DeviceChoice, Precision};
+pub use engine::{DeviceChoice, EngineError, Precision};
 pub use model::fused::Attention;
+pub use model::ModelError;
 pub use size::OutputSize;
-pub use tile::BlendMode;
+pub use tile::{BlendMode, PlanError, TileError};

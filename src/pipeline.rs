@@ -351,7 +351,6 @@ mod tests {
             overlap: 0,
             batch: None,
             blend: crate::tile::BlendMode::Hann,
-            quiet: true,
             tta: false,
         };
         let writer = |st: &FileStages, job: &Job, dec: &Decoded, up: &Upscaled| {

@@ -61,7 +61,8 @@ pub fn run(args: EvalArgs, log: &Logger) -> Result<ExitCode> {
             f.display()
         ));
     }
-    let (engine, settings) = super::setup(&args.infer, log)?;
+    let up = super::setup(&args.infer, crate::size::OutputSize::Model)?;
+    let (engine, settings) = (up.lanes(), up.settings());
     if engine.scale() != scale {
         bail!(
             "--scale {scale} does not match the model, which upscales x{}",
@@ -69,7 +70,7 @@ pub fn run(args: EvalArgs, log: &Logger) -> Result<ExitCode> {
         );
     }
 
-    let report = measure_all(&engine, &settings, pairs, scale, log);
+    let report = measure_all(engine, settings, pairs, scale, log);
 
     let mut out = report.to_json();
     let mut ok = report.failed.is_empty();

@@ -186,7 +186,7 @@ pub struct InferArgs {
     /// Window attention on CUDA: tensor-core (the fused kernel's two products on tensor cores,
     /// for bf16/fp16; 1.3x `fused` on an H100), fused (one kernel per block, no score tensors)
     /// or reference (candle's matmul/softmax graph). The CPU runs its own kernel either way.
-    #[arg(long, value_enum, ignore_case = true, default_value_t = Attention::TensorCore)]
+    #[arg(long, value_enum, ignore_case = true, default_value_t = Attention::default())]
     pub attention: Attention,
     /// Test-time self-ensemble: average the outputs for the eight flips and transpositions
     /// of the input (+0.04 dB PSNR-Y on the default model's held-out photos, at 8x the time).
@@ -278,6 +278,26 @@ pub struct Logger {
 }
 
 impl Logger {
+    pub fn new(quiet: bool, verbose: bool) -> Self {
+        let log = Self { quiet, verbose };
+        log.install();
+        log
+    }
+
+    /// Routes the library's `log` records to stderr at this logger's level: warnings unless
+    /// -q, details with -v. The first call in a process wins (there is one command per
+    /// process; tests that build several loggers share the first).
+    fn install(&self) {
+        let level = match (self.quiet, self.verbose) {
+            (true, _) => log::LevelFilter::Error,
+            (false, false) => log::LevelFilter::Warn,
+            (false, true) => log::LevelFilter::Debug,
+        };
+        if log::set_logger(&Stderr).is_ok() {
+            log::set_max_level(level);
+        }
+    }
+
     pub fn warn(&self, msg: impl std::fmt::Display) {
         if !self.quiet {
             eprintln!("warning: {msg}");
@@ -301,66 +321,67 @@ impl Logger {
     }
 }
 
-/// Device, precision, model and tile settings from the shared inference flags.
-pub fn setup(
-    args: &InferArgs,
-    log: &Logger,
-) -> anyhow::Result<(
-    crate::engine::lanes::Lanes,
-    crate::engine::image::TileSettings,
-)> {
-    use crate::engine::image::{TileChoice, TileSettings};
-    let blend = if args.hann_blend {
-        BlendMode::Hann
-    } else {
-        args.blend
-    };
-    let mut warn = |m: String| log.warn(m);
-    let device = crate::engine::open_device(&args.device, &mut warn)?;
-    let dtype = crate::engine::choose_dtype(args.precision, &device, &mut warn);
-    if args.streams > 1 && device.is_cpu() {
-        log.warn(format!(
-            "--streams {} applies to CUDA devices; the CPU runs one stream",
-            args.streams
-        ));
+/// The `log` backend of the command-line tool: one line on stderr per record.
+struct Stderr;
+
+impl log::Log for Stderr {
+    fn enabled(&self, meta: &log::Metadata) -> bool {
+        meta.level() <= log::max_level()
     }
-    if args.tf32 {
-        if device.is_cpu() {
-            log.warn("--tf32 applies to CUDA devices; ignored on the CPU");
+
+    fn log(&self, record: &log::Record) {
+        if !self.enabled(record.metadata()) {
+            return;
         }
-        candle_core::cuda::set_gemm_reduced_precision_f32(true);
+        match record.level() {
+            log::Level::Error => eprintln!("error: {}", record.args()),
+            log::Level::Warn => eprintln!("warning: {}", record.args()),
+            _ => eprintln!("{}", record.args()),
+        }
     }
-    let ck = crate::engine::read_checkpoint(args.model.as_deref())?;
-    let engine = crate::engine::lanes::Lanes::open(
-        ck,
-        device,
-        (dtype, args.attention),
-        &args.device,
-        args.streams as usize,
-        &mut |m| log.warn(m),
-    )?;
-    let choice = match (args.tile, args.tile_auto) {
-        (Some(_), true) => anyhow::bail!("--tile and --tile_auto exclude each other"),
-        (Some(t), false) => TileChoice::Fixed(t),
-        (None, _) => TileChoice::Auto,
-    };
-    if let TileChoice::Fixed(t) = choice {
+
+    fn flush(&self) {}
+}
+
+/// The library's options for the shared inference flags and the final `size`.
+pub fn options(args: &InferArgs, size: crate::size::OutputSize) -> anyhow::Result<crate::Options> {
+    if args.tile.is_some() && args.tile_auto {
+        anyhow::bail!("--tile and --tile_auto exclude each other");
+    }
+    if let Some(t) = args.tile {
         if t != 0 && t <= args.tile_overlap {
+            // The library refuses it too; this says it in the flags' words.
             anyhow::bail!(
                 "--tile {t} must be larger than --tile_overlap {}",
                 args.tile_overlap
             );
         }
     }
-    let settings = TileSettings {
-        choice,
+    Ok(crate::Options {
+        device: args.device.clone(),
+        precision: args.precision,
+        attention: args.attention,
+        streams: args.streams as usize,
+        tf32: args.tf32,
+        tile: args.tile,
         overlap: args.tile_overlap,
         batch: args.tile_batch_size.map(|b| b as usize),
-        blend,
-        quiet: log.quiet,
+        blend: if args.hann_blend {
+            BlendMode::Hann
+        } else {
+            args.blend
+        },
         tta: args.tta,
-    };
-    Ok((engine, settings))
+        size,
+    })
+}
+
+/// The model opened as the shared inference flags ask, through the library's one way in.
+pub fn setup(args: &InferArgs, size: crate::size::OutputSize) -> anyhow::Result<crate::Upscaler> {
+    Ok(crate::Upscaler::open(
+        args.model.as_deref(),
+        &options(args, size)?,
+    )?)
 }
 
 /// The `upscale` command: parses the process's arguments and runs them. Exit codes: 0 all
@@ -395,17 +416,11 @@ fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         }
         Some(Command::Man { dir }) => write_man(dir.as_deref())?,
         Some(Command::Eval(e)) => {
-            let log = Logger {
-                quiet: false,
-                verbose: false,
-            };
+            let log = Logger::new(false, false);
             return eval::run(e, &log);
         }
         None => {
-            let log = Logger {
-                quiet: cli.run.quiet,
-                verbose: cli.run.verbose,
-            };
+            let log = Logger::new(cli.run.quiet, cli.run.verbose);
             return run::run(cli.run, &log);
         }
     }
@@ -426,15 +441,13 @@ fn show_info(model: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> 
 
 /// `upscale bench`: one configuration on a synthetic image of the requested size.
 fn run_bench(b: &BenchArgs) -> anyhow::Result<()> {
-    let log = Logger {
-        quiet: b.json,
-        verbose: false,
-    };
-    let (engine, settings) = setup(&b.infer, &log)?;
+    Logger::new(b.json, false);
+    let up = setup(&b.infer, crate::size::OutputSize::Model)?;
+    let (engine, settings) = (up.lanes(), up.settings());
     let image = crate::engine::probe::pattern(b.size.0, b.size.1);
-    let opts = engine.tile_options(&settings, b.size.0, b.size.1);
+    let opts = engine.tile_options(settings, b.size.0, b.size.1);
     let r = bench::run(
-        &engine,
+        engine,
         &image,
         &opts,
         b.warmup,
@@ -458,4 +471,87 @@ fn write_man(dir: Option<&std::path::Path>) -> anyhow::Result<()> {
         None => clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout())?,
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::size::OutputSize;
+
+    fn parsed(args: &[&str]) -> Cli {
+        Cli::try_parse_from(args).expect("valid flags")
+    }
+
+    /// The command line without flags and the library's `Options::default()` must be the
+    /// same run: a library user gets what the tool does (they once differed in the attention
+    /// kernel, which gave library users on a GPU the slower one).
+    #[test]
+    fn the_command_lines_defaults_are_the_librarys() {
+        let cli = parsed(&["upscale", "in.png"]);
+        assert_eq!(
+            options(&cli.run.infer, OutputSize::Model).unwrap(),
+            crate::Options::default()
+        );
+        let Some(Command::Bench(b)) = parsed(&["upscale", "bench"]).command else {
+            panic!("bench parses as bench");
+        };
+        assert_eq!(
+            options(&b.infer, OutputSize::Model).unwrap(),
+            crate::Options::default()
+        );
+    }
+
+    #[test]
+    fn every_inference_flag_reaches_the_options() {
+        let cli = parsed(&[
+            "upscale",
+            "in.png",
+            "--device",
+            "cpu",
+            "--precision",
+            "bf16",
+            "--attention",
+            "fused",
+            "--streams",
+            "3",
+            "--tf32",
+            "--tile",
+            "96",
+            "--tile_overlap",
+            "8",
+            "--tile_batch_size",
+            "2",
+            "--blend",
+            "average",
+            "--tta",
+        ]);
+        let want = crate::Options {
+            device: DeviceChoice::Cpu,
+            precision: Precision::Bf16,
+            attention: Attention::Fused,
+            streams: 3,
+            tf32: true,
+            tile: Some(96),
+            overlap: 8,
+            batch: Some(2),
+            blend: BlendMode::Average,
+            tta: true,
+            size: OutputSize::Factor(2.0),
+        };
+        assert_eq!(
+            options(&cli.run.infer, OutputSize::Factor(2.0)).unwrap(),
+            want
+        );
+        // --hann_blend wins over --blend, as its help says.
+        let cli = parsed(&["upscale", "in.png", "--blend", "none", "--hann_blend"]);
+        let opts = options(&cli.run.infer, OutputSize::Model).unwrap();
+        assert_eq!(opts.blend, BlendMode::Hann);
+    }
+
+    /// The default attention is the fastest kernel wherever it runs: tensor cores for
+    /// bf16/fp16 (1.3x `fused` on an H100), and it runs `fused` itself where it has none.
+    #[test]
+    fn the_default_attention_is_the_tensor_core_kernel() {
+        assert_eq!(crate::Options::default().attention, Attention::TensorCore);
+    }
 }

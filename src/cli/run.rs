@@ -32,15 +32,16 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         bail!("no images found in {}", display_list(&args.inputs));
     }
 
-    let (engine, settings) = super::setup(&args.infer, log)?;
     let size = OutputSize::from_flags(args.outscale, args.width, args.height);
+    let up = super::setup(&args.infer, size)?;
+    let (engine, settings) = (up.lanes(), up.settings());
     let (jobs, stdin, skipped) = plan_jobs(&args, stream, &files, size.tag(engine.scale()), log)?;
 
     let warn = |m: String| log.warn(m);
     let detail = |m: String| log.verbose(m);
     let stages = FileStages {
-        engine: &engine,
-        settings: &settings,
+        engine,
+        settings,
         encode: EncodeChoice {
             bit_depth: args.bit_depth,
             quality: args.quality,

@@ -32,7 +32,6 @@ pub struct TileSettings {
     /// Tiles per batch; chosen with the tile when None.
     pub batch: Option<usize>,
     pub blend: crate::tile::BlendMode,
-    pub quiet: bool,
     /// Test-time self-ensemble: the colour output is the mean over the eight flips and
     /// transpositions of the input, each undone on its output (8x the work).
     pub tta: bool,
@@ -91,18 +90,16 @@ impl Engine {
                 match crate::tile::auto::fit_batch(th, tw, window, want, max_pass) {
                     0 => {
                         let (t, b) = auto();
-                        if !settings.quiet {
-                            eprintln!(
-                                "warning: a {th}x{tw} tile is more than one pass can index on \
-                                 this device; using tile {t}"
-                            );
-                        }
+                        log::warn!(
+                            "a {th}x{tw} tile is more than one pass can index on this device; \
+                             using tile {t}"
+                        );
                         (t, b.min(want))
                     }
                     b => {
-                        if b < want && !settings.quiet {
-                            eprintln!(
-                                "warning: {want} tiles of {th}x{tw} are more than one pass can \
+                        if b < want {
+                            log::warn!(
+                                "{want} tiles of {th}x{tw} are more than one pass can \
                                  index on this device; using batches of {b}"
                             );
                         }
@@ -127,7 +124,6 @@ impl Engine {
             overlap: settings.overlap,
             batch,
             blend: settings.blend,
-            quiet: settings.quiet,
         }
     }
 }

@@ -133,11 +133,12 @@ impl Lanes {
             return host_run(engine, image, opts);
         }
         if !self.canvases_fit(image) {
-            if !opts.quiet && !self.warned_canvas.swap(true, Ordering::Relaxed) {
-                eprintln!(
-                    "warning: the output of a {}x{} image does not fit in device memory once per \
+            if !self.warned_canvas.swap(true, Ordering::Relaxed) {
+                log::warn!(
+                    "the output of a {}x{} image does not fit in device memory once per \
                      lane; blending on the host with one lane",
-                    image.width, image.height
+                    image.width,
+                    image.height
                 );
             }
             return host_run(engine, image, opts);

@@ -348,7 +348,7 @@ impl Engine {
             return Ok(y);
         }
         if self.fp16_overflows.fetch_add(bad.len(), Ordering::Relaxed) == 0 {
-            eprintln!("warning: fp16 output was not finite on a tile; redoing such tiles in fp32");
+            log::warn!("fp16 output was not finite on a tile; redoing such tiles in fp32");
         }
         let model = self
             .fp32_model

@@ -181,7 +181,6 @@ fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
         overlap: 16,
         batch: None,
         blend: Default::default(),
-        quiet: true,
         tta: false,
     };
     let small = engine.tile_options(&settings, 64, 48);
@@ -274,7 +273,6 @@ fn self_ensemble_is_symmetric_and_close_to_the_plain_output() {
         overlap: 0,
         batch: None,
         blend: Default::default(),
-        quiet: true,
         tta,
     };
     let run = |img: &Planar, tta: bool| {

@@ -21,7 +21,6 @@ fn opts(blend: BlendMode) -> TileOptions {
         overlap: 4,
         batch: 3,
         blend,
-        quiet: true,
     }
 }
 

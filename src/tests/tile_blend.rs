@@ -44,7 +44,6 @@ fn tile_blend() -> Result<(), Box<dyn std::error::Error>> {
                     overlap,
                     batch: 4,
                     blend,
-                    quiet: true,
                 };
                 let (tiled, _) = run_tiled(&engine, &img, &opts)?;
                 row.push(psnr(&tiled, &whole, 0, Measure::Rgb)?);

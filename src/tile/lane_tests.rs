@@ -9,7 +9,7 @@ use candle_core::{Device, Tensor};
 use proptest::prelude::*;
 
 use super::lanes::merge_lane_stats;
-use super::tests::{max_diff, mode, quiet, side, test_image, tiling, Pointwise};
+use super::tests::{max_diff, mode, opts_for, side, test_image, tiling, Pointwise};
 use super::*;
 
 fn bits_equal(a: &Planar, b: &Planar) -> bool {
@@ -46,7 +46,7 @@ proptest! {
         batch in 1usize..=5, scale in 1usize..=4, blend in mode(), seed in any::<u64>()
     ) {
         let image = test_image(c, h, w, seed);
-        let opts = quiet(tile, overlap, batch, blend);
+        let opts = opts_for(tile, overlap, batch, blend);
         let model = Pointwise::new(scale);
         let (host, host_stats) = run_tiled(&model, &image, &opts).unwrap();
 
@@ -144,7 +144,7 @@ fn sorted(mut v: Vec<f32>) -> Vec<f32> {
 fn every_tile_runs_exactly_once_across_lanes() {
     let (h, w) = (70, 90);
     let image = index_image(h, w);
-    let opts = quiet(16, 4, 2, BlendMode::Hann);
+    let opts = opts_for(16, 4, 2, BlendMode::Hann);
     let lanes = [Recording::new(2, 5, 16), Recording::new(2, 5, 16)];
     let (out, stats, lane_stats) = run_lanes(&lanes, &image, &opts).unwrap();
     let plan = plan(h, w, 16, 4).unwrap();
@@ -164,7 +164,7 @@ fn every_tile_runs_exactly_once_across_lanes() {
 fn a_lane_out_of_memory_hands_its_tiles_back() {
     let (h, w) = (64, 64);
     let image = index_image(h, w);
-    let opts = quiet(24, 4, 4, BlendMode::Average);
+    let opts = opts_for(24, 4, 4, BlendMode::Average);
     // Lane 1 fails any batch over 2 tiles; its tiles go back and the batch halves.
     let lanes = [Recording::new(2, 20, 16), Recording::new(2, 2, 2)];
     let (out, stats, lane_stats) = run_lanes(&lanes, &image, &opts).unwrap();
@@ -181,7 +181,7 @@ fn a_lane_out_of_memory_hands_its_tiles_back() {
 #[test]
 fn one_lane_out_of_memory_keeps_the_host_order() {
     let image = test_image(3, 64, 64, 9);
-    let opts = quiet(24, 4, 4, BlendMode::Hann);
+    let opts = opts_for(24, 4, 4, BlendMode::Hann);
     let model = Recording::new(2, 0, 2);
     let (out, stats, _) = run_lanes(std::slice::from_ref(&model), &image, &opts).unwrap();
     // The same batches as the host path after its back-off: nine tiles, 4 -> 2.
@@ -214,7 +214,7 @@ fn lanes_shrink_the_tile_when_one_tile_does_not_fit() {
         Small(Pointwise::new(3), 40 * 40),
         Small(Pointwise::new(3), 40 * 40),
     ];
-    let opts = quiet(0, 8, 1, BlendMode::Hann);
+    let opts = opts_for(0, 8, 1, BlendMode::Hann);
     let (out, stats, lane_stats) = run_lanes(&lanes, &image, &opts).unwrap();
     assert_eq!(stats.tile_shape, (35, 35));
     check_stats(&stats, &lane_stats, 2);
@@ -222,7 +222,7 @@ fn lanes_shrink_the_tile_when_one_tile_does_not_fit() {
     assert!(max_diff(&out, &reference) <= 1e-6);
 
     let tiny = [Small(Pointwise::new(3), 10), Small(Pointwise::new(3), 10)];
-    let err = run_lanes(&tiny, &image, &quiet(24, 4, 1, BlendMode::Hann)).unwrap_err();
+    let err = run_lanes(&tiny, &image, &opts_for(24, 4, 1, BlendMode::Hann)).unwrap_err();
     assert!(format!("{err:#}").contains("out of memory"), "{err:#}");
 }
 
@@ -242,10 +242,10 @@ fn a_failing_lane_fails_the_image() {
     }
     let image = test_image(1, 40, 40, 6);
     let lanes = [Broken(Device::Cpu), Broken(Device::Cpu)];
-    let err = run_lanes(&lanes, &image, &quiet(16, 4, 1, BlendMode::Hann)).unwrap_err();
+    let err = run_lanes(&lanes, &image, &opts_for(16, 4, 1, BlendMode::Hann)).unwrap_err();
     assert!(err.to_string().contains("shape"), "{err:#}");
     let none: [Broken; 0] = [];
-    assert!(run_lanes(&none, &image, &quiet(16, 4, 1, BlendMode::Hann)).is_err());
+    assert!(run_lanes(&none, &image, &opts_for(16, 4, 1, BlendMode::Hann)).is_err());
 }
 
 #[test]

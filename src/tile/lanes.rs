@@ -161,8 +161,8 @@ pub fn run_lanes<M: TileModel + Sync>(
             })?
         };
         let q = queue.into_inner().unwrap_or_else(|e| e.into_inner());
-        if q.oom_retries > 0 && oom_retries == 0 && !opts.quiet {
-            eprintln!("warning: out of memory; retrying with smaller batches or tiles");
+        if q.oom_retries > 0 && oom_retries == 0 {
+            log::warn!("out of memory; retrying with smaller batches or tiles");
         }
         oom_retries += q.oom_retries;
         batch = q.batch;

@@ -44,8 +44,6 @@ pub struct TileOptions {
     /// Tiles per forward pass.
     pub batch: usize,
     pub blend: BlendMode,
-    /// Suppresses the out-of-memory back-off warning on stderr.
-    pub quiet: bool,
 }
 
 impl Default for TileOptions {
@@ -55,7 +53,6 @@ impl Default for TileOptions {
             overlap: 32,
             batch: 1,
             blend: BlendMode::default(),
-            quiet: false,
         }
     }
 }
@@ -149,8 +146,8 @@ pub fn run_tiled<M: TileModel + ?Sized>(
                         tile = smaller;
                         shrunk = true;
                     }
-                    if oom_retries == 1 && !opts.quiet {
-                        eprintln!("warning: out of memory; retrying with smaller batches or tiles");
+                    if oom_retries == 1 {
+                        log::warn!("out of memory; retrying with smaller batches or tiles");
                     }
                     if shrunk {
                         // Blend weights depend on the tile geometry, so tiles of the old

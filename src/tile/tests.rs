@@ -114,13 +114,12 @@ pub(crate) fn max_diff(a: &Planar, b: &Planar) -> f32 {
         .fold(0.0, f32::max)
 }
 
-pub(super) fn quiet(tile: usize, overlap: usize, batch: usize, blend: BlendMode) -> TileOptions {
+pub(super) fn opts_for(tile: usize, overlap: usize, batch: usize, blend: BlendMode) -> TileOptions {
     TileOptions {
         tile,
         overlap,
         batch,
         blend,
-        quiet: true,
     }
 }
 
@@ -199,7 +198,7 @@ proptest! {
         let image = test_image(c, h, w, seed);
         let model = Pointwise::new(scale);
         let reference = whole(&model, &image);
-        let (out, stats) = run_tiled(&model, &image, &quiet(tile, overlap, batch, blend)).unwrap();
+        let (out, stats) = run_tiled(&model, &image, &opts_for(tile, overlap, batch, blend)).unwrap();
         prop_assert_eq!(stats.batches, stats.tiles.div_ceil(batch));
         if blend == BlendMode::None {
             prop_assert_eq!(&out, &reference);
@@ -219,7 +218,7 @@ fn groups_tiles_into_batches_with_a_ragged_last_one() {
     let model = Limited::new(2, usize::MAX);
     let image = test_image(3, 30, 30, 1);
     // Starts 0, 10, 18 on each axis: nine 12x12 tiles.
-    let (_, stats) = run_tiled(&model, &image, &quiet(12, 2, 4, BlendMode::Hann)).unwrap();
+    let (_, stats) = run_tiled(&model, &image, &opts_for(12, 2, 4, BlendMode::Hann)).unwrap();
     assert_eq!((stats.tiles, stats.batches), (9, 3));
     assert_eq!(
         *model.calls.borrow(),
@@ -232,7 +231,7 @@ fn out_of_memory_halves_the_batch() {
     let model = Limited::new(2, 2 * 24 * 24);
     let image = test_image(3, 64, 64, 2);
     // Starts 0, 20, 40 on each axis: nine 24x24 tiles.
-    let (out, stats) = run_tiled(&model, &image, &quiet(24, 4, 4, BlendMode::Hann)).unwrap();
+    let (out, stats) = run_tiled(&model, &image, &opts_for(24, 4, 4, BlendMode::Hann)).unwrap();
     assert_eq!(
         stats,
         TileStats {
@@ -250,7 +249,7 @@ fn out_of_memory_halves_the_batch() {
 fn out_of_memory_at_batch_one_halves_the_tile() {
     let model = Limited::new(2, 300);
     let image = test_image(1, 64, 64, 3);
-    let (out, stats) = run_tiled(&model, &image, &quiet(24, 4, 2, BlendMode::Hann)).unwrap();
+    let (out, stats) = run_tiled(&model, &image, &opts_for(24, 4, 2, BlendMode::Hann)).unwrap();
     // Batch 2 -> 1, then tile 24 -> 16 (the floor is 2 * overlap + 8).
     assert_eq!(
         (stats.tile_shape, stats.batch, stats.oom_retries),
@@ -264,7 +263,7 @@ fn out_of_memory_at_batch_one_halves_the_tile() {
 fn whole_image_falls_back_to_tiles() {
     let model = Limited::new(3, 40 * 40);
     let image = test_image(3, 50, 70, 4);
-    let (out, stats) = run_tiled(&model, &image, &quiet(0, 8, 1, BlendMode::Hann)).unwrap();
+    let (out, stats) = run_tiled(&model, &image, &opts_for(0, 8, 1, BlendMode::Hann)).unwrap();
     // 70 -> 35 fits 35x35 = 1225 pixels.
     assert_eq!((stats.tile_shape, stats.oom_retries), ((35, 35), 1));
     assert!(max_diff(&out, &whole(&Pointwise::new(3), &image)) <= 1e-6);
@@ -274,7 +273,7 @@ fn whole_image_falls_back_to_tiles() {
 fn gives_up_when_the_smallest_tile_does_not_fit() {
     let model = Limited::new(2, 10);
     let image = test_image(1, 64, 64, 5);
-    let err = run_tiled(&model, &image, &quiet(24, 4, 1, BlendMode::Hann)).unwrap_err();
+    let err = run_tiled(&model, &image, &opts_for(24, 4, 1, BlendMode::Hann)).unwrap_err();
     assert!(matches!(err, super::TileError::OutOfMemory { .. }), "{err}");
 }
 
@@ -297,7 +296,7 @@ fn other_model_errors_pass_through() {
     let err = run_tiled(
         &Broken(Device::Cpu),
         &image,
-        &quiet(0, 4, 1, BlendMode::Hann),
+        &opts_for(0, 4, 1, BlendMode::Hann),
     );
     assert!(err.unwrap_err().to_string().contains("shape"));
 }
@@ -317,7 +316,7 @@ fn rejects_overlap_not_smaller_than_tile() {
     let err = run_tiled(
         &Pointwise::new(2),
         &image,
-        &quiet(16, 16, 1, BlendMode::Hann),
+        &opts_for(16, 16, 1, BlendMode::Hann),
     );
     assert!(err.unwrap_err().to_string().contains("overlap"));
 }

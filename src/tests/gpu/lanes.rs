@@ -38,7 +38,6 @@ fn two_cuda_lanes_match_one_and_the_cpu() {
         overlap: 8,
         batch: 2,
         blend: BlendMode::Hann,
-        quiet: true,
     };
     let cpu = Lanes::single(Engine::new(checkpoint(), Device::Cpu, DType::F32).unwrap());
     let (reference, ref_stats, _) = cpu.run(&image, &opts).unwrap();
