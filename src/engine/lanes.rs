@@ -20,7 +20,7 @@ use crate::model::fused::Attention;
 use crate::model::Checkpoint;
 use crate::planar::Planar;
 use crate::tile::lanes::device_label;
-use crate::tile::{run_lanes, run_tiled, LaneStats, TileError, TileOptions, TileStats};
+use crate::tile::{run_lanes, Canvas, LaneStats, TileError, TileOptions, TileStats};
 
 pub struct Lanes {
     /// Never empty; the first answers every question about the model (scale, config, cost).
@@ -122,15 +122,16 @@ impl Lanes {
         self.engines[0].tile_options_shared(settings, h, w, self.per_device())
     }
 
-    /// Upscales `image` over all lanes, returning per-lane work alongside.
+    /// Upscales `image` over all lanes, returning per-lane work alongside. The CPU, and a
+    /// GPU whose memory cannot hold the output once per lane, run one lane on the host canvas.
     pub fn run(
         &self,
         image: &Planar,
         opts: &TileOptions,
     ) -> Result<(Planar, TileStats, Vec<LaneStats>), TileError> {
-        let engine = &self.engines[0];
-        if self.count() == 1 && engine.device.is_cpu() {
-            return host_run(engine, image, opts);
+        let one = &self.engines[..1];
+        if self.count() == 1 && self.engines[0].device.is_cpu() {
+            return run_lanes(one, image, opts, Canvas::Host);
         }
         if !self.canvases_fit(image) {
             if !self.warned_canvas.swap(true, Ordering::Relaxed) {
@@ -141,9 +142,9 @@ impl Lanes {
                     image.height
                 );
             }
-            return host_run(engine, image, opts);
+            return run_lanes(one, image, opts, Canvas::Host);
         }
-        run_lanes(&self.engines, image, opts)
+        run_lanes(&self.engines, image, opts, Canvas::Device)
     }
 
     /// Whether every lane's output canvas fits in half of its device's free memory, leaving
@@ -167,23 +168,6 @@ impl Lanes {
         }
         out
     }
-}
-
-/// The host tiler on one engine, reported as lane 0.
-fn host_run(
-    engine: &Engine,
-    image: &Planar,
-    opts: &TileOptions,
-) -> Result<(Planar, TileStats, Vec<LaneStats>), TileError> {
-    let start = std::time::Instant::now();
-    let (out, stats) = run_tiled(engine, image, opts)?;
-    let lane = LaneStats {
-        batches: stats.batches,
-        tiles: stats.tiles,
-        busy_seconds: start.elapsed().as_secs_f64(),
-        ..LaneStats::new(0, &engine.device)
-    };
-    Ok((out, stats, vec![lane]))
 }
 
 impl Deref for Lanes {

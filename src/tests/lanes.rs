@@ -8,7 +8,7 @@ use crate::engine::Engine;
 use crate::model::Checkpoint;
 use crate::planar::Planar;
 use crate::tile::tests::max_diff;
-use crate::tile::{run_lanes, BlendMode, TileOptions};
+use crate::tile::{run_lanes, BlendMode, Canvas, TileOptions};
 
 fn engine() -> Engine {
     let ck = Checkpoint::load(&super::golden(super::FAST_MODEL)).unwrap();
@@ -40,7 +40,8 @@ fn two_lanes_match_one_on_a_real_model() {
         assert_eq!(host_lanes[0].tiles, host_stats.tiles);
 
         // One lane through the device canvas: the same sums in the same order.
-        let (one, _, _) = run_lanes(single.engines(), &image, &opts(blend)).unwrap();
+        let (one, _, _) =
+            run_lanes(single.engines(), &image, &opts(blend), Canvas::Device).unwrap();
         assert_eq!(bits(&one), bits(&host), "{blend:?}");
 
         let (out, stats, lanes) = two.run(&image, &opts(blend)).unwrap();

@@ -117,39 +117,6 @@ impl DeviceCanvas {
     }
 }
 
-/// Sums downloaded canvases (see [`DeviceCanvas::download`]) and normalises by the weight
-/// plane into the output image. The first canvas is taken as is, so one canvas normalises
-/// exactly as the host accumulator does.
-pub fn finish_canvases(
-    channels: usize,
-    height: usize,
-    width: usize,
-    canvases: Vec<Vec<f32>>,
-) -> candle_core::Result<Planar> {
-    let plane = height * width;
-    let len = (channels + 1) * plane;
-    let mut canvases = canvases.into_iter();
-    let mut sum = canvases.next().unwrap_or_else(|| vec![0.0; len]);
-    if sum.len() != len {
-        candle_core::bail!("canvas holds {} values, expected {len}", sum.len());
-    }
-    for other in canvases {
-        if other.len() != len {
-            candle_core::bail!("canvas holds {} values, expected {len}", other.len());
-        }
-        for (acc, v) in sum.iter_mut().zip(&other) {
-            *acc += v;
-        }
-    }
-    let weight = sum.split_off(channels * plane);
-    for chunk in sum.chunks_mut(plane.max(1)) {
-        for (v, &w) in chunk.iter_mut().zip(&weight) {
-            *v /= w;
-        }
-    }
-    Ok(Planar::new(channels, height, width, sum))
-}
-
 /// canvas += weight * tile for one tile of a batch output, in place. The arithmetic is the
 /// host accumulator's, operation for operation, so one canvas matches it bit for bit.
 struct BlendAdd {
@@ -311,6 +278,7 @@ impl InplaceOp3 for BlendAdd {
 mod tests {
     use super::*;
     use crate::tile::plan::plan;
+    use crate::tile::stitch::finish_canvases;
     use crate::tile::Accumulator;
 
     /// Deterministic values with NaN planted where a tile's weight is zero, so a leak shows.

@@ -51,14 +51,14 @@ proptest! {
         let (host, host_stats) = run_tiled(&model, &image, &opts).unwrap();
 
         // One lane adds the same tiles in the same order: bit for bit.
-        let (one, stats, lanes) = run_lanes(std::slice::from_ref(&model), &image, &opts).unwrap();
+        let (one, stats, lanes) = run_lanes(std::slice::from_ref(&model), &image, &opts, Canvas::Device).unwrap();
         prop_assert!(bits_equal(&one, &host));
         prop_assert_eq!(&stats, &host_stats);
         check_stats(&stats, &lanes, 1);
 
         // Two lanes sum two canvases: crop-and-paste stays exact, blends within rounding.
         let two_models = [Pointwise::new(scale), Pointwise::new(scale)];
-        let (two, stats, lanes) = run_lanes(&two_models, &image, &opts).unwrap();
+        let (two, stats, lanes) = run_lanes(&two_models, &image, &opts, Canvas::Device).unwrap();
         prop_assert_eq!(stats.tiles, host_stats.tiles);
         prop_assert_eq!(stats.batches, host_stats.batches);
         check_stats(&stats, &lanes, 2);
@@ -146,7 +146,7 @@ fn every_tile_runs_exactly_once_across_lanes() {
     let image = index_image(h, w);
     let opts = opts_for(16, 4, 2, BlendMode::Hann);
     let lanes = [Recording::new(2, 5, 16), Recording::new(2, 5, 16)];
-    let (out, stats, lane_stats) = run_lanes(&lanes, &image, &opts).unwrap();
+    let (out, stats, lane_stats) = run_lanes(&lanes, &image, &opts, Canvas::Device).unwrap();
     let plan = plan(h, w, 16, 4).unwrap();
     let all = sorted([lanes[0].seen(), lanes[1].seen()].concat());
     assert_eq!(all, corners(&plan, w));
@@ -167,7 +167,7 @@ fn a_lane_out_of_memory_hands_its_tiles_back() {
     let opts = opts_for(24, 4, 4, BlendMode::Average);
     // Lane 1 fails any batch over 2 tiles; its tiles go back and the batch halves.
     let lanes = [Recording::new(2, 20, 16), Recording::new(2, 2, 2)];
-    let (out, stats, lane_stats) = run_lanes(&lanes, &image, &opts).unwrap();
+    let (out, stats, lane_stats) = run_lanes(&lanes, &image, &opts, Canvas::Device).unwrap();
     let plan = plan(h, w, 24, 4).unwrap();
     let all = sorted([lanes[0].seen(), lanes[1].seen()].concat());
     assert_eq!(all, corners(&plan, w));
@@ -183,7 +183,8 @@ fn one_lane_out_of_memory_keeps_the_host_order() {
     let image = test_image(3, 64, 64, 9);
     let opts = opts_for(24, 4, 4, BlendMode::Hann);
     let model = Recording::new(2, 0, 2);
-    let (out, stats, _) = run_lanes(std::slice::from_ref(&model), &image, &opts).unwrap();
+    let (out, stats, _) =
+        run_lanes(std::slice::from_ref(&model), &image, &opts, Canvas::Device).unwrap();
     // The same batches as the host path after its back-off: nine tiles, 4 -> 2.
     assert_eq!((stats.batches, stats.batch, stats.oom_retries), (5, 2, 1));
     let (reference, _) = run_tiled(&Pointwise::new(2), &image, &opts).unwrap();
@@ -215,14 +216,20 @@ fn lanes_shrink_the_tile_when_one_tile_does_not_fit() {
         Small(Pointwise::new(3), 40 * 40),
     ];
     let opts = opts_for(0, 8, 1, BlendMode::Hann);
-    let (out, stats, lane_stats) = run_lanes(&lanes, &image, &opts).unwrap();
+    let (out, stats, lane_stats) = run_lanes(&lanes, &image, &opts, Canvas::Device).unwrap();
     assert_eq!(stats.tile_shape, (35, 35));
     check_stats(&stats, &lane_stats, 2);
     let (reference, _) = run_tiled(&Pointwise::new(3), &image, &opts).unwrap();
     assert!(max_diff(&out, &reference) <= 1e-6);
 
     let tiny = [Small(Pointwise::new(3), 10), Small(Pointwise::new(3), 10)];
-    let err = run_lanes(&tiny, &image, &opts_for(24, 4, 1, BlendMode::Hann)).unwrap_err();
+    let err = run_lanes(
+        &tiny,
+        &image,
+        &opts_for(24, 4, 1, BlendMode::Hann),
+        Canvas::Device,
+    )
+    .unwrap_err();
     assert!(format!("{err:#}").contains("out of memory"), "{err:#}");
 }
 
@@ -242,10 +249,22 @@ fn a_failing_lane_fails_the_image() {
     }
     let image = test_image(1, 40, 40, 6);
     let lanes = [Broken(Device::Cpu), Broken(Device::Cpu)];
-    let err = run_lanes(&lanes, &image, &opts_for(16, 4, 1, BlendMode::Hann)).unwrap_err();
+    let err = run_lanes(
+        &lanes,
+        &image,
+        &opts_for(16, 4, 1, BlendMode::Hann),
+        Canvas::Device,
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("shape"), "{err:#}");
     let none: [Broken; 0] = [];
-    assert!(run_lanes(&none, &image, &opts_for(16, 4, 1, BlendMode::Hann)).is_err());
+    assert!(run_lanes(
+        &none,
+        &image,
+        &opts_for(16, 4, 1, BlendMode::Hann),
+        Canvas::Device
+    )
+    .is_err());
 }
 
 #[test]

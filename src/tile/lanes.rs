@@ -1,13 +1,12 @@
-//! Tiled inference over several lanes at once. A lane is a model with its own device (on
-//! a GPU: its own CUDA stream and its own copy of the weights); every lane takes batches of
-//! tiles from one shared queue on its own thread, so one lane's transfers and host work
-//! overlap another's compute. Each lane blends into its own device canvas
-//! ([`super::device`]); the canvases are summed on the host at the end.
+//! The tile scheduler. A lane is a model with its own device (on a GPU: its own CUDA stream
+//! and its own copy of the weights); every lane takes batches of tiles from one shared queue
+//! on its own thread, so one lane's transfers and host work overlap another's compute. Each
+//! lane blends into its own canvas, on the host or on its device ([`Canvas`]); the canvases
+//! are summed on the host at the end. [`super::run_tiled`] is one lane on the host.
 //!
-//! Out of memory: the batch size halves and the failed batch goes back to the queue, as in
-//! [`super::run_tiled`], unless part of it already reached the lane's canvas: then the image
-//! starts over with the smaller batches. A single tile that does not fit makes the image
-//! start over with smaller tiles.
+//! Out of memory: the batch size halves and the failed batch goes back to the queue, unless
+//! part of it already reached the lane's canvas: then the image starts over with the smaller
+//! batches. A single tile that does not fit makes the image start over with smaller tiles.
 
 use std::ops::Range;
 use std::sync::Mutex;
@@ -15,10 +14,23 @@ use std::time::Instant;
 
 use candle_core::{DType, DeviceLocation, Tensor};
 
-use super::device::{finish_canvases, weight_table, DeviceCanvas, DeviceInput};
-use super::plan::{plan, Plan};
+use super::device::{weight_table, DeviceCanvas, DeviceInput};
+use super::plan::{plan, Plan, Tile};
+use super::stitch::{finish_canvases, Accumulator};
 use super::{is_out_of_memory, TileError, TileModel, TileOptions, TileStats, MIN_CORE};
 use crate::planar::Planar;
+
+/// Where each lane cuts its tiles and blends their outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Canvas {
+    /// On the host: each batch is cut from the host image and its output comes back (on the
+    /// CPU this copies nothing twice; on a GPU it is the fallback when the output does not
+    /// fit in device memory).
+    Host,
+    /// On the lane's device: the image is uploaded once, tiles are cut and blended there, and
+    /// the canvas comes back once per image.
+    Device,
+}
 
 /// The work one lane did for one image.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
@@ -117,12 +129,14 @@ pub fn merge_lane_stats(total: &mut Vec<LaneStats>, more: &[LaneStats]) {
     total.sort_by_key(|s| s.lane);
 }
 
-/// Upscales `image` on all `lanes` together; see the module documentation. Every lane must
-/// be the same network (same scale and weights) on its own device.
+/// Upscales `image` on all `lanes` together, each blending on a canvas of kind `canvas`; see
+/// the module documentation. Every lane must be the same network (same scale and weights) on
+/// its own device.
 pub fn run_lanes<M: TileModel + Sync>(
     lanes: &[M],
     image: &Planar,
     opts: &TileOptions,
+    canvas: Canvas,
 ) -> Result<(Planar, TileStats, Vec<LaneStats>), TileError> {
     let first = lanes
         .first()
@@ -141,7 +155,9 @@ pub fn run_lanes<M: TileModel + Sync>(
         let plan = plan(image.height, image.width, tile, opts.overlap)?;
         let queue = Mutex::new(Queue::new(plan.tiles.len(), batch));
         let t0 = Instant::now();
-        let work = |(id, model): (usize, &M)| run_lane(id, model, image, &plan, opts, &queue, t0);
+        let work = |(id, model): (usize, &M)| {
+            run_lane(id, model, (image, &plan, opts, canvas), &queue, t0)
+        };
         let mut results: Vec<Lane> = if lanes.len() == 1 {
             vec![work((0, first))]
         } else {
@@ -300,49 +316,68 @@ struct Lane {
 }
 
 /// The per-image state of a lane, made when it takes its first batch.
-struct LaneImage {
-    input: DeviceInput,
-    weights: Tensor,
-    canvas: DeviceCanvas,
+enum LaneImage {
+    Host(Accumulator),
+    Device {
+        input: DeviceInput,
+        weights: Tensor,
+        canvas: DeviceCanvas,
+    },
 }
+
+impl LaneImage {
+    fn new<M: TileModel>(model: &M, (image, plan, opts, canvas): Job) -> candle_core::Result<Self> {
+        let (device, scale) = (model.device(), model.scale());
+        let (c, h, w) = (image.channels, image.height, image.width);
+        Ok(match canvas {
+            Canvas::Host => Self::Host(Accumulator::new(c, h, w, scale, opts.blend)),
+            Canvas::Device => {
+                let st = Self::Device {
+                    input: DeviceInput::upload(image, device)?,
+                    weights: weight_table(plan, opts.blend, scale, device)?,
+                    canvas: DeviceCanvas::new(c, h, w, scale, device)?,
+                };
+                device.synchronize()?;
+                st
+            }
+        })
+    }
+
+    /// The lane's canvas on the host, for [`finish_canvases`].
+    fn into_canvas(self) -> candle_core::Result<Vec<f32>> {
+        match self {
+            Self::Host(acc) => Ok(acc.into_canvas()),
+            Self::Device { canvas, .. } => canvas.download(),
+        }
+    }
+}
+
+/// What every lane works on: the image, its tile plan, the options and the canvas kind.
+type Job<'a> = (&'a Planar, &'a Plan, &'a TileOptions, Canvas);
 
 fn run_lane<M: TileModel>(
     id: usize,
     model: &M,
-    image: &Planar,
-    plan: &Plan,
-    opts: &TileOptions,
+    job: Job,
     queue: &Mutex<Queue>,
     t0: Instant,
 ) -> Lane {
+    let (image, plan, _, canvas_kind) = job;
     let lock = || queue.lock().unwrap_or_else(|e| e.into_inner());
-    let device = model.device();
-    let scale = model.scale();
-    let mut stats = LaneStats::new(id, device);
+    let mut stats = LaneStats::new(id, model.device());
     let (mut transfer_spans, mut batch_spans) = (Vec::new(), Vec::new());
     let since = |t: Instant| t.duration_since(t0).as_secs_f64();
     let mut state: Option<LaneImage> = None;
     loop {
         let Some(range) = lock().take() else { break };
-        let st = match &state {
+        let st = match &mut state {
             Some(st) => st,
             None => {
                 let start = Instant::now();
-                let made = (|| {
-                    Ok::<_, candle_core::Error>(LaneImage {
-                        input: DeviceInput::upload(image, device)?,
-                        weights: weight_table(plan, opts.blend, scale, device)?,
-                        canvas: DeviceCanvas::new(
-                            image.channels,
-                            image.height,
-                            image.width,
-                            scale,
-                            device,
-                        )?,
-                    })
-                })()
-                .and_then(|st| device.synchronize().map(|()| st));
-                transfer_spans.push((since(start), since(Instant::now())));
+                let made = LaneImage::new(model, job);
+                if canvas_kind == Canvas::Device {
+                    transfer_spans.push((since(start), since(Instant::now())));
+                }
                 match made {
                     Ok(st) => state.insert(st),
                     Err(err) => {
@@ -354,7 +389,7 @@ fn run_lane<M: TileModel>(
         };
         let mut touched = false;
         let start = Instant::now();
-        let done = run_batch(model, plan, st, range.clone(), &mut touched);
+        let done = run_batch(model, (image, plan), st, range.clone(), &mut touched);
         batch_spans.push((since(start), since(Instant::now())));
         match done {
             Ok(()) => {
@@ -367,14 +402,14 @@ fn run_lane<M: TileModel>(
         }
     }
     let start = Instant::now();
-    let canvas = match state.map(|st| st.canvas.download()).transpose() {
+    let canvas = match state.map(LaneImage::into_canvas).transpose() {
         Ok(c) => c,
         Err(err) => {
             lock().abort(err);
             None
         }
     };
-    if canvas.is_some() {
+    if canvas.is_some() && canvas_kind == Canvas::Device {
         transfer_spans.push((since(start), since(Instant::now())));
     }
     stats.transfer_seconds = transfer_spans.iter().map(|(a, b)| b - a).sum();
@@ -388,13 +423,16 @@ fn run_lane<M: TileModel>(
 
 fn run_batch<M: TileModel>(
     model: &M,
-    plan: &Plan,
-    st: &LaneImage,
+    (image, plan): (&Planar, &Plan),
+    st: &mut LaneImage,
     range: Range<usize>,
     touched: &mut bool,
 ) -> candle_core::Result<()> {
     let group = &plan.tiles[range.clone()];
-    let x = st.input.cut(plan, group)?;
+    let x = match st {
+        LaneImage::Host(_) => cut_on_host(image, plan, group, model.device())?,
+        LaneImage::Device { input, .. } => input.cut(plan, group)?,
+    };
     let y = model.forward_batch(&x)?;
     let s = model.scale();
     let expected = [group.len(), x.dim(1)?, plan.tile_h * s, plan.tile_w * s];
@@ -406,13 +444,48 @@ fn run_batch<M: TileModel>(
         );
     }
     let y = y.to_dtype(DType::F32)?.contiguous()?;
-    *touched = true;
-    for (i, (k, t)) in range.zip(group).enumerate() {
-        st.canvas.add(t, &y, i, &st.weights, k)?;
+    match st {
+        LaneImage::Host(acc) => {
+            let out = y.flatten_all()?.to_vec1::<f32>()?;
+            *touched = true;
+            for (t, data) in group.iter().zip(out.chunks(out.len() / group.len())) {
+                acc.add(t, data);
+            }
+            Ok(())
+        }
+        LaneImage::Device {
+            weights, canvas, ..
+        } => {
+            *touched = true;
+            for (i, (k, t)) in range.zip(group).enumerate() {
+                canvas.add(t, &y, i, weights, k)?;
+            }
+            // One batch in flight per lane: memory stays bounded, the busy time is real, and
+            // a lane takes its next batch only when it can start it, which balances the lanes.
+            model.device().synchronize()
+        }
     }
-    // One batch in flight per lane: memory stays bounded, the busy time is real, and a lane
-    // takes its next batch only when it can start it, which balances the lanes.
-    model.device().synchronize()
+}
+
+/// The tiles of `group` cut from the host image as one (B, C, tile_h, tile_w) batch on
+/// `device`.
+fn cut_on_host(
+    image: &Planar,
+    plan: &Plan,
+    group: &[Tile],
+    device: &candle_core::Device,
+) -> candle_core::Result<Tensor> {
+    let (c, th, tw) = (image.channels, plan.tile_h, plan.tile_w);
+    let mut input = Vec::with_capacity(group.len() * c * th * tw);
+    for t in group {
+        for ch in 0..c {
+            let plane = image.plane(ch);
+            for y in t.y.start..t.y.end() {
+                input.extend_from_slice(&plane[y * image.width + t.x.start..][..tw]);
+            }
+        }
+    }
+    Tensor::from_vec(input, (group.len(), c, th, tw), device)
 }
 
 #[cfg(test)]

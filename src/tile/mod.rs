@@ -17,13 +17,17 @@ mod lane_tests;
 #[cfg(test)]
 pub(crate) mod tests;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 pub use blend::BlendMode;
-pub use lanes::{run_lanes, LaneStats};
-pub use plan::{plan, Plan, PlanError, Tile};
+pub use lanes::{run_lanes, Canvas, LaneStats};
+pub use plan::PlanError;
+#[cfg(test)]
+pub use plan::{plan, Plan};
+#[cfg(test)]
 pub use stitch::Accumulator;
 
+#[cfg(test)]
 use crate::planar::Planar;
 
 /// A super-resolution model as the tiler sees it.
@@ -98,108 +102,14 @@ pub enum TileError {
     Lanes(&'static str),
 }
 
-/// Upscales `image` tile by tile. See the module documentation.
-pub fn run_tiled<M: TileModel + ?Sized>(
+/// Upscales `image` tile by tile on one model, blending on the host: the scheduler of
+/// [`run_lanes`] with one lane, as the tests call it.
+#[cfg(test)]
+pub fn run_tiled<M: TileModel + Sync>(
     model: &M,
     image: &Planar,
     opts: &TileOptions,
 ) -> Result<(Planar, TileStats), TileError> {
-    let scale = model.scale();
-    if scale == 0 {
-        return Err(TileError::Lanes("model scale must be positive"));
-    }
-    let mut tile = opts.tile;
-    let mut batch = opts.batch.max(1);
-    let mut oom_retries = 0;
-    loop {
-        let plan = plan(image.height, image.width, tile, opts.overlap)?;
-        let mut acc =
-            Accumulator::new(image.channels, image.height, image.width, scale, opts.blend);
-        let mut next = 0;
-        let mut batches = 0;
-        let mut shrunk = false;
-        while next < plan.tiles.len() {
-            let group = &plan.tiles[next..(next + batch).min(plan.tiles.len())];
-            match forward_group(model, image, &plan, group) {
-                Ok(out) => {
-                    let per_tile = out.len() / group.len();
-                    for (t, data) in group.iter().zip(out.chunks(per_tile)) {
-                        acc.add(t, data);
-                    }
-                    next += group.len();
-                    batches += 1;
-                }
-                Err(err) if is_out_of_memory(&err) => {
-                    oom_retries += 1;
-                    if group.len() > 1 {
-                        batch = group.len() / 2;
-                    } else {
-                        let current = plan.tile_h.max(plan.tile_w);
-                        let smaller = (current / 2).max(2 * opts.overlap + MIN_CORE);
-                        if smaller >= current {
-                            return Err(TileError::OutOfMemory {
-                                h: plan.tile_h,
-                                w: plan.tile_w,
-                                source: err,
-                            });
-                        }
-                        tile = smaller;
-                        shrunk = true;
-                    }
-                    if oom_retries == 1 {
-                        log::warn!("out of memory; retrying with smaller batches or tiles");
-                    }
-                    if shrunk {
-                        // Blend weights depend on the tile geometry, so tiles of the old
-                        // plan cannot be mixed with the new one: start over.
-                        break;
-                    }
-                }
-                Err(err) => return Err(err.into()),
-            }
-        }
-        if shrunk {
-            continue;
-        }
-        let stats = TileStats {
-            tiles: plan.tiles.len(),
-            batches,
-            tile_shape: (plan.tile_h, plan.tile_w),
-            batch,
-            oom_retries,
-        };
-        return Ok((acc.finish(), stats));
-    }
-}
-
-/// Runs one batch of same-shape tiles and returns their outputs back to back, each
-/// C x (tile_h*s) x (tile_w*s).
-fn forward_group<M: TileModel + ?Sized>(
-    model: &M,
-    image: &Planar,
-    plan: &Plan,
-    group: &[Tile],
-) -> candle_core::Result<Vec<f32>> {
-    let (c, th, tw) = (image.channels, plan.tile_h, plan.tile_w);
-    let mut input = Vec::with_capacity(group.len() * c * th * tw);
-    for t in group {
-        for ch in 0..c {
-            let plane = image.plane(ch);
-            for y in t.y.start..t.y.end() {
-                input.extend_from_slice(&plane[y * image.width + t.x.start..][..tw]);
-            }
-        }
-    }
-    let x = Tensor::from_vec(input, (group.len(), c, th, tw), model.device())?;
-    let y = model.forward_batch(&x)?;
-    let s = model.scale();
-    let expected = [group.len(), c, th * s, tw * s];
-    if y.dims() != expected {
-        candle_core::bail!(
-            "model returned shape {:?} for input {:?}, expected {expected:?}",
-            y.dims(),
-            x.dims()
-        );
-    }
-    y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+    let (out, stats, _) = run_lanes(std::slice::from_ref(model), image, opts, Canvas::Host)?;
+    Ok((out, stats))
 }

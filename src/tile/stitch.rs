@@ -1,6 +1,10 @@
 //! Accumulates weighted tile outputs into the output image. Holds one weighted sum per
 //! output value and one weight per output pixel, so memory is bounded by the output image
 //! no matter how many tiles pass through.
+//!
+//! A canvas, on the host or a device ([`super::device::DeviceCanvas`]), is (C + 1) planes of
+//! the output size: the weighted sums, then the weights. [`finish_canvases`] adds the canvases
+//! of all lanes and normalises them into the image.
 
 use super::blend::{BlendMode, Weights};
 use super::plan::Tile;
@@ -78,17 +82,63 @@ impl Accumulator {
     }
 
     /// Normalises the weighted sums into the output image.
+    #[cfg(test)]
     pub fn finish(self) -> Planar {
-        let plane = self.height * self.width;
-        let mut data = self.sum;
-        for chunk in data.chunks_mut(plane.max(1)) {
-            for (v, &w) in chunk.iter_mut().zip(&self.weight) {
-                debug_assert!(w > 0.0, "output pixel with no tile weight");
-                *v /= w;
-            }
-        }
-        Planar::new(self.channels, self.height, self.width, data)
+        let (c, h, w) = (self.channels, self.height, self.width);
+        normalize(c, h, w, self.sum, &self.weight)
     }
+
+    /// The weighted sums and the weights as one canvas, for [`finish_canvases`].
+    pub fn into_canvas(self) -> Vec<f32> {
+        let mut canvas = self.sum;
+        canvas.extend_from_slice(&self.weight);
+        canvas
+    }
+}
+
+/// Sums canvases (see the module documentation) and normalises by the weight plane into the
+/// output image. The first canvas is taken as is, so one canvas normalises exactly as
+/// [`Accumulator::finish`] does.
+pub fn finish_canvases(
+    channels: usize,
+    height: usize,
+    width: usize,
+    canvases: Vec<Vec<f32>>,
+) -> candle_core::Result<Planar> {
+    let plane = height * width;
+    let len = (channels + 1) * plane;
+    let mut canvases = canvases.into_iter();
+    let mut sum = canvases.next().unwrap_or_else(|| vec![0.0; len]);
+    if sum.len() != len {
+        candle_core::bail!("canvas holds {} values, expected {len}", sum.len());
+    }
+    for other in canvases {
+        if other.len() != len {
+            candle_core::bail!("canvas holds {} values, expected {len}", other.len());
+        }
+        for (acc, v) in sum.iter_mut().zip(&other) {
+            *acc += v;
+        }
+    }
+    let weight = sum.split_off(channels * plane);
+    Ok(normalize(channels, height, width, sum, &weight))
+}
+
+/// The weighted sums `sum` (channels planes) divided by the per-pixel `weight`.
+fn normalize(
+    channels: usize,
+    height: usize,
+    width: usize,
+    mut sum: Vec<f32>,
+    weight: &[f32],
+) -> Planar {
+    for chunk in sum.chunks_mut((height * width).max(1)) {
+        for (v, &w) in chunk.iter_mut().zip(weight) {
+            debug_assert!(w > 0.0, "output pixel with no tile weight");
+            *v /= w;
+        }
+    }
+    Planar::new(channels, height, width, sum)
 }
 
 #[cfg(test)]

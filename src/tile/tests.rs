@@ -1,7 +1,7 @@
 //! Whole-pipeline checks with stand-in models that are pointwise, so any difference
 //! between the tiled and the whole-image output is the tiler's fault.
 
-use std::cell::RefCell;
+use std::sync::Mutex;
 
 use candle_core::{Device, Tensor};
 use proptest::prelude::*;
@@ -44,7 +44,7 @@ impl TileModel for Pointwise {
 struct Limited {
     inner: Pointwise,
     max_pixels: usize,
-    calls: RefCell<Vec<(usize, usize, usize)>>,
+    calls: Mutex<Vec<(usize, usize, usize)>>,
 }
 
 impl Limited {
@@ -52,7 +52,7 @@ impl Limited {
         Self {
             inner: Pointwise::new(scale),
             max_pixels,
-            calls: RefCell::new(Vec::new()),
+            calls: Mutex::new(Vec::new()),
         }
     }
 }
@@ -64,7 +64,7 @@ impl TileModel for Limited {
 
     fn forward_batch(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, _, h, w) = x.dims4()?;
-        self.calls.borrow_mut().push((b, h, w));
+        self.calls.lock().unwrap().push((b, h, w));
         if b * h * w > self.max_pixels {
             return Err(candle_core::Error::Msg(
                 "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
@@ -94,7 +94,7 @@ pub(super) fn test_image(c: usize, h: usize, w: usize, seed: u64) -> Planar {
     Planar::new(c, h, w, data)
 }
 
-fn whole(model: &impl TileModel, image: &Planar) -> Planar {
+fn whole(model: &(impl TileModel + Sync), image: &Planar) -> Planar {
     let opts = TileOptions {
         tile: 0,
         ..TileOptions::default()
@@ -221,7 +221,7 @@ fn groups_tiles_into_batches_with_a_ragged_last_one() {
     let (_, stats) = run_tiled(&model, &image, &opts_for(12, 2, 4, BlendMode::Hann)).unwrap();
     assert_eq!((stats.tiles, stats.batches), (9, 3));
     assert_eq!(
-        *model.calls.borrow(),
+        *model.calls.lock().unwrap(),
         vec![(4, 12, 12), (4, 12, 12), (1, 12, 12)]
     );
 }
