@@ -1,7 +1,14 @@
 //! The cuBLASLt linear layer with the bias in its epilogue (src/model/epilogue.rs) against the
-//! same product on the CPU in f32, from the same rounded inputs. The GPU may differ from it by
-//! the output's one rounding plus f32 noise; a wrong bias column or a transposed operand moves
-//! outputs by about their own size.
+//! same product on the CPU in f32, from the same rounded inputs.
+//!
+//! What cuBLASLt guarantees is the f32 accumulation of the product, not how many times the
+//! result is rounded to the 16-bit output on the way: for some shapes it writes `x · wᵀ` in
+//! the output type and adds the bias (and the residual) in a second kernel, or reduces
+//! split-K partial sums in the output type. On an H200 (build 1761d16) 5 to 7% of the outputs
+//! of the shapes below were off by more than one rounding (worst 0.021 and 0.031). So the
+//! bound allows one rounding of each partial sum: `u (|x·wᵀ| + |x·wᵀ + b| + |want|)` (the
+//! residual adds one more term), plus f32 noise. A wrong bias column or a transposed operand
+//! moves outputs by about their own size, far beyond it.
 
 use super::gpu;
 use crate::model::epilogue::{accumulate_linear_bias, linear_bias};
@@ -15,20 +22,41 @@ fn rounded(t: &Tensor, dtype: DType) -> Result<Tensor> {
     t.to_dtype(dtype)?.to_dtype(DType::F32)
 }
 
-/// Panics unless `ours` (any device and dtype) is within `u |want| + 1e-3` of `want` (f32,
-/// CPU) everywhere.
-fn assert_close(what: &str, ours: &Tensor, want: &Tensor, u: f64) -> Result<()> {
+/// Panics unless `ours` (any device and dtype) is within `u · Σ|partial|  + 1e-3` of `want`
+/// (f32, CPU) everywhere, where `partials` are the partial sums that may each be rounded
+/// (`want` last). Prints how many outputs needed more than one rounding, so a GPU run shows
+/// which kind of kernel cuBLASLt chose.
+fn assert_close(
+    what: &str,
+    ours: &Tensor,
+    want: &Tensor,
+    partials: &[&Tensor],
+    u: f64,
+) -> Result<()> {
     assert_eq!(ours.dims(), want.dims(), "{what}");
     let ours = ours.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
     let err = (&ours - want)?.abs()?;
-    let limit = ((want.abs()? * u)? + 1e-3)?;
-    let over = err
-        .gt(&limit)?
-        .to_dtype(DType::F32)?
-        .sum_all()?
-        .to_scalar::<f32>()?;
+    let count = |limit: &Tensor| -> Result<f32> {
+        err.gt(limit)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .to_scalar::<f32>()
+    };
+    let once = count(&((want.abs()? * u)? + 1e-3)?)?;
+    let mut sum = want.abs()?;
+    for p in partials {
+        sum = (sum + p.abs()?)?;
+    }
+    let over = count(&((sum * u)? + 1e-3)?)?;
     let worst = err.max_all()?.to_scalar::<f32>()?;
-    assert_eq!(over, 0.0, "{what}: {over} outputs off, worst {worst}");
+    eprintln!(
+        "{what}: {once} of {} outputs beyond one rounding, worst {worst}",
+        want.elem_count()
+    );
+    assert_eq!(
+        over, 0.0,
+        "{what}: {over} outputs beyond one rounding per partial sum, worst {worst}"
+    );
     Ok(())
 }
 
@@ -52,10 +80,14 @@ fn linear_bias_matches_the_cpu_in_bf16_and_f16() -> Result<()> {
                 rounded(&w, dtype)?,
                 rounded(&b, dtype)?,
             );
-            let want = xr.matmul(&wr.t()?)?.broadcast_add(&br)?;
+            let product = xr.matmul(&wr.t()?)?;
+            let want = product.broadcast_add(&br)?;
             let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(&dev);
             match linear_bias(&on(&x)?, &on(&w)?, &on(&b)?)? {
-                Some(ours) => assert_close(&format!("{dtype:?} {t}x{k}x{n}"), &ours, &want, u)?,
+                Some(ours) => {
+                    let what = format!("{dtype:?} {t}x{k}x{n}");
+                    assert_close(&what, &ours, &want, &[&product], u)?
+                }
                 None => assert!(!required, "{dtype:?} {t}x{k}x{n}: cuBLASLt did not run"),
             }
         }
@@ -104,7 +136,11 @@ fn accumulate_linear_bias_adds_in_place_in_bf16_and_f16() -> Result<()> {
         let acc = randn(&[t, n], 1.0)?;
         for (dtype, u) in [(DType::BF16, 1.0 / 256.0), (DType::F16, 1.0 / 2048.0)] {
             let r = |t: &Tensor| rounded(t, dtype);
-            let want = ((r(&x)?.matmul(&r(&w)?.t()?)?.broadcast_add(&r(&b)?))? + r(&acc)?)?;
+            let product = r(&x)?.matmul(&r(&w)?.t()?)?;
+            let biased = product.broadcast_add(&r(&b)?)?;
+            // The residual may come in before the bias or after it.
+            let residual = (&product + r(&acc)?)?;
+            let want = (&biased + r(&acc)?)?;
             let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(&dev);
             let ours = on(&acc)?;
             // A second handle on the same storage: it must see the sum too.
@@ -112,11 +148,11 @@ fn accumulate_linear_bias_adds_in_place_in_bf16_and_f16() -> Result<()> {
             let ran = accumulate_linear_bias(&ours, &on(&x)?, &on(&w)?, &on(&b)?)?;
             let what = format!("{dtype:?} {t}x{k}x{n}");
             if ran {
-                assert_close(&what, &alias, &want, u)?;
+                assert_close(&what, &alias, &want, &[&product, &biased, &residual], u)?;
             } else {
                 assert!(!required, "{what}: cuBLASLt did not run");
                 // Declined: the accumulator must be as it was.
-                assert_close(&what, &alias, &r(&acc)?, 0.0)?;
+                assert_close(&what, &alias, &r(&acc)?, &[], 0.0)?;
             }
         }
     }
@@ -165,7 +201,7 @@ fn accumulate_linear_bias_leaves_operands_inside_the_accumulator_to_the_caller()
         &bf(&b)?
     )?);
     let after = acc.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-    assert_close("aliased operands", &after, &before, 0.0)?;
+    assert_close("aliased operands", &after, &before, &[], 0.0)?;
     Ok(())
 }
 
