@@ -29,7 +29,7 @@ use crate::engine::lanes::Lanes;
 use crate::engine::{
     choose_dtype, open_device, read_checkpoint, DeviceChoice, EngineError, Precision,
 };
-use crate::io::{EncodeOptions, Format};
+use crate::io::{EncodeOptions, Format, IoError};
 use crate::model::fused::Attention;
 use crate::model::ModelError;
 use crate::size::OutputSize;
@@ -101,6 +101,9 @@ pub enum Error {
     /// The result could not be resampled or converted to an image.
     #[error("{0}")]
     Output(String),
+    /// An image file could not be read or written.
+    #[error(transparent)]
+    File(#[from] IoError),
 }
 
 /// A model loaded on its device(s), ready for any number of images.
@@ -203,6 +206,40 @@ impl Upscaler {
         let mut opts = EncodeOptions::new(Format::Png);
         opts.bit_depth = dec.bit_depth;
         crate::io::encode::to_image(&rgb, alpha.as_ref(), dec.gray, &opts).map_err(Error::Output)
+    }
+}
+
+impl Upscaler {
+    /// Upscales the image file `input` into `output` as the command-line tool does one file:
+    /// PNG, JPEG, WebP or TIFF by `output`'s extension; 16-bit samples kept where the format
+    /// holds them; the ICC profile and EXIF carried over where the format can hold them (the
+    /// EXIF orientation reset, since the pixels are written upright); the output written to a
+    /// temporary name beside it and renamed, so it is never left half-written. Transparency a
+    /// JPEG cannot hold is dropped with a logged warning.
+    pub fn upscale_file(&self, input: &Path, output: &Path) -> Result<(), Error> {
+        let format = Format::from_path(output).ok_or_else(|| IoError::BadOutput {
+            path: output.to_path_buf(),
+            detail: "the extension names no image format (png, jpg, webp, tif)".into(),
+        })?;
+        let dec = crate::io::decode(input)?;
+        let mut up = self.lanes.upscale_decoded(&dec, &self.settings)?;
+        let (w, h) = self.size.dims(dec.rgb.width, dec.rgb.height, self.scale());
+        let (rgb, alpha) =
+            crate::size::resize(up.rgb, up.alpha.take(), w, h).map_err(Error::Output)?;
+        if alpha.is_some() && !format.supports_alpha() {
+            log::warn!(
+                "{}: {format} has no alpha channel; transparency is dropped",
+                output.display()
+            );
+        }
+        let mut opts = EncodeOptions::new(format);
+        opts.bit_depth = format.default_bit_depth(dec.bit_depth);
+        let left_out =
+            crate::io::encode(output, &rgb, alpha.as_ref(), dec.gray, &dec.metadata, &opts)?;
+        for piece in left_out {
+            log::debug!("{}: {piece}", output.display());
+        }
+        Ok(())
     }
 }
 

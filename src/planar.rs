@@ -42,6 +42,7 @@ impl Planar {
         &mut self.data[c * n..(c + 1) * n]
     }
 
+    #[cfg(any(test, feature = "cli"))]
     pub fn get(&self, c: usize, y: usize, x: usize) -> f32 {
         self.data[(c * self.height + y) * self.width + x]
     }

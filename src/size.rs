@@ -28,7 +28,12 @@ pub enum OutputSize {
     /// This height; the width keeps the input's aspect ratio.
     Height(u32),
     /// Exactly this size, aspect ratio or not.
-    Exact { width: u32, height: u32 },
+    Exact {
+        /// Output width in pixels.
+        width: u32,
+        /// Output height in pixels.
+        height: u32,
+    },
 }
 
 impl OutputSize {
@@ -70,6 +75,7 @@ impl OutputSize {
     }
 }
 
+#[cfg(feature = "cli")]
 /// A `--outscale` value: a finite number above 0.
 pub fn parse_factor(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {

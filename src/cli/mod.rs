@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, CommandFactory, Parser, Subcommand};
 
-use crate::engine::{parse_device, parse_precision, DeviceChoice, Precision};
+use crate::engine::{DeviceChoice, Precision};
 use crate::io::{parse_shard, Format, Shard};
 use crate::model::Attention;
 use crate::tile::BlendMode;
@@ -263,6 +263,43 @@ fn precision_parser() -> impl TypedValueParser<Value = Precision> {
     .try_map(|s| parse_precision(&s))
 }
 
+fn parse_device(s: &str) -> Result<DeviceChoice, String> {
+    let s = s.trim().to_ascii_lowercase();
+    match s.as_str() {
+        "auto" => Ok(DeviceChoice::Auto),
+        "cpu" => Ok(DeviceChoice::Cpu),
+        "cuda" | "gpu" => Ok(DeviceChoice::Cuda(vec![0])),
+        _ => {
+            let list = s.strip_prefix("cuda:").ok_or_else(|| {
+                format!("unknown device '{s}' (expected auto, cpu, cuda or cuda:N[,M...])")
+            })?;
+            let ids = list
+                .split(',')
+                .map(|p| p.trim().parse::<usize>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| {
+                    format!("bad CUDA device list '{list}' (expected e.g. cuda:0 or cuda:0,1)")
+                })?;
+            if ids.is_empty() {
+                return Err(format!("bad CUDA device list '{list}'"));
+            }
+            Ok(DeviceChoice::Cuda(ids))
+        }
+    }
+}
+
+fn parse_precision(s: &str) -> Result<Precision, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "auto" => Ok(Precision::Auto),
+        "fp32" | "f32" | "float32" => Ok(Precision::Fp32),
+        "fp16" | "f16" | "half" => Ok(Precision::Fp16),
+        "bf16" | "bfloat16" => Ok(Precision::Bf16),
+        _ => Err(format!(
+            "unknown precision '{s}' (expected auto, fp32, fp16 or bf16)"
+        )),
+    }
+}
+
 fn parse_bit_depth(s: &str) -> Result<u8, String> {
     match s {
         "8" => Ok(8),
@@ -480,6 +517,16 @@ mod tests {
 
     fn parsed(args: &[&str]) -> Cli {
         Cli::try_parse_from(args).expect("valid flags")
+    }
+
+    #[test]
+    fn device_strings() {
+        assert_eq!(parse_device("auto"), Ok(DeviceChoice::Auto));
+        assert_eq!(parse_device("CPU"), Ok(DeviceChoice::Cpu));
+        assert_eq!(parse_device("cuda"), Ok(DeviceChoice::Cuda(vec![0])));
+        assert_eq!(parse_device("cuda:1,3"), Ok(DeviceChoice::Cuda(vec![1, 3])));
+        assert!(parse_device("cuda:x").unwrap_err().contains("'x'"));
+        assert!(parse_device("tpu").unwrap_err().contains("tpu"));
     }
 
     /// The command line without flags and the library's `Options::default()` must be the

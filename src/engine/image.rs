@@ -11,8 +11,11 @@ use super::Engine;
 pub struct Upscaled {
     pub rgb: Planar,
     pub alpha: Option<Planar>,
+    /// The tiling (the command-line tool reports it).
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     pub stats: TileStats,
-    /// Work per lane, alpha included.
+    /// Work per lane, alpha included (the command-line tool reports it).
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     pub lanes: Vec<LaneStats>,
 }
 

@@ -156,6 +156,7 @@ impl Lanes {
     }
 
     /// The distinct devices under the lanes, one handle each.
+    #[cfg(feature = "cli")]
     pub fn devices(&self) -> Vec<&Device> {
         let mut seen = Vec::new();
         let mut out = Vec::new();
@@ -178,6 +179,7 @@ impl Deref for Lanes {
     }
 }
 
+#[cfg(feature = "cli")]
 /// Peak memory of a CUDA device's default pool, which serves every allocation candle makes
 /// (weights, activations, canvases); cuBLAS workspaces and the context are outside it.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -223,11 +225,13 @@ pub fn skip_event_tracking(device: &Device) {
     let _ = device;
 }
 
+#[cfg(feature = "cli")]
 /// Starts the pool's peak counters afresh.
 pub fn reset_pool_peaks(device: &Device) {
     let _ = pool::reset_peaks(device);
 }
 
+#[cfg(feature = "cli")]
 /// The pool's peaks since the last reset; None off CUDA or when the driver does not say.
 pub fn pool_peak(device: &Device) -> Option<PoolPeak> {
     let (used_high_bytes, reserved_high_bytes) = pool::peaks(device).ok()?;
@@ -291,6 +295,7 @@ mod pool {
         )
     }
 
+    #[cfg(feature = "cli")]
     pub fn reset_peaks(device: &Device) -> Result<(), String> {
         let pool = default_pool(device)?;
         // The driver accepts only zero for these: it restarts the high-water marks.
@@ -302,6 +307,7 @@ mod pool {
         )
     }
 
+    #[cfg(feature = "cli")]
     pub fn peaks(device: &Device) -> Result<(u64, u64), String> {
         let pool = default_pool(device)?;
         Ok((
@@ -325,16 +331,19 @@ mod pool {
 mod pool {
     use candle_core::Device;
 
+    #[cfg(feature = "cli")]
     const NO_CUDA: &str = "built without CUDA";
 
     pub fn set_release_threshold(_: &Device, _: u64) -> Result<(), String> {
         Ok(())
     }
 
+    #[cfg(feature = "cli")]
     pub fn reset_peaks(_: &Device) -> Result<(), String> {
         Err(NO_CUDA.into())
     }
 
+    #[cfg(feature = "cli")]
     pub fn peaks(_: &Device) -> Result<(u64, u64), String> {
         Err(NO_CUDA.into())
     }

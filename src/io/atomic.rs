@@ -6,19 +6,24 @@
 //! lets folder walks skip them and [`remove_stale_temporaries`] cleans up those of a run's
 //! own outputs.
 
+#[cfg(feature = "cli")]
 use std::collections::{BTreeMap, HashSet};
-use std::ffi::{OsStr, OsString};
+#[cfg(feature = "cli")]
+use std::ffi::OsStr;
+use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, ErrorKind};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+#[cfg(feature = "cli")]
 use std::time::{Duration, SystemTime};
 
-use super::{create_output_parent, IoError};
+use super::IoError;
 
 /// Part of every temporary's name, after `.NAME`.
 pub const TEMP_TAG: &str = ".upscale-tmp-";
 
+#[cfg(feature = "cli")]
 /// True for a file name of the form `.NAME.upscale-tmp-...`.
 pub fn is_temporary(path: &Path) -> bool {
     path.file_name().is_some_and(|n| {
@@ -93,6 +98,7 @@ fn create_temporary(dir: &Path, name: &std::ffi::OsStr) -> std::io::Result<(Path
     }
 }
 
+#[cfg(feature = "cli")]
 /// The final name a temporary was writing, from `.NAME.upscale-tmp-PID-SEQ`.
 fn temporary_target(file_name: &str) -> Option<&str> {
     file_name
@@ -101,6 +107,7 @@ fn temporary_target(file_name: &str) -> Option<&str> {
         .map(|(name, _)| name)
 }
 
+#[cfg(feature = "cli")]
 /// Removes the temporaries that writers of `outputs` left behind (a killed run) and that have
 /// not been touched for `min_age` (so a live writer, even another process's, keeps its own).
 /// Only the outputs' own folders are read, not below them, and only temporaries of exactly
@@ -151,6 +158,46 @@ pub fn remove_stale_temporaries(
     }
     removed.sort();
     Ok(removed)
+}
+
+/// Fails when a folder that would have to hold `path` is an existing regular file
+/// (`-o notes.txt/out.png`). Creates nothing.
+pub fn check_output_parent(path: &Path) -> Result<(), IoError> {
+    let mut ancestor = path.parent();
+    while let Some(a) = ancestor {
+        let probe = if a.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            a
+        };
+        match fs::metadata(probe) {
+            Ok(m) if m.is_dir() => return Ok(()),
+            Ok(_) => {
+                return Err(IoError::bad_output(
+                    path,
+                    format!("cannot be created: {} is a file, not a folder", a.display()),
+                ))
+            }
+            // Missing, or under a file further up: keep climbing to find which.
+            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => {
+                ancestor = a.parent();
+            }
+            Err(e) => return Err(IoError::os(probe, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Creates the folders that will hold `path`, with [`check_output_parent`]'s clear error
+/// when one of them is a file.
+fn create_output_parent(path: &Path) -> Result<(), IoError> {
+    check_output_parent(path)?;
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => {
+            fs::create_dir_all(p).map_err(|e| IoError::os(p, e))
+        }
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]

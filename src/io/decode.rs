@@ -6,7 +6,9 @@
 //! set, so the model always sees RGB and the caller can write gray again.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Cursor, ErrorKind, Read, Seek, SeekFrom};
+#[cfg(feature = "cli")]
+use std::io::Cursor;
+use std::io::{BufRead, BufReader, ErrorKind, Read, Seek, SeekFrom};
 use std::path::Path;
 
 use image::metadata::Orientation;
@@ -88,6 +90,7 @@ pub fn decode_with_limits(path: &Path, limits: &DecodeLimits) -> Result<Decoded,
     decode_reader(path, BufReader::new(file), limits)
 }
 
+#[cfg(feature = "cli")]
 /// An image held in memory (read from a pipe, say); `name` stands for it in error messages.
 pub fn decode_bytes(name: &Path, bytes: &[u8], limits: &DecodeLimits) -> Result<Decoded, IoError> {
     if bytes.is_empty() {

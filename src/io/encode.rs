@@ -99,6 +99,7 @@ pub fn encode(
     Ok(left_out)
 }
 
+#[cfg(feature = "cli")]
 /// The encoded file's bytes, for a destination that is not a file (a pipe, say), and what
 /// of `meta` was left out.
 pub fn encode_to_vec(

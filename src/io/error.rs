@@ -5,14 +5,21 @@ use std::path::{Path, PathBuf};
 
 use super::Format;
 
+/// What went wrong reading or writing an image file. Every variant carries the `path` it is
+/// about; `format` is the image format found or asked for, `detail` the codec's or the
+/// check's own words.
+#[allow(missing_docs)] // the fields are the same few everywhere, described above
 #[derive(Debug, thiserror::Error)]
 pub enum IoError {
+    /// The file or folder does not exist.
     #[error("{}: no such file or folder", .path.display())]
     NotFound { path: PathBuf },
 
+    /// The file has no bytes.
     #[error("{}: empty file", .path.display())]
     Empty { path: PathBuf },
 
+    /// The file is no image format this crate knows.
     #[error("{}: not an image (upscale reads PNG, JPEG, WebP and TIFF)", .path.display())]
     NotAnImage { path: PathBuf },
 
@@ -28,9 +35,11 @@ pub enum IoError {
         detail: String,
     },
 
+    /// The file ends before the image does.
     #[error("{}: truncated {format} file", .path.display())]
     Truncated { path: PathBuf, format: Format },
 
+    /// The decoder found data it cannot read.
     #[error("{}: corrupt {format} file: {detail}", .path.display())]
     Corrupt {
         path: PathBuf,
@@ -38,9 +47,11 @@ pub enum IoError {
         detail: String,
     },
 
+    /// The image's size is over the decoder's limits.
     #[error("{}: image too large: {detail}", .path.display())]
     TooLarge { path: PathBuf, detail: String },
 
+    /// The output could not be encoded or written.
     #[error("{}: cannot write {format}: {detail}", .path.display())]
     Encode {
         path: PathBuf,
@@ -53,6 +64,7 @@ pub enum IoError {
     #[error("{}: {detail}", .path.display())]
     BadOutput { path: PathBuf, detail: String },
 
+    /// Any other error of the operating system's.
     #[error("{}: {source}", .path.display())]
     Io {
         path: PathBuf,

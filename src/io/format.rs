@@ -8,6 +8,10 @@ use std::str::FromStr;
 /// extensions accepted as aliases.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+// The variants go undocumented: clap would print a doc comment beside each value and drop
+// the one-line list of choices from --help. PNG and TIFF hold 16 bits, JPEG no alpha, WebP
+// is written lossless.
+#[allow(missing_docs)]
 pub enum Format {
     #[cfg_attr(feature = "cli", value(name = "png"))]
     Png,
@@ -31,6 +35,7 @@ impl Format {
         }
     }
 
+    /// The format `path`'s extension names, if any.
     pub fn from_path(path: &Path) -> Option<Format> {
         Format::from_extension(path.extension()?.to_str()?)
     }
@@ -45,11 +50,12 @@ impl Format {
         }
     }
 
+    /// Whether the format holds 16-bit samples.
     pub fn supports_16bit(self) -> bool {
         matches!(self, Format::Png | Format::Tiff)
     }
 
-    /// JPEG has no alpha channel: [`crate::io::encode`] drops alpha when writing it.
+    /// JPEG has no alpha channel: encoding drops alpha when writing it.
     pub fn supports_alpha(self) -> bool {
         self != Format::Jpeg
     }
@@ -95,6 +101,7 @@ impl Format {
     }
 }
 
+#[cfg(feature = "cli")]
 /// True when the path's extension is an extension folder walks pick up (png, jpg, jpeg, webp, tif, tiff).
 pub fn is_image_path(path: &Path) -> bool {
     Format::from_path(path).is_some()

@@ -7,21 +7,34 @@ pub(crate) mod encode;
 mod error;
 mod format;
 mod metadata;
+#[cfg(feature = "cli")]
 mod naming;
+#[cfg(feature = "cli")]
 mod shard;
+#[cfg(feature = "cli")]
 mod walk;
 
-pub use atomic::{is_temporary, remove_stale_temporaries, write_atomic};
-pub use decode::{decode, decode_bytes, DecodeLimits, Decoded};
-pub use encode::{encode, encode_to_vec, EncodeOptions};
+pub use atomic::write_atomic;
+#[cfg(feature = "cli")]
+pub use atomic::{check_output_parent, is_temporary, remove_stale_temporaries};
+pub use decode::{decode, Decoded};
+#[cfg(feature = "cli")]
+pub use decode::{decode_bytes, DecodeLimits};
+#[cfg(feature = "cli")]
+pub use encode::encode_to_vec;
+pub use encode::{encode, EncodeOptions};
 pub use error::IoError;
-pub use format::{is_image_path, Format};
+#[cfg(feature = "cli")]
+pub use format::is_image_path;
+pub use format::Format;
 pub use metadata::Metadata;
+#[cfg(feature = "cli")]
 pub use naming::{
-    check_output_parent, create_output_parent, file_output_format, is_dash, is_folder_like,
-    plan_outputs, Job, NamingOptions, STDIN_NAME,
+    file_output_format, is_dash, is_folder_like, plan_outputs, Job, NamingOptions, STDIN_NAME,
 };
+#[cfg(feature = "cli")]
 pub use shard::{parse_shard, select_shard, Shard};
+#[cfg(feature = "cli")]
 pub use walk::{walk, InputFile};
 
 #[cfg(test)]

@@ -18,10 +18,10 @@
 use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};
 use std::fs::{self, File};
-use std::io::{ErrorKind, Read};
+use std::io::Read;
 use std::path::{Path, PathBuf, MAIN_SEPARATOR};
 
-use super::{Format, InputFile, IoError};
+use super::{check_output_parent, Format, InputFile, IoError};
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NamingOptions {
@@ -244,46 +244,6 @@ fn same_file(a: &Path, b: &Path) -> bool {
     match (fs::canonicalize(a), fs::canonicalize(b)) {
         (Ok(a), Ok(b)) => a == b,
         _ => false,
-    }
-}
-
-/// Fails when a folder that would have to hold `path` is an existing regular file
-/// (`-o notes.txt/out.png`). Creates nothing.
-pub fn check_output_parent(path: &Path) -> Result<(), IoError> {
-    let mut ancestor = path.parent();
-    while let Some(a) = ancestor {
-        let probe = if a.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            a
-        };
-        match fs::metadata(probe) {
-            Ok(m) if m.is_dir() => return Ok(()),
-            Ok(_) => {
-                return Err(IoError::bad_output(
-                    path,
-                    format!("cannot be created: {} is a file, not a folder", a.display()),
-                ))
-            }
-            // Missing, or under a file further up: keep climbing to find which.
-            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => {
-                ancestor = a.parent();
-            }
-            Err(e) => return Err(IoError::os(probe, e)),
-        }
-    }
-    Ok(())
-}
-
-/// Creates the folders that will hold `path`, with [`check_output_parent`]'s clear error
-/// when one of them is a file.
-pub fn create_output_parent(path: &Path) -> Result<(), IoError> {
-    check_output_parent(path)?;
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => {
-            fs::create_dir_all(p).map_err(|e| IoError::os(p, e))
-        }
-        _ => Ok(()),
     }
 }
 

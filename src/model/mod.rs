@@ -20,20 +20,44 @@ pub use config::DrctConfig;
 pub use drct::Drct;
 pub use fused::Attention;
 
+/// Why a checkpoint could not become a network. Every variant names the file (or the
+/// embedded model) it came from.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// The file could not be read.
     #[error("{path}: {msg}")]
-    Io { path: String, msg: String },
-    #[error("{origin}: {msg}")]
-    File { origin: String, msg: String },
-    #[error("{origin}: tensor {name}: {msg}")]
-    Tensor {
-        origin: String,
-        name: String,
+    Io {
+        /// The file's path.
+        path: String,
+        /// What the operating system said.
         msg: String,
     },
+    /// The file is not a checkpoint this crate reads, or holds no DRCT state dict.
+    #[error("{origin}: {msg}")]
+    File {
+        /// The file, or the embedded model's name.
+        origin: String,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// One tensor is missing, misshapen or of an unusable dtype.
+    #[error("{origin}: tensor {name}: {msg}")]
+    Tensor {
+        /// The file, or the embedded model's name.
+        origin: String,
+        /// The tensor's state-dict key.
+        name: String,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// The tensors are consistent but the network could not be built from them.
     #[error("{origin}: building the network: {msg}")]
-    Build { origin: String, msg: String },
+    Build {
+        /// The file, or the embedded model's name.
+        origin: String,
+        /// What failed.
+        msg: String,
+    },
 }
 
 impl ModelError {

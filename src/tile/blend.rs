@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::plan::Span;
 
+/// How the outputs of overlapping tiles are merged.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum BlendMode {

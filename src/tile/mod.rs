@@ -85,16 +85,23 @@ pub fn is_out_of_memory(err: &candle_core::Error) -> bool {
 }
 
 /// Why an image could not be upscaled.
+/// Why an image could not be upscaled.
 #[derive(Debug, thiserror::Error)]
 pub enum TileError {
+    /// The image cannot be cut into tiles as asked.
     #[error(transparent)]
     Plan(#[from] PlanError),
+    /// The network failed (other than by running out of memory).
     #[error(transparent)]
     Model(#[from] candle_core::Error),
+    /// Out of memory even after halving the batch and the tile down to their floors.
     #[error("out of memory even with one {h}x{w} tile per batch: {source}")]
     OutOfMemory {
+        /// The last tile's height in input pixels.
         h: usize,
+        /// The last tile's width in input pixels.
         w: usize,
+        /// The device's out-of-memory error.
         source: candle_core::Error,
     },
     /// The lanes given cannot run together (none, or different models), or one panicked.

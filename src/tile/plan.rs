@@ -3,12 +3,25 @@
 
 use thiserror::Error;
 
+/// Why an image cannot be cut into tiles.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum PlanError {
+    /// The image has no pixels.
     #[error("cannot tile an empty image ({height}x{width})")]
-    EmptyImage { height: usize, width: usize },
+    EmptyImage {
+        /// Image height in pixels.
+        height: usize,
+        /// Image width in pixels.
+        width: usize,
+    },
+    /// The overlap leaves no tile interior.
     #[error("tile overlap ({overlap}) must be smaller than the tile size ({tile})")]
-    OverlapTooLarge { tile: usize, overlap: usize },
+    OverlapTooLarge {
+        /// Tile side in input pixels.
+        tile: usize,
+        /// Overlap in input pixels.
+        overlap: usize,
+    },
 }
 
 /// One tile's extent along one axis, in input pixels.

@@ -1,0 +1,103 @@
+//! The library's public API as an embedding program uses it: files in, files out, and the
+//! errors it can name.
+
+use std::path::Path;
+
+use upscale::{DeviceChoice, Error, IoError, Options, Upscaler};
+
+fn cpu() -> Options {
+    Options {
+        device: DeviceChoice::Cpu,
+        ..Options::default()
+    }
+}
+
+fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("upscale-tmp"))
+        .collect()
+}
+
+#[test]
+fn upscale_file_writes_the_output_by_its_extension_and_keeps_16_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upscaler::open(None, &cpu()).unwrap();
+    let input = dir.path().join("in.png");
+    image::ImageBuffer::<image::Rgb<u16>, _>::from_fn(20, 12, |x, y| {
+        image::Rgb([x as u16 * 3000, y as u16 * 5000, 40000])
+    })
+    .save(&input)
+    .unwrap();
+
+    let png = dir.path().join("out.png");
+    up.upscale_file(&input, &png).unwrap();
+    let out = image::open(&png).unwrap();
+    assert_eq!((out.width(), out.height()), (80, 48));
+    assert!(
+        matches!(out, image::DynamicImage::ImageRgb16(_)),
+        "{:?}",
+        out.color()
+    );
+
+    // JPEG holds 8 bits only: the output follows the format, not the input.
+    let jpg = dir.path().join("out.jpg");
+    up.upscale_file(&input, &jpg).unwrap();
+    let out = image::open(&jpg).unwrap();
+    assert_eq!((out.width(), out.height()), (80, 48));
+    assert!(matches!(out, image::DynamicImage::ImageRgb8(_)));
+    assert!(
+        leftovers(dir.path()).is_empty(),
+        "{:?}",
+        leftovers(dir.path())
+    );
+}
+
+#[test]
+fn upscale_file_names_what_is_wrong_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upscaler::open(None, &cpu()).unwrap();
+    let missing = dir.path().join("missing.png");
+    let err = up
+        .upscale_file(&missing, &dir.path().join("out.png"))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::File(IoError::NotFound { path }) if path == &missing),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("missing.png"), "{err}");
+
+    let input = dir.path().join("in.png");
+    image::RgbImage::from_pixel(8, 8, image::Rgb([9, 99, 199]))
+        .save(&input)
+        .unwrap();
+    let odd = dir.path().join("out.xyz");
+    let err = up.upscale_file(&input, &odd).unwrap_err();
+    assert!(
+        matches!(&err, Error::File(IoError::BadOutput { .. })),
+        "{err:?}"
+    );
+    assert!(!odd.exists());
+
+    let not_an_image = dir.path().join("notes.png");
+    std::fs::write(&not_an_image, b"just text").unwrap();
+    let err = up
+        .upscale_file(&not_an_image, &dir.path().join("out2.png"))
+        .unwrap_err();
+    assert!(matches!(&err, Error::File(_)), "{err:?}");
+    assert!(!dir.path().join("out2.png").exists());
+    assert!(leftovers(dir.path()).is_empty());
+}
+
+#[test]
+fn a_fixed_tile_no_larger_than_the_overlap_is_refused() {
+    let opts = Options {
+        tile: Some(16),
+        overlap: 16,
+        ..cpu()
+    };
+    let err = Upscaler::open(None, &opts).err().expect("refused");
+    assert!(matches!(err, Error::Options(_)), "{err:?}");
+    assert!(err.to_string().contains("16"), "{err}");
+}
