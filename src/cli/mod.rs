@@ -171,7 +171,9 @@ pub struct InferArgs {
     #[arg(long = "tile_batch_size", alias = "tile-batch-size", value_parser = clap::value_parser!(u32).range(1..))]
     pub tile_batch_size: Option<u32>,
     /// Lanes per GPU: each has its own CUDA stream and copy of the weights, and they share
-    /// the tiles of every image. Ignored on the CPU.
+    /// the tiles of every image. Ignored on the CPU. A second lane costs a copy of the weights
+    /// and its own activations, and so far has made one GPU slower (an H200 ran DRCT-L 1.2x
+    /// slower with 2): keep 1 unless you measure a gain.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub streams: u32,
     /// How overlapping tiles are merged.
