@@ -24,7 +24,6 @@ use std::path::Path;
 
 use image::DynamicImage;
 
-use crate::engine::image::{TileChoice, TileSettings};
 use crate::engine::lanes::Lanes;
 use crate::engine::{
     choose_dtype, open_device, read_checkpoint, DeviceChoice, EngineError, Precision,
@@ -33,6 +32,7 @@ use crate::io::{EncodeOptions, Format, IoError};
 use crate::model::fused::Attention;
 use crate::model::ModelError;
 use crate::size::OutputSize;
+use crate::tile::auto::{TileChoice, TileSettings};
 use crate::tile::{BlendMode, TileError};
 
 /// How to run the model. `Options::default()` is what the command line does without flags

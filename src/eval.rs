@@ -18,12 +18,13 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-use crate::engine::image::{TileSettings, Upscaled};
+use crate::engine::image::Upscaled;
 use crate::engine::lanes::Lanes;
 use crate::io::{self, Decoded, Format};
 use crate::metrics::{self, ImageMetrics};
 use crate::pipeline;
 use crate::planar::Planar;
+use crate::tile::auto::TileSettings;
 
 /// Why an evaluation could not start.
 #[derive(Debug, thiserror::Error)]

@@ -13,10 +13,11 @@ use std::sync::mpsc::sync_channel;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use crate::engine::image::{TileSettings, Upscaled};
+use crate::engine::image::Upscaled;
 use crate::engine::lanes::Lanes;
 use crate::io::{self, Decoded, EncodeOptions, Job};
 use crate::size::{self, OutputSize};
+use crate::tile::auto::TileSettings;
 use crate::tile::LaneStats;
 
 /// Tasks waiting between stages: enough to hide a slow file, few enough to bound memory.
@@ -323,9 +324,9 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
-    use crate::engine::image::TileChoice;
     use crate::engine::Engine;
     use crate::model::Checkpoint;
+    use crate::tile::auto::TileChoice;
     use candle_core::{DType, Device};
 
     /// Three images through both runners with a writer that panics on the second: that

@@ -130,7 +130,7 @@ fn write_baseline(
 /// Every pair through the pipeline: the measured images and the failures, in folder order.
 fn measure_all(
     engine: &crate::engine::lanes::Lanes,
-    settings: &crate::engine::image::TileSettings,
+    settings: &crate::tile::auto::TileSettings,
     pairs: Vec<eval::Pair>,
     scale: usize,
     log: &Logger,

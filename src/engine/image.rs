@@ -2,11 +2,11 @@
 
 use crate::io::Decoded;
 use crate::planar::{Planar, SYMMETRIES};
+use crate::tile::auto::TileSettings;
 use crate::tile::lanes::merge_lane_stats;
 use crate::tile::{LaneStats, TileError, TileOptions, TileStats};
 
 use super::lanes::Lanes;
-use super::Engine;
 
 pub struct Upscaled {
     pub rgb: Planar,
@@ -17,118 +17,6 @@ pub struct Upscaled {
     /// Work per lane, alpha included (the command-line tool reports it).
     #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     pub lanes: Vec<LaneStats>,
-}
-
-/// How tiles are chosen for each image.
-#[derive(Clone, Debug, PartialEq)]
-pub enum TileChoice {
-    /// Pick from free memory and the model's measured cost per pixel.
-    Auto,
-    /// A fixed tile side in input pixels; 0 is the whole image.
-    Fixed(usize),
-}
-
-#[derive(Clone, Debug)]
-pub struct TileSettings {
-    pub choice: TileChoice,
-    pub overlap: usize,
-    /// Tiles per batch; chosen with the tile when None.
-    pub batch: Option<usize>,
-    pub blend: crate::tile::BlendMode,
-    /// Test-time self-ensemble: the colour output is the mean over the eight flips and
-    /// transpositions of the input, each undone on its output (8x the work).
-    pub tta: bool,
-}
-
-/// On the CPU a tile larger than a few hundred pixels is no faster (the products are already
-/// large GEMMs), only hungrier: a 1024x1024 x4 input took 38.7 s at 6.35 GB peak with the
-/// tile chosen from 21 GiB free memory, and 35.2 s at 1.09 GB with tile 256. So the automatic
-/// choice on the CPU plans within this much memory, not all that is free.
-const CPU_TILE_BUDGET: u64 = 4 << 30;
-
-impl Engine {
-    #[cfg(test)]
-    /// Concrete tile options for an `h x w` image. However they were chosen, no forward pass
-    /// exceeds [`Engine::max_pass_pixels`].
-    pub fn tile_options(&self, settings: &TileSettings, h: usize, w: usize) -> TileOptions {
-        self.tile_options_shared(settings, h, w, 1)
-    }
-
-    /// Tile options when `share` lanes split this engine's device memory, each with its
-    /// own output canvas.
-    pub fn tile_options_shared(
-        &self,
-        settings: &TileSettings,
-        h: usize,
-        w: usize,
-        share: usize,
-    ) -> TileOptions {
-        let share = share.max(1) as u64;
-        let window = self.model.config().window;
-        let max_pass = self.max_pass_pixels();
-        let auto = || {
-            let free = if self.device.is_cpu() {
-                self.free_memory().min(CPU_TILE_BUDGET)
-            } else {
-                self.free_memory()
-            };
-            // The output accumulator lives for the whole image: take it off the budget.
-            let s = self.scale() as u64;
-            let out = (h as u64 * w as u64) * s * s * 4 * 4;
-            let budget = free.saturating_sub(out * share) / share;
-            let choose = |cost| {
-                crate::tile::auto::choose(budget, cost, h, w, settings.overlap, window, max_pass)
-            };
-            // Measuring the cost runs a probe forward pass, as long as a whole small image
-            // takes; an image that fits whole even at the bound does not need it.
-            match choose(self.bytes_per_pixel_bound()) {
-                (0, b) => (0, b),
-                _ => choose(self.bytes_per_pixel()),
-            }
-        };
-        let (tile, batch) = match settings.choice {
-            TileChoice::Fixed(t) => {
-                let want = settings.batch.unwrap_or(1);
-                let (th, tw) = if t == 0 { (h, w) } else { (t.min(h), t.min(w)) };
-                match crate::tile::auto::fit_batch(th, tw, window, want, max_pass) {
-                    0 => {
-                        let (t, b) = auto();
-                        log::warn!(
-                            "a {th}x{tw} tile is more than one pass can index on this device; \
-                             using tile {t}"
-                        );
-                        (t, b.min(want))
-                    }
-                    b => {
-                        if b < want {
-                            log::warn!(
-                                "{want} tiles of {th}x{tw} are more than one pass can \
-                                 index on this device; using batches of {b}"
-                            );
-                        }
-                        (t, b)
-                    }
-                }
-            }
-            TileChoice::Auto => {
-                let (t, b) = auto();
-                let b = match settings.batch {
-                    None => b,
-                    Some(want) => {
-                        let (th, tw) = if t == 0 { (h, w) } else { (t.min(h), t.min(w)) };
-                        crate::tile::auto::fit_batch(th, tw, window, want, max_pass).max(1)
-                    }
-                };
-                (t, b)
-            }
-        };
-        TileOptions {
-            tile,
-            overlap: settings.overlap,
-            batch,
-            blend: settings.blend,
-        }
-    }
 }
 
 impl Lanes {

@@ -14,11 +14,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Device};
 
-use super::image::TileSettings;
 use super::{DeviceChoice, Engine, EngineError};
 use crate::model::fused::Attention;
 use crate::model::Checkpoint;
 use crate::planar::Planar;
+use crate::tile::auto::TileSettings;
 use crate::tile::lanes::device_label;
 use crate::tile::{run_lanes, Canvas, LaneStats, TileError, TileOptions, TileStats};
 
@@ -119,7 +119,7 @@ impl Lanes {
     /// Concrete tile options for an `h x w` image, with each lane's share of its device's
     /// memory.
     pub fn tile_options(&self, settings: &TileSettings, h: usize, w: usize) -> TileOptions {
-        self.engines[0].tile_options_shared(settings, h, w, self.per_device())
+        crate::tile::auto::tile_options(&self.engines[0], settings, h, w, self.per_device())
     }
 
     /// Upscales `image` over all lanes, returning per-lane work alongside. The CPU, and a

@@ -486,6 +486,49 @@ fn cuda_free_memory(_device: &Device) -> Option<u64> {
     None
 }
 
+impl crate::tile::auto::TileCost for Engine {
+    fn scale(&self) -> usize {
+        self.scale()
+    }
+
+    fn window(&self) -> usize {
+        self.model.config().window
+    }
+
+    fn on_cpu(&self) -> bool {
+        self.device.is_cpu()
+    }
+
+    fn max_pass_pixels(&self) -> usize {
+        self.max_pass_pixels()
+    }
+
+    fn free_memory(&self) -> u64 {
+        self.free_memory()
+    }
+
+    fn bytes_per_pixel_bound(&self) -> f64 {
+        self.bytes_per_pixel_bound()
+    }
+
+    fn bytes_per_pixel(&self) -> f64 {
+        self.bytes_per_pixel()
+    }
+}
+
+impl Engine {
+    #[cfg(test)]
+    /// Concrete tile options for an `h x w` image on this engine alone.
+    pub fn tile_options(
+        &self,
+        settings: &crate::tile::auto::TileSettings,
+        h: usize,
+        w: usize,
+    ) -> crate::tile::TileOptions {
+        crate::tile::auto::tile_options(self, settings, h, w, 1)
+    }
+}
+
 impl crate::tile::TileModel for Engine {
     fn scale(&self) -> usize {
         self.scale()

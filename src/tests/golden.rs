@@ -166,9 +166,9 @@ fn fp16_overflow_is_redone_in_fp32_for_that_tile_only() {
 
 #[test]
 fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
-    use crate::engine::image::{TileChoice, TileSettings};
     use crate::engine::Engine;
     use crate::model::Checkpoint;
+    use crate::tile::auto::{TileChoice, TileSettings};
     let case = &cases()[0];
     let engine = Engine::new(
         Checkpoint::load(&case.weights).unwrap(),
@@ -250,11 +250,11 @@ fn embedded_model_is_the_committed_file() {
 /// undone the wrong way would land far from it).
 #[test]
 fn self_ensemble_is_symmetric_and_close_to_the_plain_output() {
-    use crate::engine::image::{TileChoice, TileSettings};
     use crate::engine::lanes::Lanes;
     use crate::engine::Engine;
     use crate::io::{Decoded, Format};
     use crate::planar::Planar;
+    use crate::tile::auto::{TileChoice, TileSettings};
 
     // The trained default model: a random-weight fixture has no reason to be near-symmetric.
     let (input, _) = load_io(&golden_dir().join("default_x4.io.safetensors"));
