@@ -1,0 +1,229 @@
+//! The CPU's fused window attention: per window and head, the two products on the GEMM with
+//! the position bias and the shift mask applied in the softmax, no score tensor in memory.
+
+use super::*;
+
+/// Shifted-window multi-head attention on the CPU, fused per window: both matmuls go to the
+/// GEMM directly from strided views of the `qkv` projection, and the bias, the mask and the
+/// softmax are applied to a score matrix that stays in cache. The unfused graph writes and
+/// rereads the `(windows, heads, N, N)` scores four times and copies q, k, v and the output.
+///
+/// `qkv`: `(B*nW, N, 3C)` (q, k, v, then heads, then head dim, as the official reshape reads
+/// it), q already scaled; `bias`: the block's table; `regions`: for shifted windows, the
+/// `(nW, N)` region labels of one map's windows ([`crate::model::cache::shift_regions`]), tokens of
+/// different regions being masked as the official mask does. Returns `(B*nW, N, C)` with heads
+/// concatenated, or `None` where the kernel does not apply (another device or dtype), so the
+/// caller runs the generic graph. With `bf16`, both products take bf16 operands (f32 sums);
+/// the softmax stays f32.
+pub fn window_attention(
+    qkv: &Tensor,
+    bias: &RelativeBias,
+    regions: Option<&[u8]>,
+    bf16: Option<Isa>,
+) -> Result<Option<Tensor>> {
+    if !use_kernel(qkv) {
+        return Ok(None);
+    }
+    let (bw, n, c3) = qkv.dims3()?;
+    let heads = bias.heads();
+    let c = c3 / 3;
+    let d = c / heads.max(1);
+    let ws = bias.window();
+    if c3 != 3 * c || c != heads * d || n != ws * ws {
+        candle_core::bail!(
+            "window attention: qkv {:?} for {heads} heads and window {ws}",
+            qkv.dims()
+        );
+    }
+    let nw = match regions {
+        Some(r) if r.is_empty() || r.len() % n != 0 || bw % (r.len() / n) != 0 => {
+            candle_core::bail!(
+                "window attention: {} region labels for {bw} windows",
+                r.len()
+            )
+        }
+        Some(r) => r.len() / n,
+        None => 1,
+    };
+    let (qkv_guard, qkv_layout) = qkv.storage_and_layout();
+    let qkv_data = cpu_slice(&qkv_guard, qkv_layout)?;
+
+    // Windows are independent: one task each, with a private score matrix. With fewer
+    // windows than threads the GEMMs themselves are split instead.
+    let inner = if bw >= rayon::current_num_threads() {
+        gemm::Parallelism::None
+    } else {
+        gemm::Parallelism::Rayon(0)
+    };
+    let products = match bf16 {
+        Some(isa) => Products::Bf16(isa),
+        None => Products::F32(inner),
+    };
+    let shape = WindowShape {
+        n,
+        c,
+        heads,
+        products,
+    };
+    // Left uninitialised: `attend_window` writes every element (each head its d columns of
+    // every row) without reading it.
+    let mut out: Vec<f32> = Vec::with_capacity(bw * n * c);
+    out.spare_capacity_mut()
+        .par_chunks_mut(n * c)
+        .enumerate()
+        .for_each_init(
+            || Scratch {
+                scores: vec![0f32; n * n],
+                ..Scratch::default()
+            },
+            |scratch, (win, out)| {
+                let qkv = &qkv_data[win * n * 3 * c..(win + 1) * n * 3 * c];
+                // A window inside one region (all but the last row and column of windows)
+                // masks nothing.
+                let labels = regions
+                    .map(|r| &r[(win % nw) * n..(win % nw + 1) * n])
+                    .filter(|l| l.iter().any(|&v| v != l[0]));
+                attend_window(&shape, qkv, bias, labels, scratch, out);
+            },
+        );
+    // SAFETY: `attend_window` wrote all bw * n * c elements.
+    unsafe { out.set_len(bw * n * c) };
+    drop(qkv_guard);
+    Ok(Some(Tensor::from_vec(out, (bw, n, c), qkv.device())?))
+}
+
+/// The sizes one window's attention needs.
+pub(super) struct WindowShape {
+    /// Tokens per window.
+    n: usize,
+    /// Channels (all heads).
+    c: usize,
+    heads: usize,
+    products: Products,
+}
+
+/// How a window's two products run: f32 (split across threads or not), or bf16.
+#[derive(Clone, Copy)]
+pub(super) enum Products {
+    F32(gemm::Parallelism),
+    Bf16(Isa),
+}
+
+/// One task's working memory: a window's score matrix, and the bf16 operands kᵀ, v and the
+/// probabilities of one head.
+#[derive(Default)]
+pub(super) struct Scratch {
+    scores: Vec<f32>,
+    kt: PackedB,
+    v: PackedB,
+    probs: PackedA,
+}
+
+/// Attention of one window: for each head, scores = q · kᵀ straight from the strided `qkv`
+/// rows (`n` rows of q | k | v), + bias (+ mask from the region `labels`), softmax in place,
+/// then the head's `d` output columns = probabilities · v. Writes every element of `out` (`n`
+/// rows of `c`).
+pub(super) fn attend_window(
+    s: &WindowShape,
+    qkv: &[f32],
+    bias: &RelativeBias,
+    labels: Option<&[u8]>,
+    scratch: &mut Scratch,
+    out: &mut [std::mem::MaybeUninit<f32>],
+) {
+    let (n, c) = (s.n, s.c);
+    let (c3, d) = (3 * c, c / s.heads);
+    let Scratch {
+        scores,
+        kt,
+        v,
+        probs,
+    } = scratch;
+    assert!(qkv.len() >= n * c3 && out.len() >= n * c && scores.len() >= n * n);
+    for h in 0..s.heads {
+        let q = qkv[h * d..].as_ptr();
+        let keys = &qkv[c + h * d..];
+        let values = &qkv[2 * c + h * d..];
+        let head_out = out[h * d..].as_mut_ptr().cast::<f32>();
+        // SAFETY (all products): every access stays inside `qkv` (n rows of c3 starting at
+        // the head's column), `scores` (n x n) and `out` (n rows of c), as asserted above; the
+        // pointers do not alias and no other task touches this window's `out`. kᵀ is k read
+        // through swapped strides.
+        unsafe {
+            head_product(
+                s.products,
+                (n, d, n),
+                (q, c3),
+                (keys, 1, c3),
+                kt,
+                (scores.as_mut_ptr(), n),
+            )
+        };
+        let scores = &mut scores[..n * n];
+        match s.products {
+            Products::F32(_) => {
+                attention_probs(scores, (bias, h), labels, n, None);
+                // SAFETY: as above.
+                unsafe {
+                    head_product(
+                        s.products,
+                        (n, n, d),
+                        (scores.as_ptr(), n),
+                        (values, c3, 1),
+                        v,
+                        (head_out, c),
+                    )
+                };
+            }
+            Products::Bf16(isa) => {
+                // The probabilities are rounded into the packed operand row by row as the
+                // softmax finishes them, instead of in a pass of their own.
+                v.repack(values, (n, d), (c3, 1));
+                probs.prepare(isa, n, v);
+                attention_probs(scores, (bias, h), labels, n, Some(probs));
+                // SAFETY: as above; the caller chose an ISA this CPU has.
+                unsafe { crate::model::bf16::gemm_packed(probs, v, head_out, c, false) };
+            }
+        }
+    }
+}
+
+/// `dst = lhs · rhs` for one head: `lhs` is `m x k` (rows `lda` apart), `rhs` the `k x cols`
+/// view `src[r * rs + c * cs]`, `dst` rows `ldc` apart. In f32 the GEMM reads `rhs` through its
+/// strides; in bf16 it is packed into `packed` first.
+///
+/// # Safety
+/// `lhs` and `dst` must hold those rows, `dst` overlapping neither input; with bf16 the CPU
+/// must have the instructions.
+pub(super) unsafe fn head_product(
+    products: Products,
+    (m, k, cols): (usize, usize, usize),
+    (lhs, lda): (*const f32, usize),
+    (src, rs, cs): (&[f32], usize, usize),
+    packed: &mut PackedB,
+    (dst, ldc): (*mut f32, usize),
+) {
+    let (rhs, parallel) = match products {
+        Products::F32(inner) => (
+            Weights::F32(src),
+            matches!(inner, gemm::Parallelism::Rayon(_)),
+        ),
+        Products::Bf16(isa) => {
+            packed.repack(src, (k, cols), (rs, cs));
+            (Weights::Bf16(isa, packed), false)
+        }
+    };
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        product(
+            (m, cols, k),
+            (dst, ldc),
+            false,
+            (lhs, lda),
+            rhs,
+            (rs, cs),
+            parallel,
+            None,
+        )
+    }
+}

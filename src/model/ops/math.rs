@@ -1,0 +1,176 @@
+//! Element-wise math for the CPU kernels: a polynomial `exp` and `erf`, the softmax of the
+//! attention rows (with the shift mask from region labels and the bf16 rounding of the
+//! probabilities), and the exact GELU, each compiled for the widest vector unit.
+
+use super::*;
+
+/// exp(x) for x <= 0: 2^n * p(r) with a Cody-Waite reduction and a degree-6 polynomial;
+/// relative error ~2e-7. Inputs below -87 return 0 exactly (no denormals downstream).
+#[inline(always)]
+pub(super) fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Adding and removing 1.5 * 2^23 rounds to nearest without a libm call.
+    const ROUND: f32 = 12_582_912.0;
+    let xc = x.max(-87.0);
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
+    // t lies in [2^23, 2^24), where one ulp is 1, so its bits minus ROUND's are n as an
+    // integer. Unlike `n as i32` (saturating, NaN-checked) this vectorises.
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let scale = f32::from_bits(((ni + 127) as u32) << 23);
+    if x < -87.0 {
+        0.0
+    } else {
+        p * scale
+    }
+}
+
+/// erf(x) by Abramowitz & Stegun 7.1.26 (max absolute error 1.5e-7), odd-extended.
+#[inline(always)]
+pub(super) fn erf(x: f32) -> f32 {
+    let a = x.abs();
+    let t = 1.0 / (1.0 + 0.327_591_1 * a);
+    let poly = t
+        * (0.254_829_6
+            + t * (-0.284_496_74 + t * (1.421_413_8 + t * (-1.453_152_1 + t * 1.061_405_4))));
+    let y = 1.0 - poly * exp_nonpositive(-a * a);
+    if x < 0.0 {
+        -y
+    } else {
+        y
+    }
+}
+
+/// Scores this far below their row's maximum get probability exactly zero. Their true
+/// weight (< e^-80 ≈ 2e-35) changes no output, while as numbers they would leave the softmax
+/// subnormal (after division by a row sum of up to N) and be multiplied through the slow
+/// subnormal path of x86's vector units inside the attention GEMM. With this cutoff every
+/// probability is 0 or above 1.8e-35 / 256 ≈ 7e-38, a normal f32, for windows of up to 256
+/// tokens; masked pairs (-100) are always exact zeros.
+pub(super) const SOFTMAX_CUTOFF: f32 = -80.0;
+
+/// `exp(x)` of a softmax argument `x <= 0`, or exactly 0 below [`SOFTMAX_CUTOFF`].
+#[inline(always)]
+pub(super) fn softmax_exp(x: f32) -> f32 {
+    let e = exp_nonpositive(x);
+    if x < SOFTMAX_CUTOFF {
+        0.0
+    } else {
+        e
+    }
+}
+
+/// Softmax of each length-`n` row of `data`, in place.
+#[inline(always)]
+pub(super) fn softmax_rows_body(data: &mut [f32], n: usize) {
+    for row in data.chunks_exact_mut(n) {
+        let mut maxes = [f32::NEG_INFINITY; LANES];
+        let mut chunks = row.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (m, &v) in maxes.iter_mut().zip(c) {
+                *m = if v > *m { v } else { *m };
+            }
+        }
+        let max = chunks
+            .remainder()
+            .iter()
+            .chain(&maxes)
+            .fold(f32::NEG_INFINITY, |a, &v| if v > a { v } else { a });
+        let mut sums = [0f32; LANES];
+        let mut chunks = row.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (s, v) in sums.iter_mut().zip(c) {
+                *v = softmax_exp(*v - max);
+                *s += *v;
+            }
+        }
+        let mut sum = 0f32;
+        for v in chunks.into_remainder() {
+            *v = softmax_exp(*v - max);
+            sum += *v;
+        }
+        let inv = 1.0 / (sum + sums.iter().sum::<f32>());
+        row.iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
+#[inline(always)]
+pub(super) fn attention_probs_body(
+    scores: &mut [f32],
+    (bias, h): (&RelativeBias, usize),
+    labels: Option<&[u8]>,
+    n: usize,
+    mut rounded: Option<&mut PackedA>,
+) {
+    // Row by row, so that every pass over a row (and its rounding to bf16) runs in L1.
+    for (i, row) in scores.chunks_exact_mut(n).enumerate() {
+        // Same order of additions as the reference: (q·k + bias) + mask.
+        bias.add_to_row(h, i, row);
+        if let Some(labels) = labels {
+            let own = labels[i];
+            for (s, &l) in row.iter_mut().zip(labels) {
+                *s += if l == own { 0.0 } else { MASK_VALUE };
+            }
+        }
+        softmax_rows_body(row, n);
+        if let Some(packed) = rounded.as_deref_mut() {
+            packed.set_row(i, row);
+        }
+    }
+}
+
+widest_simd! {
+    /// Head `h`'s attention probabilities from its `n x n` scores, in place, with the
+    /// window's region labels (`labels`) standing for the shift mask; with `rounded`, each
+    /// row is also rounded into that bf16 operand as soon as it is final.
+    pub(super) fn attention_probs(
+        scores: &mut [f32],
+        bias: (&RelativeBias, usize),
+        labels: Option<&[u8]>,
+        n: usize,
+        rounded: Option<&mut PackedA>,
+    ) = attention_probs_body
+}
+
+#[inline(always)]
+pub(super) fn gelu_body(data: &mut [f32]) {
+    data.iter_mut().for_each(|v| {
+        *v = 0.5 * *v * (1.0 + erf(*v * std::f32::consts::FRAC_1_SQRT_2));
+    });
+}
+
+widest_simd! {
+    /// The exact GELU, in place.
+    pub(super) fn gelu_in_place(data: &mut [f32]) = gelu_body
+}
+
+pub(super) struct GeluErf;
+
+impl CustomOp1 for GeluErf {
+    fn name(&self) -> &'static str {
+        "upscale-gelu-erf"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let data = contiguous_f32(storage, layout)?;
+        let mut out = par_copy(data);
+        out.par_chunks_mut(CHUNK).for_each(gelu_in_place);
+        Ok((CpuStorage::F32(out), layout.shape().clone()))
+    }
+}
+
+/// The exact (erf) GELU.
+pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
+    if use_kernel(x) {
+        x.apply_op1_no_bwd(&GeluErf)
+    } else {
+        x.gelu_erf()
+    }
+}
