@@ -7,8 +7,9 @@
 #
 # proof: the one call for a session with a few minutes of device time. The issue's evidence in
 #   the order it is needed (the CUDA tests; a probe that, if our kernels fail on the GPU,
-#   picks the fallback every later step runs with; precision parity; channel padding
-#   (UPSCALE_PAD_CHANNELS 8, 16, 64: held to the CPU, then timed); the side by side with
+#   picks the fallback every later step runs with; precision parity; the speed switches
+#   (UPSCALE_PAD_CHANNELS 8, 16, 64 and UPSCALE_CUDA_GELU_EPILOGUE: each held to the CPU, then
+#   timed); the side by side with
 #   PyTorch, eager and torch.compile, and the matmul peak for utilisation; the same with
 #   cudarc's event tracking on; a round of before/after against the earlier builds in the
 #   pack, if any; DRCT-L at 1080p; a kernel-by-kernel profile; streams; the sanitizers; a folder run; the start-up cost of the
@@ -366,32 +367,41 @@ side_by_side() {
   done
 }
 
-# channel_padding MULTIPLE...: UPSCALE_PAD_CHANNELS (src/model/pad_channels.rs) pads every
-# linear and convolution's channels with zeros at load, so that cuBLASLt can take its aligned
-# kernels. Each multiple is first held to the CPU's fp32 as the probe holds ours (fp32 within
-# 60 dB, bf16 within 40 dB), then timed on the side-by-side shapes; side_by_side's rows are the
-# unpadded ones of the same run.
-channel_padding() {
-  echo "== channel padding: parity with the CPU, then DRCT-L and DRCT bf16"
-  local dir="$work/probe" pad ok
-  for pad in "$@"; do
-    fits pad 40 "\"pad\":$pad" || break
-    export UPSCALE_PAD_CHANNELS=$pad
-    ok=unchecked
-    # The probe's CPU references, when it made them.
-    if [ -n "$(ls -A "$dir/ref-default" 2>/dev/null)" ] && [ -n "$(ls -A "$dir/ref-l" 2>/dev/null)" ]; then
-      ok=false
-      probe_ok "$dir" "$attn" "${UPSCALE_CUDA_OFF:-}" && ok=true
-    fi
-    record pad_parity "{\"pad\":$pad,\"matches_cpu\":\"$ok\"}"
-    if [ "$ok" != false ]; then
-      bench pad "drct-l-bf16-pad$pad" "$drct_l" --precision bf16 --size "$s540" --tile "$t256" \
-        --tile_overlap "$ov" --tile_batch_size 4 --reps 3
-      fits pad 15 && bench pad "drct-bf16-pad$pad" "$drct" --precision bf16 --size "$s480" \
-        --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3
-    fi
-    unset UPSCALE_PAD_CHANNELS
+# switch_rows STEP VAR VALUE: a speed switch of ours set to VALUE, first held to the CPU's fp32
+# as the probe holds ours (fp32 within 60 dB, bf16 within 40 dB), then timed on the
+# side-by-side shapes (labels MODEL-bf16-STEPVALUE); side_by_side's rows of the same run are
+# the ones without it. Fails when the budget has no room left.
+switch_rows() {
+  local step=$1 var=$2 value=$3 dir="$work/probe" ok=unchecked
+  fits "$step" 40 "\"value\":\"$value\"" || return 1
+  export "$var=$value"
+  # The probe's CPU references, when it made them.
+  if [ -n "$(ls -A "$dir/ref-default" 2>/dev/null)" ] && [ -n "$(ls -A "$dir/ref-l" 2>/dev/null)" ]; then
+    ok=false
+    probe_ok "$dir" "$attn" "${UPSCALE_CUDA_OFF:-}" && ok=true
+  fi
+  record "${step}_parity" "{\"value\":\"$value\",\"matches_cpu\":\"$ok\"}"
+  if [ "$ok" != false ]; then
+    bench "$step" "drct-l-bf16-$step$value" "$drct_l" --precision bf16 --size "$s540" --tile "$t256" \
+      --tile_overlap "$ov" --tile_batch_size 4 --reps 3
+    fits "$step" 15 && bench "$step" "drct-bf16-$step$value" "$drct" --precision bf16 --size "$s480" \
+      --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3
+  fi
+  unset "$var"
+}
+
+# The speed switches that are off by default until a GPU has measured them: UPSCALE_PAD_CHANNELS
+# (src/model/pad_channels.rs: every linear and convolution's channels padded with zeros at
+# load, so that cuBLASLt can take its aligned kernels) at each multiple, and
+# UPSCALE_CUDA_GELU_EPILOGUE (src/model/epilogue.rs: the MLP's first layer and its GELU in one
+# cuBLASLt call, with the tanh GELU).
+switches() {
+  echo "== speed switches: parity with the CPU, then DRCT-L and DRCT bf16"
+  local pad
+  for pad in 8 16 64; do
+    switch_rows pad UPSCALE_PAD_CHANNELS "$pad" || return
   done
+  switch_rows gelu UPSCALE_CUDA_GELU_EPILOGUE 1
 }
 
 # The side-by-side shapes and two lanes again with cudarc's event tracking on (its default, and
@@ -521,9 +531,9 @@ proof_part() {
   probe
   parity tensor-core fused
   measure_peak
-  # The lever the profile ranks first, before the PyTorch rows (whose torch.compile takes a
+  # The levers the profile ranks first, before the PyTorch rows (whose torch.compile takes a
   # minute per model) can use up the budget.
-  channel_padding 8 16 64
+  switches
   side_by_side 3
   event_tracking
   # Earlier builds in the pack (UPSCALE_BASES) against this one: one round of before/after.

@@ -45,22 +45,24 @@ def main(path):
                 f"{cell(b.get('lanes'))} |"
             )
         print()
-    pad = [r for r in benches if r["step"] == "pad"]
-    if pad:
-        # Each padded row against the same model's unpadded side-by-side row of this run.
-        print("## Channel padding (UPSCALE_PAD_CHANNELS) against none, same run\n")
-        parity = {r["result"].get("pad"): r["result"].get("matches_cpu")
-                  for r in rows if r["step"] == "pad_parity" and isinstance(r.get("result"), dict)}
+    switched = [r for r in benches if r["step"] in ("pad", "gelu")]
+    if switched:
+        # Each row with a switch on against the same model's side-by-side row of this run.
+        print("## Speed switches against none, same run\n")
+        print("pad: UPSCALE_PAD_CHANNELS; gelu: UPSCALE_CUDA_GELU_EPILOGUE.\n")
+        parity = {(r["step"][:-len("_parity")], r["result"].get("value")): r["result"].get("matches_cpu")
+                  for r in rows if r["step"].endswith("_parity") and isinstance(r.get("result"), dict)}
         side = {r["label"].split("-bf16-")[0]: r["result"]["median_s"] for r in benches
                 if r["step"] == "side" and "-bf16-ours-" in r.get("label", "")}
-        print("| model | pad | matches the CPU | median s | unpadded s | unpadded / padded |")
-        print("|---|---|---|---|---|---|")
-        for r in pad:
-            model, _, p = r["label"].rpartition("-bf16-pad")
+        print("| model | switch | value | matches the CPU | median s | without s | without / with |")
+        print("|---|---|---|---|---|---|---|")
+        for r in switched:
+            step = r["step"]
+            model, _, value = r["label"].rpartition(f"-bf16-{step}")
             med = r["result"]["median_s"]
             base = side.get(model)
-            print(f"| {model} | {p} | {parity.get(int(p), '')} | {cell(med)} | {cell(base)} | "
-                  f"{cell(base / med if base else None)} |")
+            print(f"| {model} | {step} | {value} | {parity.get((step, value), '')} | {cell(med)} | "
+                  f"{cell(base)} | {cell(base / med if base else None)} |")
         print()
     ab = [r for r in benches if r["step"] == "ab"]
     if ab:

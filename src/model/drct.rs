@@ -283,12 +283,18 @@ impl Dense {
     fn forward_then(&self, x: &Tensor, after: After) -> Result<Tensor> {
         match self {
             Self::Candle(inner) if x.device().is_cuda() => {
-                if matches!(after, After::Nothing) {
-                    let bias = dense_bias(inner)?;
-                    if let Some(y) = super::epilogue::linear_bias(&rows(x)?, inner.weight(), bias)?
-                    {
-                        return unrows(&y, x);
+                let bias = dense_bias(inner)?;
+                let fused = match after {
+                    After::Nothing => {
+                        super::epilogue::linear_bias(&rows(x)?, inner.weight(), bias)?
                     }
+                    After::Gelu if super::epilogue::gelu_epilogue() => {
+                        super::epilogue::linear_bias_gelu(&rows(x)?, inner.weight(), bias)?
+                    }
+                    _ => None,
+                };
+                if let Some(y) = fused {
+                    return unrows(&y, x);
                 }
                 let y = token_gemm(inner, x)?;
                 let (residual, act) = match after {
