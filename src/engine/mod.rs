@@ -386,7 +386,7 @@ impl Engine {
             let values = self
                 .model
                 .config()
-                .largest_tensor_per_pixel(self.scores_in_memory());
+                .largest_tensor_per_pixel(self.scores_in_memory(), self.model.net.padding());
             crate::tile::auto::max_pass_pixels_i32(values)
         }
     }
