@@ -8,7 +8,8 @@
 # proof: the one call for a session with a few minutes of device time. The evidence in
 #   the order it is needed (the CUDA tests; a probe that, if our kernels fail on the GPU,
 #   picks the fallback every later step runs with; precision parity; the side by side with
-#   PyTorch and the matmul peak for utilisation; the same with cudarc's event tracking on; a
+#   PyTorch and the matmul peak for utilisation; the same with channels padded to 8 and 16
+#   (UPSCALE_PAD_CHANNELS); the same with cudarc's event tracking on; a
 #   round of before/after against the earlier builds in the pack, if any; DRCT-L at 1080p; a
 #   kernel-by-kernel profile; streams; the sanitizers; a folder run; the start-up cost of the
 #   driver compiling PTX, with our SASS and without; rows of the precision x batch matrix), each step given at most
@@ -19,7 +20,7 @@
 #   compute-sanitizer), bf16 and fp16 against fp32 (PSNR) on tests/photos, DRCT-L bf16 on
 #   1920x1080 with the automatic tile.
 # bench: DRCT-L x4 960x540 and DRCT x4 640x480 against the PyTorch reference on the same GPU
-#   in the same run; DRCT-L's GEMMs at their real shapes and the body's memory floor
+#   in the same run, and with channels padded to 8, 16 and 64; DRCT-L's GEMMs at their real shapes and the body's memory floor
 #   (benches/gemm_shapes.py); streams 1/2/4 on one image and on a folder (GPU utilisation sampled by
 #   nvidia-smi).
 # matrix: precision x batch x attention for DRCT-L, and tile 512.
@@ -363,6 +364,22 @@ event_tracking() {
     --size "$s540" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --streams 2 --reps 3
 }
 
+# The side-by-side shapes with every channel width zero-padded at load to a multiple of each
+# MULTIPLE (UPSCALE_PAD_CHANNELS, off by default until measured): the A/B against the side by
+# side's unpadded lines, for cuBLASLt's aligned kernels on DRCT's widths (180 + 32k).
+padding() { # MULTIPLE...
+  echo "== channel padding (UPSCALE_PAD_CHANNELS $*) against the side by side's unpadded runs"
+  local m p
+  for p in "$@"; do
+    for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
+      set -- $m
+      fits padding 25 || return
+      UPSCALE_PAD_CHANNELS=$p bench padding "$1-bf16-ours-$attn-pad$p" "$2" --precision bf16 \
+        --attention "$attn" --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps 3
+    done
+  done
+}
+
 gemm_bounds() {
   echo "== what bounds the body: its GEMMs at their real shapes, and its memory traffic"
   local gemm_args=(--calc-only)
@@ -424,6 +441,7 @@ bench_part() {
   probe
   measure_peak
   side_by_side "$reps"
+  padding 8 16 64
   gemm_bounds
   streams 1 2 4
   folder_runs 1 2
@@ -475,6 +493,7 @@ proof_part() {
   parity tensor-core fused
   measure_peak
   side_by_side 3
+  padding 8 16
   event_tracking
   # Earlier builds in the pack (UPSCALE_BASES) against this one: one round of before/after.
   ab_part 1
