@@ -151,22 +151,27 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // Normalises the row `src` (already rounded to T) into `dst`: two passes for mean and
-// variance, as the CPU kernels do, then the affine map. One warp per row.
+// variance, as the CPU kernels do, then the affine map. One warp per row. Rows with zero
+// padded channels (UPSCALE_PAD_CHANNELS) normalise over their `count` real channels: `mask`
+// is 1 on those and 0 on the padded ones, which hold 0 and are centred at 0, so they add
+// nothing to either sum; their gamma and beta are 0, so they come out 0. Unpadded rows pass
+// `masked` 0, and `mask` is not read.
 template <typename T>
 __device__ void norm_row(const T *src, const T *__restrict__ gamma, const T *__restrict__ beta,
-                         T *__restrict__ dst, unsigned int cols, float eps) {
+                         const T *__restrict__ mask, T *__restrict__ dst, unsigned int cols,
+                         unsigned int count, int masked, float eps) {
     const unsigned int lane = threadIdx.x % 32;
     float s = 0.0f;
     for (unsigned int c = lane; c < cols; c += 32) {
         s += to_f32(src[c]);
     }
-    const float mean = warp_sum(s) / cols;
+    const float mean = warp_sum(s) / count;
     float q = 0.0f;
     for (unsigned int c = lane; c < cols; c += 32) {
-        const float d = to_f32(src[c]) - mean;
+        const float d = to_f32(src[c]) - (masked ? mean * to_f32(mask[c]) : mean);
         q += d * d;
     }
-    const float inv = rsqrtf(warp_sum(q) / cols + eps);
+    const float inv = rsqrtf(warp_sum(q) / count + eps);
     for (unsigned int c = lane; c < cols; c += 32) {
         dst[c] = from_f32<T>((to_f32(src[c]) - mean) * inv * to_f32(gamma[c]) + to_f32(beta[c]));
     }
@@ -176,13 +181,15 @@ __device__ void norm_row(const T *src, const T *__restrict__ gamma, const T *__r
 template <typename T>
 __device__ void gather_norm(const T *__restrict__ x, const unsigned int *__restrict__ order,
                             const T *__restrict__ gamma, const T *__restrict__ beta,
-                            T *__restrict__ out, unsigned int rows, unsigned int tokens,
-                            unsigned int tokens_in, unsigned int cols, float eps) {
+                            const T *__restrict__ mask, T *__restrict__ out, unsigned int rows,
+                            unsigned int tokens, unsigned int tokens_in, unsigned int cols,
+                            unsigned int count, int masked, float eps) {
     const unsigned int warps = blockDim.x / 32;
     for (unsigned int r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += gridDim.x * warps) {
         const unsigned int b = r / tokens;
         const unsigned int src = b * tokens_in + order[r - b * tokens];
-        norm_row(x + (size_t)src * cols, gamma, beta, out + (size_t)r * cols, cols, eps);
+        norm_row(x + (size_t)src * cols, gamma, beta, mask, out + (size_t)r * cols, cols, count,
+                 masked, eps);
     }
 }
 
@@ -193,9 +200,9 @@ template <typename T>
 __device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ y,
                                 const unsigned int *__restrict__ back,
                                 const T *__restrict__ gamma, const T *__restrict__ beta,
-                                T *sum, T *__restrict__ normed, unsigned int rows,
-                                unsigned int tokens, unsigned int tokens_y, unsigned int cols,
-                                float eps) {
+                                const T *__restrict__ mask, T *sum, T *__restrict__ normed,
+                                unsigned int rows, unsigned int tokens, unsigned int tokens_y,
+                                unsigned int cols, unsigned int count, int masked, float eps) {
     const unsigned int warps = blockDim.x / 32;
     const unsigned int lane = threadIdx.x % 32;
     for (unsigned int r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += gridDim.x * warps) {
@@ -207,7 +214,7 @@ __device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ y
             sr[c] = from_f32<T>(to_f32(xr[c]) + to_f32(yr[c]));
         }
         // Each lane reads back only the columns it wrote: no synchronisation needed.
-        norm_row(sr, gamma, beta, normed + (size_t)r * cols, cols, eps);
+        norm_row(sr, gamma, beta, mask, normed + (size_t)r * cols, cols, count, masked, eps);
     }
 }
 
@@ -324,17 +331,18 @@ __device__ void conv3x3_narrow(const T *__restrict__ x, const T *__restrict__ wt
         rowwise::cat_bias_act(prev, y, bias, out, n, pc, cols, act, slope);                    \
     }                                                                                          \
     extern "C" __global__ void gather_norm_##SUFFIX(                                           \
-        const T *x, const unsigned int *order, const T *gamma, const T *beta, T *out,          \
-        unsigned int rows, unsigned int tokens, unsigned int tokens_in, unsigned int cols,     \
-        float eps) {                                                                           \
-        rowwise::gather_norm(x, order, gamma, beta, out, rows, tokens, tokens_in, cols, eps);  \
+        const T *x, const unsigned int *order, const T *gamma, const T *beta, const T *mask,   \
+        T *out, unsigned int rows, unsigned int tokens, unsigned int tokens_in,                \
+        unsigned int cols, unsigned int count, int masked, float eps) {                        \
+        rowwise::gather_norm(x, order, gamma, beta, mask, out, rows, tokens, tokens_in, cols,  \
+                             count, masked, eps);                                              \
     }                                                                                          \
     extern "C" __global__ void add_gather_norm_##SUFFIX(                                       \
         const T *x, const T *y, const unsigned int *back, const T *gamma, const T *beta,       \
-        T *sum, T *normed, unsigned int rows, unsigned int tokens, unsigned int tokens_y,      \
-        unsigned int cols, float eps) {                                                        \
-        rowwise::add_gather_norm(x, y, back, gamma, beta, sum, normed, rows, tokens, tokens_y, \
-                                 cols, eps);                                                   \
+        const T *mask, T *sum, T *normed, unsigned int rows, unsigned int tokens,              \
+        unsigned int tokens_y, unsigned int cols, unsigned int count, int masked, float eps) { \
+        rowwise::add_gather_norm(x, y, back, gamma, beta, mask, sum, normed, rows, tokens,     \
+                                 tokens_y, cols, count, masked, eps);                          \
     }                                                                                          \
     extern "C" __global__ void patches3x3_##SUFFIX(const T *x, T *out, unsigned int n,         \
                                                    unsigned int h, unsigned int w,             \

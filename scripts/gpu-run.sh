@@ -22,7 +22,7 @@
 #   1920x1080 with the automatic tile.
 # bench: DRCT-L x4 960x540 and DRCT x4 640x480 against the PyTorch reference, eager and
 #   torch.compile, on the same GPU in the same run; DRCT-L's GEMMs at their real shapes and
-#   the body's memory floor (benches/gemm_shapes.py); streams 1/2/4 on one image and on a folder (GPU utilisation sampled by
+#   the body's memory floor (benches/gemm_shapes.py); the speed switches; streams 1/2/4 on one image and on a folder (GPU utilisation sampled by
 #   nvidia-smi).
 # matrix: precision x batch x attention for DRCT-L, and tile 512.
 # ab: the earlier builds in the pack (scripts/gpu-pack.sh with UPSCALE_BASES) against upscale,
@@ -481,6 +481,7 @@ bench_part() {
   probe
   measure_peak
   side_by_side "$reps"
+  switches
   gemm_bounds
   streams 1 2 4
   folder_runs 1 2

@@ -76,6 +76,8 @@ pub fn run(
                 Isa::Amx => "amx",
                 Isa::Avx512 => "avx512-bf16",
             }),
+        // UPSCALE_PAD_CHANNELS: the multiple every channel width was padded to, 0 for none.
+        "pad_channels": engine.model.net.padding().multiple(),
         "input": [image.height, image.width],
         "scale": cfg.scale,
         "tile": [th, tw],

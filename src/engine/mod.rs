@@ -362,7 +362,7 @@ impl Engine {
             let values = self
                 .model
                 .config()
-                .largest_tensor_per_pixel(self.scores_in_memory());
+                .largest_tensor_per_pixel(self.scores_in_memory(), self.model.net.padding());
             crate::tile::auto::max_pass_pixels_i32(values)
         }
     }
@@ -419,21 +419,24 @@ impl Engine {
     /// The largest live set of one Swin block, per token: the attention scores and their
     /// softmax (heads x N each, unless the fused kernel keeps them out of memory), the dense
     /// concatenation, qkv and the MLP hidden layer, plus the
-    /// upsampler's high-resolution maps, at the engine's dtype.
+    /// upsampler's high-resolution maps, at the engine's dtype; at the padded widths when the
+    /// model's channels are padded (`UPSCALE_PAD_CHANNELS`).
     fn analytic_bytes_per_pixel(&self) -> f64 {
         let c = self.model.config();
+        let pad = self.model.net.padding();
         let n = (c.window * c.window) as f64;
         let k = crate::model::config::BLOCKS_PER_GROUP - 1;
-        let d = c.block_dim(k) as f64;
+        let d = (pad.width(c.embed_dim) + k * pad.width(c.growth)) as f64;
         let heads = c.heads.iter().flatten().copied().max().unwrap_or(1) as f64;
         let scores = if self.scores_in_memory() {
             3.0 * heads * n
         } else {
             0.0
         };
-        let tokens = scores + 6.0 * d + c.mlp_hidden.iter().copied().max().unwrap_or(0) as f64;
+        let hidden = pad.width(c.mlp_hidden.iter().copied().max().unwrap_or(0)) as f64;
+        let tokens = scores + 6.0 * d + hidden;
         let s2 = (c.scale * c.scale) as f64;
-        let upsampler = 3.0 * c.num_feat as f64 * s2;
+        let upsampler = 3.0 * pad.width(c.num_feat) as f64 * s2;
         (tokens + upsampler) * self.model.net.dtype().size_in_bytes() as f64
     }
 

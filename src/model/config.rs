@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use super::pad_channels::Pad;
+
 /// Blocks per residual dense group: the official RDG hard-codes five, whatever `depths` says.
 pub const BLOCKS_PER_GROUP: usize = 5;
 
@@ -118,16 +120,22 @@ impl DrctConfig {
     /// The most values any one intermediate tensor of a forward pass holds per padded input
     /// pixel: the attention scores (heads x window², unless a fused kernel keeps them out of
     /// memory), qkv, the MLP's hidden layer, the widest dense concatenation or the upsampler's
-    /// last map. Convolution patch matrices are chunked to a fixed size and do not grow with
-    /// the input.
-    pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool) -> usize {
+    /// last map, each at its width padded as `pad` says (`UPSCALE_PAD_CHANNELS`; qkv pads
+    /// every head). Convolution patch matrices are chunked to a fixed size and do not grow
+    /// with the input.
+    pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> usize {
         let n = self.window * self.window;
-        let widest = self.block_dim(BLOCKS_PER_GROUP - 1);
         let heads = self.heads.iter().flatten().copied().max().unwrap_or(1);
         let scores = if scores_in_memory { heads * n } else { 0 };
-        let hidden = self.mlp_hidden.iter().copied().max().unwrap_or(0);
-        let upsampler = self.num_feat.max(3) * self.scale * self.scale;
-        [scores, 3 * widest, hidden, upsampler]
+        let qkv = (0..self.groups)
+            .flat_map(|g| (0..BLOCKS_PER_GROUP).map(move |k| (g, k)))
+            .map(|(g, k)| 3 * self.heads[g][k] * pad.width(self.head_dim(g, k)))
+            .max()
+            .unwrap_or(0);
+        let widest = pad.width(self.embed_dim) + (BLOCKS_PER_GROUP - 1) * pad.width(self.growth);
+        let hidden = pad.width(self.mlp_hidden.iter().copied().max().unwrap_or(0));
+        let upsampler = pad.width(self.num_feat).max(3) * self.scale * self.scale;
+        [scores, qkv, widest, hidden, upsampler]
             .into_iter()
             .max()
             .unwrap_or(1)
@@ -432,13 +440,18 @@ mod tests {
     #[test]
     fn largest_tensor_is_the_scores_unless_fused() {
         // 6 heads x 16² tokens; without the scores, the x4 upsampler's 64 x 4² channels.
-        assert_eq!(drct_x4().largest_tensor_per_pixel(true), 1536);
-        assert_eq!(drct_x4().largest_tensor_per_pixel(false), 1024);
+        let off = Pad::OFF;
+        assert_eq!(drct_x4().largest_tensor_per_pixel(true, off), 1536);
+        assert_eq!(drct_x4().largest_tensor_per_pixel(false, off), 1024);
         let wide = DrctConfig {
             mlp_hidden: [2000, 424, 488, 276, 308],
             ..drct_x4()
         };
-        assert_eq!(wide.largest_tensor_per_pixel(false), 2000);
+        assert_eq!(wide.largest_tensor_per_pixel(false, off), 2000);
+        // Padded heads widen qkv: to 64, swin5's 4 heads of 77 take 128 each, 3 x 4 x 128.
+        let pad = |m| Pad::to(m).unwrap();
+        assert_eq!(drct_x4().largest_tensor_per_pixel(false, pad(64)), 1536);
+        assert_eq!(drct_x4().largest_tensor_per_pixel(false, pad(8)), 1024);
     }
 
     /// Every tensor, in turn, replaced by a scalar, an empty vector or a zero-width matrix:

@@ -6,14 +6,15 @@
 //! plain copies along the last axis.
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::{LayerNorm, Linear, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
 
 use super::bf16::{Isa, PackedB};
 use super::cache::{relative_position_bias, RelativeBias, WindowCache};
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
 use super::fused::{Attention, FusedWindowAttention};
-use super::norm::{add_gather_norm, layer_norm, norm_gather};
+use super::norm::{add_gather_norm, layer_norm, norm_gather, Norm};
 use super::ops::After;
+use super::pad_channels::{Channels, Pad};
 use super::rowwise::{self, Act};
 
 /// The RGB mean the official model subtracts (img_range 1.0); not stored in checkpoints.
@@ -27,8 +28,20 @@ const UPSAMPLE_SLOPE: f64 = 0.01;
 /// Residual scaling of a group's output.
 const RDG_RESIDUAL: f64 = 0.2;
 
-fn load_layer_norm(dim: usize, vb: VarBuilder) -> Result<LayerNorm> {
-    candle_nn::layer_norm(dim, LN_EPS, vb)
+fn load_norm(channels: &Channels, vb: VarBuilder) -> Result<Norm> {
+    Norm::load(channels, LN_EPS, vb)
+}
+
+/// The channels of the input of block `k` of a group: the group's input, then each earlier
+/// block's adjusted output, every part padded on its own so that the dense concatenation
+/// places it at its padded offset.
+fn block_channels(cfg: &DrctConfig, pad: Pad, k: usize) -> Channels {
+    pad.one(cfg.embed_dim).then(&pad.parts(k, cfg.growth))
+}
+
+/// `w` with axis 0 spread as `rows` and axis 1 as `cols` ([`Channels::spread`]).
+fn spread2(w: &Tensor, rows: &Channels, cols: &Channels) -> Result<Tensor> {
+    cols.spread(&rows.spread(w, 0)?, 1)
 }
 
 /// Upper bound on the patch matrix of one convolution chunk, in elements (64 MiB in f32):
@@ -58,8 +71,11 @@ pub struct Conv3x3 {
 }
 
 impl Conv3x3 {
-    pub fn new(cin: usize, cout: usize, vb: VarBuilder) -> Result<Self> {
-        let w = vb.get((cout, cin, 3, 3), "weight")?;
+    /// The convolution stored under `vb`, reading `cin` (spread to its padded width) and
+    /// writing `cout` channels; [`Self::spread_outputs`] pads those.
+    pub fn new(cin: &Channels, cout: usize, vb: VarBuilder) -> Result<Self> {
+        let w = cin.spread(&vb.get((cout, cin.real(), 3, 3), "weight")?, 1)?;
+        let cin = cin.padded();
         let weight = w
             .permute((2, 3, 1, 0))?
             .reshape((9 * cin, cout))?
@@ -69,6 +85,15 @@ impl Conv3x3 {
             bias: vb.get(cout, "bias")?,
             cin,
             bf16: None,
+        })
+    }
+
+    /// The same convolution writing its outputs spread as `cout` says, zeros between.
+    fn spread_outputs(self, cout: &Channels) -> Result<Self> {
+        Ok(Self {
+            weight: cout.spread(&self.weight, 1)?.contiguous()?,
+            bias: cout.spread(&self.bias, 0)?,
+            ..self
         })
     }
 
@@ -212,10 +237,13 @@ impl Dense {
         Self::Candle(Linear::new(weight, Some(bias)))
     }
 
-    pub fn load(cin: usize, cout: usize, vb: VarBuilder) -> Result<Self> {
+    /// The `nn.Linear` stored under `vb`, from `cin` to `cout` channels, both spread to
+    /// their padded widths.
+    pub fn load(cin: &Channels, cout: &Channels, vb: VarBuilder) -> Result<Self> {
+        let w = vb.get((cout.real(), cin.real()), "weight")?;
         Ok(Self::new(
-            vb.get((cout, cin), "weight")?,
-            vb.get(cout, "bias")?,
+            spread2(&w, cout, cin)?,
+            cout.spread(&vb.get(cout.real(), "bias")?, 0)?,
         ))
     }
 
@@ -377,16 +405,18 @@ fn pack_bf16(w: &Tensor, kn: (usize, usize), strides: (usize, usize)) -> Result<
     Ok(PackedB::new(values, kn, strides))
 }
 
-/// A 1x1 convolution applied to channels-last tokens is a linear layer.
-fn pointwise(cin: usize, cout: usize, vb: VarBuilder) -> Result<Dense> {
-    let w = vb.get((cout, cin, 1, 1), "weight")?.reshape((cout, cin))?;
-    Ok(Dense::new(w, vb.get(cout, "bias")?))
-}
-
-/// [`pointwise`] with its output multiplied by `scale` (weights and bias scaled at load).
-fn pointwise_scaled(cin: usize, cout: usize, scale: f64, vb: VarBuilder) -> Result<Dense> {
-    let w = vb.get((cout, cin, 1, 1), "weight")?.reshape((cout, cin))?;
-    Ok(Dense::new((w * scale)?, (vb.get(cout, "bias")? * scale)?))
+/// A 1x1 convolution applied to channels-last tokens is a linear layer; its output is
+/// multiplied by `scale` (weights and bias scaled at load).
+fn pointwise(cin: &Channels, cout: &Channels, scale: f64, vb: VarBuilder) -> Result<Dense> {
+    let (ci, co) = (cin.real(), cout.real());
+    let w = vb.get((co, ci, 1, 1), "weight")?.reshape((co, ci))?;
+    let b = vb.get(co, "bias")?;
+    let (w, b) = if scale == 1.0 {
+        (w, b)
+    } else {
+        ((w * scale)?, (b * scale)?)
+    };
+    Ok(Dense::new(spread2(&w, cout, cin)?, cout.spread(&b, 0)?))
 }
 
 /// `cat([x, leaky_relu(y)], -1)`: the dense connection inside a group.
@@ -403,7 +433,7 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(dim: usize, hidden: usize, vb: VarBuilder) -> Result<Self> {
+    pub fn new(dim: &Channels, hidden: &Channels, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
             fc1: Dense::load(dim, hidden, vb.pp("fc1"))?,
             fc2: Dense::load(hidden, dim, vb.pp("fc2"))?,
@@ -435,6 +465,7 @@ pub struct WindowAttention {
     qkv: Dense,
     proj: Dense,
     heads: usize,
+    /// Padded, when the model is ([`super::pad_channels`]).
     head_dim: usize,
     window: usize,
     /// The table, read directly by the CPU kernel.
@@ -448,16 +479,19 @@ pub struct WindowAttention {
 }
 
 impl WindowAttention {
+    /// The attention of a block over `channels`, its heads' dims padded as `pad` says.
     pub fn new(
-        dim: usize,
+        channels: &Channels,
         heads: usize,
         ws: usize,
         attention: Attention,
+        pad: Pad,
         vb: VarBuilder,
     ) -> Result<Self> {
+        let dim = channels.real();
         let head_dim = dim / heads;
         // Fold head_dim^-0.5 into the query rows of qkv: one multiply at load instead of a
-        // pass over q in every forward.
+        // pass over q in every forward. The real head dim's: padded dims add zero products.
         let scale = (head_dim as f64).powf(-0.5);
         let w = vb.pp("qkv").get((3 * dim, dim), "weight")?;
         let b = vb.pp("qkv").get(3 * dim, "bias")?;
@@ -469,6 +503,12 @@ impl WindowAttention {
             &[(b.narrow(0, 0, dim)? * scale)?, b.narrow(0, dim, 2 * dim)?],
             0,
         )?;
+        // Every head of q, k and v padded on its own, with zero columns that add nothing to
+        // q·k and leave zeros in the output, which proj reads with zero weights.
+        let head_channels = pad.parts(heads, head_dim);
+        let qkv_channels = pad.parts(3 * heads, head_dim);
+        let w = spread2(&w, &qkv_channels, channels)?;
+        let b = qkv_channels.spread(&b, 0)?;
         let table = vb.get(
             ((2 * ws - 1) * (2 * ws - 1), heads),
             "relative_position_bias_table",
@@ -480,9 +520,9 @@ impl WindowAttention {
         };
         Ok(Self {
             qkv: Dense::new(w, b),
-            proj: Dense::load(dim, dim, vb.pp("proj"))?,
+            proj: Dense::load(&head_channels, channels, vb.pp("proj"))?,
             heads,
-            head_dim,
+            head_dim: pad.width(head_dim),
             window: ws,
             table: RelativeBias::new(&table, ws)?,
             bias,
@@ -545,7 +585,8 @@ impl WindowAttention {
         shifted: bool,
         windows: &WindowCache,
     ) -> Result<Tensor> {
-        let (bw, n, c) = x.dims3()?;
+        let (bw, n, _) = x.dims3()?;
+        let c = self.heads * self.head_dim;
         let qkv = self.qkv.forward(x)?;
         if qkv.device().is_cpu() {
             let regions = shifted.then(|| windows.regions(h, w)).transpose()?;
@@ -577,9 +618,9 @@ impl WindowAttention {
 }
 
 pub struct SwinBlock {
-    norm1: LayerNorm,
+    norm1: Norm,
     attn: WindowAttention,
-    norm2: LayerNorm,
+    norm2: Norm,
     mlp: Mlp,
     window: usize,
     shifted: bool,
@@ -593,14 +634,16 @@ impl SwinBlock {
         k: usize,
         windows: &WindowCache,
         attention: Attention,
+        pad: Pad,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let dim = cfg.block_dim(k);
+        let dim = block_channels(cfg, pad, k);
+        let heads = cfg.heads[g][k];
         Ok(Self {
-            norm1: load_layer_norm(dim, vb.pp("norm1"))?,
-            attn: WindowAttention::new(dim, cfg.heads[g][k], cfg.window, attention, vb.pp("attn"))?,
-            norm2: load_layer_norm(dim, vb.pp("norm2"))?,
-            mlp: Mlp::new(dim, cfg.mlp_hidden[k], vb.pp("mlp"))?,
+            norm1: load_norm(&dim, vb.pp("norm1"))?,
+            attn: WindowAttention::new(&dim, heads, cfg.window, attention, pad, vb.pp("attn"))?,
+            norm2: load_norm(&dim, vb.pp("norm2"))?,
+            mlp: Mlp::new(&dim, &pad.one(cfg.mlp_hidden[k]), vb.pp("mlp"))?,
             window: cfg.window,
             // swin2 and swin4 (odd positions) use shifted windows.
             shifted: k % 2 == 1,
@@ -651,6 +694,7 @@ impl Rdg {
         g: usize,
         windows: &WindowCache,
         attention: Attention,
+        pad: Pad,
         vb: VarBuilder,
     ) -> Result<Self> {
         let mut blocks = Vec::with_capacity(BLOCKS_PER_GROUP);
@@ -662,19 +706,21 @@ impl Rdg {
                 k,
                 windows,
                 attention,
+                pad,
                 vb.pp(format!("swin{}", k + 1)),
             )?);
-            let out = if k + 1 == BLOCKS_PER_GROUP {
-                cfg.embed_dim
+            let (out, scale) = if k + 1 == BLOCKS_PER_GROUP {
+                (cfg.embed_dim, RDG_RESIDUAL)
             } else {
-                cfg.growth
+                (cfg.growth, 1.0)
             };
             let vb = vb.pp(format!("adjust{}", k + 1));
-            adjust.push(if k + 1 == BLOCKS_PER_GROUP {
-                pointwise_scaled(cfg.block_dim(k), out, RDG_RESIDUAL, vb)?
-            } else {
-                pointwise(cfg.block_dim(k), out, vb)?
-            });
+            adjust.push(pointwise(
+                &block_channels(cfg, pad, k),
+                &pad.one(out),
+                scale,
+                vb,
+            )?);
         }
         Ok(Self { blocks, adjust })
     }
@@ -711,9 +757,9 @@ impl Module for Rdg {
 
 pub struct Drct {
     conv_first: Conv3x3,
-    patch_norm: Option<LayerNorm>,
+    patch_norm: Option<Norm>,
     layers: Vec<Rdg>,
-    norm: LayerNorm,
+    norm: Norm,
     conv_after_body: Option<Conv3x3>,
     conv_before_upsample: Conv3x3,
     upsample: Vec<(Conv3x3, usize)>,
@@ -726,56 +772,83 @@ pub struct Drct {
     dtype: DType,
     device: Device,
     bf16: Option<Isa>,
+    pad: Pad,
 }
 
 impl Drct {
-    /// The network with window attention run as `attention` says on CUDA devices.
-    pub fn with_attention(cfg: &DrctConfig, vb: VarBuilder, attention: Attention) -> Result<Self> {
-        let e = cfg.embed_dim;
-        let f = cfg.num_feat;
+    /// The network with window attention run as `attention` says on CUDA devices, and its
+    /// channels padded as `pad` says ([`super::pad_channels`]).
+    pub fn with_attention(
+        cfg: &DrctConfig,
+        vb: VarBuilder,
+        attention: Attention,
+        pad: Pad,
+    ) -> Result<Self> {
+        let e = pad.one(cfg.embed_dim);
+        let f = pad.one(cfg.num_feat);
         let windows = WindowCache::new(cfg.window, vb.dtype(), vb.device());
         let layers = (0..cfg.groups)
-            .map(|g| Rdg::new(cfg, g, &windows, attention, vb.pp(format!("layers.{g}"))))
+            .map(|g| {
+                let vb = vb.pp(format!("layers.{g}"));
+                Rdg::new(cfg, g, &windows, attention, pad, vb)
+            })
             .collect::<Result<Vec<_>>>()?;
         let upsample = cfg
             .upsample_stages()
             .into_iter()
             .enumerate()
             .map(|(i, r)| {
-                let conv = Conv3x3::new(f, r * r * f, vb.pp(format!("upsample.{}", 2 * i)))?;
-                Ok((conv.reorder_outputs(shuffle_order(f, r))?, r))
+                let nf = cfg.num_feat;
+                let conv = Conv3x3::new(&f, r * r * nf, vb.pp(format!("upsample.{}", 2 * i)))?;
+                // Reordered to (i, j, c) first, so that each of the r*r groups of channels
+                // that PixelShuffle moves to one pixel is padded on its own.
+                let conv = conv
+                    .reorder_outputs(shuffle_order(nf, r))?
+                    .spread_outputs(&pad.parts(r * r, nf))?;
+                Ok((conv, r))
             })
             .collect::<Result<Vec<_>>>()?;
         let mean =
             Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())?;
+        // The RGB input and output are never padded.
+        let rgb = Pad::OFF.one(3);
         Ok(Self {
-            conv_first: Conv3x3::new(3, e, vb.pp("conv_first"))?,
+            conv_first: Conv3x3::new(&rgb, e.real(), vb.pp("conv_first"))?.spread_outputs(&e)?,
             patch_norm: if cfg.patch_norm {
-                Some(load_layer_norm(e, vb.pp("patch_embed.norm"))?)
+                Some(load_norm(&e, vb.pp("patch_embed.norm"))?)
             } else {
                 None
             },
             layers,
-            norm: load_layer_norm(e, vb.pp("norm"))?,
+            norm: load_norm(&e, vb.pp("norm"))?,
             conv_after_body: if cfg.conv_after_body {
-                Some(Conv3x3::new(e, e, vb.pp("conv_after_body"))?)
+                let conv = Conv3x3::new(&e, e.real(), vb.pp("conv_after_body"))?;
+                Some(conv.spread_outputs(&e)?)
             } else {
                 None
             },
-            conv_before_upsample: Conv3x3::new(e, f, vb.pp("conv_before_upsample.0"))?,
+            conv_before_upsample: Conv3x3::new(&e, f.real(), vb.pp("conv_before_upsample.0"))?
+                .spread_outputs(&f)?,
             upsample,
-            conv_last: Conv3x3::new(f, 3, vb.pp("conv_last"))?.add_to_bias(&mean.flatten_all()?)?,
+            conv_last: Conv3x3::new(&f, 3, vb.pp("conv_last"))?
+                .add_to_bias(&mean.flatten_all()?)?,
             mean,
             config: cfg.clone(),
             windows,
             dtype: vb.dtype(),
             device: vb.device().clone(),
             bf16: None,
+            pad,
         })
     }
 
     pub fn config(&self) -> &DrctConfig {
         &self.config
+    }
+
+    /// How the channels were padded at load.
+    pub fn padding(&self) -> Pad {
+        self.pad
     }
 
     pub fn dtype(&self) -> DType {
@@ -884,6 +957,174 @@ fn reflect_pad_bottom_right(x: &Tensor, ws: usize) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::pad_channels;
+    use crate::model::{Checkpoint, Model};
+    use crate::tests::fixtures::{cases, load_io, max_abs_diff};
+
+    /// A golden fixture's network in f32 on the CPU, its channels padded as `pad` says.
+    fn fixture(name: &str, pad: Pad) -> Drct {
+        let case = cases().into_iter().find(|c| c.name == name).expect(name);
+        let ck = Checkpoint::load(&case.weights).unwrap();
+        pad_channels::with(pad, || Model::from_checkpoint(ck, DType::F32, &Device::Cpu))
+            .unwrap()
+            .net
+    }
+
+    /// The largest magnitude on the channels of `t`'s last axis that `ch` marks as padding.
+    fn padding_max(t: &Tensor, ch: &Channels) -> f32 {
+        assert_eq!(t.dim(D::Minus1).unwrap(), ch.padded(), "{:?}", t.dims());
+        let padding = (1.0 - ch.mask(DType::F32, t.device()).unwrap()).unwrap();
+        let t = t
+            .to_dtype(DType::F32)
+            .unwrap()
+            .broadcast_mul(&padding)
+            .unwrap();
+        t.abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    /// The dims of every GEMM of the body: `(name, K, N)`.
+    fn body_gemms(net: &Drct) -> Vec<(String, usize, usize)> {
+        let mut out = Vec::new();
+        let mut push = |name: String, d: &Dense| {
+            if let Dense::Candle(l) = d {
+                let (n, k) = l.weight().dims2().unwrap();
+                out.push((name, k, n));
+            }
+        };
+        for (g, layer) in net.layers.iter().enumerate() {
+            for (k, (b, a)) in layer.blocks.iter().zip(&layer.adjust).enumerate() {
+                push(format!("{g}.{k}.qkv"), &b.attn.qkv);
+                push(format!("{g}.{k}.proj"), &b.attn.proj);
+                push(format!("{g}.{k}.fc1"), &b.mlp.fc1);
+                push(format!("{g}.{k}.fc2"), &b.mlp.fc2);
+                push(format!("{g}.{k}.adjust"), a);
+            }
+        }
+        out
+    }
+
+    /// A padded network's GEMMs all have K and N multiples of the padding, and every padded
+    /// channel of every activation between its layers is exactly zero, from the first
+    /// convolution to the last upsampler; the RGB input and output keep their 3 channels.
+    #[test]
+    fn padded_channels_stay_exactly_zero_between_layers() {
+        let case = cases().into_iter().next().unwrap();
+        let (input, _) = load_io(&case.io);
+        for m in [8, 16, 64] {
+            let pad = Pad::to(m).unwrap();
+            let net = fixture(&case.name, pad);
+            assert_eq!(net.padding(), pad);
+            for (name, k, n) in body_gemms(&net) {
+                assert!(k % m == 0 && n % m == 0, "pad {m}: {name} is {k} x {n}");
+            }
+            let cfg = net.config.clone();
+            let (e, f) = (pad.one(cfg.embed_dim), pad.one(cfg.num_feat));
+            let zero = |t: &Tensor, ch: &Channels, what: &str| {
+                let v = padding_max(t, ch);
+                assert!(v == 0.0, "pad {m}, {what}: {v} on a padded channel");
+            };
+            let x = reflect_pad_bottom_right(&input, cfg.window).unwrap();
+            let x = x
+                .permute((0, 2, 3, 1))
+                .unwrap()
+                .broadcast_sub(&net.mean)
+                .unwrap();
+            let f0 = net.conv_first.forward(&x).unwrap();
+            zero(&f0, &e, "conv_first");
+            let mut t = match &net.patch_norm {
+                Some(norm) => layer_norm(norm, &f0).unwrap(),
+                None => f0.clone(),
+            };
+            zero(&t, &e, "patch norm");
+            for (g, layer) in net.layers.iter().enumerate() {
+                let mut dense = t.clone();
+                for (k, (block, adjust)) in layer.blocks.iter().zip(&layer.adjust).enumerate() {
+                    let ch = block_channels(&cfg, pad, k);
+                    let what = format!("group {g} block {k}");
+                    zero(&dense, &ch, &format!("{what} input"));
+                    let (heads, d) = (cfg.heads[g][k], cfg.head_dim(g, k));
+                    let qkv = block.attn.qkv.forward(&dense).unwrap();
+                    zero(&qkv, &pad.parts(3 * heads, d), &format!("{what} qkv"));
+                    let out = block.forward(&dense).unwrap();
+                    zero(&out, &ch, &what);
+                    if k + 1 < BLOCKS_PER_GROUP {
+                        dense = adjust.forward_cat_leaky(&out, &dense).unwrap();
+                    } else {
+                        t = adjust.forward_residual(&out, &t).unwrap();
+                        zero(&t, &e, &format!("group {g} output"));
+                    }
+                }
+            }
+            let mut body = layer_norm(&net.norm, &t).unwrap();
+            zero(&body, &e, "norm");
+            if let Some(conv) = &net.conv_after_body {
+                body = conv.forward(&body).unwrap();
+                zero(&body, &e, "conv_after_body");
+            }
+            let before = net.conv_before_upsample.forward(&(body + f0).unwrap());
+            let mut y = before.unwrap();
+            zero(&y, &f, "conv_before_upsample");
+            for (conv, r) in &net.upsample {
+                y = conv.forward_shuffled(&y, *r).unwrap();
+                zero(&y, &f, "upsample");
+            }
+            assert_eq!(net.conv_last.forward(&y).unwrap().dim(3).unwrap(), 3);
+        }
+    }
+
+    /// Window attention with zero-padded heads against the unpadded one, both on the CPU
+    /// kernel the model runs and on the CPU twin of the CUDA kernel (the fused op), for every
+    /// block of a fixture whose head dims are 4, 17, 11, 9, 32 and 5, 13, 8, 19, 11: the real
+    /// outputs agree to f32 rounding (the same sums, in another order) and the padded ones
+    /// are exactly zero.
+    #[test]
+    fn padded_heads_attend_as_the_real_ones() {
+        let name = "x4_w8_g2";
+        let plain = fixture(name, Pad::OFF);
+        let cfg = plain.config.clone();
+        let ws = cfg.window;
+        let (h, w) = (2 * ws, 2 * ws);
+        for m in [8, 16, 64] {
+            let pad = Pad::to(m).unwrap();
+            let net = fixture(name, pad);
+            for (g, (a, b)) in plain.layers.iter().zip(&net.layers).enumerate() {
+                for k in 0..BLOCKS_PER_GROUP {
+                    let ch = block_channels(&cfg, pad, k);
+                    let (a, b) = (&a.blocks[k].attn, &b.blocks[k].attn);
+                    let shifted = k % 2 == 1;
+                    let x = Tensor::randn(0f32, 1.0, (4, ws * ws, ch.real()), &Device::Cpu);
+                    let x = x.unwrap();
+                    let xp = ch.spread(&x, 2).unwrap();
+                    let runs = [
+                        (
+                            "cpu kernel",
+                            a.forward(&x, (h, w), shifted, &plain.windows),
+                            b.forward(&xp, (h, w), shifted, &net.windows),
+                        ),
+                        (
+                            "fused twin",
+                            a.forward_fused(&x, (h, w), shifted),
+                            b.forward_fused(&xp, (h, w), shifted),
+                        ),
+                    ];
+                    for (path, want, got) in runs {
+                        let (want, got) = (want.unwrap(), got.unwrap());
+                        let what = format!("pad {m}, group {g} block {k}, {path}");
+                        assert_eq!(padding_max(&got, &ch), 0.0, "{what}");
+                        let d = max_abs_diff(&got, &ch.spread(&want, 2).unwrap());
+                        assert!(d < 1e-5, "{what}: {d:e}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn reflect_101_does_not_repeat_the_edge() {

@@ -10,6 +10,7 @@ pub mod epilogue;
 pub mod fused;
 pub mod norm;
 pub mod ops;
+pub mod pad_channels;
 pub mod rowwise;
 
 use candle_core::{DType, Device};
@@ -117,8 +118,9 @@ impl Model {
             )),
         };
         let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
+        let pad = pad_channels::current().map_err(build_error)?;
         let vb = VarBuilder::from_tensors(ck.tensors, vb_dtype, device);
-        let mut net = Drct::with_attention(&ck.config, vb, attention)
+        let mut net = Drct::with_attention(&ck.config, vb, attention, pad)
             .map_err(|e| build_error(e.to_string()))?;
         if let Some(isa) = isa {
             net.use_bf16_products(isa)

@@ -9,17 +9,113 @@
 
 use std::mem::MaybeUninit;
 
-use candle_core::{DType, Result, Tensor};
-use candle_nn::LayerNorm;
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{LayerNorm, VarBuilder};
 use rayon::prelude::*;
 
 use super::ops::{cpu_slice, use_kernel, widest_simd, CHUNK, LANES};
+use super::pad_channels::Channels;
+
+/// A layer norm over the real channels of rows that may carry zero padding
+/// ([`super::pad_channels`]): the mean and variance count the real channels only, and the
+/// weight and bias are zero on the padded ones, so those come out zero again.
+pub struct Norm {
+    ln: LayerNorm,
+    /// For padded rows: 1 on real channels and 0 on padded ones, and the real count.
+    real: Option<(Tensor, usize)>,
+}
+
+impl Norm {
+    /// The norm over `channels.real()` channels stored under `vb`, spread to
+    /// `channels.padded()`.
+    pub fn load(channels: &Channels, eps: f64, vb: VarBuilder) -> Result<Self> {
+        let c = channels.real();
+        Self::new(channels, vb.get(c, "weight")?, vb.get(c, "bias")?, eps)
+    }
+
+    /// The norm with `weight` and `bias` over the real channels of `channels`.
+    pub fn new(channels: &Channels, weight: Tensor, bias: Tensor, eps: f64) -> Result<Self> {
+        let real = if channels.is_padded() {
+            Some((
+                channels.mask(weight.dtype(), weight.device())?,
+                channels.real(),
+            ))
+        } else {
+            None
+        };
+        Ok(Self {
+            ln: LayerNorm::new(
+                channels.spread(&weight, 0)?,
+                channels.spread(&bias, 0)?,
+                eps,
+            ),
+            real,
+        })
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn layer_norm(&self) -> &LayerNorm {
+        &self.ln
+    }
+
+    /// The real-channel mask and count of padded rows; `None` when the rows are not padded.
+    pub fn real(&self) -> Option<(&Tensor, usize)> {
+        self.real.as_ref().map(|(m, n)| (m, *n))
+    }
+}
+
+impl Module for Norm {
+    /// candle's ops: its layer norm for unpadded rows, else the norm over the real channels
+    /// written out (in f32 for narrower dtypes, as candle's own does).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let Some((mask, count)) = &self.real else {
+            return self.ln.forward(x);
+        };
+        let Some(bias) = self.ln.bias() else {
+            candle_core::bail!("padded layer norms have a bias");
+        };
+        let dtype = x.dtype();
+        let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+        let x = f32_of(x)?;
+        let mean = (x.sum_keepdim(D::Minus1)? / *count as f64)?;
+        // Padded channels are zero: they add nothing to the sum, and centring them at 0
+        // instead of the mean keeps them out of the variance.
+        let centred = x.broadcast_sub(&mean.broadcast_mul(&f32_of(mask)?)?)?;
+        let var = (centred.sqr()?.sum_keepdim(D::Minus1)? / *count as f64)?;
+        let inv = (var + self.ln.eps())?.sqrt()?.recip()?;
+        centred
+            .broadcast_mul(&inv)?
+            .broadcast_mul(&f32_of(self.ln.weight())?)?
+            .broadcast_add(&f32_of(bias)?)?
+            .to_dtype(dtype)
+    }
+}
 
 /// A layer norm's parameters as slices.
 struct Params<'a> {
     weight: &'a [f32],
     bias: &'a [f32],
     eps: f32,
+    /// The real-channel mask of padded rows ([`Norm`]).
+    mask: Option<&'a [f32]>,
+    /// What the sums are divided by: the real channels.
+    count: f32,
+}
+
+impl Params<'_> {
+    /// The variance over the real channels of the `n` values `f(i)` with mean `mean`.
+    #[inline(always)]
+    fn variance(&self, n: usize, mean: f32, f: impl Fn(usize) -> f32) -> f32 {
+        let sum = match self.mask {
+            None => lane_sum(n, |i| (f(i) - mean) * (f(i) - mean)),
+            Some(m) => {
+                let m = &m[..n];
+                // A padded channel holds 0 and is centred at 0.
+                lane_sum(n, |i| (f(i) - mean * m[i]) * (f(i) - mean * m[i]))
+            }
+        };
+        sum / self.count
+    }
 }
 
 /// Sum of `n` values produced by `f`, in [`LANES`] independent accumulators so that it
@@ -41,8 +137,8 @@ fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
 #[inline(always)]
 fn norm_row_body(p: &Params, src: &[f32], dst: &mut [MaybeUninit<f32>]) {
     let n = src.len();
-    let mean = lane_sum(n, |i| src[i]) / n as f32;
-    let var = lane_sum(n, |i| (src[i] - mean) * (src[i] - mean)) / n as f32;
+    let mean = lane_sum(n, |i| src[i]) / p.count;
+    let var = p.variance(n, mean, |i| src[i]);
     let inv = 1.0 / (var + p.eps).sqrt();
     for (((d, s), w), b) in dst.iter_mut().zip(src).zip(p.weight).zip(p.bias) {
         d.write((s - mean) * inv * w + b);
@@ -68,8 +164,8 @@ fn add_norm_row_body(
     for ((s, a), b) in sum.iter_mut().zip(x).zip(y) {
         s.write(a + b);
     }
-    let mean = lane_sum(n, |i| x[i] + y[i]) / n as f32;
-    let var = lane_sum(n, |i| (x[i] + y[i] - mean) * (x[i] + y[i] - mean)) / n as f32;
+    let mean = lane_sum(n, |i| x[i] + y[i]) / p.count;
+    let var = p.variance(n, mean, |i| x[i] + y[i]);
     let inv = 1.0 / (var + p.eps).sqrt();
     for ((((d, a), b), w), bias) in dst.iter_mut().zip(x).zip(y).zip(p.weight).zip(p.bias) {
         d.write((a + b - mean) * inv * w + bias);
@@ -87,9 +183,11 @@ widest_simd! {
 }
 
 /// The layer norm's f32 parameters on the CPU, or `None` (no bias, other device or dtype).
-fn params_of(ln: &LayerNorm) -> Option<(Tensor, Tensor, f32)> {
+fn params_of(norm: &Norm) -> Option<(Tensor, Tensor, f32)> {
+    let ln = &norm.ln;
     let bias = ln.bias()?;
-    (use_kernel(ln.weight()) && use_kernel(bias) && ln.remove_mean())
+    let mask_ok = norm.real().is_none_or(|(m, _)| use_kernel(m));
+    (use_kernel(ln.weight()) && use_kernel(bias) && ln.remove_mean() && mask_ok)
         .then(|| (ln.weight().clone(), bias.clone(), ln.eps() as f32))
 }
 
@@ -101,11 +199,11 @@ fn rows_per_task(c: usize) -> usize {
 /// `f` with the parameters of a layer norm over `c` channels, or `None` where the kernels do
 /// not apply to it ([`params_of`]).
 fn with_params<R>(
-    ln: &LayerNorm,
+    norm: &Norm,
     c: usize,
     f: impl FnOnce(&Params) -> Result<R>,
 ) -> Result<Option<R>> {
-    let Some((w, b, eps)) = params_of(ln) else {
+    let Some((w, b, eps)) = params_of(norm) else {
         return Ok(None);
     };
     if w.dims() != [c] || b.dims() != [c] {
@@ -113,10 +211,18 @@ fn with_params<R>(
     }
     let (wg, wl) = w.storage_and_layout();
     let (bg, bl) = b.storage_and_layout();
+    let mask = norm
+        .real()
+        .map(|(m, count)| (m.storage_and_layout(), count));
     let p = Params {
         weight: cpu_slice(&wg, wl)?,
         bias: cpu_slice(&bg, bl)?,
         eps,
+        mask: mask
+            .as_ref()
+            .map(|((g, l), _)| cpu_slice(g, l))
+            .transpose()?,
+        count: mask.as_ref().map_or(c, |(_, count)| *count) as f32,
     };
     f(&p).map(Some)
 }
@@ -124,12 +230,12 @@ fn with_params<R>(
 /// Runs `f(params, row, out_row)` for every output row of `rows` rows of `c` values, in
 /// parallel, into a new buffer. `f` must write every element of its row.
 fn map_rows(
-    ln: &LayerNorm,
+    norm: &Norm,
     rows: usize,
     c: usize,
     f: impl Fn(&Params, usize, &mut [MaybeUninit<f32>]) + Sync,
 ) -> Result<Option<Vec<f32>>> {
-    with_params(ln, c, |p| {
+    with_params(norm, c, |p| {
         let mut out: Vec<f32> = Vec::with_capacity(rows * c);
         let per = rows_per_task(c);
         if c > 0 {
@@ -161,13 +267,13 @@ fn indices(order: &Tensor, bound: usize) -> Result<Option<Vec<u32>>> {
 }
 
 /// `ln(x)` for `x` of shape `(.., C)`.
-pub fn layer_norm(ln: &LayerNorm, x: &Tensor) -> Result<Tensor> {
+pub fn layer_norm(norm: &Norm, x: &Tensor) -> Result<Tensor> {
     if use_kernel(x) {
         let c = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / c.max(1);
         let (g, l) = x.storage_and_layout();
         let xs = cpu_slice(&g, l)?;
-        let out = map_rows(ln, rows, c, |p, r, dst| {
+        let out = map_rows(norm, rows, c, |p, r, dst| {
             norm_row(p, &xs[r * c..(r + 1) * c], dst)
         })?;
         drop(g);
@@ -175,19 +281,19 @@ pub fn layer_norm(ln: &LayerNorm, x: &Tensor) -> Result<Tensor> {
             return Tensor::from_vec(out, x.dims(), x.device());
         }
     }
-    candle_core::Module::forward(ln, x)
+    norm.forward(x)
 }
 
 /// `ln(x)` with its tokens put in `order`: `x` is `(B, T, C)`, `order` holds `T'` token
 /// indices; returns `(B, T', C)`, i.e. `index_select(ln(x), order, 1)`.
-pub fn norm_gather(ln: &LayerNorm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
+pub fn norm_gather(norm: &Norm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
     let (b, t, c) = x.dims3()?;
     if use_kernel(x) {
         if let Some(idx) = indices(order, t)? {
             let n = idx.len();
             let (g, l) = x.storage_and_layout();
             let xs = cpu_slice(&g, l)?;
-            let out = map_rows(ln, b * n, c, |p, r, dst| {
+            let out = map_rows(norm, b * n, c, |p, r, dst| {
                 let src = (r / n * t + idx[r % n] as usize) * c;
                 norm_row(p, &xs[src..src + c], dst)
             })?;
@@ -197,13 +303,13 @@ pub fn norm_gather(ln: &LayerNorm, x: &Tensor, order: &Tensor) -> Result<Tensor>
             }
         }
     }
-    super::rowwise::gather_norm(ln, x, order)
+    super::rowwise::gather_norm(norm, x, order)
 }
 
 /// The residual step after window attention: `sum = x + index_select(y, back, 1)` and
 /// `ln(sum)`. `x` is `(B, T, C)`, `y` `(B, T', C)`, `back` `T` indices into `T'`.
 pub fn add_gather_norm(
-    ln: &LayerNorm,
+    norm: &Norm,
     x: &Tensor,
     y: &Tensor,
     back: &Tensor,
@@ -214,7 +320,7 @@ pub fn add_gather_norm(
             let (xg, xl) = x.storage_and_layout();
             let (yg, yl) = y.storage_and_layout();
             let (xs, ys) = (cpu_slice(&xg, xl)?, cpu_slice(&yg, yl)?);
-            let buffers = with_params(ln, c, |p| {
+            let buffers = with_params(norm, c, |p| {
                 let mut sum: Vec<f32> = Vec::with_capacity(b * t * c);
                 let mut normed: Vec<f32> = Vec::with_capacity(b * t * c);
                 let per = rows_per_task(c) * c;
@@ -250,7 +356,7 @@ pub fn add_gather_norm(
             }
         }
     }
-    super::rowwise::add_gather_norm(ln, x, y, back)
+    super::rowwise::add_gather_norm(norm, x, y, back)
 }
 
 #[cfg(test)]
@@ -258,6 +364,7 @@ mod tests {
     use super::*;
     use candle_core::{Device, D};
 
+    use crate::model::pad_channels::Pad;
     use crate::tests::fixtures::max_abs_diff;
 
     /// The layer norm in f64, written out (candle's fused op has no f64 kernel).
@@ -278,18 +385,24 @@ mod tests {
         }
     }
 
-    /// A layer norm with random affine parameters, and its float64 reference.
-    fn norms(c: usize) -> Result<(LayerNorm, Reference)> {
+    /// A layer norm over the real channels of `channels` with random affine parameters, and
+    /// its float64 reference over the real channels.
+    fn padded_norms(channels: &Channels) -> Result<(Norm, Reference)> {
         let dev = Device::Cpu;
+        let c = channels.real();
         let w = Tensor::randn(1f32, 0.5, c, &dev)?;
         let b = Tensor::randn(0f32, 0.5, c, &dev)?;
         Ok((
-            LayerNorm::new(w.clone(), b.clone(), 1e-5),
+            Norm::new(channels, w.clone(), b.clone(), 1e-5)?,
             Reference {
                 weight: w.to_dtype(DType::F64)?,
                 bias: b.to_dtype(DType::F64)?,
             },
         ))
+    }
+
+    fn norms(c: usize) -> Result<(Norm, Reference)> {
+        padded_norms(&Pad::OFF.one(c))
     }
 
     /// Tokens far from zero with a small spread: a one-pass variance (E[x²] - E[x]²) in f32
@@ -356,6 +469,54 @@ mod tests {
         assert!(add_gather_norm(&ln, &x, &y, &short).is_err());
         let out_of_range = Tensor::new(&[4u32, 0, 0, 0, 0], &dev)?;
         assert!(add_gather_norm(&ln, &x, &y, &out_of_range).is_err());
+        Ok(())
+    }
+
+    /// Rows padded as a dense block's input (three parts, each with zero channels after it):
+    /// every path normalises over the real channels only, far from zero too (the padded zeros
+    /// must not enter the variance as `(0 - mean)²`), and writes exact zeros on the padding.
+    #[test]
+    fn padded_rows_normalise_over_their_real_channels() -> Result<()> {
+        let dev = Device::Cpu;
+        let pad = Pad::to(8).unwrap();
+        let ch = pad.one(13).then(&pad.parts(2, 5));
+        let spread = |t: &Tensor| ch.spread(&t.to_dtype(DType::F32)?, 2);
+        let padding = (1.0 - ch.mask(DType::F32, &dev)?)?;
+        let padding_is_zero = |t: &Tensor| -> Result<bool> {
+            let v = t
+                .broadcast_mul(&padding)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            Ok(v == 0.0)
+        };
+        for offset in [0.0, 1000.0] {
+            let (norm, ln64) = padded_norms(&ch)?;
+            let x = tokens((2, 6, ch.real()), offset)?;
+            let y = tokens((2, 4, ch.real()), 1.0)?;
+            let (xp, yp) = (spread(&x)?, spread(&y)?);
+            let order = Tensor::new(&[5u32, 0, 3, 3, 1], &dev)?;
+            let back = Tensor::new(&[3u32, 0, 2, 1, 3, 1], &dev)?;
+            let sum = (&x + y.index_select(&back, 1)?)?;
+            let (sum_p, normed_p) = add_gather_norm(&norm, &xp, &yp, &back)?;
+            let cases = [
+                ("layer_norm", layer_norm(&norm, &xp)?, ln64.forward(&x)?),
+                ("candle", norm.forward(&xp)?, ln64.forward(&x)?),
+                (
+                    "norm_gather",
+                    norm_gather(&norm, &xp, &order)?,
+                    ln64.forward(&x)?.index_select(&order, 1)?,
+                ),
+                ("add_gather_norm", normed_p, ln64.forward(&sum)?),
+            ];
+            assert_eq!(max_abs_diff(&sum_p, &spread(&sum)?), 0.0);
+            for (name, got, want) in cases {
+                let diff = max_abs_diff(&got, &spread(&want)?);
+                let tolerance = if offset == 0.0 { 1e-5 } else { 1e-3 };
+                assert!(diff < tolerance, "{name}, offset {offset}: {diff}");
+                assert!(padding_is_zero(&got)?, "{name}: padded channels not zero");
+            }
+        }
         Ok(())
     }
 }

@@ -13,7 +13,8 @@
 //! model has its own fused kernels ([`super::ops`], [`super::norm`]) and does not come here.
 
 use candle_core::{Module, Result, Tensor, D};
-use candle_nn::LayerNorm;
+
+use super::norm::Norm;
 
 /// Whether `t`'s op runs our kernel: on CUDA, unless `UPSCALE_CUDA_OFF` names `rowwise`.
 pub fn ours(t: &Tensor) -> bool {
@@ -145,18 +146,18 @@ pub const NARROW_CONV_MAX: usize = 4;
 
 /// `ln(x)` with its tokens put in `order`: `x` `(B, T, C)`, `order` `T'` u32 indices below
 /// `T`; returns `(B, T', C)`.
-pub fn gather_norm(ln: &LayerNorm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
+pub fn gather_norm(norm: &Norm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if ours(x) {
-        return cuda::gather_norm(ln, &x.contiguous()?, &order.contiguous()?);
+        return cuda::gather_norm(norm, &x.contiguous()?, &order.contiguous()?);
     }
-    ln.forward(x)?.index_select(order, 1)
+    norm.forward(x)?.index_select(order, 1)
 }
 
 /// `sum = x + index_select(y, back, 1)` and `ln(sum)`: `x` `(B, T, C)`, `y` `(B, T', C)`,
 /// `back` `T` u32 indices below `T'`.
 pub fn add_gather_norm(
-    ln: &LayerNorm,
+    norm: &Norm,
     x: &Tensor,
     y: &Tensor,
     back: &Tensor,
@@ -164,10 +165,10 @@ pub fn add_gather_norm(
     #[cfg(feature = "cuda")]
     if ours(x) {
         let (x, y, back) = (x.contiguous()?, y.contiguous()?, back.contiguous()?);
-        return cuda::add_gather_norm(ln, &x, &y, &back);
+        return cuda::add_gather_norm(norm, &x, &y, &back);
     }
     let sum = (x + y.index_select(back, 1)?)?;
-    let normed = ln.forward(&sum)?;
+    let normed = norm.forward(&sum)?;
     Ok((sum, normed))
 }
 
@@ -221,10 +222,9 @@ mod cuda {
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::op::BackpropOp;
     use candle_core::{CudaDevice, CudaStorage, DType, Result, Shape, Storage, Tensor, WithDType};
-    use candle_nn::LayerNorm;
     use half::{bf16, f16};
 
-    use super::Act;
+    use super::{Act, Norm};
 
     use super::{u32_of, MAX_BLOCKS, THREADS};
 
@@ -388,19 +388,37 @@ mod cuda {
         })
     }
 
-    /// The weight and bias of a layer norm over `c` channels in `x`'s dtype, and its epsilon.
-    fn norm_params(ln: &LayerNorm, x: &Tensor, c: usize) -> Result<(Tensor, Tensor, f32)> {
+    /// A layer norm's arguments for the kernels, in `x`'s dtype.
+    struct NormArgs {
+        gamma: Tensor,
+        beta: Tensor,
+        /// The real-channel mask of padded rows.
+        mask: Option<Tensor>,
+        /// The real channels, which the mean and variance divide by.
+        count: u32,
+        eps: f32,
+    }
+
+    /// The arguments of a layer norm over rows of `c` channels.
+    fn norm_args(norm: &Norm, x: &Tensor, c: usize) -> Result<NormArgs> {
+        let ln = norm.layer_norm();
         let Some(bias) = ln.bias() else {
             candle_core::bail!("rowwise norms: the layer norm has no bias");
         };
         if !ln.remove_mean() || ln.weight().dims() != [c] || bias.dims() != [c] {
             candle_core::bail!("rowwise norms: a layer norm over {c} channels expected");
         }
-        Ok((
-            ln.weight().to_dtype(x.dtype())?,
-            bias.to_dtype(x.dtype())?,
-            ln.eps() as f32,
-        ))
+        let (mask, count) = match norm.real() {
+            Some((mask, count)) => (Some(mask.to_dtype(x.dtype())?), count),
+            None => (None, c),
+        };
+        Ok(NormArgs {
+            gamma: ln.weight().to_dtype(x.dtype())?,
+            beta: bias.to_dtype(x.dtype())?,
+            mask,
+            count: u32_of(count, "channels")?,
+            eps: ln.eps() as f32,
+        })
     }
 
     /// The number of indices in `idx`, which must be a u32 vector. Their values are the
@@ -474,13 +492,15 @@ mod cuda {
         })
     }
 
-    pub(super) fn gather_norm(ln: &LayerNorm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
+    pub(super) fn gather_norm(norm: &Norm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
         let (b, t_in, c) = x.dims3()?;
         let t = index_count(order, "gather_norm: order")?;
-        let (gamma, beta, eps) = norm_params(ln, x, c)?;
+        let args = norm_args(norm, x, c)?;
         let hx = held(x, "gather_norm: x")?;
         let ho = held(order, "gather_norm: order")?;
-        let (hg, hb) = (held(&gamma, "gamma")?, held(&beta, "beta")?);
+        let (hg, hb) = (held(&args.gamma, "gamma")?, held(&args.beta, "beta")?);
+        let hm = args.mask.as_ref().map(|m| held(m, "mask")).transpose()?;
+        let masked = i32::from(hm.is_some());
         let dev = hx.device()?;
         u32_of(b * t * c, "elements")?;
         let rows = u32_of(b * t, "rows")?;
@@ -492,12 +512,15 @@ mod cuda {
         with_type!(x.dtype(), T => {
             let (xv, ov) = (hx.view::<T>()?, ho.view::<u32>()?);
             let (gv, bv) = (hg.view::<T>()?, hb.view::<T>()?);
+            // Unpadded rows: the kernel never reads the mask argument.
+            let mv = hm.as_ref().unwrap_or(&hg).view::<T>()?;
             let out = alloc::<T>(&dev, b * t * c)?;
             let f = func::<T>(&dev, "gather_norm")?;
             let stream = dev.cuda_stream();
             let mut bld = stream.launch_builder(&f);
-            bld.arg(&xv).arg(&ov).arg(&gv).arg(&bv).arg(&out);
-            bld.arg(&rows).arg(&t32).arg(&t_in).arg(&c32).arg(&eps);
+            bld.arg(&xv).arg(&ov).arg(&gv).arg(&bv).arg(&mv).arg(&out);
+            bld.arg(&rows).arg(&t32).arg(&t_in).arg(&c32);
+            bld.arg(&args.count).arg(&masked).arg(&args.eps);
             // SAFETY: the arguments follow the kernel's signature; x holds b x t_in x c
             // elements and the order's values index its tokens.
             unsafe { bld.launch(grid(rows as usize, THREADS / 32)) }.w()?;
@@ -506,18 +529,20 @@ mod cuda {
     }
 
     pub(super) fn add_gather_norm(
-        ln: &LayerNorm,
+        norm: &Norm,
         x: &Tensor,
         y: &Tensor,
         back: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let (b, t, c, ty) = super::add_gather_dims(x, y, back)?;
         index_count(back, "add_gather_norm: back")?;
-        let (gamma, beta, eps) = norm_params(ln, x, c)?;
+        let args = norm_args(norm, x, c)?;
         let hx = held(x, "add_gather_norm: x")?;
         let hy = held(y, "add_gather_norm: y")?;
         let hi = held(back, "add_gather_norm: back")?;
-        let (hg, hb) = (held(&gamma, "gamma")?, held(&beta, "beta")?);
+        let (hg, hb) = (held(&args.gamma, "gamma")?, held(&args.beta, "beta")?);
+        let hm = args.mask.as_ref().map(|m| held(m, "mask")).transpose()?;
+        let masked = i32::from(hm.is_some());
         let dev = hx.device()?;
         u32_of(b * t * c, "elements")?;
         let rows = u32_of(b * t, "rows")?;
@@ -529,13 +554,16 @@ mod cuda {
         with_type!(x.dtype(), T => {
             let (xv, yv, iv) = (hx.view::<T>()?, hy.view::<T>()?, hi.view::<u32>()?);
             let (gv, bv) = (hg.view::<T>()?, hb.view::<T>()?);
+            // Unpadded rows: the kernel never reads the mask argument.
+            let mv = hm.as_ref().unwrap_or(&hg).view::<T>()?;
             let sum = alloc::<T>(&dev, b * t * c)?;
             let normed = alloc::<T>(&dev, b * t * c)?;
             let f = func::<T>(&dev, "add_gather_norm")?;
             let stream = dev.cuda_stream();
             let mut bld = stream.launch_builder(&f);
-            bld.arg(&xv).arg(&yv).arg(&iv).arg(&gv).arg(&bv).arg(&sum).arg(&normed);
-            bld.arg(&rows).arg(&t32).arg(&ty).arg(&c32).arg(&eps);
+            bld.arg(&xv).arg(&yv).arg(&iv).arg(&gv).arg(&bv).arg(&mv).arg(&sum).arg(&normed);
+            bld.arg(&rows).arg(&t32).arg(&ty).arg(&c32);
+            bld.arg(&args.count).arg(&masked).arg(&args.eps);
             // SAFETY: the arguments follow the kernel's signature; y holds b x ty x c
             // elements and back's values index its tokens.
             unsafe { bld.launch(grid(rows as usize, THREADS / 32)) }.w()?;

@@ -440,31 +440,79 @@ void narrow_cases(const char* suffix, void (*kernel)(const T*, const T*, const T
     narrow_case<T>(suffix, kernel, u, 1, 3, 3, 35, 1, false);
 }
 
-// ln(row) in double, with the affine parameters.
+// ln(row) in double over the channels `real` marks (all of them when it is empty), with the
+// affine parameters; 0 on the other channels.
 void norm_ref(const double* row, const std::vector<double>& gamma, const std::vector<double>& beta,
-              double eps, double* out) {
+              double eps, double* out, const std::vector<bool>& real = {}) {
     const size_t c = gamma.size();
+    const auto is_real = [&](size_t i) { return real.empty() || real[i]; };
     double mean = 0, var = 0;
-    for (size_t i = 0; i < c; ++i) mean += row[i];
-    mean /= c;
-    for (size_t i = 0; i < c; ++i) var += (row[i] - mean) * (row[i] - mean);
-    var /= c;
-    for (size_t i = 0; i < c; ++i) out[i] = (row[i] - mean) / std::sqrt(var + eps) * gamma[i] + beta[i];
+    size_t n = 0;
+    for (size_t i = 0; i < c; ++i) {
+        if (is_real(i)) mean += row[i], ++n;
+    }
+    mean /= n;
+    for (size_t i = 0; i < c; ++i) {
+        if (is_real(i)) var += (row[i] - mean) * (row[i] - mean);
+    }
+    var /= n;
+    for (size_t i = 0; i < c; ++i) {
+        out[i] = is_real(i) ? (row[i] - mean) / std::sqrt(var + eps) * gamma[i] + beta[i] : 0.0;
+    }
+}
+
+// Counts a failure for every value of `out` on a padded channel that is not exactly 0.
+template <typename T>
+void check_padding_zero(const std::string& name, const std::vector<T>& out,
+                        const std::vector<bool>& real) {
+    if (real.empty()) return;
+    size_t bad = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+        if (!real[i % real.size()] && widen(out[i]) != 0.0) ++bad;
+    }
+    failures += bad ? 1 : 0;
+    std::printf("%s %-40s %zu padded values not 0\n", bad ? "FAIL" : "ok  ", name.c_str(), bad);
 }
 
 template <typename T>
-void norm_cases(const char* suffix,
-                void (*gather)(const T*, const unsigned*, const T*, const T*, T*, unsigned,
-                               unsigned, unsigned, unsigned, float),
-                void (*add_gather)(const T*, const T*, const unsigned*, const T*, const T*, T*, T*,
-                                   unsigned, unsigned, unsigned, unsigned, float),
-                double u) {
+void norm_cases(const char* suffix_in,
+                void (*gather)(const T*, const unsigned*, const T*, const T*, const T*, T*,
+                               unsigned, unsigned, unsigned, unsigned, unsigned, int, float),
+                void (*add_gather)(const T*, const T*, const unsigned*, const T*, const T*,
+                                   const T*, T*, T*, unsigned, unsigned, unsigned, unsigned,
+                                   unsigned, int, float),
+                double u, bool padded) {
     // Two maps; 70 channels (two warp strides and a remainder); an order that permutes and
-    // drops tokens; inputs offset from zero, as residual streams are.
-    const unsigned batch = 2, tokens_in = 13, tokens = 11, cols = 70;
+    // drops tokens; inputs offset from zero, as residual streams are. Padded rows (as
+    // UPSCALE_PAD_CHANNELS lays out a dense block's input): 80 channels holding parts of 45,
+    // 13 and 13 real ones, each followed by zeros up to a multiple of 16, so that the mean
+    // and the variance must skip zeros in the middle of the row.
+    const std::string suffix = std::string(suffix_in) + (padded ? " padded" : "");
+    std::vector<bool> real;
+    if (padded) {
+        for (const auto& [n, width] : {std::pair{45u, 48u}, std::pair{13u, 16u}, std::pair{13u, 16u}}) {
+            for (unsigned i = 0; i < width; ++i) real.push_back(i < n);
+        }
+    }
+    const unsigned batch = 2, tokens_in = 13, tokens = 11;
+    const unsigned cols = padded ? real.size() : 70;
+    unsigned count = 0;
+    for (unsigned i = 0; i < cols; ++i) count += real.empty() || real[i];
+    const int masked = padded ? 1 : 0;
+    // Zero on the padded channels, as the model's zero weights leave them.
+    const auto zero_padding = [&](std::vector<T>& v) {
+        for (size_t i = 0; i < v.size() && padded; ++i) {
+            if (!real[i % cols]) v[i] = convert<T>(0.0f);
+        }
+    };
+    std::vector<T> mask(cols);
+    for (unsigned i = 0; i < cols; ++i) mask[i] = convert<T>(real.empty() || real[i] ? 1.0f : 0.0f);
     const float eps = 1e-5f;
-    const auto x = random_values<T>(batch * tokens_in * cols, 5, 3.0f, 1.5f);
-    const auto g = random_values<T>(cols, 6), b = random_values<T>(cols, 7);
+    auto x = random_values<T>(batch * tokens_in * cols, 5, 3.0f, 1.5f);
+    auto g = random_values<T>(cols, 6), b = random_values<T>(cols, 7);
+    zero_padding(x), zero_padding(g), zero_padding(b);
+    // Unpadded, the host passes gamma where the mask goes, and the kernel must not read it.
+    const T* mask_arg = padded ? mask.data() : g.data();
     std::vector<double> gamma(cols), beta(cols);
     for (unsigned i = 0; i < cols; ++i) gamma[i] = widen(g[i]), beta[i] = widen(b[i]);
     std::vector<unsigned> order(tokens);
@@ -474,20 +522,22 @@ void norm_cases(const char* suffix,
     for (unsigned r = 0; r < rows; ++r) {
         const unsigned src = (r / tokens) * tokens_in + order[r % tokens];
         for (unsigned i = 0; i < cols; ++i) row[i] = widen(x[src * cols + i]);
-        norm_ref(row.data(), gamma, beta, eps, &want[r * cols]);
+        norm_ref(row.data(), gamma, beta, eps, &want[r * cols], real);
     }
     for (bool one_block : {false, true}) {
         std::vector<T> out(rows * cols, convert<T>(NAN));
         emu::launch(rowwise_grid(rows, 8, one_block), dim3{256, 1, 1}, [&] {
-            gather(x.data(), order.data(), g.data(), b.data(), out.data(), rows, tokens,
-                   tokens_in, cols, eps);
+            gather(x.data(), order.data(), g.data(), b.data(), mask_arg, out.data(), rows, tokens,
+                   tokens_in, cols, count, masked, eps);
         });
-        report(std::string("gather_norm_") + suffix + (one_block ? " one block" : ""), out, want,
-               u, 1e-5);
+        const std::string name = "gather_norm_" + suffix + (one_block ? " one block" : "");
+        report(name, out, want, u, 1e-5);
+        check_padding_zero(name, out, real);
     }
 
     // add_gather_norm: x (batch, tokens, cols) + y (batch, tokens_in, cols) gathered by back.
-    const auto xs = random_values<T>(batch * tokens * cols, 8, 3.0f, 1.5f);
+    auto xs = random_values<T>(batch * tokens * cols, 8, 3.0f, 1.5f);
+    zero_padding(xs);
     std::vector<double> want_sum(rows * cols), want_norm(rows * cols);
     for (unsigned r = 0; r < rows; ++r) {
         const unsigned src = (r / tokens) * tokens_in + order[r % tokens];
@@ -497,15 +547,16 @@ void norm_cases(const char* suffix,
             want_sum[r * cols + i] = s;
             row[i] = widen(convert<T>(s));
         }
-        norm_ref(row.data(), gamma, beta, eps, &want_norm[r * cols]);
+        norm_ref(row.data(), gamma, beta, eps, &want_norm[r * cols], real);
     }
     std::vector<T> sum(rows * cols, convert<T>(NAN)), normed(rows * cols, convert<T>(NAN));
     emu::launch(rowwise_grid(rows, 8, false), dim3{256, 1, 1}, [&] {
-        add_gather(xs.data(), x.data(), order.data(), g.data(), b.data(), sum.data(),
-                   normed.data(), rows, tokens, tokens_in, cols, eps);
+        add_gather(xs.data(), x.data(), order.data(), g.data(), b.data(), mask_arg, sum.data(),
+                   normed.data(), rows, tokens, tokens_in, cols, count, masked, eps);
     });
-    report(std::string("add_gather_norm_") + suffix + " sum", sum, want_sum, u, 1e-6);
-    report(std::string("add_gather_norm_") + suffix + " normed", normed, want_norm, u, 1e-5);
+    report("add_gather_norm_" + suffix + " sum", sum, want_sum, u, 1e-6);
+    report("add_gather_norm_" + suffix + " normed", normed, want_norm, u, 1e-5);
+    check_padding_zero("add_gather_norm_" + suffix + " normed", normed, real);
 }
 
 }  // namespace
@@ -559,9 +610,12 @@ int main(int argc, char** argv) {
     bias_act_cases<float>("f32", bias_act_f32, cat_bias_act_f32, 0.0);
     bias_act_cases<__nv_bfloat16>("bf16", bias_act_bf16, cat_bias_act_bf16, 1.0 / 256);
     bias_act_cases<__half>("f16", bias_act_f16, cat_bias_act_f16, 1.0 / 2048);
-    norm_cases<float>("f32", gather_norm_f32, add_gather_norm_f32, 0.0);
-    norm_cases<__nv_bfloat16>("bf16", gather_norm_bf16, add_gather_norm_bf16, 1.0 / 256);
-    norm_cases<__half>("f16", gather_norm_f16, add_gather_norm_f16, 1.0 / 2048);
+    for (bool padded : {false, true}) {
+        norm_cases<float>("f32", gather_norm_f32, add_gather_norm_f32, 0.0, padded);
+        norm_cases<__nv_bfloat16>("bf16", gather_norm_bf16, add_gather_norm_bf16, 1.0 / 256,
+                                  padded);
+        norm_cases<__half>("f16", gather_norm_f16, add_gather_norm_f16, 1.0 / 2048, padded);
+    }
     patches_cases<float>("f32", patches3x3_f32);
     patches_cases<__nv_bfloat16>("bf16", patches3x3_bf16);
     patches_cases<__half>("f16", patches3x3_f16);

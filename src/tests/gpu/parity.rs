@@ -116,3 +116,45 @@ fn rms_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
         .unwrap()
         .sqrt()
 }
+
+/// `UPSCALE_PAD_CHANNELS` on CUDA: every channel width padded to 8, 16 and 64 with zeros, on
+/// our kernels and with all of them off (candle's ops, the norms written out over the real
+/// channels). f32 within the reference bound and near the unpadded GPU output (only the
+/// order of the sums changes), bf16 as close as unpadded.
+#[test]
+fn cuda_padded_channels_match_the_reference() {
+    use crate::model::cuda_off::{self, Off};
+    use crate::model::pad_channels::{self, Pad};
+    let gpu = super::gpu();
+    for case in cases() {
+        let (input, expected) = load_io(&case.io);
+        let x = input.to_device(&gpu).unwrap();
+        let run = |pad: Pad, dtype: DType, off: Off| {
+            let model = pad_channels::with(pad, || Model::load(&case.weights, dtype, &gpu));
+            let model = model.unwrap();
+            assert_eq!(model.net.padding(), pad);
+            let out = cuda_off::with(off, || model.net.forward(&x)).unwrap();
+            out.to_device(&Device::Cpu).unwrap()
+        };
+        let plain = run(Pad::OFF, DType::F32, Off::default());
+        for m in [8, 16, 64] {
+            let pad = Pad::to(m).unwrap();
+            for off in [Off::default(), Off::ALL] {
+                let out = run(pad, DType::F32, off);
+                let d_ref = max_abs_diff(&out, &expected);
+                let d_plain = max_abs_diff(&out, &plain);
+                let rms16 = rms_diff(&run(pad, DType::BF16, off), &expected);
+                eprintln!(
+                    "{:<28} pad {m:>2} off {:<24} f32 {d_ref:.3e} vs reference, \
+                     {d_plain:.3e} vs unpadded; bf16 {rms16:.3e} rms",
+                    case.name,
+                    off.names()
+                );
+                let what = format!("{} pad {m} off '{}'", case.name, off.names());
+                assert!(d_ref < TOLERANCE && d_plain < 1e-5, "{what}: f32");
+                // NaN fails this too.
+                assert!(rms16 < 2e-2, "{what}: bf16");
+            }
+        }
+    }
+}

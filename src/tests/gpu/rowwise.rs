@@ -7,9 +7,10 @@
 //! size, far beyond that.
 
 use super::gpu;
+use crate::model::norm::Norm;
+use crate::model::pad_channels::{Channels, Pad};
 use crate::model::rowwise::{self, Act};
 use candle_core::{DType, Device, Result, Tensor};
-use candle_nn::LayerNorm;
 
 /// Unit roundoff of each dtype the kernels take.
 const DTYPES: [(DType, f32); 3] = [
@@ -135,14 +136,10 @@ fn cat_bias_act_matches_candle() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// A layer norm over `c` channels with random affine parameters rounded to `dtype`: on `dev`
-/// in `dtype`, and on the CPU in f32 for the reference.
-fn layer_norms(
-    c: usize,
-    seed: &(Tensor, Tensor),
-    dtype: DType,
-    dev: &Device,
-) -> (LayerNorm, LayerNorm) {
+/// A layer norm over the real channels of `ch` with random affine parameters rounded to
+/// `dtype`: on `dev` in `dtype`, and on the CPU in f32 for the reference.
+fn layer_norms(ch: &Channels, seed: &(Tensor, Tensor), dtype: DType, dev: &Device) -> (Norm, Norm) {
+    let c = ch.real();
     let (w, b) = (
         seed.0.narrow(0, 0, c).unwrap(),
         seed.1.narrow(0, 0, c).unwrap(),
@@ -150,8 +147,8 @@ fn layer_norms(
     let (w, b) = (rounded(&w, dtype), rounded(&b, dtype));
     let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(dev).unwrap();
     (
-        LayerNorm::new(on(&w), on(&b), 1e-5),
-        LayerNorm::new(w, b, 1e-5),
+        Norm::new(ch, on(&w), on(&b), 1e-5).unwrap(),
+        Norm::new(ch, w, b, 1e-5).unwrap(),
     )
 }
 
@@ -160,22 +157,49 @@ fn layer_norms(
 const NORM_CASES: [(usize, usize, usize, usize); 3] =
     [(2, 64, 64, 180), (1, 50, 37, 7), (2, 16, 16, 308)];
 
+/// The channels of a norm case, unpadded and padded to 16 as the model pads them
+/// (`UPSCALE_PAD_CHANNELS`): 308 as the widest block's input of five parts, each padded on
+/// its own, so the kernels must skip zeros in the middle of the row too.
+fn norm_channels(c: usize) -> [Channels; 2] {
+    let pad = Pad::to(16).unwrap();
+    let padded = if c == 308 {
+        pad.one(180).then(&pad.parts(4, 32))
+    } else {
+        pad.one(c)
+    };
+    [Pad::OFF.one(c), padded]
+}
+
+/// `randn` rows of `ch`'s real channels times 3 plus 1.5, spread to its padded width.
+fn offset_rows(lead: &[usize], ch: &Channels) -> Tensor {
+    let mut shape = lead.to_vec();
+    shape.push(ch.real());
+    let x = randn(&shape).affine(3.0, 1.5).unwrap();
+    ch.spread(&x, lead.len()).unwrap()
+}
+
 #[test]
 fn gather_norm_matches_candle() {
     let dev = gpu();
     let seed = (randn(&[512]), randn(&[512]));
     let mut failures = Vec::new();
-    for (b, t_in, t, c) in NORM_CASES {
-        let x = randn(&[b, t_in, c]).affine(3.0, 1.5).unwrap();
+    for ((b, t_in, t, c), ch) in NORM_CASES
+        .into_iter()
+        .flat_map(|case| norm_channels(case.3).map(|ch| (case, ch)))
+    {
+        let x = offset_rows(&[b, t_in], &ch);
         let order = scrambled(t, t_in);
         for (dtype, u) in DTYPES {
             let x = rounded(&x, dtype);
-            let (ln, ln32) = layer_norms(c, &seed, dtype, &dev);
+            let (ln, ln32) = layer_norms(&ch, &seed, dtype, &dev);
             let want = rowwise::gather_norm(&ln32, &x, &order).unwrap();
             let x_gpu = x.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
             let ours = rowwise::gather_norm(&ln, &x_gpu, &order.to_device(&dev).unwrap()).unwrap();
             assert!(ours.device().is_cuda());
-            let what = format!("gather_norm {b}x{t_in}->{t}x{c} {dtype:?}");
+            let what = format!(
+                "gather_norm {b}x{t_in}->{t}x{} of {c} {dtype:?}",
+                ch.padded()
+            );
             failures.extend(excess(&what, &ours, &want, u));
         }
     }
@@ -187,22 +211,28 @@ fn add_gather_norm_matches_candle() {
     let dev = gpu();
     let seed = (randn(&[512]), randn(&[512]));
     let mut failures = Vec::new();
-    for (b, ty, t, c) in NORM_CASES {
-        let x = randn(&[b, t, c]).affine(3.0, 1.5).unwrap();
-        let y = randn(&[b, ty, c]);
+    for ((b, ty, t, c), ch) in NORM_CASES
+        .into_iter()
+        .flat_map(|case| norm_channels(case.3).map(|ch| (case, ch)))
+    {
+        let x = offset_rows(&[b, t], &ch);
+        let y = ch.spread(&randn(&[b, ty, c]), 2).unwrap();
         let back = scrambled(t, ty);
         for (dtype, u) in DTYPES {
             let (x, y) = (rounded(&x, dtype), rounded(&y, dtype));
             // The kernel rounds the sum to the dtype and normalises that, as the next layers
             // see it: the reference does the same.
             let sum = rounded(&(&x + y.index_select(&back, 1).unwrap()).unwrap(), dtype);
-            let (ln, ln32) = layer_norms(c, &seed, dtype, &dev);
+            let (ln, ln32) = layer_norms(&ch, &seed, dtype, &dev);
             let want = candle_core::Module::forward(&ln32, &sum).unwrap();
             let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
             let (ours_sum, ours) =
                 rowwise::add_gather_norm(&ln, &on(&x), &on(&y), &back.to_device(&dev).unwrap())
                     .unwrap();
-            let what = format!("add_gather_norm {b}x{ty}->{t}x{c} {dtype:?}");
+            let what = format!(
+                "add_gather_norm {b}x{ty}->{t}x{} of {c} {dtype:?}",
+                ch.padded()
+            );
             failures.extend(excess(&format!("{what} sum"), &ours_sum, &sum, u));
             failures.extend(excess(&format!("{what} normed"), &ours, &want, u));
         }
@@ -274,7 +304,8 @@ fn bad_inputs_are_errors() -> Result<()> {
     assert_eq!(out.sum_all()?.to_scalar::<f32>()?, 24.0);
     let ints = Tensor::zeros((4, 6), DType::U32, &dev)?;
     assert!(rowwise::bias_act(&ints, &b.to_dtype(DType::U32)?, None, Act::None).is_err());
-    let ln = LayerNorm::new(Tensor::ones(6, DType::F32, &dev)?, b.clone(), 1e-5);
+    let ones = Tensor::ones(6, DType::F32, &dev)?;
+    let ln = Norm::new(&Pad::OFF.one(6), ones, b.clone(), 1e-5)?;
     let x = Tensor::zeros((1, 4, 6), DType::F32, &dev)?;
     let float_idx = Tensor::zeros(4, DType::F32, &dev)?;
     assert!(rowwise::gather_norm(&ln, &x, &float_idx).is_err());
