@@ -35,27 +35,7 @@ bench=("$work/upscale" bench -m "$work/w.safetensors" --device cuda --json "$@")
 "${bench[@]}" > "$out/bench_plain.json"
 ncu --metrics gpu__time_duration.sum --csv --print-units base --log-file "$out/kernels.csv" \
   "${bench[@]}" > "$out/bench_under_ncu.json"
-"$PY" - "$out/kernels.csv" "$out/bench_plain.json" "$*" > "$out/profile.md" <<'PYEOF'
-import csv, json, sys
-from collections import defaultdict
-rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))]
-per = defaultdict(lambda: [0, 0.0])
-for r in rows:
-    if r.get("Metric Name") != "gpu__time_duration.sum":
-        continue
-    name = r["Kernel Name"].split("(")[0][:90]
-    per[name][0] += 1
-    per[name][1] += float(r["Metric Value"].replace(",", "")) * 1e-9
-total = sum(t for _, t in per.values())
-bench = json.load(open(sys.argv[2]))
-runs = bench.get("warmup", 0) + bench.get("reps", 0)
-print(f"bench flags: {sys.argv[3]}\n")
-print(f"kernels: {sum(c for c, _ in per.values())}, GPU time {total:.4f} s over {runs} forward runs "
-      f"(warm-up included); plain run median {bench.get('median_s')} s per run\n")
-print("| kernel | launches | GPU s | share |\n|---|---|---|---|")
-for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:40]:
-    print(f"| `{name}` | {c} | {t:.4f} | {t / total:.1%} |")
-PYEOF
+"$PY" scripts/kernel_profile.py "$out/kernels.csv" "$out/bench_plain.json" "$*" > "$out/profile.md"
 cat "$out/profile.md"
 
 ncu --kernel-name regex:window_attention --launch-count 5 --section SpeedOfLight \
