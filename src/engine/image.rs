@@ -61,7 +61,7 @@ impl Engine {
         share: usize,
     ) -> TileOptions {
         let share = share.max(1) as u64;
-        let window = self.model.config().window;
+        let window = self.model.config().window();
         let max_pass = self.max_pass_pixels();
         let auto = || {
             let free = if self.device.is_cpu() {

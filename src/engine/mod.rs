@@ -394,12 +394,7 @@ impl Engine {
     /// Whether a forward pass materialises the attention scores: everywhere but on a GPU
     /// with the fused kernel, which takes heads up to its maximum width.
     fn scores_in_memory(&self) -> bool {
-        let cfg = self.model.config();
-        let widest_head = (0..cfg.groups)
-            .flat_map(|g| (0..crate::model::config::BLOCKS_PER_GROUP).map(move |k| (g, k)))
-            .map(|(g, k)| cfg.head_dim(g, k))
-            .max()
-            .unwrap_or(0);
+        let widest_head = self.model.config().widest_head_dim();
         let fused = !self.device.is_cpu()
             && self.attention.is_fused()
             && widest_head <= crate::model::fused::MAX_HEAD_DIM;
@@ -446,18 +441,17 @@ impl Engine {
     /// upsampler's high-resolution maps, at the engine's dtype.
     fn analytic_bytes_per_pixel(&self) -> f64 {
         let c = self.model.config();
-        let n = (c.window * c.window) as f64;
-        let k = crate::model::config::BLOCKS_PER_GROUP - 1;
-        let d = c.block_dim(k) as f64;
-        let heads = c.heads.iter().flatten().copied().max().unwrap_or(1) as f64;
+        let n = (c.window() * c.window()) as f64;
+        let d = c.widest_block() as f64;
+        let heads = c.max_heads() as f64;
         let scores = if self.scores_in_memory() {
             3.0 * heads * n
         } else {
             0.0
         };
-        let tokens = scores + 6.0 * d + c.mlp_hidden.iter().copied().max().unwrap_or(0) as f64;
-        let s2 = (c.scale * c.scale) as f64;
-        let upsampler = 3.0 * c.num_feat as f64 * s2;
+        let tokens = scores + 6.0 * d + c.max_mlp_hidden() as f64;
+        let s2 = (c.scale() * c.scale()) as f64;
+        let upsampler = 3.0 * c.upsampler_channels() as f64 * s2;
         (tokens + upsampler) * self.model.net.dtype().size_in_bytes() as f64
     }
 
@@ -465,7 +459,7 @@ impl Engine {
         if !self.device.is_cpu() {
             return None;
         }
-        let ws = self.model.config().window;
+        let ws = self.model.config().window();
         let side = 4 * ws;
         // Reset the kernel's peak-RSS mark so the probe's own peak is what we read.
         probe::reset_peak_rss()?;
@@ -477,7 +471,7 @@ impl Engine {
     }
 
     pub fn scale(&self) -> usize {
-        self.model.config().scale
+        self.model.config().scale()
     }
 
     /// Run the whole image through the network at once.

@@ -17,17 +17,17 @@ use super::ops::After;
 use super::rowwise::{self, Act};
 
 /// The RGB mean the official model subtracts (img_range 1.0); not stored in checkpoints.
-const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
+pub(crate) const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
 /// LayerNorm epsilon of torch's default, which the official model uses.
 const LN_EPS: f64 = 1e-5;
 /// Slope of the LeakyReLU inside residual dense groups.
 const RDG_SLOPE: f64 = 0.2;
 /// `nn.LeakyReLU()`'s default slope, used after `conv_before_upsample`.
-const UPSAMPLE_SLOPE: f64 = 0.01;
+pub(crate) const UPSAMPLE_SLOPE: f64 = 0.01;
 /// Residual scaling of a group's output.
 const RDG_RESIDUAL: f64 = 0.2;
 
-fn load_layer_norm(dim: usize, vb: VarBuilder) -> Result<LayerNorm> {
+pub(crate) fn load_layer_norm(dim: usize, vb: VarBuilder) -> Result<LayerNorm> {
     candle_nn::layer_norm(dim, LN_EPS, vb)
 }
 
@@ -74,7 +74,7 @@ impl Conv3x3 {
 
     /// Computes with bf16 products from now on and drops the f32 weight. Narrow
     /// convolutions (the RGB output) keep f32: they are computed directly, not as a GEMM.
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
         let (k, cout) = self.weight.dims2()?;
         if cout <= super::ops::NARROW_CONV {
             return Ok(());
@@ -85,7 +85,7 @@ impl Conv3x3 {
     }
 
     /// The same convolution with output channel k computing the old channel `order[k]`.
-    fn reorder_outputs(self, order: Vec<u32>) -> Result<Self> {
+    pub(crate) fn reorder_outputs(self, order: Vec<u32>) -> Result<Self> {
         let idx = Tensor::from_vec(order, self.bias.dim(0)?, self.bias.device())?;
         Ok(Self {
             weight: self.weight.index_select(&idx, 1)?,
@@ -97,7 +97,7 @@ impl Conv3x3 {
     /// This convolution followed by PixelShuffle by `r`, its outputs being in (i, j, c)
     /// order ([`Self::reorder_outputs`] with [`shuffle_order`]). On the CPU the products are
     /// written into the shuffled layout directly.
-    fn forward_shuffled(&self, x: &Tensor, r: usize) -> Result<Tensor> {
+    pub(crate) fn forward_shuffled(&self, x: &Tensor, r: usize) -> Result<Tensor> {
         let x = x.contiguous()?;
         let fused = match &self.bf16 {
             Some((isa, w)) => {
@@ -114,7 +114,7 @@ impl Conv3x3 {
     }
 
     /// The same convolution with `shift` added to its bias.
-    fn add_to_bias(self, shift: &Tensor) -> Result<Self> {
+    pub(crate) fn add_to_bias(self, shift: &Tensor) -> Result<Self> {
         Ok(Self {
             bias: (&self.bias + shift)?,
             ..self
@@ -184,7 +184,7 @@ fn pixel_shuffle_nhwc_reordered(x: &Tensor, r: usize) -> Result<Tensor> {
 
 /// For output channel `(i*r + j)*c_out + c` of the reordered convolution, the official
 /// channel `c*r*r + i*r + j` it takes its weights from.
-fn shuffle_order(c_out: usize, r: usize) -> Vec<u32> {
+pub(crate) fn shuffle_order(c_out: usize, r: usize) -> Vec<u32> {
     let mut order = Vec::with_capacity(c_out * r * r);
     for ij in 0..r * r {
         for c in 0..c_out {
@@ -220,7 +220,7 @@ impl Dense {
     }
 
     /// Computes with bf16 products from now on; the f32 weight is dropped.
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
         if let Self::Candle(inner) = self {
             let (n, k) = inner.weight().dims2()?;
             let bias = match inner.bias() {
@@ -372,7 +372,7 @@ fn pack_bf16(w: &Tensor, kn: (usize, usize), strides: (usize, usize)) -> Result<
 }
 
 /// A 1x1 convolution applied to channels-last tokens is a linear layer.
-fn pointwise(cin: usize, cout: usize, vb: VarBuilder) -> Result<Dense> {
+pub(crate) fn pointwise(cin: usize, cout: usize, vb: VarBuilder) -> Result<Dense> {
     let w = vb.get((cout, cin, 1, 1), "weight")?.reshape((cout, cin))?;
     Ok(Dense::new(w, vb.get(cout, "bias")?))
 }
@@ -589,22 +589,48 @@ impl SwinBlock {
         attention: Attention,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let dim = cfg.block_dim(k);
-        Ok(Self {
-            norm1: load_layer_norm(dim, vb.pp("norm1"))?,
-            attn: WindowAttention::new(dim, cfg.heads[g][k], cfg.window, attention, vb.pp("attn"))?,
-            norm2: load_layer_norm(dim, vb.pp("norm2"))?,
-            mlp: Mlp::new(dim, cfg.mlp_hidden[k], vb.pp("mlp"))?,
+        let shape = BlockShape {
+            dim: cfg.block_dim(k),
+            heads: cfg.heads[g][k],
+            mlp_hidden: cfg.mlp_hidden[k],
             window: cfg.window,
             // swin2 and swin4 (odd positions) use shifted windows.
             shifted: k % 2 == 1,
+        };
+        Self::with_shape(shape, windows, attention, vb)
+    }
+
+    /// The block of any Swin-family network: width, heads, MLP width, window and shift.
+    pub(crate) fn with_shape(
+        s: BlockShape,
+        windows: &WindowCache,
+        attention: Attention,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Ok(Self {
+            norm1: load_layer_norm(s.dim, vb.pp("norm1"))?,
+            attn: WindowAttention::new(s.dim, s.heads, s.window, attention, vb.pp("attn"))?,
+            norm2: load_layer_norm(s.dim, vb.pp("norm2"))?,
+            mlp: Mlp::new(s.dim, s.mlp_hidden, vb.pp("mlp"))?,
+            window: s.window,
+            shifted: s.shifted,
             windows: windows.clone(),
         })
     }
 }
 
+/// The shape of one Swin block (see [`SwinBlock::with_shape`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockShape {
+    pub dim: usize,
+    pub heads: usize,
+    pub mlp_hidden: usize,
+    pub window: usize,
+    pub shifted: bool,
+}
+
 impl SwinBlock {
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
         self.attn.use_bf16(isa)?;
         self.mlp.use_bf16(isa)
     }
@@ -768,10 +794,6 @@ impl Drct {
         })
     }
 
-    pub fn config(&self) -> &DrctConfig {
-        &self.config
-    }
-
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -860,7 +882,7 @@ pub fn reflect_indices(size: usize, padded: usize) -> Vec<u32> {
         .collect()
 }
 
-fn reflect_pad_bottom_right(x: &Tensor, ws: usize) -> Result<Tensor> {
+pub(crate) fn reflect_pad_bottom_right(x: &Tensor, ws: usize) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     let (hp, wp) = (h.div_ceil(ws) * ws, w.div_ceil(ws) * ws);
     let mut x = x.clone();

@@ -1,5 +1,7 @@
-//! The DRCT model: config inference, checkpoint reading, the network and its caches.
+//! The models: config inference, checkpoint reading, the networks (DRCT and SwinIR) and
+//! their caches.
 
+pub mod arch;
 pub mod bf16;
 pub mod cache;
 pub mod checkpoint;
@@ -11,14 +13,17 @@ pub mod fused;
 pub mod norm;
 pub mod ops;
 pub mod rowwise;
+pub mod swinir;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
+pub use arch::ArchConfig;
 pub use checkpoint::{Checkpoint, Source};
 pub use config::DrctConfig;
 pub use drct::Drct;
 pub use fused::Attention;
+pub use swinir::{SwinIr, SwinIrConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -53,9 +58,51 @@ impl ModelError {
     }
 }
 
+/// One of the supported networks, built.
+pub enum Network {
+    Drct(Drct),
+    SwinIr(SwinIr),
+}
+
+impl Network {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Self::Drct(n) => n.dtype(),
+            Self::SwinIr(n) => n.dtype(),
+        }
+    }
+
+    fn use_bf16_products(&mut self, isa: bf16::Isa) -> candle_core::Result<()> {
+        match self {
+            Self::Drct(n) => n.use_bf16_products(isa),
+            Self::SwinIr(n) => n.use_bf16_products(isa),
+        }
+    }
+
+    #[cfg(test)]
+    /// Number of distinct padded sizes whose shift mask (or region labels) is cached.
+    pub fn cached_masks(&self) -> usize {
+        match self {
+            Self::Drct(n) => n.cached_masks(),
+            Self::SwinIr(n) => n.cached_masks(),
+        }
+    }
+}
+
+impl Module for Network {
+    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)`, unclamped.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Drct(n) => n.forward(x),
+            Self::SwinIr(n) => n.forward(x),
+        }
+    }
+}
+
 /// A network ready to run.
 pub struct Model {
-    pub net: Drct,
+    pub net: Network,
+    config: ArchConfig,
 }
 
 impl Model {
@@ -94,13 +141,19 @@ impl Model {
         };
         let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
         let vb = VarBuilder::from_tensors(ck.tensors, vb_dtype, device);
-        let mut net = Drct::with_attention(&ck.config, vb, attention)
-            .map_err(|e| build_error(e.to_string()))?;
+        let mut net = match &ck.config {
+            ArchConfig::Drct(c) => Drct::with_attention(c, vb, attention).map(Network::Drct),
+            ArchConfig::SwinIr(c) => SwinIr::with_attention(c, vb, attention).map(Network::SwinIr),
+        }
+        .map_err(|e| build_error(e.to_string()))?;
         if let Some(isa) = isa {
             net.use_bf16_products(isa)
                 .map_err(|e| build_error(e.to_string()))?;
         }
-        Ok(Self { net })
+        Ok(Self {
+            net,
+            config: ck.config,
+        })
     }
 
     #[cfg(test)]
@@ -108,7 +161,7 @@ impl Model {
         Self::from_checkpoint(Checkpoint::load(path)?, dtype, device)
     }
 
-    pub fn config(&self) -> &DrctConfig {
-        self.net.config()
+    pub fn config(&self) -> &ArchConfig {
+        &self.config
     }
 }

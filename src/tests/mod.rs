@@ -10,6 +10,7 @@ mod golden;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod lanes;
+mod swinir;
 mod tile_blend;
 
 /// x2, one group: the fastest real model, used wherever the model itself is not the point.
