@@ -2000,21 +2000,50 @@ fn swinir_model_runs_describes_itself_and_converts() {
 /// A checkpoint of an architecture this build does not run gets one line naming it and what
 /// is supported.
 #[test]
-fn hat_checkpoint_is_named_and_refused() {
+fn swin2sr_checkpoint_is_named_and_refused() {
     let d = tempdir();
     with_input(d.path());
     let mut tensors =
         candle_core::safetensors::load(golden("swinir/classical_x2.safetensors"), &Device::Cpu)
             .unwrap();
     tensors.insert(
-        "layers.0.residual_group.overlap_attn.qkv.weight".into(),
-        Tensor::zeros((72, 24), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        "layers.0.residual_group.blocks.0.attn.logit_scale".into(),
+        Tensor::zeros((6, 1, 1), candle_core::DType::F32, &Device::Cpu).unwrap(),
     );
-    candle_core::safetensors::save(&tensors, d.path().join("hat.safetensors")).unwrap();
+    candle_core::safetensors::save(&tensors, d.path().join("swin2sr.safetensors")).unwrap();
     assert_rejected(
         d.path(),
-        &mut with_model(d.path(), "hat.safetensors"),
+        &mut with_model(d.path(), "swin2sr.safetensors"),
         2,
-        &["hat.safetensors", "HAT", "SwinIR"],
+        &["swin2sr.safetensors", "Swin2SR", "SwinIR", "HAT"],
     );
+}
+
+/// A HAT checkpoint (official `.pth` layout) describes itself and upscales.
+#[test]
+fn hat_model_runs_and_describes_itself() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    let pth = golden("hat/hat_x4_ema.pth");
+    let run = bare(dir)
+        .args(["info", "--json"])
+        .arg(&pth)
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    assert_eq!(v["architecture"], "HAT");
+    assert_eq!(v["scale"], 4);
+    assert_eq!(v["overlap_ratio"], 0.5);
+    assert_eq!(v["compress_ratio"], 2.0);
+    let r = assert_cmd::Command::new(bin())
+        .current_dir(dir)
+        .arg("-m")
+        .arg(&pth)
+        .args(["--device", "cpu", "in.png", "-o", "out.png"])
+        .output()
+        .unwrap();
+    assert_success(&r);
+    assert_eq!(open(&dir.join("out.png")).dimensions(), (80, 64));
 }

@@ -37,6 +37,7 @@ pub fn convert(input: &Path, output: &Path, dtype: DType) -> Result<()> {
     let arch = match &ck.config {
         crate::model::ArchConfig::Drct(_) => "DRCT",
         crate::model::ArchConfig::SwinIr(_) => "SwinIR",
+        crate::model::ArchConfig::Hat(_) => "HAT",
     };
     meta.insert("architecture".to_string(), arch.to_string());
     meta.insert(

@@ -2,12 +2,13 @@
 
 use serde_json::json;
 
-use crate::model::{ArchConfig, Checkpoint, DrctConfig, SwinIrConfig};
+use crate::model::{ArchConfig, Checkpoint, DrctConfig, HatConfig, SwinIrConfig};
 
 pub fn describe(ck: &Checkpoint) -> serde_json::Value {
     match &ck.config {
         ArchConfig::Drct(c) => describe_drct(ck, c),
         ArchConfig::SwinIr(c) => describe_swinir(ck, c),
+        ArchConfig::Hat(c) => describe_hat(ck, c),
     }
 }
 
@@ -66,6 +67,39 @@ fn describe_swinir(ck: &Checkpoint, c: &SwinIrConfig) -> serde_json::Value {
         "head_dims": uniform(&head_dims),
         "mlp_hidden": c.mlp_hidden,
         "num_feat": (c.num_feat > 0).then_some(c.num_feat),
+        "patch_norm": c.patch_norm,
+        "state_dict_key": ck.wrapper,
+    })
+}
+
+fn describe_hat(ck: &Checkpoint, c: &HatConfig) -> serde_json::Value {
+    let uniform = |v: &[usize]| {
+        if v.iter().all(|x| *x == v[0]) {
+            json!(v[0])
+        } else {
+            json!(v)
+        }
+    };
+    let head_dims: Vec<usize> = (0..c.heads.len()).map(|i| c.head_dim(i)).collect();
+    json!({
+        "model": ck.source.to_string(),
+        "name": ck.metadata.get("upscale.name"),
+        "architecture": ck.config.name(),
+        "scale": c.scale,
+        "parameters": ck.config.parameter_count(),
+        "groups": c.depths.len(),
+        "depths": uniform(&c.depths),
+        "embed_dim": c.embed_dim,
+        "window": c.window,
+        "overlap_window": c.overlap_window,
+        "overlap_ratio": c.overlap_ratio(),
+        "compress_ratio": c.compress_ratio(),
+        "squeeze_factor": c.squeeze_factor(),
+        "conv_scale": crate::model::hat::CONV_SCALE,
+        "heads": uniform(&c.heads),
+        "head_dims": uniform(&head_dims),
+        "mlp_hidden": c.mlp_hidden,
+        "num_feat": c.num_feat,
         "patch_norm": c.patch_norm,
         "state_dict_key": ck.wrapper,
     })

@@ -6,16 +6,19 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
+use super::hat::HatConfig;
 use super::swinir::SwinIrConfig;
 
 /// The architectures this build runs, for messages.
-pub const SUPPORTED: &str = "DRCT and SwinIR (classical, lightweight and real-world x2/x3/x4)";
+pub const SUPPORTED: &str =
+    "DRCT, SwinIR (classical, lightweight and real-world x2/x3/x4) and HAT (HAT-S, HAT, HAT-L, Real_HAT_GAN)";
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum ArchConfig {
     Drct(DrctConfig),
     SwinIr(SwinIrConfig),
+    Hat(HatConfig),
 }
 
 impl ArchConfig {
@@ -25,9 +28,9 @@ impl ArchConfig {
         let swin_family =
             any(&|k| k.starts_with("layers.") && k.contains(".residual_group.blocks."));
         if swin_family && any(&|k| k.contains(".conv_block.") || k.contains(".overlap_attn.")) {
-            return Err(unsupported(
-                "a HAT checkpoint (channel-attention and overlapping cross-attention blocks)",
-            ));
+            return HatConfig::infer(shapes)
+                .map(Self::Hat)
+                .map_err(|e| format!("HAT checkpoint: {e}"));
         }
         if swin_family && any(&|k| k.ends_with(".logit_scale") || k.contains(".cpb_mlp.")) {
             return Err(unsupported(
@@ -64,6 +67,7 @@ impl ArchConfig {
             Self::Drct(c) if c.groups >= 12 => "DRCT-L",
             Self::Drct(_) => "DRCT",
             Self::SwinIr(c) => c.variant(),
+            Self::Hat(c) => c.variant(),
         }
     }
 
@@ -71,6 +75,7 @@ impl ArchConfig {
         match self {
             Self::Drct(c) => c.window,
             Self::SwinIr(c) => c.window,
+            Self::Hat(c) => c.window,
         }
     }
 
@@ -78,6 +83,7 @@ impl ArchConfig {
         match self {
             Self::Drct(c) => c.scale,
             Self::SwinIr(c) => c.scale,
+            Self::Hat(c) => c.scale,
         }
     }
 
@@ -85,6 +91,7 @@ impl ArchConfig {
         match self {
             Self::Drct(c) => c.parameter_count(),
             Self::SwinIr(c) => c.parameter_count(),
+            Self::Hat(c) => c.parameter_count(),
         }
     }
 
@@ -92,6 +99,7 @@ impl ArchConfig {
         match self {
             Self::Drct(c) => c.flops(h, w),
             Self::SwinIr(c) => c.flops(h, w),
+            Self::Hat(c) => c.flops(h, w),
         }
     }
 
@@ -99,6 +107,7 @@ impl ArchConfig {
         match self {
             Self::Drct(c) => c.largest_tensor_per_pixel(scores_in_memory),
             Self::SwinIr(c) => c.largest_tensor_per_pixel(scores_in_memory),
+            Self::Hat(c) => c.largest_tensor_per_pixel(scores_in_memory),
         }
     }
 
@@ -111,6 +120,7 @@ impl ArchConfig {
                 .max()
                 .unwrap_or(0),
             Self::SwinIr(c) => (0..c.heads.len()).map(|i| c.head_dim(i)).max().unwrap_or(0),
+            Self::Hat(c) => (0..c.heads.len()).map(|i| c.head_dim(i)).max().unwrap_or(0),
         }
     }
 
@@ -119,6 +129,7 @@ impl ArchConfig {
         match self {
             Self::Drct(c) => c.heads.iter().flatten().copied().max().unwrap_or(1),
             Self::SwinIr(c) => c.heads.iter().copied().max().unwrap_or(1),
+            Self::Hat(c) => c.heads.iter().copied().max().unwrap_or(1),
         }
     }
 
@@ -127,6 +138,7 @@ impl ArchConfig {
         match self {
             Self::Drct(c) => c.block_dim(BLOCKS_PER_GROUP - 1),
             Self::SwinIr(c) => c.embed_dim,
+            Self::Hat(c) => c.embed_dim,
         }
     }
 
@@ -135,6 +147,7 @@ impl ArchConfig {
         match self {
             Self::Drct(c) => c.mlp_hidden.iter().copied().max().unwrap_or(0),
             Self::SwinIr(c) => c.mlp_hidden,
+            Self::Hat(c) => c.mlp_hidden.max(c.ocab_mlp_hidden),
         }
     }
 
@@ -143,6 +156,7 @@ impl ArchConfig {
         match self {
             Self::Drct(c) => c.num_feat,
             Self::SwinIr(c) => c.num_feat.max(3),
+            Self::Hat(c) => c.num_feat,
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Reading model weights (DRCT, SwinIR) from `.safetensors` and PyTorch `.pth` files.
+//! Reading model weights (DRCT, SwinIR, HAT) from `.safetensors` and PyTorch `.pth` files.
 //!
 //! The file format is told by content, not extension: safetensors starts with a little-endian
 //! header length, a modern `.pth` is a zip archive. Key names are normalised (wrappers,
@@ -241,7 +241,11 @@ fn pth_top_level_keys(path: &Path) -> Result<Vec<String>, String> {
 
 /// Buffers the official model registers: derived data that we recompute, never weights.
 fn is_buffer(name: &str) -> bool {
-    name.ends_with("relative_position_index") || name.ends_with("attn_mask")
+    name.ends_with("relative_position_index")
+        || name.ends_with("attn_mask")
+        // HAT's model-level indices for its window and overlapping cross-attention.
+        || name == "relative_position_index_SA"
+        || name == "relative_position_index_OCA"
 }
 
 fn looks_like_safetensors(bytes: &[u8]) -> bool {

@@ -406,7 +406,7 @@ impl Mlp {
 }
 
 impl Mlp {
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
         self.fc1.use_bf16(isa)?;
         self.fc2.use_bf16(isa)
     }
@@ -415,7 +415,7 @@ impl Mlp {
 impl Mlp {
     /// `residual + mlp(x)`. Takes the residual by value: on CUDA in bf16 and f16 the second
     /// layer adds onto its buffer in place.
-    fn forward_residual(&self, x: &Tensor, residual: Tensor) -> Result<Tensor> {
+    pub(crate) fn forward_residual(&self, x: &Tensor, residual: Tensor) -> Result<Tensor> {
         // The official model uses nn.GELU(): the exact erf form, not the tanh approximation.
         let hidden = self.fc1.forward_gelu(x)?;
         if let Some(y) = self.fc2.accumulate_onto(&hidden, residual.clone())? {
@@ -639,6 +639,19 @@ impl SwinBlock {
 impl Module for SwinBlock {
     /// `x`: `(B, H, W, C)` with H and W multiples of the window.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_plus(x, None)
+    }
+}
+
+impl SwinBlock {
+    /// The block's first LayerNorm, for a branch that reads the same normalised input.
+    pub(crate) fn norm1(&self) -> &LayerNorm {
+        &self.norm1
+    }
+
+    /// The block with `extra` `(B, H, W, C)` added to the attention's residual sum, before
+    /// the MLP (HAT's convolution branch).
+    pub(crate) fn forward_plus(&self, x: &Tensor, extra: Option<&Tensor>) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let ws = self.window;
         let (nh, nw) = (h / ws, w / ws);
@@ -652,6 +665,10 @@ impl Module for SwinBlock {
         } else {
             self.attn
                 .forward(&windows, (h, w), self.shifted, &self.windows)?
+        };
+        let x = match extra {
+            Some(e) => (x + e.reshape((b, h * w, c))?)?,
+            None => x,
         };
         let (x, normed) = add_gather_norm(&self.norm2, &x, &y.reshape((b, h * w, c))?, &back)?;
         self.mlp.forward_residual(&normed, x)?.reshape((b, h, w, c))

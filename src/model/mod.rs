@@ -1,4 +1,4 @@
-//! The models: config inference, checkpoint reading, the networks (DRCT and SwinIR) and
+//! The models: config inference, checkpoint reading, the networks (DRCT, SwinIR, HAT) and
 //! their caches.
 
 pub mod arch;
@@ -10,6 +10,7 @@ pub mod cuda_off;
 pub mod drct;
 pub mod epilogue;
 pub mod fused;
+pub mod hat;
 pub mod norm;
 pub mod ops;
 pub mod rowwise;
@@ -23,6 +24,7 @@ pub use checkpoint::{Checkpoint, Source};
 pub use config::DrctConfig;
 pub use drct::Drct;
 pub use fused::Attention;
+pub use hat::{Hat, HatConfig};
 pub use swinir::{SwinIr, SwinIrConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +64,7 @@ impl ModelError {
 pub enum Network {
     Drct(Drct),
     SwinIr(SwinIr),
+    Hat(Hat),
 }
 
 impl Network {
@@ -69,6 +72,7 @@ impl Network {
         match self {
             Self::Drct(n) => n.dtype(),
             Self::SwinIr(n) => n.dtype(),
+            Self::Hat(n) => n.dtype(),
         }
     }
 
@@ -76,6 +80,7 @@ impl Network {
         match self {
             Self::Drct(n) => n.use_bf16_products(isa),
             Self::SwinIr(n) => n.use_bf16_products(isa),
+            Self::Hat(n) => n.use_bf16_products(isa),
         }
     }
 
@@ -85,6 +90,7 @@ impl Network {
         match self {
             Self::Drct(n) => n.cached_masks(),
             Self::SwinIr(n) => n.cached_masks(),
+            Self::Hat(n) => n.cached_masks(),
         }
     }
 }
@@ -95,6 +101,7 @@ impl Module for Network {
         match self {
             Self::Drct(n) => n.forward(x),
             Self::SwinIr(n) => n.forward(x),
+            Self::Hat(n) => n.forward(x),
         }
     }
 }
@@ -144,6 +151,7 @@ impl Model {
         let mut net = match &ck.config {
             ArchConfig::Drct(c) => Drct::with_attention(c, vb, attention).map(Network::Drct),
             ArchConfig::SwinIr(c) => SwinIr::with_attention(c, vb, attention).map(Network::SwinIr),
+            ArchConfig::Hat(c) => Hat::with_attention(c, vb, attention).map(Network::Hat),
         }
         .map_err(|e| build_error(e.to_string()))?;
         if let Some(isa) = isa {

@@ -420,7 +420,7 @@ impl SwinIrConfig {
 }
 
 /// The product of the classical upsampler's pixel-shuffle stages (`upsample.0`, `.2`, ...).
-fn pixel_shuffle_scale(
+pub(crate) fn pixel_shuffle_scale(
     shapes: &BTreeMap<String, Vec<usize>>,
     f: usize,
 ) -> std::result::Result<usize, String> {
@@ -478,7 +478,7 @@ pub(crate) fn check_shapes(
     Ok(())
 }
 
-fn isqrt(n: usize) -> usize {
+pub(crate) fn isqrt(n: usize) -> usize {
     let mut r = (n as f64).sqrt() as usize;
     while r * r > n {
         r -= 1;

@@ -9,6 +9,7 @@ pub(crate) mod fixtures;
 mod golden;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod hat;
 mod lanes;
 mod swinir;
 mod tile_blend;

@@ -280,14 +280,29 @@ fn swinir_bad_checkpoints_name_the_tensor() {
 fn foreign_architectures_get_one_line_naming_what_was_found() {
     let base = shapes(&dir().join("classical_x2.safetensors"));
     let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &Device::Cpu).unwrap();
+    let mut swin2sr = base.clone();
+    swin2sr.push((
+        "layers.0.residual_group.blocks.0.attn.logit_scale".into(),
+        z(&[6, 1, 1]),
+    ));
+    let e = load_bytes(&swin2sr).unwrap_err();
+    assert!(
+        e.contains("Swin2SR") && e.contains("SwinIR") && e.contains("HAT"),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1, "{e}");
+
+    // A HAT file missing a tensor is read as HAT, and the tensor named.
     let mut hat = base.clone();
     hat.push((
         "layers.0.residual_group.blocks.0.conv_block.cab.0.weight".into(),
         z(&[8, 24, 3, 3]),
     ));
     let e = load_bytes(&hat).unwrap_err();
-    assert!(e.contains("HAT") && e.contains("DRCT and SwinIR"), "{e}");
-    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(
+        e.contains("HAT checkpoint") && e.contains("missing tensor"),
+        "{e}"
+    );
 
     let esrgan = vec![
         ("conv_first.weight".to_string(), z(&[8, 3, 3, 3])),
