@@ -436,19 +436,21 @@ impl Engine {
     }
 
     /// The largest live set of one Swin block, per token: the attention scores and their
-    /// softmax (heads x N each, unless the fused kernel keeps them out of memory), the dense
-    /// concatenation, qkv and the MLP hidden layer, plus the
-    /// upsampler's high-resolution maps, at the engine's dtype.
+    /// softmax (heads x N each, unless the fused kernel keeps them out of memory; HAT's
+    /// cross-attention scores always), the dense concatenation, qkv and the MLP hidden
+    /// layer, plus the upsampler's high-resolution maps, at the engine's dtype.
     fn analytic_bytes_per_pixel(&self) -> f64 {
         let c = self.model.config();
         let n = (c.window() * c.window()) as f64;
         let d = c.widest_block() as f64;
         let heads = c.max_heads() as f64;
-        let scores = if self.scores_in_memory() {
-            3.0 * heads * n
+        let window_scores = if self.scores_in_memory() {
+            heads * n
         } else {
             0.0
         };
+        // Window and cross-attention scores live in different blocks, never together.
+        let scores = 3.0 * window_scores.max(c.unfused_scores_per_token() as f64);
         let tokens = scores + 6.0 * d + c.max_mlp_hidden() as f64;
         let s2 = (c.scale() * c.scale()) as f64;
         let upsampler = 3.0 * c.upsampler_channels() as f64 * s2;

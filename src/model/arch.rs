@@ -133,6 +133,17 @@ impl ArchConfig {
         }
     }
 
+    /// Attention scores per token that no fused kernel keeps out of memory: HAT's
+    /// overlapping cross-attention (heads x overlap window²), run as plain products.
+    pub fn unfused_scores_per_token(&self) -> usize {
+        match self {
+            Self::Hat(c) => {
+                c.heads.iter().copied().max().unwrap_or(1) * c.overlap_window * c.overlap_window
+            }
+            _ => 0,
+        }
+    }
+
     /// The widest input of any Swin block.
     pub fn widest_block(&self) -> usize {
         match self {
