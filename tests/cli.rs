@@ -1944,3 +1944,106 @@ fn version_names_the_build() {
     };
     assert!(text.contains(want), "{want} missing from:\n{text}");
 }
+
+// ---------------------------------------------------------------- SwinIR
+
+/// A SwinIR checkpoint (the official `.pth` layout with `params_ema`) upscales, describes
+/// itself, and converts to safetensors that give the same pixels.
+#[test]
+fn swinir_model_runs_describes_itself_and_converts() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    let pth = golden("swinir/classical_x4_ema.pth");
+
+    let run = bare(dir)
+        .args(["info", "--json"])
+        .arg(&pth)
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    assert!(
+        v["architecture"].as_str().unwrap().starts_with("SwinIR"),
+        "{v}"
+    );
+    assert_eq!(v["upsampler"], "pixelshuffle");
+    assert_eq!(v["resi_connection"], "1conv");
+    assert_eq!(v["scale"], 4);
+    assert_eq!(v["window"], 8);
+    assert_eq!(v["state_dict_key"], "params_ema");
+
+    let run = bare(dir)
+        .arg("convert")
+        .arg(&pth)
+        .arg("converted.safetensors")
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let up = |model: &Path, out: &str| {
+        let r = assert_cmd::Command::new(bin())
+            .current_dir(dir)
+            .arg("-m")
+            .arg(model)
+            .args(["--device", "cpu", "in.png", "-o", out])
+            .output()
+            .unwrap();
+        assert_success(&r);
+        open(&dir.join(out))
+    };
+    let a = up(&pth, "pth.png");
+    assert_eq!(a.dimensions(), (80, 64), "x4 of 20x16");
+    let b = up(&dir.join("converted.safetensors"), "st.png");
+    assert!(a.as_bytes() == b.as_bytes(), "outputs differ");
+}
+
+/// A checkpoint of an architecture this build does not run gets one line naming it and what
+/// is supported.
+#[test]
+fn swin2sr_checkpoint_is_named_and_refused() {
+    let d = tempdir();
+    with_input(d.path());
+    let mut tensors =
+        candle_core::safetensors::load(golden("swinir/classical_x2.safetensors"), &Device::Cpu)
+            .unwrap();
+    tensors.insert(
+        "layers.0.residual_group.blocks.0.attn.logit_scale".into(),
+        Tensor::zeros((6, 1, 1), candle_core::DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, d.path().join("swin2sr.safetensors")).unwrap();
+    assert_rejected(
+        d.path(),
+        &mut with_model(d.path(), "swin2sr.safetensors"),
+        2,
+        &["swin2sr.safetensors", "Swin2SR", "SwinIR", "HAT"],
+    );
+}
+
+/// A HAT checkpoint (official `.pth` layout) describes itself and upscales.
+#[test]
+fn hat_model_runs_and_describes_itself() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    let pth = golden("hat/hat_x4_ema.pth");
+    let run = bare(dir)
+        .args(["info", "--json"])
+        .arg(&pth)
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    assert_eq!(v["architecture"], "HAT");
+    assert_eq!(v["scale"], 4);
+    assert_eq!(v["overlap_ratio"], 0.5);
+    assert_eq!(v["compress_ratio"], 2.0);
+    let r = assert_cmd::Command::new(bin())
+        .current_dir(dir)
+        .arg("-m")
+        .arg(&pth)
+        .args(["--device", "cpu", "in.png", "-o", "out.png"])
+        .output()
+        .unwrap();
+    assert_success(&r);
+    assert_eq!(open(&dir.join("out.png")).dimensions(), (80, 64));
+}

@@ -59,7 +59,7 @@ pub fn run(
     sorted.sort_by(|a, b| a.total_cmp(b));
     let median = sorted[sorted.len() / 2];
     let cfg = engine.model.config();
-    let ws = cfg.window;
+    let ws = cfg.window();
     let (th, tw) = stats.tile_shape;
     let flops_per_tile = cfg.flops(th.div_ceil(ws) * ws, tw.div_ceil(ws) * ws);
     let flops = flops_per_tile * stats.tiles as f64;
@@ -79,7 +79,7 @@ pub fn run(
         // UPSCALE_PAD_CHANNELS: the multiple every channel width was padded to, 0 for none.
         "pad_channels": engine.model.net.padding().multiple(),
         "input": [image.height, image.width],
-        "scale": cfg.scale,
+        "scale": cfg.scale(),
         "tile": [th, tw],
         "tiles": stats.tiles,
         "batch": stats.batch,

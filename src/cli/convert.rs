@@ -34,7 +34,12 @@ pub fn convert(input: &Path, output: &Path, dtype: DType) -> Result<()> {
     }
     let mut meta = HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    meta.insert("architecture".to_string(), "DRCT".to_string());
+    let arch = match &ck.config {
+        crate::model::ArchConfig::Drct(_) => "DRCT",
+        crate::model::ArchConfig::SwinIr(_) => "SwinIR",
+        crate::model::ArchConfig::Hat(_) => "HAT",
+    };
+    meta.insert("architecture".to_string(), arch.to_string());
     meta.insert(
         "upscale.config".to_string(),
         serde_json::to_string(&ck.config)?,

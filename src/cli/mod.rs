@@ -53,7 +53,7 @@ const LONG_VERSION: &str =
     name = "upscale",
     version,
     long_version = LONG_VERSION,
-    about = "DRCT super-resolution: official weights, seamless tiles, CPU and CUDA",
+    about = "DRCT, SwinIR and HAT super-resolution: official weights, seamless tiles, CPU and CUDA",
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
 )]

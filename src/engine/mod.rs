@@ -370,12 +370,7 @@ impl Engine {
     /// Whether a forward pass materialises the attention scores: everywhere but on a GPU
     /// with the fused kernel, which takes heads up to its maximum width.
     fn scores_in_memory(&self) -> bool {
-        let cfg = self.model.config();
-        let widest_head = (0..cfg.groups)
-            .flat_map(|g| (0..crate::model::config::BLOCKS_PER_GROUP).map(move |k| (g, k)))
-            .map(|(g, k)| cfg.head_dim(g, k))
-            .max()
-            .unwrap_or(0);
+        let widest_head = self.model.config().widest_head_dim();
         let fused = !self.device.is_cpu()
             && self.attention.is_fused()
             && widest_head <= crate::model::fused::MAX_HEAD_DIM;
@@ -417,26 +412,33 @@ impl Engine {
     }
 
     /// The largest live set of one Swin block, per token: the attention scores and their
-    /// softmax (heads x N each, unless the fused kernel keeps them out of memory), the dense
-    /// concatenation, qkv and the MLP hidden layer, plus the
-    /// upsampler's high-resolution maps, at the engine's dtype; at the padded widths when the
-    /// model's channels are padded (`UPSCALE_PAD_CHANNELS`).
+    /// softmax (heads x N each, unless the fused kernel keeps them out of memory; HAT's
+    /// cross-attention scores always), the dense concatenation, qkv and the MLP hidden
+    /// layer, plus the upsampler's high-resolution maps, at the engine's dtype; at the padded
+    /// widths when the model's channels are padded (`UPSCALE_PAD_CHANNELS`).
     fn analytic_bytes_per_pixel(&self) -> f64 {
         let c = self.model.config();
         let pad = self.model.net.padding();
-        let n = (c.window * c.window) as f64;
-        let k = crate::model::config::BLOCKS_PER_GROUP - 1;
-        let d = (pad.width(c.embed_dim) + k * pad.width(c.growth)) as f64;
-        let heads = c.heads.iter().flatten().copied().max().unwrap_or(1) as f64;
-        let scores = if self.scores_in_memory() {
-            3.0 * heads * n
+        let n = (c.window() * c.window()) as f64;
+        // A DRCT block's input is padded part by part: the group's input, then each growth.
+        let d = match c {
+            crate::model::ArchConfig::Drct(dc) => {
+                let k = crate::model::config::BLOCKS_PER_GROUP - 1;
+                pad.width(dc.embed_dim) + k * pad.width(dc.growth)
+            }
+            _ => c.widest_block(),
+        } as f64;
+        let heads = c.max_heads() as f64;
+        let window_scores = if self.scores_in_memory() {
+            heads * n
         } else {
             0.0
         };
-        let hidden = pad.width(c.mlp_hidden.iter().copied().max().unwrap_or(0)) as f64;
-        let tokens = scores + 6.0 * d + hidden;
-        let s2 = (c.scale * c.scale) as f64;
-        let upsampler = 3.0 * pad.width(c.num_feat) as f64 * s2;
+        // Window and cross-attention scores live in different blocks, never together.
+        let scores = 3.0 * window_scores.max(c.unfused_scores_per_token() as f64);
+        let tokens = scores + 6.0 * d + pad.width(c.max_mlp_hidden()) as f64;
+        let s2 = (c.scale() * c.scale()) as f64;
+        let upsampler = 3.0 * pad.width(c.upsampler_channels()) as f64 * s2;
         (tokens + upsampler) * self.model.net.dtype().size_in_bytes() as f64
     }
 
@@ -444,7 +446,7 @@ impl Engine {
         if !self.device.is_cpu() {
             return None;
         }
-        let ws = self.model.config().window;
+        let ws = self.model.config().window();
         let side = 4 * ws;
         // Reset the kernel's peak-RSS mark so the probe's own peak is what we read.
         probe::reset_peak_rss()?;
@@ -456,7 +458,7 @@ impl Engine {
     }
 
     pub fn scale(&self) -> usize {
-        self.model.config().scale
+        self.model.config().scale()
     }
 
     /// Run the whole image through the network at once.
@@ -495,7 +497,7 @@ impl crate::tile::auto::TileCost for Engine {
     }
 
     fn window(&self) -> usize {
-        self.model.config().window
+        self.model.config().window()
     }
 
     fn on_cpu(&self) -> bool {

@@ -1,4 +1,4 @@
-//! Reading DRCT weights from `.safetensors` and PyTorch `.pth` files.
+//! Reading model weights (DRCT, SwinIR, HAT) from `.safetensors` and PyTorch `.pth` files.
 //!
 //! The file format is told by content, not extension: safetensors starts with a little-endian
 //! header length, a modern `.pth` is a zip archive. Key names are normalised (wrappers,
@@ -11,7 +11,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
-use super::config::DrctConfig;
+use super::arch::ArchConfig;
 use super::ModelError;
 
 /// Where the weights came from, for messages and `upscale info`.
@@ -30,11 +30,11 @@ impl std::fmt::Display for Source {
     }
 }
 
-/// A validated DRCT state dict: f32 tensors on the CPU, official key names, no buffers.
+/// A validated state dict of a supported architecture: f32 tensors on the CPU, official key names, no buffers.
 #[derive(Clone)]
 pub struct Checkpoint {
     pub source: Source,
-    pub config: DrctConfig,
+    pub config: ArchConfig,
     pub tensors: HashMap<String, Tensor>,
     /// safetensors metadata, when the file had any.
     pub metadata: BTreeMap<String, String>,
@@ -164,7 +164,7 @@ impl Checkpoint {
             .iter()
             .map(|(k, v)| (k.clone(), v.dims().to_vec()))
             .collect();
-        let config = DrctConfig::infer(&shapes).map_err(|msg| ModelError::file(&source, &msg))?;
+        let config = ArchConfig::infer(&shapes).map_err(|msg| ModelError::file(&source, &msg))?;
         Ok(Self {
             source,
             config,
@@ -243,7 +243,11 @@ fn pth_top_level_keys(path: &Path) -> Result<Vec<String>, String> {
 
 /// Buffers the official model registers: derived data that we recompute, never weights.
 fn is_buffer(name: &str) -> bool {
-    name.ends_with("relative_position_index") || name.ends_with("attn_mask")
+    name.ends_with("relative_position_index")
+        || name.ends_with("attn_mask")
+        // HAT's model-level indices for its window and overlapping cross-attention.
+        || name == "relative_position_index_SA"
+        || name == "relative_position_index_OCA"
 }
 
 fn looks_like_safetensors(bytes: &[u8]) -> bool {

@@ -18,18 +18,23 @@ use super::pad_channels::{Channels, Pad};
 use super::rowwise::{self, Act};
 
 /// The RGB mean the official model subtracts (img_range 1.0); not stored in checkpoints.
-const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
+pub(crate) const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
 /// LayerNorm epsilon of torch's default, which the official model uses.
 const LN_EPS: f64 = 1e-5;
 /// Slope of the LeakyReLU inside residual dense groups.
 const RDG_SLOPE: f64 = 0.2;
 /// `nn.LeakyReLU()`'s default slope, used after `conv_before_upsample`.
-const UPSAMPLE_SLOPE: f64 = 0.01;
+pub(crate) const UPSAMPLE_SLOPE: f64 = 0.01;
 /// Residual scaling of a group's output.
 const RDG_RESIDUAL: f64 = 0.2;
 
 fn load_norm(channels: &Channels, vb: VarBuilder) -> Result<Norm> {
     Norm::load(channels, LN_EPS, vb)
+}
+
+/// A layer norm over `dim` unpadded channels (the other Swin-family networks' norms).
+pub(crate) fn load_layer_norm(dim: usize, vb: VarBuilder) -> Result<Norm> {
+    load_norm(&Pad::OFF.one(dim), vb)
 }
 
 /// The channels of the input of block `k` of a group: the group's input, then each earlier
@@ -88,6 +93,11 @@ impl Conv3x3 {
         })
     }
 
+    /// The convolution stored under `vb` from `cin` to `cout` channels, none padded.
+    pub(crate) fn unpadded(cin: usize, cout: usize, vb: VarBuilder) -> Result<Self> {
+        Self::new(&Pad::OFF.one(cin), cout, vb)
+    }
+
     /// The same convolution writing its outputs spread as `cout` says, zeros between.
     fn spread_outputs(self, cout: &Channels) -> Result<Self> {
         Ok(Self {
@@ -99,7 +109,7 @@ impl Conv3x3 {
 
     /// Computes with bf16 products from now on and drops the f32 weight. Narrow
     /// convolutions (the RGB output) keep f32: they are computed directly, not as a GEMM.
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
         let (k, cout) = self.weight.dims2()?;
         if cout <= super::ops::NARROW_CONV {
             return Ok(());
@@ -110,7 +120,7 @@ impl Conv3x3 {
     }
 
     /// The same convolution with output channel k computing the old channel `order[k]`.
-    fn reorder_outputs(self, order: Vec<u32>) -> Result<Self> {
+    pub(crate) fn reorder_outputs(self, order: Vec<u32>) -> Result<Self> {
         let idx = Tensor::from_vec(order, self.bias.dim(0)?, self.bias.device())?;
         Ok(Self {
             weight: self.weight.index_select(&idx, 1)?,
@@ -122,7 +132,7 @@ impl Conv3x3 {
     /// This convolution followed by PixelShuffle by `r`, its outputs being in (i, j, c)
     /// order ([`Self::reorder_outputs`] with [`shuffle_order`]). On the CPU the products are
     /// written into the shuffled layout directly.
-    fn forward_shuffled(&self, x: &Tensor, r: usize) -> Result<Tensor> {
+    pub(crate) fn forward_shuffled(&self, x: &Tensor, r: usize) -> Result<Tensor> {
         let x = x.contiguous()?;
         let fused = match &self.bf16 {
             Some((isa, w)) => {
@@ -139,7 +149,7 @@ impl Conv3x3 {
     }
 
     /// The same convolution with `shift` added to its bias.
-    fn add_to_bias(self, shift: &Tensor) -> Result<Self> {
+    pub(crate) fn add_to_bias(self, shift: &Tensor) -> Result<Self> {
         Ok(Self {
             bias: (&self.bias + shift)?,
             ..self
@@ -209,7 +219,7 @@ fn pixel_shuffle_nhwc_reordered(x: &Tensor, r: usize) -> Result<Tensor> {
 
 /// For output channel `(i*r + j)*c_out + c` of the reordered convolution, the official
 /// channel `c*r*r + i*r + j` it takes its weights from.
-fn shuffle_order(c_out: usize, r: usize) -> Vec<u32> {
+pub(crate) fn shuffle_order(c_out: usize, r: usize) -> Vec<u32> {
     let mut order = Vec::with_capacity(c_out * r * r);
     for ij in 0..r * r {
         for c in 0..c_out {
@@ -247,8 +257,13 @@ impl Dense {
         ))
     }
 
+    /// The `nn.Linear` stored under `vb`, from `cin` to `cout` channels, none padded.
+    pub(crate) fn load_unpadded(cin: usize, cout: usize, vb: VarBuilder) -> Result<Self> {
+        Self::load(&Pad::OFF.one(cin), &Pad::OFF.one(cout), vb)
+    }
+
     /// Computes with bf16 products from now on; the f32 weight is dropped.
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
         if let Self::Candle(inner) = self {
             let (n, k) = inner.weight().dims2()?;
             let bias = match inner.bias() {
@@ -405,9 +420,14 @@ fn pack_bf16(w: &Tensor, kn: (usize, usize), strides: (usize, usize)) -> Result<
     Ok(PackedB::new(values, kn, strides))
 }
 
+/// A 1x1 convolution applied to channels-last tokens is a linear layer (unpadded channels).
+pub(crate) fn pointwise(cin: usize, cout: usize, vb: VarBuilder) -> Result<Dense> {
+    pointwise_padded(&Pad::OFF.one(cin), &Pad::OFF.one(cout), 1.0, vb)
+}
+
 /// A 1x1 convolution applied to channels-last tokens is a linear layer; its output is
 /// multiplied by `scale` (weights and bias scaled at load).
-fn pointwise(cin: &Channels, cout: &Channels, scale: f64, vb: VarBuilder) -> Result<Dense> {
+fn pointwise_padded(cin: &Channels, cout: &Channels, scale: f64, vb: VarBuilder) -> Result<Dense> {
     let (ci, co) = (cin.real(), cout.real());
     let w = vb.get((co, ci, 1, 1), "weight")?.reshape((co, ci))?;
     let b = vb.get(co, "bias")?;
@@ -439,10 +459,15 @@ impl Mlp {
             fc2: Dense::load(hidden, dim, vb.pp("fc2"))?,
         })
     }
+
+    /// The MLP stored under `vb`, `dim` -> `hidden` -> `dim` channels, none padded.
+    pub(crate) fn unpadded(dim: usize, hidden: usize, vb: VarBuilder) -> Result<Self> {
+        Self::new(&Pad::OFF.one(dim), &Pad::OFF.one(hidden), vb)
+    }
 }
 
 impl Mlp {
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
         self.fc1.use_bf16(isa)?;
         self.fc2.use_bf16(isa)
     }
@@ -451,7 +476,7 @@ impl Mlp {
 impl Mlp {
     /// `residual + mlp(x)`. Takes the residual by value: on CUDA in bf16 and f16 the second
     /// layer adds onto its buffer in place.
-    fn forward_residual(&self, x: &Tensor, residual: Tensor) -> Result<Tensor> {
+    pub(crate) fn forward_residual(&self, x: &Tensor, residual: Tensor) -> Result<Tensor> {
         // The official model uses nn.GELU(): the exact erf form, not the tanh approximation.
         let hidden = self.fc1.forward_gelu(x)?;
         if let Some(y) = self.fc2.accumulate_onto(&hidden, residual.clone())? {
@@ -637,23 +662,70 @@ impl SwinBlock {
         pad: Pad,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let dim = block_channels(cfg, pad, k);
-        let heads = cfg.heads[g][k];
-        Ok(Self {
-            norm1: load_norm(&dim, vb.pp("norm1"))?,
-            attn: WindowAttention::new(&dim, heads, cfg.window, attention, pad, vb.pp("attn"))?,
-            norm2: load_norm(&dim, vb.pp("norm2"))?,
-            mlp: Mlp::new(&dim, &pad.one(cfg.mlp_hidden[k]), vb.pp("mlp"))?,
+        let shape = BlockShape {
+            dim: cfg.block_dim(k),
+            heads: cfg.heads[g][k],
+            mlp_hidden: cfg.mlp_hidden[k],
             window: cfg.window,
             // swin2 and swin4 (odd positions) use shifted windows.
             shifted: k % 2 == 1,
+        };
+        Self::padded(
+            shape,
+            &block_channels(cfg, pad, k),
+            pad,
+            windows,
+            attention,
+            vb,
+        )
+    }
+
+    /// The block of any Swin-family network: width, heads, MLP width, window and shift, its
+    /// channels unpadded.
+    pub(crate) fn with_shape(
+        s: BlockShape,
+        windows: &WindowCache,
+        attention: Attention,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let pad = Pad::OFF;
+        Self::padded(s, &pad.one(s.dim), pad, windows, attention, vb)
+    }
+
+    /// The block of shape `s` whose input channels are laid out as `dim`, each part padded
+    /// to `pad`'s multiple.
+    fn padded(
+        s: BlockShape,
+        dim: &Channels,
+        pad: Pad,
+        windows: &WindowCache,
+        attention: Attention,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Ok(Self {
+            norm1: load_norm(dim, vb.pp("norm1"))?,
+            attn: WindowAttention::new(dim, s.heads, s.window, attention, pad, vb.pp("attn"))?,
+            norm2: load_norm(dim, vb.pp("norm2"))?,
+            mlp: Mlp::new(dim, &pad.one(s.mlp_hidden), vb.pp("mlp"))?,
+            window: s.window,
+            shifted: s.shifted,
             windows: windows.clone(),
         })
     }
 }
 
+/// The shape of one Swin block (see [`SwinBlock::with_shape`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockShape {
+    pub dim: usize,
+    pub heads: usize,
+    pub mlp_hidden: usize,
+    pub window: usize,
+    pub shifted: bool,
+}
+
 impl SwinBlock {
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
         self.attn.use_bf16(isa)?;
         self.mlp.use_bf16(isa)
     }
@@ -662,6 +734,19 @@ impl SwinBlock {
 impl Module for SwinBlock {
     /// `x`: `(B, H, W, C)` with H and W multiples of the window.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_plus(x, None)
+    }
+}
+
+impl SwinBlock {
+    /// The block's first LayerNorm, for a branch that reads the same normalised input.
+    pub(crate) fn norm1(&self) -> &Norm {
+        &self.norm1
+    }
+
+    /// The block with `extra` `(B, H, W, C)` added to the attention's residual sum, before
+    /// the MLP (HAT's convolution branch).
+    pub(crate) fn forward_plus(&self, x: &Tensor, extra: Option<&Tensor>) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let ws = self.window;
         let (nh, nw) = (h / ws, w / ws);
@@ -675,6 +760,10 @@ impl Module for SwinBlock {
         } else {
             self.attn
                 .forward(&windows, (h, w), self.shifted, &self.windows)?
+        };
+        let x = match extra {
+            Some(e) => (x + e.reshape((b, h * w, c))?)?,
+            None => x,
         };
         let (x, normed) = add_gather_norm(&self.norm2, &x, &y.reshape((b, h * w, c))?, &back)?;
         self.mlp.forward_residual(&normed, x)?.reshape((b, h, w, c))
@@ -715,7 +804,7 @@ impl Rdg {
                 (cfg.growth, 1.0)
             };
             let vb = vb.pp(format!("adjust{}", k + 1));
-            adjust.push(pointwise(
+            adjust.push(pointwise_padded(
                 &block_channels(cfg, pad, k),
                 &pad.one(out),
                 scale,
@@ -842,10 +931,6 @@ impl Drct {
         })
     }
 
-    pub fn config(&self) -> &DrctConfig {
-        &self.config
-    }
-
     /// How the channels were padded at load.
     pub fn padding(&self) -> Pad {
         self.pad
@@ -939,7 +1024,7 @@ pub fn reflect_indices(size: usize, padded: usize) -> Vec<u32> {
         .collect()
 }
 
-fn reflect_pad_bottom_right(x: &Tensor, ws: usize) -> Result<Tensor> {
+pub(crate) fn reflect_pad_bottom_right(x: &Tensor, ws: usize) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     let (hp, wp) = (h.div_ceil(ws) * ws, w.div_ceil(ws) * ws);
     let mut x = x.clone();
@@ -965,9 +1050,13 @@ mod tests {
     fn fixture(name: &str, pad: Pad) -> Drct {
         let case = cases().into_iter().find(|c| c.name == name).expect(name);
         let ck = Checkpoint::load(&case.weights).unwrap();
-        pad_channels::with(pad, || Model::from_checkpoint(ck, DType::F32, &Device::Cpu))
+        match pad_channels::with(pad, || Model::from_checkpoint(ck, DType::F32, &Device::Cpu))
             .unwrap()
             .net
+        {
+            super::super::Network::Drct(net) => net,
+            _ => panic!("{name} is a DRCT fixture"),
+        }
     }
 
     /// The largest magnitude on the channels of `t`'s last axis that `ch` marks as padding.

@@ -1,5 +1,7 @@
-//! The DRCT model: config inference, checkpoint reading, the network and its caches.
+//! The models: config inference, checkpoint reading, the networks (DRCT, SwinIR, HAT) and
+//! their caches.
 
+pub mod arch;
 pub mod bf16;
 pub mod cache;
 pub mod checkpoint;
@@ -8,18 +10,28 @@ pub mod cuda_off;
 pub mod drct;
 pub mod epilogue;
 pub mod fused;
+pub mod hat;
 pub mod norm;
 pub mod ops;
 pub mod pad_channels;
 pub mod rowwise;
+pub mod swinir;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
+pub use arch::ArchConfig;
 pub use checkpoint::{Checkpoint, Source};
+#[cfg(any(test, feature = "cli"))]
 pub use config::DrctConfig;
 pub use drct::Drct;
 pub use fused::Attention;
+pub use hat::Hat;
+#[cfg(any(test, feature = "cli"))]
+pub use hat::HatConfig;
+pub use swinir::SwinIr;
+#[cfg(any(test, feature = "cli"))]
+pub use swinir::SwinIrConfig;
 
 /// Why a checkpoint could not become a network. Every variant names the file (or the
 /// embedded model) it came from.
@@ -78,9 +90,64 @@ impl ModelError {
     }
 }
 
+/// One of the supported networks, built.
+pub enum Network {
+    Drct(Drct),
+    SwinIr(SwinIr),
+    Hat(Hat),
+}
+
+impl Network {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Self::Drct(n) => n.dtype(),
+            Self::SwinIr(n) => n.dtype(),
+            Self::Hat(n) => n.dtype(),
+        }
+    }
+
+    fn use_bf16_products(&mut self, isa: bf16::Isa) -> candle_core::Result<()> {
+        match self {
+            Self::Drct(n) => n.use_bf16_products(isa),
+            Self::SwinIr(n) => n.use_bf16_products(isa),
+            Self::Hat(n) => n.use_bf16_products(isa),
+        }
+    }
+
+    /// How the channels were padded at load (DRCT only; the others never are).
+    pub fn padding(&self) -> pad_channels::Pad {
+        match self {
+            Self::Drct(n) => n.padding(),
+            Self::SwinIr(_) | Self::Hat(_) => pad_channels::Pad::OFF,
+        }
+    }
+
+    #[cfg(test)]
+    /// Number of distinct padded sizes whose shift mask (or region labels) is cached.
+    pub fn cached_masks(&self) -> usize {
+        match self {
+            Self::Drct(n) => n.cached_masks(),
+            Self::SwinIr(n) => n.cached_masks(),
+            Self::Hat(n) => n.cached_masks(),
+        }
+    }
+}
+
+impl Module for Network {
+    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)`, unclamped.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Drct(n) => n.forward(x),
+            Self::SwinIr(n) => n.forward(x),
+            Self::Hat(n) => n.forward(x),
+        }
+    }
+}
+
 /// A network ready to run.
 pub struct Model {
-    pub net: Drct,
+    pub net: Network,
+    config: ArchConfig,
 }
 
 impl Model {
@@ -119,14 +186,28 @@ impl Model {
         };
         let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
         let pad = pad_channels::current().map_err(build_error)?;
+        if !matches!(ck.config, ArchConfig::Drct(_)) && pad != pad_channels::Pad::OFF {
+            // Only DRCT's layers know how to pad; the others run as they are.
+            log::warn!(
+                "{}: applies to DRCT models; this one runs unpadded",
+                pad_channels::VAR
+            );
+        }
         let vb = VarBuilder::from_tensors(ck.tensors, vb_dtype, device);
-        let mut net = Drct::with_attention(&ck.config, vb, attention, pad)
-            .map_err(|e| build_error(e.to_string()))?;
+        let mut net = match &ck.config {
+            ArchConfig::Drct(c) => Drct::with_attention(c, vb, attention, pad).map(Network::Drct),
+            ArchConfig::SwinIr(c) => SwinIr::with_attention(c, vb, attention).map(Network::SwinIr),
+            ArchConfig::Hat(c) => Hat::with_attention(c, vb, attention).map(Network::Hat),
+        }
+        .map_err(|e| build_error(e.to_string()))?;
         if let Some(isa) = isa {
             net.use_bf16_products(isa)
                 .map_err(|e| build_error(e.to_string()))?;
         }
-        Ok(Self { net })
+        Ok(Self {
+            net,
+            config: ck.config,
+        })
     }
 
     #[cfg(test)]
@@ -134,7 +215,7 @@ impl Model {
         Self::from_checkpoint(Checkpoint::load(path)?, dtype, device)
     }
 
-    pub fn config(&self) -> &DrctConfig {
-        self.net.config()
+    pub fn config(&self) -> &ArchConfig {
+        &self.config
     }
 }

@@ -17,7 +17,7 @@ fn f32_matches_float64_reference_on_every_fixture() {
     for case in &cases {
         let model = Model::load(&case.weights, DType::F32, &Device::Cpu)
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
-        assert_eq!(model.config().scale, case.scale, "{}: scale", case.name);
+        assert_eq!(model.config().scale(), case.scale, "{}: scale", case.name);
         scales.insert(case.scale);
         let (input, expected) = load_io(&case.io);
         let out = model.net.forward(&input).unwrap();

@@ -9,7 +9,9 @@ pub(crate) mod fixtures;
 mod golden;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod hat;
 mod lanes;
+mod swinir;
 mod tile_blend;
 
 /// x2, one group: the fastest real model, used wherever the model itself is not the point.

@@ -1,0 +1,718 @@
+//! HAT (Hybrid Attention Transformer, Chen et al., CVPR 2023), super-resolution, inference only.
+//!
+//! The network, as the paper and the official `hat_arch.py` define it:
+//!
+//! ```text
+//! x  = x - mean;  f0 = conv_first(x);  t = patch_embed.norm(tokens(f0))
+//! for each residual hybrid attention group (RHAG) i:
+//!     u = t
+//!     for each hybrid attention block (HAB) j:       plain / half-window shift, alternating
+//!         n = norm1(u)
+//!         c = CAB(n) * conv_scale                    CAB: 3x3 E->E/compress, GELU, 3x3 back
+//!                                                    to E, times channel attention
+//!                                                    sigmoid(1x1(relu(1x1(mean_hw(.)))))
+//!         u = u + window_attention(n) + c;  u = u + mlp(norm2(u))
+//!     u = OCAB(u)                                    overlapping cross-attention (below)
+//!     t = conv_i(u) + t
+//! b  = conv_after_body(norm(t)) + f0
+//! y  = conv_last(upsample(lrelu_0.01(conv_before_upsample(b)))) + mean
+//! ```
+//!
+//! OCAB: queries from `ws x ws` windows, keys and values from `ows x ows` windows centred on
+//! them (`ows = ws + overlap_ratio * ws`, zero outside the image, no mask), a relative
+//! position bias of `(ws + ows - 1)^2` rows, then `proj` plus the input and an MLP. The
+//! official bias index is `(dy + ws - ows + 1) * (ws + ows - 1) + (dx + ws - ows + 1)` with
+//! `(dy, dx)` the key's position minus the query's; it goes negative, and PyTorch's indexing
+//! wraps negative indices, so the row used is that index modulo the table's length.
+//!
+//! `conv_scale` is not stored in checkpoints: every released model uses 0.01. The HAB is
+//! DRCT's Swin block ([`super::drct::SwinBlock`]) with the CAB term added to its residual.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+use serde::Serialize;
+
+use super::bf16::Isa;
+use super::cache::WindowCache;
+use super::drct::{
+    load_layer_norm, pointwise, reflect_pad_bottom_right, shuffle_order, BlockShape, Conv3x3,
+    Dense, Mlp, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,
+};
+use super::fused::Attention;
+use super::norm::{layer_norm, Norm};
+use super::swinir::{check_shapes, isqrt, pixel_shuffle_scale};
+
+/// The weight of the convolution branch in every released HAT model (not in the weights).
+pub const CONV_SCALE: f64 = 0.01;
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HatConfig {
+    pub embed_dim: usize,
+    /// HABs of each group (RHAG).
+    pub depths: Vec<usize>,
+    /// Heads of each group (its HABs and its OCAB).
+    pub heads: Vec<usize>,
+    pub window: usize,
+    /// Side of the OCAB key/value windows.
+    pub overlap_window: usize,
+    pub mlp_hidden: usize,
+    pub ocab_mlp_hidden: usize,
+    /// Width inside the CAB (embed_dim / compress_ratio).
+    pub cab_width: usize,
+    /// Width inside the channel attention (embed_dim / squeeze_factor).
+    pub squeeze_width: usize,
+    pub patch_norm: bool,
+    /// A 3x3 convolution closes each group and the body ("1conv"); absent means the
+    /// identity.
+    pub group_conv: bool,
+    pub num_feat: usize,
+    pub scale: usize,
+}
+
+impl HatConfig {
+    pub fn variant(&self) -> &'static str {
+        let uniform = |d: usize| self.depths.iter().all(|&x| x == d);
+        match (self.embed_dim, self.depths.len(), self.cab_width) {
+            (144, 6, 6) if uniform(6) => "HAT-S",
+            (180, 6, 60) if uniform(6) => "HAT",
+            (180, 12, 60) if uniform(6) => "HAT-L",
+            _ => "HAT",
+        }
+    }
+
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info reports it
+    pub fn compress_ratio(&self) -> f64 {
+        self.embed_dim as f64 / self.cab_width as f64
+    }
+
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info reports it
+    pub fn squeeze_factor(&self) -> f64 {
+        self.embed_dim as f64 / self.squeeze_width as f64
+    }
+
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info reports it
+    pub fn overlap_ratio(&self) -> f64 {
+        (self.overlap_window - self.window) as f64 / self.window as f64
+    }
+
+    pub fn head_dim(&self, layer: usize) -> usize {
+        self.embed_dim / self.heads[layer]
+    }
+
+    fn ocab_table_rows(&self) -> usize {
+        let side = self.window + self.overlap_window - 1;
+        side * side
+    }
+
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let e = self.embed_dim;
+        let ws = self.window;
+        let f = self.num_feat;
+        let mut t: Vec<(String, Vec<usize>)> = Vec::new();
+        fn conv(t: &mut Vec<(String, Vec<usize>)>, name: &str, cout: usize, cin: usize, k: usize) {
+            t.push((format!("{name}.weight"), vec![cout, cin, k, k]));
+            t.push((format!("{name}.bias"), vec![cout]));
+        }
+        fn linear(t: &mut Vec<(String, Vec<usize>)>, name: &str, cout: usize, cin: usize) {
+            t.push((format!("{name}.weight"), vec![cout, cin]));
+            t.push((format!("{name}.bias"), vec![cout]));
+        }
+        fn norm(t: &mut Vec<(String, Vec<usize>)>, name: &str, e: usize) {
+            t.push((format!("{name}.weight"), vec![e]));
+            t.push((format!("{name}.bias"), vec![e]));
+        }
+        conv(&mut t, "conv_first", e, 3, 3);
+        if self.patch_norm {
+            norm(&mut t, "patch_embed.norm", e);
+        }
+        for (i, (&depth, &heads)) in self.depths.iter().zip(&self.heads).enumerate() {
+            for j in 0..depth {
+                let p = format!("layers.{i}.residual_group.blocks.{j}");
+                norm(&mut t, &format!("{p}.norm1"), e);
+                conv(
+                    &mut t,
+                    &format!("{p}.conv_block.cab.0"),
+                    self.cab_width,
+                    e,
+                    3,
+                );
+                conv(
+                    &mut t,
+                    &format!("{p}.conv_block.cab.2"),
+                    e,
+                    self.cab_width,
+                    3,
+                );
+                let ca = format!("{p}.conv_block.cab.3.attention");
+                conv(&mut t, &format!("{ca}.1"), self.squeeze_width, e, 1);
+                conv(&mut t, &format!("{ca}.3"), e, self.squeeze_width, 1);
+                t.push((
+                    format!("{p}.attn.relative_position_bias_table"),
+                    vec![(2 * ws - 1) * (2 * ws - 1), heads],
+                ));
+                linear(&mut t, &format!("{p}.attn.qkv"), 3 * e, e);
+                linear(&mut t, &format!("{p}.attn.proj"), e, e);
+                norm(&mut t, &format!("{p}.norm2"), e);
+                linear(&mut t, &format!("{p}.mlp.fc1"), self.mlp_hidden, e);
+                linear(&mut t, &format!("{p}.mlp.fc2"), e, self.mlp_hidden);
+            }
+            let p = format!("layers.{i}.residual_group.overlap_attn");
+            norm(&mut t, &format!("{p}.norm1"), e);
+            linear(&mut t, &format!("{p}.qkv"), 3 * e, e);
+            t.push((
+                format!("{p}.relative_position_bias_table"),
+                vec![self.ocab_table_rows(), heads],
+            ));
+            linear(&mut t, &format!("{p}.proj"), e, e);
+            norm(&mut t, &format!("{p}.norm2"), e);
+            linear(&mut t, &format!("{p}.mlp.fc1"), self.ocab_mlp_hidden, e);
+            linear(&mut t, &format!("{p}.mlp.fc2"), e, self.ocab_mlp_hidden);
+            if self.group_conv {
+                conv(&mut t, &format!("layers.{i}.conv"), e, e, 3);
+            }
+        }
+        norm(&mut t, "norm", e);
+        if self.group_conv {
+            conv(&mut t, "conv_after_body", e, e, 3);
+        }
+        conv(&mut t, "conv_before_upsample.0", f, e, 3);
+        for (i, r) in self.upsample_stages().iter().enumerate() {
+            conv(&mut t, &format!("upsample.{}", 2 * i), r * r * f, f, 3);
+        }
+        conv(&mut t, "conv_last", 3, f, 3);
+        t
+    }
+
+    pub fn upsample_stages(&self) -> Vec<usize> {
+        if self.scale == 3 {
+            vec![3]
+        } else {
+            vec![2; self.scale.trailing_zeros() as usize]
+        }
+    }
+
+    pub fn parameter_count(&self) -> usize {
+        self.expected_tensors()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool) -> usize {
+        let heads = self.heads.iter().copied().max().unwrap_or(1);
+        // OCAB's scores are never fused: heads x ows² per query.
+        let ocab = heads * self.overlap_window * self.overlap_window;
+        let sa = if scores_in_memory {
+            heads * self.window * self.window
+        } else {
+            0
+        };
+        let upsampler = self.num_feat.max(3) * self.scale * self.scale;
+        [
+            sa,
+            ocab,
+            3 * self.embed_dim,
+            self.mlp_hidden.max(self.ocab_mlp_hidden),
+            upsampler,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(1)
+    }
+
+    pub fn flops(&self, h: usize, w: usize) -> f64 {
+        let l = (h * w) as f64;
+        let e = self.embed_dim as f64;
+        let n = (self.window * self.window) as f64;
+        let on = (self.overlap_window * self.overlap_window) as f64;
+        let cw = self.cab_width as f64;
+        let hid = self.mlp_hidden as f64;
+        let ohid = self.ocab_mlp_hidden as f64;
+        let f = self.num_feat as f64;
+        let blocks: f64 = self.depths.iter().sum::<usize>() as f64;
+        let groups = self.depths.len() as f64;
+        let hab = 2.0 * (4.0 * e * e + 2.0 * e * hid) + 4.0 * n * e + 2.0 * 2.0 * 9.0 * e * cw;
+        let ocab = 2.0 * (4.0 * e * e + 2.0 * e * ohid) + 4.0 * on * e;
+        let conv = 2.0 * 9.0 * e * e;
+        let mut total = l
+            * (2.0 * 27.0 * e
+                + blocks * hab
+                + groups * (ocab + if self.group_conv { conv } else { 0.0 })
+                + if self.group_conv { conv } else { 0.0 }
+                + 2.0 * 9.0 * e * f);
+        let mut pixels = l;
+        for r in self.upsample_stages() {
+            let r = r as f64;
+            total += 2.0 * pixels * 9.0 * f * r * r * f;
+            pixels *= r * r;
+        }
+        total + 2.0 * pixels * 9.0 * f * 3.0
+    }
+
+    pub fn infer(shapes: &BTreeMap<String, Vec<usize>>) -> std::result::Result<Self, String> {
+        let get = |name: &str| {
+            shapes
+                .get(name)
+                .ok_or_else(|| format!("missing tensor {name}"))
+        };
+        let first = |name: &str| -> std::result::Result<usize, String> {
+            let s = get(name)?;
+            match s.first() {
+                Some(&n) if n > 0 && s.len() >= 2 => Ok(n),
+                _ => Err(format!(
+                    "tensor {name} has shape {s:?}; expected a non-empty weight"
+                )),
+            }
+        };
+        let cf = get("conv_first.weight")?;
+        if cf.len() != 4 || cf[0] == 0 || cf[1] != 3 || cf[2] != 3 || cf[3] != 3 {
+            return Err(format!(
+                "tensor conv_first.weight has shape {cf:?}; an RGB HAT model has [E, 3, 3, 3]"
+            ));
+        }
+        let embed_dim = cf[0];
+        if shapes.contains_key("absolute_pos_embed") {
+            return Err("absolute position embedding (ape=True) is not supported".into());
+        }
+        let mut depths: Vec<usize> = Vec::new();
+        for key in shapes.keys() {
+            let Some(rest) = key.strip_prefix("layers.") else {
+                continue;
+            };
+            let mut parts = rest.split('.');
+            let i: usize = parts
+                .next()
+                .and_then(|i| i.parse().ok())
+                .ok_or_else(|| format!("unexpected tensor {key}"))?;
+            if depths.len() <= i {
+                depths.resize(i + 1, 0);
+            }
+            if parts.next() == Some("residual_group") && parts.next() == Some("blocks") {
+                let j: usize = parts
+                    .next()
+                    .and_then(|j| j.parse().ok())
+                    .ok_or_else(|| format!("unexpected tensor {key}"))?;
+                depths[i] = depths[i].max(j + 1);
+            }
+        }
+        if depths.is_empty() {
+            return Err("no residual groups (layers.N.*) found".into());
+        }
+        if let Some(i) = depths.iter().position(|&d| d == 0) {
+            return Err(format!("residual group layers.{i} has no blocks"));
+        }
+        let b0 = "layers.0.residual_group.blocks.0";
+        let table_name = format!("{b0}.attn.relative_position_bias_table");
+        let table = get(&table_name)?;
+        let side = if table.len() == 2 { isqrt(table[0]) } else { 0 };
+        if table.len() != 2 || side * side != table[0] || side % 2 == 0 {
+            return Err(format!(
+                "tensor {table_name} has shape {table:?}; expected [(2*window-1)^2, heads]"
+            ));
+        }
+        let window = side.div_ceil(2);
+        let ocab_name = "layers.0.residual_group.overlap_attn.relative_position_bias_table";
+        let ot = get(ocab_name)?;
+        let oside = if ot.len() == 2 { isqrt(ot[0]) } else { 0 };
+        if ot.len() != 2 || oside * oside != ot[0] || oside < 2 * window - 1 {
+            return Err(format!(
+                "tensor {ocab_name} has shape {ot:?}; expected [(window+overlap_window-1)^2, heads]"
+            ));
+        }
+        let overlap_window = oside + 1 - window;
+        if (overlap_window - window) % 2 != 0 {
+            return Err(format!(
+                "overlap window {overlap_window} around a window of {window}: the margins must be even"
+            ));
+        }
+        let mut heads = Vec::with_capacity(depths.len());
+        for i in 0..depths.len() {
+            let name =
+                format!("layers.{i}.residual_group.blocks.0.attn.relative_position_bias_table");
+            let h = get(&name)?.get(1).copied().unwrap_or(0);
+            if h == 0 || !embed_dim.is_multiple_of(h) {
+                return Err(format!(
+                    "tensor {name}: {h} heads do not divide the width {embed_dim}"
+                ));
+            }
+            heads.push(h);
+        }
+        let num_feat = first("conv_before_upsample.0.weight")?;
+        let cfg = HatConfig {
+            embed_dim,
+            depths,
+            heads,
+            window,
+            overlap_window,
+            mlp_hidden: first(&format!("{b0}.mlp.fc1.weight"))?,
+            ocab_mlp_hidden: first("layers.0.residual_group.overlap_attn.mlp.fc1.weight")?,
+            cab_width: first(&format!("{b0}.conv_block.cab.0.weight"))?,
+            squeeze_width: first(&format!("{b0}.conv_block.cab.3.attention.1.weight"))?,
+            patch_norm: shapes.contains_key("patch_embed.norm.weight"),
+            group_conv: shapes.contains_key("layers.0.conv.weight"),
+            num_feat,
+            scale: pixel_shuffle_scale(shapes, num_feat)?,
+        };
+        check_shapes(&cfg.expected_tensors(), shapes, "HAT")?;
+        Ok(cfg)
+    }
+}
+
+/// Channel attention block: the convolution branch of a HAB.
+struct Cab {
+    conv1: Conv3x3,
+    conv2: Conv3x3,
+    squeeze: Dense,
+    excite: Dense,
+}
+
+impl Cab {
+    fn new(cfg: &HatConfig, vb: VarBuilder) -> Result<Self> {
+        let e = cfg.embed_dim;
+        let ca = vb.pp("3.attention");
+        Ok(Self {
+            conv1: Conv3x3::unpadded(e, cfg.cab_width, vb.pp("0"))?,
+            conv2: Conv3x3::unpadded(cfg.cab_width, e, vb.pp("2"))?,
+            squeeze: pointwise(e, cfg.squeeze_width, ca.pp("1"))?,
+            excite: pointwise(cfg.squeeze_width, e, ca.pp("3"))?,
+        })
+    }
+
+    /// `cab(x) * CONV_SCALE` for `x` `(B, H, W, C)`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let z = self
+            .conv2
+            .forward(&super::ops::gelu_erf(&self.conv1.forward(x)?)?)?;
+        let pooled = z.mean_keepdim(1)?.mean_keepdim(2)?;
+        let y = self.squeeze.forward(&pooled)?.relu()?;
+        let y = (candle_nn::ops::sigmoid(&self.excite.forward(&y)?)? * CONV_SCALE)?;
+        z.broadcast_mul(&y)
+    }
+
+    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+        self.conv1.use_bf16(isa)?;
+        self.conv2.use_bf16(isa)
+    }
+}
+
+struct Hab {
+    swin: SwinBlock,
+    cab: Cab,
+}
+
+impl Module for Hab {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let cab = self.cab.forward(&layer_norm(self.swin.norm1(), x)?)?;
+        self.swin.forward_plus(x, Some(&cab))
+    }
+}
+
+/// Overlapping cross-attention block.
+struct Ocab {
+    norm1: Norm,
+    /// Query rows pre-scaled by head_dim^-0.5.
+    qkv: Dense,
+    proj: Dense,
+    /// `(heads, ws², ows²)`, gathered from the table at load.
+    bias: Tensor,
+    norm2: Norm,
+    mlp: Mlp,
+    heads: usize,
+    window: usize,
+    overlap: usize,
+}
+
+impl Ocab {
+    fn new(cfg: &HatConfig, heads: usize, vb: VarBuilder) -> Result<Self> {
+        let e = cfg.embed_dim;
+        let (ws, ows) = (cfg.window, cfg.overlap_window);
+        let scale = ((e / heads) as f64).powf(-0.5);
+        let w = vb.pp("qkv").get((3 * e, e), "weight")?;
+        let b = vb.pp("qkv").get(3 * e, "bias")?;
+        let w = Tensor::cat(&[(w.narrow(0, 0, e)? * scale)?, w.narrow(0, e, 2 * e)?], 0)?;
+        let b = Tensor::cat(&[(b.narrow(0, 0, e)? * scale)?, b.narrow(0, e, 2 * e)?], 0)?;
+        let rows = cfg.ocab_table_rows() as i64;
+        let side = (ws + ows - 1) as i64;
+        let shift = ws as i64 - ows as i64 + 1;
+        let mut idx = Vec::with_capacity(ws * ws * ows * ows);
+        for yi in 0..ws as i64 {
+            for xi in 0..ws as i64 {
+                for yj in 0..ows as i64 {
+                    for xj in 0..ows as i64 {
+                        let i = (yj - yi + shift) * side + (xj - xi + shift);
+                        idx.push(i.rem_euclid(rows) as u32);
+                    }
+                }
+            }
+        }
+        let table = vb.get(
+            (cfg.ocab_table_rows(), heads),
+            "relative_position_bias_table",
+        )?;
+        let idx = Tensor::from_vec(idx, ws * ws * ows * ows, table.device())?;
+        let bias = table
+            .index_select(&idx, 0)?
+            .reshape((ws * ws, ows * ows, heads))?
+            .permute((2, 0, 1))?
+            .contiguous()?;
+        Ok(Self {
+            norm1: load_layer_norm(e, vb.pp("norm1"))?,
+            qkv: Dense::new(w, b),
+            proj: Dense::load_unpadded(e, e, vb.pp("proj"))?,
+            bias,
+            norm2: load_layer_norm(e, vb.pp("norm2"))?,
+            mlp: Mlp::unpadded(e, cfg.ocab_mlp_hidden, vb.pp("mlp"))?,
+            heads,
+            window: ws,
+            overlap: ows,
+        })
+    }
+
+    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+        self.qkv.use_bf16(isa)?;
+        self.proj.use_bf16(isa)?;
+        self.mlp.use_bf16(isa)
+    }
+}
+
+impl Module for Ocab {
+    /// `x`: `(B, H, W, C)` with H and W multiples of the window.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, h, w, c) = x.dims4()?;
+        let (ws, ows) = (self.window, self.overlap);
+        let (nh, nw) = (h / ws, w / ws);
+        let nwin = b * nh * nw;
+        let d = c / self.heads;
+        let qkv = self.qkv.forward(&layer_norm(&self.norm1, x)?)?;
+        let q = qkv
+            .narrow(3, 0, c)?
+            .reshape((b, nh, ws, nw, ws, c))?
+            .permute((0, 1, 3, 2, 4, 5))?
+            .reshape((nwin, ws * ws, self.heads, d))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        // Keys and values of each window's overlapping neighbourhood, zero outside the image.
+        let m = (ows - ws) / 2;
+        let kv = qkv
+            .narrow(3, c, 2 * c)?
+            .pad_with_zeros(1, m, m)?
+            .pad_with_zeros(2, m, m)?;
+        let wp = w + 2 * m;
+        let mut idx = Vec::with_capacity(nh * nw * ows * ows);
+        for r in 0..nh {
+            for s in 0..nw {
+                for a in 0..ows {
+                    for t in 0..ows {
+                        idx.push(((r * ws + a) * wp + s * ws + t) as u32);
+                    }
+                }
+            }
+        }
+        let n = idx.len();
+        let idx = Tensor::from_vec(idx, n, x.device())?;
+        let kv = kv
+            .reshape((b, (h + 2 * m) * wp, 2 * c))?
+            .index_select(&idx, 1)?
+            .reshape((nwin, ows * ows, 2, self.heads, d))?;
+        let k = kv
+            .narrow(2, 0, 1)?
+            .squeeze(2)?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let v = kv
+            .narrow(2, 1, 1)?
+            .squeeze(2)?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let bias = self.bias.to_dtype(q.dtype())?;
+        let attn = q.matmul(&k.t()?)?.broadcast_add(&bias)?;
+        let attn = candle_nn::ops::softmax_last_dim(&attn)?;
+        let y = attn
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, nh, nw, ws, ws, c))?
+            .permute((0, 1, 3, 2, 4, 5))?
+            .reshape((b, h, w, c))?;
+        let x = (self.proj.forward(&y)? + x)?;
+        self.mlp.forward_residual(&layer_norm(&self.norm2, &x)?, x)
+    }
+}
+
+struct Rhag {
+    blocks: Vec<Hab>,
+    ocab: Ocab,
+    conv: Option<Conv3x3>,
+}
+
+impl Module for Rhag {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut u = x.clone();
+        for b in &self.blocks {
+            u = b.forward(&u)?;
+        }
+        let u = self.ocab.forward(&u)?;
+        match &self.conv {
+            Some(conv) => conv.forward(&u)? + x,
+            None => u + x,
+        }
+    }
+}
+
+pub struct Hat {
+    conv_first: Conv3x3,
+    patch_norm: Option<Norm>,
+    layers: Vec<Rhag>,
+    norm: Norm,
+    conv_after_body: Option<Conv3x3>,
+    conv_before_upsample: Conv3x3,
+    upsample: Vec<(Conv3x3, usize)>,
+    conv_last: Conv3x3,
+    mean: Tensor,
+    config: HatConfig,
+    #[cfg_attr(not(test), allow(dead_code))]
+    windows: WindowCache,
+    dtype: DType,
+    device: Device,
+}
+
+impl Hat {
+    pub fn with_attention(cfg: &HatConfig, vb: VarBuilder, attention: Attention) -> Result<Self> {
+        let e = cfg.embed_dim;
+        let f = cfg.num_feat;
+        let windows = WindowCache::new(cfg.window, vb.dtype(), vb.device());
+        let mut layers = Vec::with_capacity(cfg.depths.len());
+        for (i, (&depth, &heads)) in cfg.depths.iter().zip(&cfg.heads).enumerate() {
+            let vb = vb.pp(format!("layers.{i}"));
+            let group = vb.pp("residual_group");
+            let blocks = (0..depth)
+                .map(|j| {
+                    let vb = group.pp(format!("blocks.{j}"));
+                    let shape = BlockShape {
+                        dim: e,
+                        heads,
+                        mlp_hidden: cfg.mlp_hidden,
+                        window: cfg.window,
+                        shifted: j % 2 == 1,
+                    };
+                    Ok(Hab {
+                        swin: SwinBlock::with_shape(shape, &windows, attention, vb.clone())?,
+                        cab: Cab::new(cfg, vb.pp("conv_block.cab"))?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            layers.push(Rhag {
+                blocks,
+                ocab: Ocab::new(cfg, heads, group.pp("overlap_attn"))?,
+                conv: if cfg.group_conv {
+                    Some(Conv3x3::unpadded(e, e, vb.pp("conv"))?)
+                } else {
+                    None
+                },
+            });
+        }
+        let mean =
+            Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())?;
+        let upsample = cfg
+            .upsample_stages()
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let conv = Conv3x3::unpadded(f, r * r * f, vb.pp(format!("upsample.{}", 2 * i)))?;
+                Ok((conv.reorder_outputs(shuffle_order(f, r))?, r))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            conv_first: Conv3x3::unpadded(3, e, vb.pp("conv_first"))?,
+            patch_norm: if cfg.patch_norm {
+                Some(load_layer_norm(e, vb.pp("patch_embed.norm"))?)
+            } else {
+                None
+            },
+            layers,
+            norm: load_layer_norm(e, vb.pp("norm"))?,
+            conv_after_body: if cfg.group_conv {
+                Some(Conv3x3::unpadded(e, e, vb.pp("conv_after_body"))?)
+            } else {
+                None
+            },
+            conv_before_upsample: Conv3x3::unpadded(e, f, vb.pp("conv_before_upsample.0"))?,
+            upsample,
+            conv_last: Conv3x3::unpadded(f, 3, vb.pp("conv_last"))?
+                .add_to_bias(&mean.flatten_all()?)?,
+            mean,
+            config: cfg.clone(),
+            windows,
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+        })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn use_bf16_products(&mut self, isa: Isa) -> Result<()> {
+        if !self.device.is_cpu() || self.dtype != DType::F32 {
+            candle_core::bail!("bf16 products are for f32 networks on the CPU");
+        }
+        self.conv_first.use_bf16(isa)?;
+        for layer in &mut self.layers {
+            for b in &mut layer.blocks {
+                b.swin.use_bf16(isa)?;
+                b.cab.use_bf16(isa)?;
+            }
+            layer.ocab.use_bf16(isa)?;
+            if let Some(c) = &mut layer.conv {
+                c.use_bf16(isa)?;
+            }
+        }
+        for conv in [&mut self.conv_before_upsample, &mut self.conv_last]
+            .into_iter()
+            .chain(self.conv_after_body.as_mut())
+            .chain(self.upsample.iter_mut().map(|(c, _)| c))
+        {
+            conv.use_bf16(isa)?;
+        }
+        Ok(())
+    }
+
+    #[cfg(test)]
+    pub fn cached_masks(&self) -> usize {
+        self.windows.len()
+    }
+}
+
+impl Module for Hat {
+    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)`, unclamped;
+    /// padded reflect-101 bottom/right to a window multiple as the official test pipeline
+    /// does, the padding's output cropped away.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (_, _, h, w) = x.dims4()?;
+        let s = self.config.scale;
+        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, self.config.window)?;
+        let x = x.permute((0, 2, 3, 1))?.broadcast_sub(&self.mean)?;
+        let f0 = self.conv_first.forward(&x)?;
+        let mut t = match &self.patch_norm {
+            Some(norm) => layer_norm(norm, &f0)?,
+            None => f0.clone(),
+        };
+        for layer in &self.layers {
+            t = layer.forward(&t)?;
+        }
+        let body = layer_norm(&self.norm, &t)?;
+        let body = match &self.conv_after_body {
+            Some(conv) => (conv.forward(&body)? + f0)?,
+            None => (body + f0)?,
+        };
+        let mut y =
+            candle_nn::ops::leaky_relu(&self.conv_before_upsample.forward(&body)?, UPSAMPLE_SLOPE)?;
+        for (conv, r) in &self.upsample {
+            y = conv.forward_shuffled(&y, *r)?;
+        }
+        let y = self.conv_last.forward(&y)?;
+        let y = y.narrow(1, 0, h * s)?.narrow(2, 0, w * s)?;
+        y.permute((0, 3, 1, 2))?.contiguous()
+    }
+}

@@ -1,0 +1,427 @@
+//! SwinIR: parity with the float64 reference (spandrel's SwinIR, the official architecture) on
+//! the committed fixtures in tests/golden/swinir/ (written by tests/golden/make_golden_swinir.py),
+//! bf16 on the CPU, tiling, and the checks a loader owes a bad or foreign file.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Module, Tensor};
+
+use super::fixtures::{load_io, max_abs_diff, TOLERANCE};
+use crate::engine::Engine;
+use crate::model::swinir::{ResiConnection, Upsampler};
+use crate::model::{ArchConfig, Checkpoint, Model, Source};
+
+fn dir() -> PathBuf {
+    crate::tests::repo().join("tests/golden/swinir")
+}
+
+struct Case {
+    name: String,
+    weights: PathBuf,
+    io: PathBuf,
+    scale: usize,
+    upsampler: String,
+    resi: String,
+}
+
+fn cases() -> Vec<Case> {
+    let text = std::fs::read_to_string(dir().join("manifest.json")).expect("manifest");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("manifest json");
+    v.as_array()
+        .expect("a list of cases")
+        .iter()
+        .map(|c| Case {
+            name: c["name"].as_str().unwrap().to_string(),
+            weights: dir().join(c["weights"].as_str().unwrap()),
+            io: dir().join(c["io"].as_str().unwrap()),
+            scale: c["scale"].as_u64().unwrap() as usize,
+            upsampler: c["upsampler"].as_str().unwrap().to_string(),
+            resi: c["resi_connection"].as_str().unwrap().to_string(),
+        })
+        .collect()
+}
+
+fn swinir(ck: &Checkpoint) -> &crate::model::SwinIrConfig {
+    match &ck.config {
+        ArchConfig::SwinIr(c) => c,
+        other => panic!("not read as SwinIR: {other:?}"),
+    }
+}
+
+fn psnr_unit(a: &Tensor, b: &Tensor) -> f64 {
+    let mse = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    -10.0 * mse.log10()
+}
+
+#[test]
+fn swinir_f32_matches_float64_reference_on_every_fixture() {
+    let cases = cases();
+    let mut kinds = BTreeSet::new();
+    let mut failures = Vec::new();
+    for case in &cases {
+        let ck = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{}: {e}", case.name));
+        let cfg = swinir(&ck);
+        assert_eq!(cfg.scale, case.scale, "{}: scale", case.name);
+        assert_eq!(cfg.upsampler.name(), case.upsampler, "{}", case.name);
+        let resi = match cfg.resi_connection {
+            ResiConnection::OneConv => "1conv",
+            ResiConnection::ThreeConv => "3conv",
+        };
+        assert_eq!(resi, case.resi, "{}", case.name);
+        kinds.insert((case.upsampler.clone(), case.scale));
+        kinds.insert((case.resi.clone(), 0));
+        let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
+        let (input, expected) = load_io(&case.io);
+        let out = model.net.forward(&input).unwrap();
+        let d = max_abs_diff(&out, &expected);
+        eprintln!("{:<28} max |f32 - f64 reference| = {d:.3e}", case.name);
+        if d.is_nan() || d > TOLERANCE {
+            failures.push(format!("{}: {d:.3e}", case.name));
+        }
+    }
+    assert!(failures.is_empty(), "over {TOLERANCE:e}: {failures:?}");
+    // Every upsampler at every scale it is released in, and both residual connections.
+    for want in [
+        ("pixelshuffle", 2),
+        ("pixelshuffle", 3),
+        ("pixelshuffle", 4),
+        ("pixelshuffledirect", 2),
+        ("pixelshuffledirect", 3),
+        ("pixelshuffledirect", 4),
+        ("nearest+conv", 2),
+        ("nearest+conv", 4),
+        ("1conv", 0),
+        ("3conv", 0),
+    ] {
+        assert!(
+            kinds.contains(&(want.0.to_string(), want.1)),
+            "no fixture covers {want:?}"
+        );
+    }
+}
+
+/// The official wrapper holds other weights under `params`: only `params_ema` matches the
+/// reference, so the f32 test above proves which one was read; here the choice is named.
+#[test]
+fn swinir_pth_wrappers_are_read() {
+    let ck = Checkpoint::load(&dir().join("classical_x4_ema.pth")).unwrap();
+    assert_eq!(ck.wrapper.as_deref(), Some("params_ema"));
+    let ck = Checkpoint::load(&dir().join("realworld_x2_nonorm.pth")).unwrap();
+    assert_eq!(ck.wrapper, None);
+    assert!(!swinir(&ck).patch_norm);
+}
+
+/// bf16 on the CPU against the float64 reference, with the DRCT bounds (see golden.rs); on a
+/// CPU without bf16 arithmetic the model must refuse bf16 instead.
+#[test]
+fn swinir_cpu_bf16_stays_close_to_the_float64_reference() {
+    let cases = cases();
+    if !crate::model::bf16::supported() {
+        let err = Model::load(&cases[0].weights, DType::BF16, &Device::Cpu)
+            .err()
+            .expect("bf16 without bf16 instructions must be refused");
+        assert!(err.to_string().contains("AVX512-BF16"), "{err}");
+        eprintln!("this CPU has no bf16 arithmetic: checked that bf16 is refused");
+        return;
+    }
+    let mut failures = Vec::new();
+    for case in &cases {
+        let model = Model::load(&case.weights, DType::BF16, &Device::Cpu).unwrap();
+        let (input, expected) = load_io(&case.io);
+        let out = model.net.forward(&input).unwrap();
+        assert_eq!(out.dtype(), DType::F32);
+        let d = max_abs_diff(&out, &expected);
+        let psnr = psnr_unit(&out, &expected);
+        eprintln!(
+            "{:<28} bf16: max |bf16 - f64| = {d:.3e}, PSNR {psnr:.1} dB",
+            case.name
+        );
+        if !(d <= 0.05 && psnr >= 45.0) {
+            failures.push(format!("{}: max {d:.3e}, {psnr:.1} dB", case.name));
+        }
+    }
+    assert!(failures.is_empty(), "bf16 out of tolerance: {failures:?}");
+}
+
+#[test]
+fn swinir_shift_masks_are_cached_per_size() {
+    let case = &cases()[0];
+    let model = Model::load(&case.weights, DType::F32, &Device::Cpu).unwrap();
+    let (input, _) = load_io(&case.io);
+    let a = model.net.forward(&input).unwrap();
+    assert_eq!(model.net.cached_masks(), 1);
+    let b = model.net.forward(&input).unwrap();
+    assert_eq!(model.net.cached_masks(), 1);
+    assert_eq!(max_abs_diff(&a, &b), 0.0);
+}
+
+/// Tiles blended with the Hann window against the whole image, on a photo, through the
+/// path the command line takes, for each kind of upsampler: at least 45 dB.
+#[test]
+fn swinir_tiles_blend_to_the_whole_image() {
+    use crate::engine::lanes::Lanes;
+    use crate::io::{Decoded, Format};
+    use crate::metrics::{psnr, Measure};
+    use crate::planar::Planar;
+    use crate::tile::auto::{TileChoice, TileSettings};
+    let photo = crate::io::decode(&crate::tests::repo().join("tests/photos/coffee.png"))
+        .unwrap()
+        .rgb;
+    // Sides that are window multiples: the whole image then needs no padding, which a tile
+    // at the border does not see either. (With random weights, what two rows of reflected
+    // padding change near the border alone would be some 20 dB.)
+    let (top, left, h, w) = (40, 100, 128, 160);
+    let mut data = Vec::with_capacity(3 * h * w);
+    for c in 0..3 {
+        for y in 0..h {
+            for x in 0..w {
+                data.push(photo.get(c, top + y, left + x));
+            }
+        }
+    }
+    let dec = Decoded {
+        rgb: Planar::new(3, h, w, data),
+        alpha: None,
+        gray: false,
+        bit_depth: 8,
+        format: Format::Png,
+        metadata: Default::default(),
+    };
+    for name in ["classical_x2", "lightweight_x3", "realworld_x4_3conv"] {
+        let weights = dir().join(format!("{name}.safetensors"));
+        let engine =
+            Engine::new(Checkpoint::load(&weights).unwrap(), Device::Cpu, DType::F32).unwrap();
+        let lanes = Lanes::single(engine);
+        let settings = |tile| TileSettings {
+            choice: TileChoice::Fixed(tile),
+            overlap: 16,
+            batch: Some(2),
+            blend: crate::tile::BlendMode::Hann,
+            tta: false,
+        };
+        let whole = lanes.upscale_decoded(&dec, &settings(0)).unwrap().rgb;
+        let tiled = lanes.upscale_decoded(&dec, &settings(64)).unwrap().rgb;
+        let db = psnr(&tiled, &whole, 0, Measure::Rgb).unwrap();
+        eprintln!("{name:<20} tiled (64, overlap 16, Hann) vs whole: {db:.1} dB");
+        assert!(db >= 45.0, "{name}: {db:.1} dB");
+    }
+}
+
+fn shapes(path: &std::path::Path) -> Vec<(String, Tensor)> {
+    let t = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+    let mut v: Vec<_> = t.into_iter().collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn load_bytes(tensors: &[(String, Tensor)]) -> Result<(), String> {
+    let bytes = safetensors::serialize(tensors.iter().map(|(k, v)| (k.as_str(), v)), None).unwrap();
+    Checkpoint::from_safetensors_bytes(&bytes, Source::Embedded("crafted"))
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn swinir_bad_checkpoints_name_the_tensor() {
+    let base = shapes(&dir().join("realworld_x4_3conv.safetensors"));
+    assert!(load_bytes(&base).is_ok());
+
+    let missing = "layers.1.residual_group.blocks.1.mlp.fc2.bias";
+    let t: Vec<_> = base.iter().filter(|(k, _)| k != missing).cloned().collect();
+    let e = load_bytes(&t).unwrap_err();
+    assert!(e.contains(missing) && e.contains("SwinIR"), "{e}");
+
+    let bad = "layers.0.conv.2.weight";
+    let t: Vec<_> = base
+        .iter()
+        .map(|(k, v)| {
+            if k == bad {
+                (
+                    k.clone(),
+                    Tensor::zeros((4, 4, 3, 3), DType::F32, &Device::Cpu).unwrap(),
+                )
+            } else {
+                (k.clone(), v.clone())
+            }
+        })
+        .collect();
+    let e = load_bytes(&t).unwrap_err();
+    assert!(e.contains(bad), "{e}");
+
+    let mut t = base.clone();
+    t.push((
+        "layers.0.residual_group.blocks.0.attn.extra".into(),
+        Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
+    ));
+    let e = load_bytes(&t).unwrap_err();
+    assert!(e.contains("attn.extra"), "{e}");
+
+    // No upsampler: a denoising or JPEG model.
+    let t: Vec<_> = base
+        .iter()
+        .filter(|(k, _)| {
+            !(k.starts_with("conv_up") || k.starts_with("conv_hr") || k.starts_with("conv_before"))
+        })
+        .cloned()
+        .collect();
+    let e = load_bytes(&t).unwrap_err();
+    assert!(e.contains("denoising") && e.contains("x2, x3, x4"), "{e}");
+}
+
+#[test]
+fn foreign_architectures_get_one_line_naming_what_was_found() {
+    let base = shapes(&dir().join("classical_x2.safetensors"));
+    let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, &Device::Cpu).unwrap();
+    let mut swin2sr = base.clone();
+    swin2sr.push((
+        "layers.0.residual_group.blocks.0.attn.logit_scale".into(),
+        z(&[6, 1, 1]),
+    ));
+    let e = load_bytes(&swin2sr).unwrap_err();
+    assert!(
+        e.contains("Swin2SR") && e.contains("SwinIR") && e.contains("HAT"),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1, "{e}");
+
+    // A HAT file missing a tensor is read as HAT, and the tensor named.
+    let mut hat = base.clone();
+    hat.push((
+        "layers.0.residual_group.blocks.0.conv_block.cab.0.weight".into(),
+        z(&[8, 24, 3, 3]),
+    ));
+    let e = load_bytes(&hat).unwrap_err();
+    assert!(
+        e.contains("HAT checkpoint") && e.contains("missing tensor"),
+        "{e}"
+    );
+
+    let esrgan = vec![
+        ("conv_first.weight".to_string(), z(&[8, 3, 3, 3])),
+        ("body.0.rdb1.conv1.weight".to_string(), z(&[8, 8, 3, 3])),
+    ];
+    let e = load_bytes(&esrgan).unwrap_err();
+    assert!(e.contains("RRDBNet") && e.contains("SwinIR"), "{e}");
+
+    let other = vec![("encoder.weight".to_string(), z(&[4, 4]))];
+    let e = load_bytes(&other).unwrap_err();
+    assert!(
+        e.contains("unrecognised") && e.contains("encoder.weight"),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1, "{e}");
+}
+
+/// The released configurations, rebuilt as shape lists, are recognised as what they are;
+/// the lightweight models' parameter counts are the paper's (878K, 886K, 897K, bias tables
+/// aside).
+#[test]
+fn released_configurations_round_trip() {
+    use crate::model::SwinIrConfig;
+    let cfg = |e, n: usize, h, up, resi, feat, scale| SwinIrConfig {
+        embed_dim: e,
+        depths: vec![6; n],
+        heads: vec![h; n],
+        window: 8,
+        mlp_hidden: 2 * e,
+        patch_norm: true,
+        resi_connection: resi,
+        upsampler: up,
+        num_feat: feat,
+        scale,
+    };
+    let cases = [
+        (
+            cfg(
+                180,
+                6,
+                6,
+                Upsampler::PixelShuffle,
+                ResiConnection::OneConv,
+                64,
+                4,
+            ),
+            "SwinIR-M (classical)",
+        ),
+        (
+            cfg(
+                180,
+                6,
+                6,
+                Upsampler::PixelShuffle,
+                ResiConnection::OneConv,
+                64,
+                3,
+            ),
+            "SwinIR-M (classical)",
+        ),
+        (
+            cfg(
+                60,
+                4,
+                6,
+                Upsampler::PixelShuffleDirect,
+                ResiConnection::OneConv,
+                0,
+                2,
+            ),
+            "SwinIR-S (lightweight)",
+        ),
+        (
+            cfg(
+                180,
+                6,
+                6,
+                Upsampler::NearestConv,
+                ResiConnection::OneConv,
+                64,
+                4,
+            ),
+            "SwinIR-M (real-world)",
+        ),
+        (
+            cfg(
+                240,
+                9,
+                8,
+                Upsampler::NearestConv,
+                ResiConnection::ThreeConv,
+                64,
+                4,
+            ),
+            "SwinIR-L (real-world)",
+        ),
+    ];
+    for (c, name) in cases {
+        let shapes = c.expected_tensors().into_iter().collect();
+        let back = ArchConfig::infer(&shapes).unwrap();
+        assert_eq!(back, ArchConfig::SwinIr(c.clone()));
+        assert_eq!(back.name(), name);
+    }
+    // The paper's counts leave out the relative position bias tables (24 x 225 x 6).
+    for (scale, params) in [(2, 878), (3, 886), (4, 897)] {
+        let c = cfg(
+            60,
+            4,
+            6,
+            Upsampler::PixelShuffleDirect,
+            ResiConnection::OneConv,
+            0,
+            scale,
+        );
+        let tables = 24 * 225 * 6;
+        assert_eq!(
+            (c.parameter_count() - tables + 500) / 1000,
+            params,
+            "x{scale}"
+        );
+    }
+}
