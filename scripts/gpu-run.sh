@@ -10,8 +10,8 @@
 #   picks the fallback every later step runs with; precision parity; the speed switches
 #   (UPSCALE_PAD_CHANNELS 8, 16, 64 and UPSCALE_CUDA_GELU_EPILOGUE: each held to the CPU, then
 #   timed); the side by side with
-#   PyTorch, eager and torch.compile, and the matmul peak for utilisation; the same with
-#   cudarc's event tracking on; a round of before/after against the earlier builds in the
+#   PyTorch, eager and torch.compile, and the matmul peak for utilisation; SwinIR-M and HAT-L
+#   against the same; the same with cudarc's event tracking on; a round of before/after against the earlier builds in the
 #   pack, if any; DRCT-L at 1080p; a kernel-by-kernel profile; streams; the sanitizers; a folder run; the start-up cost of the
 #   driver compiling PTX, with our SASS and without; rows of the precision x batch matrix), each step given at most
 #   what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a line
@@ -404,6 +404,40 @@ switches() {
   switch_rows gelu UPSCALE_CUDA_GELU_EPILOGUE 1
 }
 
+# swin_family REPS: SwinIR-M and HAT-L x4 (random weights of the released shapes, the same
+# file for both programs) on the DRCT-L side by side's input and tiling, bf16: ours, then
+# PyTorch eager and torch.compile (benches/torch_swin_reference.py) while the budget lasts.
+swin_family() {
+  echo "== SwinIR-M and HAT-L x4 960x540 bf16: ours, PyTorch eager and torch.compile"
+  if [ "$smoke" = 1 ] || [ "$have_torch" = 0 ]; then
+    record swin "skipped: the SwinIR and HAT weights are made with PyTorch"
+    return
+  fi
+  local r=$1 preset weights log limit compile line
+  for preset in swinir-m hat-l; do
+    fits swin 30 "\"label\":\"$preset\"" || return
+    weights="$work/$preset.safetensors"
+    [ -f "$weights" ] || "$PY" benches/torch_swin_reference.py make-weights "$weights" --preset "$preset" \
+      >> "$logs/weights.log" 2>&1 || { record swin "failed: weights" "\"label\":\"$preset\""; continue; }
+    bench swin "$preset-bf16-ours-$attn" "$weights" --precision bf16 --size "$s540" --tile "$t256" \
+      --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
+    compile=() limit=300
+    if fits swin "$compile_s" "\"label\":\"$preset-bf16-torch-compile\""; then
+      compile=(--compile) limit=$(( 300 + compile_s ))
+    fi
+    log="$logs/swin-$preset-pytorch.jsonl"
+    timeout "$(cap "$limit")" "$PY" benches/torch_swin_reference.py time --device cuda --preset "$preset" \
+      --weights "$weights" --dtype bf16 --height "${s540%x*}" --width "${s540#*x}" --tile "$t256" \
+      --overlap "$ov" --tile-batch 4 --reps "$r" "${compile[@]}" > "$log" 2>> "$logs/swin.log"
+    line=$(grep '"summary": true' "$log" | grep -v '"impl": "compile-default"' | tail -n 1)
+    record swin "${line:-failed}" "\"label\":\"$preset-bf16-pytorch\""
+    if [ ${#compile[@]} -gt 0 ]; then
+      line=$(grep '"summary": true' "$log" | grep '"impl": "compile-default"' | tail -n 1)
+      record swin "${line:-failed}" "\"label\":\"$preset-bf16-torch-compile\""
+    fi
+  done
+}
+
 # The side-by-side shapes and two lanes again with cudarc's event tracking on (its default, and
 # ours before engine::lanes::skip_event_tracking): the before/after of leaving it off.
 event_tracking() {
@@ -482,6 +516,7 @@ bench_part() {
   measure_peak
   side_by_side "$reps"
   switches
+  swin_family "$reps"
   gemm_bounds
   streams 1 2 4
   folder_runs 1 2
@@ -538,6 +573,7 @@ proof_part() {
   # minute per model) can use up the budget.
   switches
   side_by_side 3
+  swin_family 3
   event_tracking
   # Earlier builds in the pack (UPSCALE_BASES) against this one: one round of before/after.
   ab_part 1

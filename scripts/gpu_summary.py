@@ -141,7 +141,7 @@ def torch_table(torch_rows, benches, rows):
     the same run; then ours against torch.compile, model by model."""
     peak = next((r["result"]["bf16_tflops"] for r in rows if r["step"] == "peak"
                  and isinstance(r.get("result"), dict) and "bf16_tflops" in r["result"]), None)
-    ours = [r for r in benches if r["step"] == "side" and "-ours-" in r.get("label", "")]
+    ours = [r for r in benches if r["step"] in ("side", "swin") and "-ours-" in r.get("label", "")]
     flop = {(model_of(r["label"]), r["result"].get("tiles")): r["result"].get("model_tflop") for r in ours}
     print("## PyTorch reference\n")
     print("| label | impl | median s | first call s | tiles/s | TFLOP/s | MFU | peak MiB | max abs vs eager | finite |")

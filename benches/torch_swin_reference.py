@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""SwinIR and HAT in PyTorch (spandrel's modules, which match the official code), tiled as
+`upscale` tiles, for the GPU side by side: eager, then `torch.compile` with --compile, the
+same JSON lines as benches/torch_gpu_reference.py prints for DRCT.
+
+  python benches/torch_swin_reference.py make-weights OUT.safetensors --preset swinir-m
+  python benches/torch_swin_reference.py time --preset hat-l --weights OUT.safetensors \
+      --height 540 --width 960 --tile 256 --overlap 32 --tile-batch 4 --compile
+  python benches/torch_swin_reference.py time --device cpu --preset swinir-tiny   # smoke
+
+Random weights of the released shapes (seeded), saved as parameters only, so that `upscale`
+and PyTorch run the same network. Attention stays spandrel's own (no SDPA patch), as a user
+running these models today gets it.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torch_gpu_reference import run_compiled, upscale_tiled  # noqa: E402
+
+# The released shapes (x4, classical pixel-shuffle upsampler, one residual convolution), and
+# tiny ones for the CPU smoke run.
+PRESETS = {
+    "swinir-m": dict(arch="swinir", embed_dim=180, depths=[6] * 6, num_heads=[6] * 6, window_size=8),
+    "hat-l": dict(arch="hat", embed_dim=180, depths=[6] * 12, num_heads=[6] * 12, window_size=16),
+    "swinir-tiny": dict(arch="swinir", embed_dim=24, depths=[2], num_heads=[2], window_size=8),
+    "hat-tiny": dict(arch="hat", embed_dim=60, depths=[2], num_heads=[2], window_size=8),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_model(preset, seed):
+    p = dict(PRESETS[preset])
+    arch = p.pop("arch")
+    torch.manual_seed(seed)
+    common = dict(img_size=64, patch_size=1, in_chans=3, mlp_ratio=2.0, upscale=4,
+                  img_range=1.0, upsampler="pixelshuffle", resi_connection="1conv", **p)
+    if arch == "hat":
+        from spandrel.architectures.HAT import HAT
+        return HAT(compress_ratio=3, squeeze_factor=30, conv_scale=0.01, overlap_ratio=0.5,
+                   **common).eval()
+    from spandrel.architectures.SwinIR import SwinIR
+    return SwinIR(**common).eval()
+
+
+def cmd_make_weights(a):
+    from safetensors.torch import save_file
+    model = build_model(a.preset, a.seed)
+    params = {k: v.detach().contiguous() for k, v in model.named_parameters()}
+    save_file(params, a.out, metadata={"preset": a.preset, "seed": str(a.seed)})
+    print(json.dumps({"out": a.out, "preset": a.preset, "seed": a.seed, "tensors": len(params)}))
+
+
+def cmd_time(a):
+    cuda = a.device.startswith("cuda")
+    dev = torch.device(a.device)
+    if not cuda:
+        torch.set_num_threads(a.threads)
+    model = build_model(a.preset, a.seed)
+    if a.weights:
+        from safetensors.torch import load_file
+        missing, unexpected = model.load_state_dict(load_file(a.weights), strict=False)
+        # The file holds parameters only; the buffers the model built itself are the misses.
+        bad = [k for k in missing if k in dict(model.named_parameters())] + list(unexpected)
+        if bad:
+            sys.exit(f"{a.weights}: does not match {a.preset} ({bad[:5]})")
+    dtype = DTYPES[a.dtype]
+    model = model.to(dev, dtype)
+    ws = PRESETS[a.preset]["window_size"]
+    tile = a.tile or (256 if cuda else 2 * ws)
+    overlap = a.overlap if a.overlap is not None else (32 if cuda else ws // 2)
+    h, w = a.height or (512 if cuda else 3 * tile), a.width or (512 if cuda else 3 * tile)
+    img = torch.rand((1, 3, h, w), generator=torch.Generator().manual_seed(a.seed + 3))
+    if cuda:
+        img = img.pin_memory()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    def once(net=model):
+        sync()
+        t0 = time.perf_counter()
+        y, nt = upscale_tiled(net, img.to(dev, non_blocking=True), 4, ws, tile, overlap,
+                              a.tile_batch, dtype, True)
+        y = y.cpu()
+        sync()
+        return time.perf_counter() - t0, y, nt
+
+    for _ in range(a.warmup):
+        once()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = []
+    for i in range(a.reps):
+        t, y, nt = once()
+        times.append(t)
+        print(json.dumps({"rep": i, "seconds": round(t, 4), "tiles_per_s": round(nt / t, 2)}), flush=True)
+    med = statistics.median(times)
+    run = {
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "preset": a.preset,
+        "scale": 4, "dtype": a.dtype, "channels_last": True, "input": list(img.shape),
+        "tile": tile, "overlap": overlap, "tile_batch": a.tile_batch, "tiles": nt, "reps": a.reps,
+    }
+    print(json.dumps({
+        "summary": True, "impl": "pytorch-spandrel", **run, "median_s_per_image": round(med, 4),
+        "tiles_per_s": round(nt / med, 2),
+        "peak_mem_mib": round(torch.cuda.max_memory_allocated(dev) / 2**20, 1) if cuda else None,
+        "finite": bool(torch.isfinite(y).all()), "torch": torch.__version__,
+    }), flush=True)
+    if a.compile:
+        run_compiled(model, once, a.reps, run, y, med, dev if cuda else None)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    mw = sub.add_parser("make-weights")
+    mw.add_argument("out")
+    mw.add_argument("--preset", choices=sorted(PRESETS), default="swinir-m")
+    mw.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("time")
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    t.add_argument("--preset", choices=sorted(PRESETS), default="swinir-m")
+    t.add_argument("--weights", help="safetensors from make-weights (default: random from --seed)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    t.add_argument("--height", type=int)
+    t.add_argument("--width", type=int)
+    t.add_argument("--tile", type=int, help="a multiple of the window (default 256; cpu 2*window)")
+    t.add_argument("--overlap", type=int)
+    t.add_argument("--tile-batch", type=int, default=4)
+    t.add_argument("--reps", type=int, default=3)
+    t.add_argument("--warmup", type=int, default=1)
+    t.add_argument("--threads", type=int, default=2, help="CPU threads (cpu device only)")
+    t.add_argument("--compile", action="store_true", help="then torch.compile(model, dynamic=False)")
+    a = ap.parse_args()
+    {"make-weights": cmd_make_weights, "time": cmd_time}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
