@@ -42,7 +42,7 @@ use super::drct::{
 };
 use super::fused::Attention;
 use super::norm::{layer_norm, Norm};
-use super::swinir::{check_shapes, isqrt, pixel_shuffle_scale};
+use super::swinir::{check_shapes, isqrt, pixel_shuffle_scale, swin_layout, SwinLayout};
 
 /// The weight of the convolution branch in every released HAT model (not in the weights).
 pub const CONV_SCALE: f64 = 0.01;
@@ -273,46 +273,12 @@ impl HatConfig {
             ));
         }
         let embed_dim = cf[0];
-        if shapes.contains_key("absolute_pos_embed") {
-            return Err("absolute position embedding (ape=True) is not supported".into());
-        }
-        let mut depths: Vec<usize> = Vec::new();
-        for key in shapes.keys() {
-            let Some(rest) = key.strip_prefix("layers.") else {
-                continue;
-            };
-            let mut parts = rest.split('.');
-            let i: usize = parts
-                .next()
-                .and_then(|i| i.parse().ok())
-                .ok_or_else(|| format!("unexpected tensor {key}"))?;
-            if depths.len() <= i {
-                depths.resize(i + 1, 0);
-            }
-            if parts.next() == Some("residual_group") && parts.next() == Some("blocks") {
-                let j: usize = parts
-                    .next()
-                    .and_then(|j| j.parse().ok())
-                    .ok_or_else(|| format!("unexpected tensor {key}"))?;
-                depths[i] = depths[i].max(j + 1);
-            }
-        }
-        if depths.is_empty() {
-            return Err("no residual groups (layers.N.*) found".into());
-        }
-        if let Some(i) = depths.iter().position(|&d| d == 0) {
-            return Err(format!("residual group layers.{i} has no blocks"));
-        }
+        let SwinLayout {
+            depths,
+            window,
+            heads,
+        } = swin_layout(shapes, embed_dim)?;
         let b0 = "layers.0.residual_group.blocks.0";
-        let table_name = format!("{b0}.attn.relative_position_bias_table");
-        let table = get(&table_name)?;
-        let side = if table.len() == 2 { isqrt(table[0]) } else { 0 };
-        if table.len() != 2 || side * side != table[0] || side % 2 == 0 {
-            return Err(format!(
-                "tensor {table_name} has shape {table:?}; expected [(2*window-1)^2, heads]"
-            ));
-        }
-        let window = side.div_ceil(2);
         let ocab_name = "layers.0.residual_group.overlap_attn.relative_position_bias_table";
         let ot = get(ocab_name)?;
         let oside = if ot.len() == 2 { isqrt(ot[0]) } else { 0 };
@@ -326,18 +292,6 @@ impl HatConfig {
             return Err(format!(
                 "overlap window {overlap_window} around a window of {window}: the margins must be even"
             ));
-        }
-        let mut heads = Vec::with_capacity(depths.len());
-        for i in 0..depths.len() {
-            let name =
-                format!("layers.{i}.residual_group.blocks.0.attn.relative_position_bias_table");
-            let h = get(&name)?.get(1).copied().unwrap_or(0);
-            if h == 0 || !embed_dim.is_multiple_of(h) {
-                return Err(format!(
-                    "tensor {name}: {h} heads do not divide the width {embed_dim}"
-                ));
-            }
-            heads.push(h);
         }
         let num_feat = first("conv_before_upsample.0.weight")?;
         let cfg = HatConfig {

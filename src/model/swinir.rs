@@ -302,61 +302,12 @@ impl SwinIrConfig {
             ));
         }
         let embed_dim = cf[0];
-        if shapes.contains_key("absolute_pos_embed") {
-            return Err("absolute position embedding (ape=True) is not supported".into());
-        }
-        let mut depths: Vec<usize> = Vec::new();
-        for key in shapes.keys() {
-            let Some(rest) = key.strip_prefix("layers.") else {
-                continue;
-            };
-            let mut parts = rest.split('.');
-            let i: usize = parts
-                .next()
-                .and_then(|i| i.parse().ok())
-                .ok_or_else(|| format!("unexpected tensor {key}"))?;
-            if depths.len() <= i {
-                depths.resize(i + 1, 0);
-            }
-            if parts.next() == Some("residual_group") && parts.next() == Some("blocks") {
-                let j: usize = parts
-                    .next()
-                    .and_then(|j| j.parse().ok())
-                    .ok_or_else(|| format!("unexpected tensor {key}"))?;
-                depths[i] = depths[i].max(j + 1);
-            }
-        }
-        if let Some(i) = depths.iter().position(|&d| d == 0) {
-            return Err(format!(
-                "residual group layers.{i} has no Swin blocks (layers.{i}.residual_group.blocks.N)"
-            ));
-        }
-        if depths.is_empty() {
-            return Err("no residual groups (layers.N.*) found".into());
-        }
+        let SwinLayout {
+            depths,
+            window,
+            heads,
+        } = swin_layout(shapes, embed_dim)?;
         let block0 = "layers.0.residual_group.blocks.0";
-        let table_name = format!("{block0}.attn.relative_position_bias_table");
-        let table = get(&table_name)?;
-        let side = if table.len() == 2 { isqrt(table[0]) } else { 0 };
-        if table.len() != 2 || side * side != table[0] || side % 2 == 0 {
-            return Err(format!(
-                "tensor {table_name} has shape {table:?}; expected [(2*window-1)^2, heads]"
-            ));
-        }
-        let window = side.div_ceil(2);
-        let mut heads = Vec::with_capacity(depths.len());
-        for i in 0..depths.len() {
-            let name =
-                format!("layers.{i}.residual_group.blocks.0.attn.relative_position_bias_table");
-            let t = get(&name)?;
-            let h = t.get(1).copied().unwrap_or(0);
-            if h == 0 || !embed_dim.is_multiple_of(h) {
-                return Err(format!(
-                    "tensor {name} has shape {t:?}: {h} heads do not divide the width {embed_dim}"
-                ));
-            }
-            heads.push(h);
-        }
         let width = |name: &str| -> std::result::Result<usize, String> {
             let s = get(name)?;
             match s.first() {
@@ -418,6 +369,86 @@ impl SwinIrConfig {
         check_shapes(&cfg.expected_tensors(), shapes, "SwinIR")?;
         Ok(cfg)
     }
+}
+
+/// What SwinIR and HAT checkpoints share: blocks per residual group
+/// (`layers.i.residual_group.blocks.j`), the window (from the first block's relative position
+/// table) and each group's heads, which must divide the width `embed_dim`.
+pub(crate) struct SwinLayout {
+    pub depths: Vec<usize>,
+    pub window: usize,
+    pub heads: Vec<usize>,
+}
+
+/// [`SwinLayout`] read from the tensor shapes, or what is wrong with them.
+pub(crate) fn swin_layout(
+    shapes: &BTreeMap<String, Vec<usize>>,
+    embed_dim: usize,
+) -> std::result::Result<SwinLayout, String> {
+    let get = |name: &str| {
+        shapes
+            .get(name)
+            .ok_or_else(|| format!("missing tensor {name}"))
+    };
+    if shapes.contains_key("absolute_pos_embed") {
+        return Err("absolute position embedding (ape=True) is not supported".into());
+    }
+    let mut depths: Vec<usize> = Vec::new();
+    for key in shapes.keys() {
+        let Some(rest) = key.strip_prefix("layers.") else {
+            continue;
+        };
+        let mut parts = rest.split('.');
+        let i: usize = parts
+            .next()
+            .and_then(|i| i.parse().ok())
+            .ok_or_else(|| format!("unexpected tensor {key}"))?;
+        if depths.len() <= i {
+            depths.resize(i + 1, 0);
+        }
+        if parts.next() == Some("residual_group") && parts.next() == Some("blocks") {
+            let j: usize = parts
+                .next()
+                .and_then(|j| j.parse().ok())
+                .ok_or_else(|| format!("unexpected tensor {key}"))?;
+            depths[i] = depths[i].max(j + 1);
+        }
+    }
+    if let Some(i) = depths.iter().position(|&d| d == 0) {
+        return Err(format!(
+            "residual group layers.{i} has no Swin blocks (layers.{i}.residual_group.blocks.N)"
+        ));
+    }
+    if depths.is_empty() {
+        return Err("no residual groups (layers.N.*) found".into());
+    }
+    let block0 = "layers.0.residual_group.blocks.0";
+    let table_name = format!("{block0}.attn.relative_position_bias_table");
+    let table = get(&table_name)?;
+    let side = if table.len() == 2 { isqrt(table[0]) } else { 0 };
+    if table.len() != 2 || side * side != table[0] || side % 2 == 0 {
+        return Err(format!(
+            "tensor {table_name} has shape {table:?}; expected [(2*window-1)^2, heads]"
+        ));
+    }
+    let window = side.div_ceil(2);
+    let mut heads = Vec::with_capacity(depths.len());
+    for i in 0..depths.len() {
+        let name = format!("layers.{i}.residual_group.blocks.0.attn.relative_position_bias_table");
+        let t = get(&name)?;
+        let h = t.get(1).copied().unwrap_or(0);
+        if h == 0 || !embed_dim.is_multiple_of(h) {
+            return Err(format!(
+                "tensor {name} has shape {t:?}: {h} heads do not divide the width {embed_dim}"
+            ));
+        }
+        heads.push(h);
+    }
+    Ok(SwinLayout {
+        depths,
+        window,
+        heads,
+    })
 }
 
 /// The product of the classical upsampler's pixel-shuffle stages (`upsample.0`, `.2`, ...).
