@@ -1517,6 +1517,33 @@ fn only_this_runs_stale_temporaries_are_removed() {
     );
 }
 
+/// The library's own warnings (here: lanes asked of the CPU) reach stderr through the logger
+/// the tool installs, one `warning:` line each, and `-q` silences them too.
+#[test]
+fn library_warnings_reach_stderr_unless_quiet() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    let run = |extra: &[&str], out: &str| {
+        upscale(dir)
+            .args(["in.png", "--streams", "3", "-o", out])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let loud = run(&[], "loud.png");
+    assert_success(&loud);
+    let lines: Vec<_> = stderr(&loud)
+        .lines()
+        .filter(|l| l.starts_with("warning:") && l.contains("3 streams"))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(lines.len(), 1, "{}", stderr(&loud));
+    let quiet = run(&["-q"], "quiet.png");
+    assert_success(&quiet);
+    assert_eq!(stderr(&quiet), "");
+}
+
 /// `-q` silences every warning, the dropped-alpha one included.
 #[test]
 fn quiet_silences_the_alpha_warning() {
