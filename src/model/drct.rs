@@ -974,39 +974,56 @@ impl Drct {
 impl Module for Drct {
     /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)` in the model's
     /// dtype, unclamped. Pads bottom/right to a window multiple as the official test pipeline
-    /// does, and crops the padding's output away.
+    /// does, and crops the padding's output away ([`swin_frame`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, _, h, w) = x.dims4()?;
-        let ws = self.config.window;
-        let s = self.config.scale;
-        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, ws)?;
-        // Channels-last from here on: every layer below is a matmul over the channel axis.
-        let x = x.permute((0, 2, 3, 1))?.broadcast_sub(&self.mean)?;
-        let f0 = self.conv_first.forward(&x)?;
-        let mut t = match &self.patch_norm {
-            Some(norm) => layer_norm(norm, &f0)?,
-            None => f0.clone(),
-        };
-        for layer in &self.layers {
-            t = layer.forward(&t)?;
-        }
-        let body = layer_norm(&self.norm, &t)?;
-        let body = match &self.conv_after_body {
-            Some(conv) => conv.forward(&body)?,
-            None => body,
-        };
-        let mut y = candle_nn::ops::leaky_relu(
-            &self.conv_before_upsample.forward(&(body + f0)?)?,
-            UPSAMPLE_SLOPE,
-        )?;
-        for (conv, r) in &self.upsample {
-            y = conv.forward_shuffled(&y, *r)?;
-        }
-        // conv_last's bias already includes the RGB mean the model adds back.
-        let y = self.conv_last.forward(&y)?;
-        let y = y.narrow(1, 0, h * s)?.narrow(2, 0, w * s)?;
-        y.permute((0, 3, 1, 2))?.contiguous()
+        let shape = (self.dtype, self.config.window, self.config.scale);
+        let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
+        swin_frame(x, shape, head, |f0, mut t| {
+            for layer in &self.layers {
+                t = layer.forward(&t)?;
+            }
+            let body = layer_norm(&self.norm, &t)?;
+            let body = match &self.conv_after_body {
+                Some(conv) => conv.forward(&body)?,
+                None => body,
+            };
+            let mut y = candle_nn::ops::leaky_relu(
+                &self.conv_before_upsample.forward(&(body + f0)?)?,
+                UPSAMPLE_SLOPE,
+            )?;
+            for (conv, r) in &self.upsample {
+                y = conv.forward_shuffled(&y, *r)?;
+            }
+            // conv_last's bias already includes the RGB mean the model adds back.
+            self.conv_last.forward(&y)
+        })
     }
+}
+
+/// The frame every Swin-family network runs in: `x` `(B, 3, H, W)` reflect-padded
+/// bottom/right to a multiple of the window (as the official test pipelines do), in `dtype`,
+/// channels-last with the RGB `mean` subtracted, through `conv_first` (and the patch norm when
+/// the model has one); `deep` takes those shallow features and the normalised tokens and
+/// returns the model's `(B, sH', sW', 3)` output, whose padding this crops away before going
+/// back to channels-first.
+pub(crate) fn swin_frame(
+    x: &Tensor,
+    (dtype, window, scale): (DType, usize, usize),
+    (mean, conv_first, patch_norm): (&Tensor, &Conv3x3, Option<&Norm>),
+    deep: impl FnOnce(Tensor, Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (_, _, h, w) = x.dims4()?;
+    let x = reflect_pad_bottom_right(&x.to_dtype(dtype)?, window)?;
+    // Channels-last from here on: every layer is a matmul over the channel axis.
+    let x = x.permute((0, 2, 3, 1))?.broadcast_sub(mean)?;
+    let f0 = conv_first.forward(&x)?;
+    let t = match patch_norm {
+        Some(norm) => layer_norm(norm, &f0)?,
+        None => f0.clone(),
+    };
+    let y = deep(f0, t)?;
+    let y = y.narrow(1, 0, h * scale)?.narrow(2, 0, w * scale)?;
+    y.permute((0, 3, 1, 2))?.contiguous()
 }
 
 /// Reflect-101 indices (edge not repeated) for extending `size` samples to `padded`. Sizes

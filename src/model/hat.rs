@@ -37,8 +37,8 @@ use serde::Serialize;
 use super::bf16::Isa;
 use super::cache::WindowCache;
 use super::drct::{
-    load_layer_norm, pointwise, reflect_pad_bottom_right, shuffle_order, BlockShape, Conv3x3,
-    Dense, Mlp, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,
+    load_layer_norm, pointwise, shuffle_order, swin_frame, BlockShape, Conv3x3, Dense, Mlp,
+    SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,
 };
 use super::fused::Attention;
 use super::norm::{layer_norm, Norm};
@@ -639,34 +639,28 @@ impl Hat {
 }
 
 impl Module for Hat {
-    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)`, unclamped;
-    /// padded reflect-101 bottom/right to a window multiple as the official test pipeline
-    /// does, the padding's output cropped away.
+    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)`, unclamped
+    /// ([`swin_frame`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, _, h, w) = x.dims4()?;
-        let s = self.config.scale;
-        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, self.config.window)?;
-        let x = x.permute((0, 2, 3, 1))?.broadcast_sub(&self.mean)?;
-        let f0 = self.conv_first.forward(&x)?;
-        let mut t = match &self.patch_norm {
-            Some(norm) => layer_norm(norm, &f0)?,
-            None => f0.clone(),
-        };
-        for layer in &self.layers {
-            t = layer.forward(&t)?;
-        }
-        let body = layer_norm(&self.norm, &t)?;
-        let body = match &self.conv_after_body {
-            Some(conv) => (conv.forward(&body)? + f0)?,
-            None => (body + f0)?,
-        };
-        let mut y =
-            candle_nn::ops::leaky_relu(&self.conv_before_upsample.forward(&body)?, UPSAMPLE_SLOPE)?;
-        for (conv, r) in &self.upsample {
-            y = conv.forward_shuffled(&y, *r)?;
-        }
-        let y = self.conv_last.forward(&y)?;
-        let y = y.narrow(1, 0, h * s)?.narrow(2, 0, w * s)?;
-        y.permute((0, 3, 1, 2))?.contiguous()
+        let shape = (self.dtype, self.config.window, self.config.scale);
+        let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
+        swin_frame(x, shape, head, |f0, mut t| {
+            for layer in &self.layers {
+                t = layer.forward(&t)?;
+            }
+            let body = layer_norm(&self.norm, &t)?;
+            let body = match &self.conv_after_body {
+                Some(conv) => (conv.forward(&body)? + f0)?,
+                None => (body + f0)?,
+            };
+            let mut y = candle_nn::ops::leaky_relu(
+                &self.conv_before_upsample.forward(&body)?,
+                UPSAMPLE_SLOPE,
+            )?;
+            for (conv, r) in &self.upsample {
+                y = conv.forward_shuffled(&y, *r)?;
+            }
+            self.conv_last.forward(&y)
+        })
     }
 }

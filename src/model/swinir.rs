@@ -36,8 +36,8 @@ use serde::Serialize;
 use super::bf16::Isa;
 use super::cache::WindowCache;
 use super::drct::{
-    load_layer_norm, pointwise, reflect_pad_bottom_right, shuffle_order, BlockShape, Conv3x3,
-    Dense, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,
+    load_layer_norm, pointwise, shuffle_order, swin_frame, BlockShape, Conv3x3, Dense, SwinBlock,
+    RGB_MEAN, UPSAMPLE_SLOPE,
 };
 use super::fused::Attention;
 use super::norm::{layer_norm, Norm};
@@ -773,50 +773,43 @@ impl SwinIr {
 
 impl Module for SwinIr {
     /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)` in the model's
-    /// dtype, unclamped.
+    /// dtype, unclamped ([`swin_frame`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, _, h, w) = x.dims4()?;
-        let ws = self.config.window;
-        let s = self.config.scale;
-        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, ws)?;
-        let x = x.permute((0, 2, 3, 1))?.broadcast_sub(&self.mean)?;
-        let f0 = self.conv_first.forward(&x)?;
-        let mut t = match &self.patch_norm {
-            Some(norm) => layer_norm(norm, &f0)?,
-            None => f0.clone(),
-        };
-        for layer in &self.layers {
-            t = layer.forward(&t)?;
-        }
-        let body = (self.conv_after_body.forward(&layer_norm(&self.norm, &t)?)? + f0)?;
-        let lrelu = candle_nn::ops::leaky_relu;
-        let y = match &self.tail {
-            Tail::PixelShuffle {
-                before,
-                stages,
-                last,
-            } => {
-                let mut y = lrelu(&before.forward(&body)?, UPSAMPLE_SLOPE)?;
-                for (conv, r) in stages {
-                    y = conv.forward_shuffled(&y, *r)?;
-                }
-                last.forward(&y)?
+        let shape = (self.dtype, self.config.window, self.config.scale);
+        let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
+        swin_frame(x, shape, head, |f0, mut t| {
+            for layer in &self.layers {
+                t = layer.forward(&t)?;
             }
-            Tail::Direct { conv, scale } => conv.forward_shuffled(&body, *scale)?,
-            Tail::NearestConv {
-                before,
-                ups,
-                hr,
-                last,
-            } => {
-                let mut y = lrelu(&before.forward(&body)?, UPSAMPLE_SLOPE)?;
-                for up in ups {
-                    y = lrelu(&up.forward(&nearest2(&y)?)?, SLOPE)?;
+            let body = (self.conv_after_body.forward(&layer_norm(&self.norm, &t)?)? + f0)?;
+            let lrelu = candle_nn::ops::leaky_relu;
+            let y = match &self.tail {
+                Tail::PixelShuffle {
+                    before,
+                    stages,
+                    last,
+                } => {
+                    let mut y = lrelu(&before.forward(&body)?, UPSAMPLE_SLOPE)?;
+                    for (conv, r) in stages {
+                        y = conv.forward_shuffled(&y, *r)?;
+                    }
+                    last.forward(&y)?
                 }
-                last.forward(&lrelu(&hr.forward(&y)?, SLOPE)?)?
-            }
-        };
-        let y = y.narrow(1, 0, h * s)?.narrow(2, 0, w * s)?;
-        y.permute((0, 3, 1, 2))?.contiguous()
+                Tail::Direct { conv, scale } => conv.forward_shuffled(&body, *scale)?,
+                Tail::NearestConv {
+                    before,
+                    ups,
+                    hr,
+                    last,
+                } => {
+                    let mut y = lrelu(&before.forward(&body)?, UPSAMPLE_SLOPE)?;
+                    for up in ups {
+                        y = lrelu(&up.forward(&nearest2(&y)?)?, SLOPE)?;
+                    }
+                    last.forward(&lrelu(&hr.forward(&y)?, SLOPE)?)?
+                }
+            };
+            Ok(y)
+        })
     }
 }
