@@ -28,9 +28,10 @@ use crate::engine::lanes::Lanes;
 use crate::engine::{
     choose_dtype, open_device, read_checkpoint, DeviceChoice, EngineError, Precision,
 };
-use crate::io::{EncodeOptions, Format, IoError};
+use crate::io::{Decoded, EncodeOptions, Format, IoError};
 use crate::model::fused::Attention;
 use crate::model::ModelError;
+use crate::planar::Planar;
 use crate::size::OutputSize;
 use crate::tile::auto::{TileChoice, TileSettings};
 use crate::tile::{BlendMode, TileError};
@@ -200,16 +201,12 @@ impl Upscaler {
     /// follows the input (16-bit in, 16-bit out).
     pub fn upscale(&self, img: &DynamicImage) -> Result<DynamicImage, Error> {
         let dec = crate::io::decode::to_planar(img.clone(), Format::Png);
-        let up = self.lanes.upscale_decoded(&dec, &self.settings)?;
-        let (w, h) = self.size.dims(dec.rgb.width, dec.rgb.height, self.scale());
-        let (rgb, alpha) = crate::size::resize(up.rgb, up.alpha, w, h).map_err(Error::Output)?;
+        let (rgb, alpha) = self.upscale_planes(&dec)?;
         let mut opts = EncodeOptions::new(Format::Png);
         opts.bit_depth = dec.bit_depth;
         crate::io::encode::to_image(&rgb, alpha.as_ref(), dec.gray, &opts).map_err(Error::Output)
     }
-}
 
-impl Upscaler {
     /// Upscales the image file `input` into `output` as the command-line tool does one file:
     /// PNG, JPEG, WebP or TIFF by `output`'s extension; 16-bit samples kept where the format
     /// holds them; the ICC profile and EXIF carried over where the format can hold them (the
@@ -222,10 +219,7 @@ impl Upscaler {
             detail: "the extension names no image format (png, jpg, webp, tif)".into(),
         })?;
         let dec = crate::io::decode(input)?;
-        let mut up = self.lanes.upscale_decoded(&dec, &self.settings)?;
-        let (w, h) = self.size.dims(dec.rgb.width, dec.rgb.height, self.scale());
-        let (rgb, alpha) =
-            crate::size::resize(up.rgb, up.alpha.take(), w, h).map_err(Error::Output)?;
+        let (rgb, alpha) = self.upscale_planes(&dec)?;
         if alpha.is_some() && !format.supports_alpha() {
             log::warn!(
                 "{}: {format} has no alpha channel; transparency is dropped",
@@ -240,6 +234,13 @@ impl Upscaler {
             log::debug!("{}: {piece}", output.display());
         }
         Ok(())
+    }
+
+    /// The colour and alpha planes of `dec` upscaled and resampled to [`Options::size`].
+    fn upscale_planes(&self, dec: &Decoded) -> Result<(Planar, Option<Planar>), Error> {
+        let up = self.lanes.upscale_decoded(dec, &self.settings)?;
+        let (w, h) = self.size.dims(dec.rgb.width, dec.rgb.height, self.scale());
+        crate::size::resize(up.rgb, up.alpha, w, h).map_err(Error::Output)
     }
 }
 

@@ -345,7 +345,7 @@ impl Dense {
                     After::Residual(r) => (Some(r.reshape(y.shape())?.contiguous()?), Act::None),
                     After::Gelu => (None, Act::Gelu),
                 };
-                let y = rowwise::bias_act(&y, dense_bias(inner)?, residual.as_ref(), act)?;
+                let y = rowwise::bias_act(&y, bias, residual.as_ref(), act)?;
                 unrows(&y, x)
             }
             Self::Candle(inner) => {
