@@ -330,36 +330,41 @@ check() {
   auto1080
 }
 
+# pytorch_rows STEP MODEL LOG CMD...: a PyTorch reference (CMD prints the JSON lines of
+# benches/torch_gpu_reference.py) and, in the same process after it, torch.compile when the
+# budget has room for its first call (about a minute: 51 s for DRCT-L on an H200); records
+# MODEL-bf16-pytorch and MODEL-bf16-torch-compile from the summary lines in LOG.
+pytorch_rows() {
+  local step=$1 model=$2 log=$3 line compile=() limit=300
+  shift 3
+  if fits "$step" "$compile_s" "\"label\":\"$model-bf16-torch-compile\""; then
+    compile=(--compile) limit=$(( 300 + compile_s ))
+  fi
+  timeout "$(cap "$limit")" "$@" "${compile[@]}" > "$log" 2>> "$logs/$step.log"
+  # The eager summary is written before the compile starts: kept even if the compile is cut.
+  line=$(grep '"summary": true' "$log" | grep -v '"impl": "compile-default"' | tail -n 1)
+  record "$step" "${line:-failed}" "\"label\":\"$model-bf16-pytorch\""
+  if [ ${#compile[@]} -gt 0 ]; then
+    line=$(grep '"summary": true' "$log" | grep '"impl": "compile-default"' | tail -n 1)
+    record "$step" "${line:-failed}" "\"label\":\"$model-bf16-torch-compile\""
+  fi
+}
+
 # side_by_side REPS: DRCT-L x4 960x540 and DRCT x4 640x480 against PyTorch eager and
 # torch.compile, bf16, tile 256, batch 4.
 compile_s=150 # the least budget left for a torch.compile row: eager, a minute of compiling, reps
 side_by_side() {
   echo "== side by side: DRCT-L x4 960x540 and DRCT x4 640x480, bf16, tile 256, batch 4"
-  local r=$1 m line log limit compile
+  local r=$1 m
   for m in "drct-l $drct_l $s540" "drct $drct $s480"; do
     set -- $m
     fits side 30 || continue
     [ -n "$deadline" ] || bench side "$1-bf16-ours-fused" "$2" --precision bf16 --attention fused --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
     bench side "$1-bf16-ours-$attn" "$2" --precision bf16 --attention "$attn" --size "$3" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
     if [ "$have_torch" = 1 ] && [ "$smoke" = 0 ]; then
-      # torch.compile's row comes from the same process, after the eager one (whose output it
-      # is checked against). Its first call compiles for about a minute (51 s for DRCT-L on an
-      # H200), so it runs only when the budget has room for that as well as the eager row.
-      compile=() limit=300
-      if fits side "$compile_s" "\"label\":\"$1-bf16-torch-compile\""; then
-        compile=(--compile) limit=$(( 300 + compile_s ))
-      fi
-      log="$logs/side-$1-pytorch.jsonl"
-      timeout "$(cap "$limit")" "$PY" benches/torch_gpu_reference.py --device cuda --preset "$1" --weights "$2" \
-        --dtype bf16 --height "${3%x*}" --width "${3#*x}" --tile "$t256" --overlap "$ov" --tile-batch 4 \
-        --reps "$r" "${compile[@]}" > "$log" 2>> "$logs/side.log"
-      # The eager summary is written before the compile starts: kept even if the compile is cut.
-      line=$(grep '"summary": true' "$log" | grep -v '"impl": "compile-default"' | tail -n 1)
-      record side "${line:-failed}" "\"label\":\"$1-bf16-pytorch\""
-      if [ ${#compile[@]} -gt 0 ]; then
-        line=$(grep '"summary": true' "$log" | grep '"impl": "compile-default"' | tail -n 1)
-        record side "${line:-failed}" "\"label\":\"$1-bf16-torch-compile\""
-      fi
+      pytorch_rows side "$1" "$logs/side-$1-pytorch.jsonl" "$PY" benches/torch_gpu_reference.py \
+        --device cuda --preset "$1" --weights "$2" --dtype bf16 --height "${3%x*}" --width "${3#*x}" \
+        --tile "$t256" --overlap "$ov" --tile-batch 4 --reps "$r"
     else
       record side "skipped: the PyTorch reference needs PyTorch and a GPU" "\"label\":\"$1-bf16-pytorch\""
       record side "skipped: torch.compile needs PyTorch and a GPU" "\"label\":\"$1-bf16-torch-compile\""
@@ -413,7 +418,7 @@ swin_family() {
     record swin "skipped: the SwinIR and HAT weights are made with PyTorch"
     return
   fi
-  local r=$1 preset weights log limit compile line
+  local r=$1 preset weights
   for preset in swinir-m hat-l; do
     fits swin 30 "\"label\":\"$preset\"" || return
     weights="$work/$preset.safetensors"
@@ -421,20 +426,9 @@ swin_family() {
       >> "$logs/weights.log" 2>&1 || { record swin "failed: weights" "\"label\":\"$preset\""; continue; }
     bench swin "$preset-bf16-ours-$attn" "$weights" --precision bf16 --size "$s540" --tile "$t256" \
       --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
-    compile=() limit=300
-    if fits swin "$compile_s" "\"label\":\"$preset-bf16-torch-compile\""; then
-      compile=(--compile) limit=$(( 300 + compile_s ))
-    fi
-    log="$logs/swin-$preset-pytorch.jsonl"
-    timeout "$(cap "$limit")" "$PY" benches/torch_swin_reference.py time --device cuda --preset "$preset" \
-      --weights "$weights" --dtype bf16 --height "${s540%x*}" --width "${s540#*x}" --tile "$t256" \
-      --overlap "$ov" --tile-batch 4 --reps "$r" "${compile[@]}" > "$log" 2>> "$logs/swin.log"
-    line=$(grep '"summary": true' "$log" | grep -v '"impl": "compile-default"' | tail -n 1)
-    record swin "${line:-failed}" "\"label\":\"$preset-bf16-pytorch\""
-    if [ ${#compile[@]} -gt 0 ]; then
-      line=$(grep '"summary": true' "$log" | grep '"impl": "compile-default"' | tail -n 1)
-      record swin "${line:-failed}" "\"label\":\"$preset-bf16-torch-compile\""
-    fi
+    pytorch_rows swin "$preset" "$logs/swin-$preset-pytorch.jsonl" "$PY" benches/torch_swin_reference.py \
+      time --device cuda --preset "$preset" --weights "$weights" --dtype bf16 --height "${s540%x*}" \
+      --width "${s540#*x}" --tile "$t256" --overlap "$ov" --tile-batch 4 --reps "$r"
   done
 }
 
