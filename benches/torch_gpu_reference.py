@@ -300,15 +300,7 @@ def main():
         sync()
         return time.perf_counter() - t0, y, nt
 
-    for _ in range(a.warmup):
-        once()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
-    times = []
-    for i in range(a.reps):
-        t, y, nt = once()
-        times.append(t)
-        print(json.dumps({"rep": i, "seconds": round(t, 4), "tiles_per_s": round(nt / t, 2)}), flush=True)
+    times, y, nt = timed_reps(once, a.warmup, a.reps, dev if cuda else None)
     med = statistics.median(times)
     hd = sorted({m.dim // m.num_heads for m in model.modules() if isinstance(m, WindowAttention)})
     # What the run was, shared by the eager and the compiled summary lines.
@@ -329,6 +321,21 @@ def main():
 
     if a.compile:
         run_compiled(model, once, a.reps, run, y, med, dev if cuda else None)
+
+
+def timed_reps(once, warmup, reps, cuda_dev):
+    """`warmup` untimed calls of once(), the device's peak memory reset, then `reps` timed ones,
+    each printed as a JSON line; the times and the last call's output and tile count."""
+    for _ in range(warmup):
+        once()
+    if cuda_dev is not None:
+        torch.cuda.reset_peak_memory_stats(cuda_dev)
+    times = []
+    for i in range(reps):
+        t, y, nt = once()
+        times.append(t)
+        print(json.dumps({"rep": i, "seconds": round(t, 4), "tiles_per_s": round(nt / t, 2)}), flush=True)
+    return times, y, nt
 
 
 def run_compiled(model, once, reps, run, y_eager, eager_med, cuda_dev):

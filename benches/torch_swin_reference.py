@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torch_gpu_reference import run_compiled, upscale_tiled  # noqa: E402
+from torch_gpu_reference import run_compiled, timed_reps, upscale_tiled  # noqa: E402
 
 # The released shapes (x4, classical pixel-shuffle upsampler, one residual convolution), and
 # tiny ones for the CPU smoke run.
@@ -94,15 +94,7 @@ def cmd_time(a):
         sync()
         return time.perf_counter() - t0, y, nt
 
-    for _ in range(a.warmup):
-        once()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
-    times = []
-    for i in range(a.reps):
-        t, y, nt = once()
-        times.append(t)
-        print(json.dumps({"rep": i, "seconds": round(t, 4), "tiles_per_s": round(nt / t, 2)}), flush=True)
+    times, y, nt = timed_reps(once, a.warmup, a.reps, dev if cuda else None)
     med = statistics.median(times)
     run = {
         "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "preset": a.preset,
