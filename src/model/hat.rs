@@ -26,22 +26,23 @@
 //! wraps negative indices, so the row used is that index modulo the table's length.
 //!
 //! `conv_scale` is not stored in checkpoints: every released model uses 0.01. The HAB is
-//! DRCT's Swin block ([`super::drct::SwinBlock`]) with the CAB term added to its residual.
+//! DRCT's Swin block ([`super::swin::SwinBlock`]) with the CAB term added to its residual.
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
 
 use super::bf16::Isa;
 use super::cache::WindowCache;
-use super::drct::{
-    load_layer_norm, pointwise, shuffle_order, swin_frame, BlockShape, Conv3x3, Dense, Mlp,
-    SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,
-};
 use super::fused::Attention;
+use super::layers::conv::{shuffle_order, Conv3x3};
+use super::layers::linear::{pointwise, Dense};
 use super::norm::{layer_norm, Norm};
+use super::swin::{
+    load_layer_norm, swin_frame, BlockShape, Mlp, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,
+};
 use super::swinir::{check_shapes, isqrt, pixel_shuffle_scale, swin_layout, SwinLayout};
 
 /// The weight of the convolution branch in every released HAT model (not in the weights).
@@ -528,7 +529,6 @@ pub struct Hat {
     #[cfg_attr(not(test), allow(dead_code))]
     windows: WindowCache,
     dtype: DType,
-    device: Device,
 }
 
 impl Hat {
@@ -599,7 +599,6 @@ impl Hat {
             config: cfg.clone(),
             windows,
             dtype: vb.dtype(),
-            device: vb.device().clone(),
         })
     }
 
@@ -607,10 +606,8 @@ impl Hat {
         self.dtype
     }
 
-    pub fn use_bf16_products(&mut self, isa: Isa) -> Result<()> {
-        if !self.device.is_cpu() || self.dtype != DType::F32 {
-            candle_core::bail!("bf16 products are for f32 networks on the CPU");
-        }
+    /// Bf16 products on the CPU ([`super::Network::use_bf16_products`]).
+    pub(crate) fn use_bf16_products(&mut self, isa: Isa) -> Result<()> {
         self.conv_first.use_bf16(isa)?;
         for layer in &mut self.layers {
             for b in &mut layer.blocks {

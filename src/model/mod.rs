@@ -11,10 +11,12 @@ pub mod drct;
 pub mod epilogue;
 pub mod fused;
 pub mod hat;
+pub mod layers;
 pub mod norm;
 pub mod ops;
 pub mod pad_channels;
 pub mod rowwise;
+pub mod swin;
 pub mod swinir;
 
 use candle_core::{DType, Device, Module, Tensor};
@@ -91,6 +93,9 @@ impl ModelError {
 }
 
 /// One of the supported networks, built.
+// A model holds one network, built once and never moved in a loop: boxing the larger
+// variants would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Network {
     Drct(Drct),
     SwinIr(SwinIr),
@@ -106,6 +111,10 @@ impl Network {
         }
     }
 
+    /// Runs every matrix product (linear layers, convolutions as GEMMs, both attention
+    /// products) with bf16 operands and f32 sums on `isa`, the weights kept in bf16 only;
+    /// everything else stays f32. For networks built in f32 on the CPU: layers elsewhere
+    /// keep their form.
     fn use_bf16_products(&mut self, isa: bf16::Isa) -> candle_core::Result<()> {
         match self {
             Self::Drct(n) => n.use_bf16_products(isa),

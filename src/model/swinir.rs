@@ -19,7 +19,7 @@
 //! y  = that + mean, cropped to (sH, sW)
 //! ```
 //!
-//! The Swin block is DRCT's ([`super::drct::SwinBlock`]): the same LayerNorms, window
+//! The Swin block is DRCT's ([`super::swin::SwinBlock`]): the same LayerNorms, window
 //! attention with relative position bias and shift mask, and erf-GELU MLP. The input is
 //! reflect-padded (edge not repeated) on the bottom and right to a window multiple, as the
 //! official network's own `check_image_size` does, and the output cropped.
@@ -29,18 +29,17 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
 
 use super::bf16::Isa;
 use super::cache::WindowCache;
-use super::drct::{
-    load_layer_norm, pointwise, shuffle_order, swin_frame, BlockShape, Conv3x3, Dense, SwinBlock,
-    RGB_MEAN, UPSAMPLE_SLOPE,
-};
 use super::fused::Attention;
+use super::layers::conv::{shuffle_order, Conv3x3};
+use super::layers::linear::{pointwise, Dense};
 use super::norm::{layer_norm, Norm};
+use super::swin::{load_layer_norm, swin_frame, BlockShape, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE};
 
 /// Slope of the LeakyReLUs inside the 3conv residual connection and the nearest+conv
 /// upsampler.
@@ -648,7 +647,6 @@ pub struct SwinIr {
     #[cfg_attr(not(test), allow(dead_code))]
     windows: WindowCache,
     dtype: DType,
-    device: Device,
 }
 
 impl SwinIr {
@@ -738,7 +736,6 @@ impl SwinIr {
             config: cfg.clone(),
             windows,
             dtype: vb.dtype(),
-            device: vb.device().clone(),
         })
     }
 
@@ -746,11 +743,8 @@ impl SwinIr {
         self.dtype
     }
 
-    /// bf16 products on the CPU, as [`super::Drct::use_bf16_products`].
-    pub fn use_bf16_products(&mut self, isa: Isa) -> Result<()> {
-        if !self.device.is_cpu() || self.dtype != DType::F32 {
-            candle_core::bail!("bf16 products are for f32 networks on the CPU");
-        }
+    /// Bf16 products on the CPU ([`super::Network::use_bf16_products`]).
+    pub(crate) fn use_bf16_products(&mut self, isa: Isa) -> Result<()> {
         self.conv_first.use_bf16(isa)?;
         for layer in &mut self.layers {
             for b in &mut layer.blocks {

@@ -35,7 +35,7 @@ pub fn cat_leaky(x: &Tensor, y: &Tensor, slope: f32) -> Result<Option<Tensor>> {
 }
 
 /// PixelShuffle by `r` of channels-last features whose channels are in (i, j, c) order (see
-/// `drct::shuffle_order`): output row `y*r + i` takes, for each x, channels
+/// `layers::conv::shuffle_order`): output row `y*r + i` takes, for each x, channels
 /// `[i*r*c, (i+1)*r*c)` of input pixel (y, x), which are output pixels `x*r .. x*r + r`.
 pub fn pixel_shuffle_reordered(x: &Tensor, r: usize) -> Result<Option<Tensor>> {
     if !use_kernel(x) {

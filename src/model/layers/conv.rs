@@ -1,0 +1,191 @@
+//! 3x3 convolutions (stride 1, zero padding 1) on channels-last features, plain or followed
+//! by PixelShuffle.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use super::linear::pack_bf16;
+use super::Backend;
+use crate::model::bf16::{Isa, PackedB};
+use crate::model::ops;
+use crate::model::pad_channels::{Channels, Pad};
+use crate::model::rowwise::{self, Act};
+
+/// Upper bound on the patch matrix of one convolution chunk, in elements (64 MiB in f32):
+/// large enough for full-speed matmuls, small enough that a high-resolution upsampler
+/// convolution never materialises gigabytes.
+const CONV_CHUNK_ELEMS: usize = 16 << 20;
+
+/// The same bound on a GPU (256 MiB in bf16): each chunk costs a dozen kernel launches, so
+/// larger chunks keep a batch's upsampler to tens of launches instead of hundreds, and the
+/// bound stays far below the 2³¹ elements that candle's CUDA kernels can index.
+const CONV_CHUNK_ELEMS_GPU: usize = 128 << 20;
+
+/// A 3x3 convolution (stride 1, zero padding 1) on channels-last features.
+///
+/// On the CPU the kernels of [`ops`] run it. Elsewhere the patch matrix of each chunk of
+/// rows ([`rowwise::patches3x3`]: one kernel pass on CUDA) is fed to one matmul, with memory
+/// bounded by `CONV_CHUNK_ELEMS` (`CONV_CHUNK_ELEMS_GPU` on a GPU) however large the feature
+/// map; on CUDA the RGB output layer skips the patch matrix ([`rowwise::conv3x3_narrow`]).
+pub struct Conv3x3 {
+    /// `(9 * cin, cout)`, rows ordered (dy, dx, cin) to match the patch matrix.
+    weight: Tensor,
+    bias: Tensor,
+    cin: usize,
+    /// The weight in bf16, for bf16 products on the CPU.
+    bf16: Option<(Isa, PackedB)>,
+    backend: Backend,
+}
+
+impl Conv3x3 {
+    /// The convolution stored under `vb`, reading `cin` (spread to its padded width) and
+    /// writing `cout` channels; [`Self::spread_outputs`] pads those.
+    pub fn new(cin: &Channels, cout: usize, vb: VarBuilder) -> Result<Self> {
+        let w = cin.spread(&vb.get((cout, cin.real(), 3, 3), "weight")?, 1)?;
+        let cin = cin.padded();
+        let weight = w
+            .permute((2, 3, 1, 0))?
+            .reshape((9 * cin, cout))?
+            .contiguous()?;
+        Ok(Self {
+            backend: Backend::of(weight.device()),
+            weight,
+            bias: vb.get(cout, "bias")?,
+            cin,
+            bf16: None,
+        })
+    }
+
+    /// The convolution stored under `vb` from `cin` to `cout` channels, none padded.
+    pub(crate) fn unpadded(cin: usize, cout: usize, vb: VarBuilder) -> Result<Self> {
+        Self::new(&Pad::OFF.one(cin), cout, vb)
+    }
+
+    /// The same convolution writing its outputs spread as `cout` says, zeros between.
+    pub(crate) fn spread_outputs(self, cout: &Channels) -> Result<Self> {
+        Ok(Self {
+            weight: cout.spread(&self.weight, 1)?.contiguous()?,
+            bias: cout.spread(&self.bias, 0)?,
+            ..self
+        })
+    }
+
+    /// Computes with bf16 products from now on and drops the f32 weight. Narrow
+    /// convolutions (the RGB output) keep f32: they are computed directly, not as a GEMM.
+    /// Only a convolution on the CPU changes.
+    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
+        let (k, cout) = self.weight.dims2()?;
+        if self.backend != Backend::Cpu || cout <= ops::NARROW_CONV {
+            return Ok(());
+        }
+        self.bf16 = Some((isa, pack_bf16(&self.weight, (k, cout), (cout, 1))?));
+        self.weight = Tensor::zeros(0, DType::F32, self.weight.device())?;
+        Ok(())
+    }
+
+    /// The same convolution with output channel k computing the old channel `order[k]`.
+    pub(crate) fn reorder_outputs(self, order: Vec<u32>) -> Result<Self> {
+        let idx = Tensor::from_vec(order, self.bias.dim(0)?, self.bias.device())?;
+        Ok(Self {
+            weight: self.weight.index_select(&idx, 1)?,
+            bias: self.bias.index_select(&idx, 0)?,
+            ..self
+        })
+    }
+
+    /// This convolution followed by PixelShuffle by `r`, its outputs being in (i, j, c)
+    /// order ([`Self::reorder_outputs`] with [`shuffle_order`]). On the CPU the products are
+    /// written into the shuffled layout directly.
+    pub(crate) fn forward_shuffled(&self, x: &Tensor, r: usize) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let fused = match &self.bf16 {
+            Some((isa, w)) => {
+                ops::conv3x3_shuffled_bf16(&x, *isa, w, &self.bias, r, CONV_CHUNK_ELEMS)?
+            }
+            None => ops::conv3x3_shuffled(&x, &self.weight, &self.bias, r, CONV_CHUNK_ELEMS)?,
+        };
+        match fused {
+            Some(y) => Ok(y),
+            None => pixel_shuffle_nhwc_reordered(&self.forward(&x)?, r),
+        }
+    }
+
+    /// The same convolution with `shift` added to its bias.
+    pub(crate) fn add_to_bias(self, shift: &Tensor) -> Result<Self> {
+        Ok(Self {
+            bias: (&self.bias + shift)?,
+            ..self
+        })
+    }
+
+    /// The convolution as patch matrices of chunks of rows, each fed to one matmul.
+    fn patch_gemm(&self, x: &Tensor, chunk: usize) -> Result<Tensor> {
+        let (b, h, w, c) = x.dims4()?;
+        debug_assert_eq!(c, self.cin);
+        let rows = (chunk / (b * w * 9 * c).max(1)).clamp(1, h);
+        let mut outs = Vec::with_capacity(h.div_ceil(rows));
+        let mut y = 0;
+        while y < h {
+            let n = rows.min(h - y);
+            let out = rowwise::patches3x3(x, y, n)?.matmul(&self.weight)?;
+            let out = rowwise::bias_act(&out, &self.bias, None, Act::None)?;
+            outs.push(out.reshape((b, n, w, ()))?);
+            y += n;
+        }
+        if outs.len() == 1 {
+            Ok(outs.remove(0))
+        } else {
+            Tensor::cat(&outs, 1)
+        }
+    }
+}
+
+impl Module for Conv3x3 {
+    /// `x`: `(B, H, W, cin)`; returns `(B, H, W, cout)`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = &x.contiguous()?;
+        match (&self.bf16, self.backend) {
+            (Some((isa, w)), _) => ops::conv3x3_bf16(x, *isa, w, &self.bias, CONV_CHUNK_ELEMS),
+            (None, Backend::Cpu) => {
+                match ops::conv3x3(x, &self.weight, &self.bias, CONV_CHUNK_ELEMS)? {
+                    Some(y) => Ok(y),
+                    None => self.patch_gemm(x, CONV_CHUNK_ELEMS),
+                }
+            }
+            (None, Backend::Cuda) => {
+                if rowwise::ours(x) && self.bias.dim(0)? <= rowwise::NARROW_CONV_MAX {
+                    return rowwise::conv3x3_narrow(x, &self.weight, &self.bias);
+                }
+                self.patch_gemm(x, CONV_CHUNK_ELEMS_GPU)
+            }
+            (None, Backend::Other) => self.patch_gemm(x, CONV_CHUNK_ELEMS),
+        }
+    }
+}
+
+/// PyTorch's PixelShuffle moves channel `c*r*r + i*r + j` of pixel (y, x) to pixel
+/// (y*r + i, x*r + j), channel c. Feeding it a convolution whose output channels were put in
+/// (i, j, c) order instead ([`shuffle_order`]) makes every moved run of channels contiguous,
+/// so the shuffle copies blocks of `r * c` values rather than single elements.
+fn pixel_shuffle_nhwc_reordered(x: &Tensor, r: usize) -> Result<Tensor> {
+    if let Some(y) = ops::pixel_shuffle_reordered(x, r)? {
+        return Ok(y);
+    }
+    let (b, h, w, c) = x.dims4()?;
+    let c_out = c / (r * r);
+    x.reshape((b, h, w, r, r, c_out))?
+        .permute((0, 1, 3, 2, 4, 5))?
+        .reshape((b, h * r, w * r, c_out))
+}
+
+/// For output channel `(i*r + j)*c_out + c` of the reordered convolution, the official
+/// channel `c*r*r + i*r + j` it takes its weights from.
+pub(crate) fn shuffle_order(c_out: usize, r: usize) -> Vec<u32> {
+    let mut order = Vec::with_capacity(c_out * r * r);
+    for ij in 0..r * r {
+        for c in 0..c_out {
+            order.push((c * r * r + ij) as u32);
+        }
+    }
+    order
+}

@@ -1,0 +1,41 @@
+//! The operations the Swin-family networks are built from, one type each. A layer is built
+//! from the weights where they will run, and picks its implementation then: the network
+//! code above only says what to compute, never where.
+//!
+//! | operation | type | CPU, f32 | CPU, bf16 products | CUDA | reference |
+//! |---|---|---|---|---|---|
+//! | linear (and 1x1 convolution) | [`linear::Dense`] | `ops::linear` | `ops::linear_bf16` | `epilogue` (cuBLASLt) and `rowwise::bias_act` | candle's `Linear` |
+//! | 3x3 convolution | [`conv::Conv3x3`] | `ops::conv3x3` | `ops::conv3x3_bf16` | `rowwise::patches3x3` + GEMM, `rowwise::conv3x3_narrow` | the same patch GEMM |
+//! | window attention | [`attention::Attend`] | `ops::window_attention` | the same, bf16 products | `fused` (kernels/window_attention.cu) | candle's graph |
+//! | layer norm | [`super::norm::Norm`] | `norm` | (f32) | `rowwise` | candle's `layer_norm` |
+//!
+//! The CPU kernels sit in [`super::ops`] and [`super::bf16`], the CUDA ones in
+//! [`super::rowwise`], [`super::epilogue`] and [`super::fused`]; each has a test against
+//! the reference column.
+
+pub mod attention;
+pub mod conv;
+pub mod linear;
+
+use candle_core::Device;
+
+/// Where a layer's weights live, which decides its implementation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Backend {
+    /// Our CPU kernels (f32; candle's ops for other dtypes).
+    Cpu,
+    /// Our CUDA kernels and cuBLASLt epilogues, candle's CUDA ops between.
+    Cuda,
+    /// Any other device: candle's ops alone.
+    Other,
+}
+
+impl Backend {
+    pub(crate) fn of(device: &Device) -> Self {
+        match device {
+            Device::Cpu => Self::Cpu,
+            Device::Cuda(_) => Self::Cuda,
+            _ => Self::Other,
+        }
+    }
+}
