@@ -467,28 +467,36 @@ streams() { # COUNT...: DRCT-L bf16 960x540, batch 4, with that many lanes
   done
 }
 
-folder_runs() { # COUNT...: a folder of 12 photos with that many lanes, GPU utilisation sampled
-  local folder="$work/folder" s i f
+folder_runs() { # "STREAMS IO_THREADS DEFER"...: a folder of 12 photos, GPU utilisation sampled
+  echo "== folder runs: lanes, encoder threads, deferred finishing"
+  local folder="$work/folder" row s io defer i f label copies=3 photos=(tests/photos/*.png)
+  # The CPU smoke runs the steps, not the measurement: two small images.
+  [ "$smoke" = 1 ] && copies=1 photos=("${photos[@]:0:2}")
   mkdir -p "$folder"
-  for i in 1 2 3; do
-    for f in tests/photos/*.png; do cp "$f" "$folder/$(basename "${f%.png}")-$i.png"; done
+  for i in $(seq "$copies"); do
+    for f in "${photos[@]}"; do cp "$f" "$folder/$(basename "${f%.png}")-$i.png"; done
   done
-  for s in "$@"; do
-    fits "folder_s$s" 30 || break
-    local util="$logs/util-s$s.csv" sampler=""
+  for row in "$@"; do
+    set -- $row
+    s=$1 io=$2 defer=$3
+    label="folder_s${s}_io${io}_defer${defer}"
+    fits "$label" 30 || break
+    local util="$logs/util-$label.csv" sampler=""
     if [ "$smoke" = 0 ] && command -v nvidia-smi >/dev/null; then
       nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$util" 2>/dev/null &
       sampler=$!
     fi
-    run "folder_s$s" 300 "$up" -m "$drct" --device "$device" --precision bf16 --attention "$attn" --streams "$s" \
-      --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --overwrite --json "$folder" -o "$work/folder-out-$s"
+    UPSCALE_DEFER_FINISH=$defer run "$label" 300 "$up" -m "$drct" --device "$device" --precision bf16 \
+      --attention "$attn" --streams "$s" --io_threads "$io" --tile "$t256" --tile_overlap "$ov" \
+      --tile_batch_size 4 --overwrite --json "$folder" -o "$work/folder-out-$label"
     if [ -n "$sampler" ]; then
       kill "$sampler" 2>/dev/null
-      record "folder_s$s" "{\"gpu_util_mean_pct\":$(awk '{s+=$1; n++} END {print (n ? s/n : 0)}' "$util"),\"samples\":$(wc -l < "$util")}"
+      record "$label" "{\"gpu_util_mean_pct\":$(awk '{s+=$1; n++} END {print (n ? s/n : 0)}' "$util"),\"samples\":$(wc -l < "$util")}"
     fi
-    # Where the lanes' time went, from the run's summary line: batches, and the image and
-    # canvas transfers with the part of them that ran while another lane computed.
-    record "folder_lanes_s$s" "$("$PY" - "$logs/folder_s$s.log" <<'PYEOF'
+    # Images per second and where the lanes' time went, from the run's summary line: the
+    # share of the folder's wall time the lanes spent on batches, and the image and canvas
+    # transfers with the part of them that ran while another lane computed.
+    record "${label}_lanes" "$("$PY" - "$logs/$label.log" <<'PYEOF'
 import json, sys
 summary = {}
 for line in open(sys.argv[1]):
@@ -496,8 +504,11 @@ for line in open(sys.argv[1]):
         summary = json.loads(line)
 lanes = summary.get("lane_stats", [])
 total = lambda key: round(sum(l.get(key, 0.0) for l in lanes), 4)
-print(json.dumps({"wall_s": summary.get("seconds"), "lanes": len(lanes),
-                  "busy_s": total("busy_seconds"), "transfer_s": total("transfer_seconds"),
+wall = summary.get("seconds") or 0.0
+busy = total("busy_seconds")
+print(json.dumps({"wall_s": wall, "images_per_s": summary.get("images_per_s"), "lanes": len(lanes),
+                  "busy_s": busy, "busy_share": round(busy / len(lanes) / wall, 4) if wall and lanes else None,
+                  "transfer_s": total("transfer_seconds"),
                   "transfer_overlap_s": total("transfer_overlap_seconds")}))
 PYEOF
 )"
@@ -513,7 +524,7 @@ bench_part() {
   swin_family "$reps"
   gemm_bounds
   streams 1 2 4
-  folder_runs 1 2
+  folder_runs "1 1 0" "1 4 0" "1 4 1" "2 4 0" "2 4 1"
 }
 
 # Where one DRCT-L forward's GPU time goes, kernel by kernel (scripts/gpu-profile.sh), with
@@ -566,6 +577,9 @@ proof_part() {
   # The levers the profile ranks first, before the PyTorch rows (whose torch.compile takes a
   # minute per model) can use up the budget.
   switches
+  # The folder pipeline's levers (one encoder thread, the old default, against four, each
+  # with the output canvas finished on the model thread or the finisher): short runs.
+  folder_runs "1 1 0" "1 4 0" "1 4 1" "1 1 1"
   side_by_side 3
   swin_family 3
   event_tracking
@@ -575,7 +589,7 @@ proof_part() {
   profile
   streams 1 2
   sanitizers 120 90
-  folder_runs 1 2
+  folder_runs "2 4 0" "2 4 1"
   jit
   matrix_rows "bf16 8" "bf16 1" "fp16 4" "fp32 4"
 }

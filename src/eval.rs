@@ -252,6 +252,7 @@ impl pipeline::Stages for EvalStages<'_> {
     type Task = Pair;
     /// The HR image and the LR input.
     type Read = (Planar, Decoded);
+    type Up = Upscaled;
     type Done = ImageResult;
 
     fn name<'t>(&self, pair: &'t Pair) -> &'t Path {

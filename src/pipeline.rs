@@ -13,7 +13,7 @@ use std::sync::mpsc::sync_channel;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use crate::engine::image::Upscaled;
+use crate::engine::image::{Pending, Upscaled};
 use crate::engine::lanes::Lanes;
 use crate::io::{self, Decoded, EncodeOptions, Job};
 use crate::size::{self, OutputSize};
@@ -28,17 +28,23 @@ const QUEUE_DEPTH: usize = 2;
 pub(crate) trait Stages: Sync {
     type Task: Send + Clone;
     type Read: Send;
+    /// What the model hands the finisher.
+    type Up: Send;
     type Done: Send;
     /// Names the task in messages.
     fn name<'t>(&self, task: &'t Self::Task) -> &'t Path;
     fn read(&self, task: &Self::Task) -> Result<Self::Read, String>;
-    fn upscale(&self, task: &Self::Task, read: &Self::Read) -> Result<Upscaled, String>;
+    fn upscale(&self, task: &Self::Task, read: &Self::Read) -> Result<Self::Up, String>;
     fn finish(
         &self,
         task: &Self::Task,
         read: Self::Read,
-        up: Upscaled,
+        up: Self::Up,
     ) -> Result<Self::Done, String>;
+    /// How many upscaled tasks may wait for the finisher.
+    fn finish_queue(&self) -> usize {
+        QUEUE_DEPTH
+    }
 }
 
 /// A task and how it ended.
@@ -61,7 +67,7 @@ fn guarded<T>(what: &Path, f: impl FnOnce() -> Result<T, String>) -> Result<T, S
     }
 }
 
-fn upscale_one<S: Stages>(st: &S, task: &S::Task, read: &S::Read) -> Result<Upscaled, String> {
+fn upscale_one<S: Stages>(st: &S, task: &S::Task, read: &S::Read) -> Result<S::Up, String> {
     let name = st.name(task);
     guarded(name, || st.upscale(task, read)).map_err(|e| format!("{}: {e}", name.display()))
 }
@@ -88,12 +94,14 @@ pub(crate) fn run_inline<S: Stages>(
         .collect()
 }
 
-/// Reader thread -> model (this thread) -> finisher thread, with bounded queues between.
-/// Outcomes come back in task order; a task lost with a thread that died outside the
-/// guarded stages is reported as failed.
+/// Reader thread -> model (this thread) -> `finishers` finisher threads (at least one), with
+/// bounded queues between. Several finishers encode several images at once, which keeps a
+/// fast GPU from waiting on one encoder. Outcomes come back in task order; a task lost with
+/// a thread that died outside the guarded stages is reported as failed.
 pub(crate) fn run_threaded<S: Stages>(
     st: &S,
     tasks: Vec<S::Task>,
+    finishers: usize,
     report: &(dyn Fn(&Outcome<S>) + Sync),
 ) -> Vec<Outcome<S>> {
     let count = tasks.len();
@@ -104,9 +112,13 @@ pub(crate) fn run_threaded<S: Stages>(
         report(&o);
         slots.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(o);
     };
+    let (up_tx, up_rx) = sync_channel::<(usize, S::Task, S::Read, S::Up)>(st.finish_queue());
+    // The finishers share one receiver.
+    let up_rx = Mutex::new(up_rx);
     std::thread::scope(|scope| {
+        // Dropped when the model is done (the end of this closure), which ends the finishers.
+        let up_tx = up_tx;
         let (read_tx, read_rx) = sync_channel(QUEUE_DEPTH);
-        let (up_tx, up_rx) = sync_channel::<(usize, S::Task, S::Read, Upscaled)>(QUEUE_DEPTH);
         scope.spawn(move || {
             for (i, task) in tasks.into_iter().enumerate() {
                 let read = guarded(st.name(&task), || st.read(&task));
@@ -116,12 +128,16 @@ pub(crate) fn run_threaded<S: Stages>(
             }
         });
         let done = &done;
-        scope.spawn(move || {
-            for (i, task, read, up) in up_rx {
+        let up_rx = &up_rx;
+        for _ in 0..finishers.max(1) {
+            scope.spawn(move || loop {
+                // The lock is held only while waiting for the next task, not while finishing.
+                let next = up_rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                let Ok((i, task, read, up)) = next else { break };
                 let result = guarded(st.name(&task), || st.finish(&task, read, up));
                 done(i, (task, result));
-            }
-        });
+            });
+        }
         for (i, task, read) in read_rx {
             let up = read.and_then(|read| {
                 let up = upscale_one(st, &task, &read)?;
@@ -193,14 +209,32 @@ pub(crate) struct FileStages<'a> {
     /// Details for `-v` (metadata an output could not take).
     pub detail: &'a (dyn Fn(String) + Sync),
     pub writer: Option<WriteFn<'a>>,
+    /// [`defer_finish`], read once for the run.
+    pub defer_finish: bool,
 }
 
 /// When each job started, so a job's time covers all three stages.
 pub(crate) type Timed = (Instant, Decoded);
 
+/// What the model thread hands the finisher: the image, or (with [`defer_finish`]) its
+/// canvases, which the finisher brings back and blends while the model starts the next.
+pub(crate) enum Up {
+    Done(Upscaled),
+    Pending(Pending),
+}
+
+/// `UPSCALE_DEFER_FINISH=1`: the model thread leaves bringing each output canvas back from
+/// the device, blending it and resampling it to the requested size to the finisher thread,
+/// so the device is not idle while the host does that work. Off by default until a GPU run
+/// has measured it (each kept output canvas holds device memory until it is finished).
+pub(crate) fn defer_finish() -> bool {
+    std::env::var("UPSCALE_DEFER_FINISH").is_ok_and(|v| v == "1")
+}
+
 impl Stages for FileStages<'_> {
     type Task = Job;
     type Read = Timed;
+    type Up = Up;
     type Done = Written;
 
     fn name<'t>(&self, job: &'t Job) -> &'t Path {
@@ -228,19 +262,34 @@ impl Stages for FileStages<'_> {
         .map_err(|e| e.to_string())
     }
 
-    fn upscale(&self, _job: &Job, (_, dec): &Timed) -> Result<Upscaled, String> {
-        let mut up = self
+    fn upscale(&self, _job: &Job, (_, dec): &Timed) -> Result<Up, String> {
+        let defer = self.defer_finish;
+        let pending = self
             .engine
-            .upscale_decoded(dec, self.settings)
+            .upscale_pending(dec, self.settings, defer)
             .map_err(|e| format!("{e:#}"))?;
-        let (w, h) = self
-            .size
-            .dims(dec.rgb.width, dec.rgb.height, self.engine.scale());
-        (up.rgb, up.alpha) = size::resize(up.rgb, up.alpha.take(), w, h)?;
-        Ok(up)
+        if defer {
+            return Ok(Up::Pending(pending));
+        }
+        self.finish_pending(dec, pending).map(Up::Done)
     }
 
-    fn finish(&self, job: &Job, (t, dec): Timed, up: Upscaled) -> Result<Written, String> {
+    /// A deferred image holds its output canvas in device memory until it is finished: the
+    /// model hands each one over only when the finisher is ready for it, so at most two
+    /// are held (the one finishing and the one just computed).
+    fn finish_queue(&self) -> usize {
+        if self.defer_finish {
+            0
+        } else {
+            QUEUE_DEPTH
+        }
+    }
+
+    fn finish(&self, job: &Job, (t, dec): Timed, up: Up) -> Result<Written, String> {
+        let up = match up {
+            Up::Done(up) => up,
+            Up::Pending(pending) => self.finish_pending(&dec, pending)?,
+        };
         match self.writer {
             Some(writer) => writer(self, job, &dec, &up)?,
             None => self.write(job, &dec, &up)?,
@@ -256,6 +305,16 @@ impl Stages for FileStages<'_> {
 }
 
 impl FileStages<'_> {
+    /// The upscaled image of `dec`, at the requested size.
+    fn finish_pending(&self, dec: &Decoded, pending: Pending) -> Result<Upscaled, String> {
+        let mut up = pending.finish().map_err(|e| format!("{e:#}"))?;
+        let (w, h) = self
+            .size
+            .dims(dec.rgb.width, dec.rgb.height, self.engine.scale());
+        (up.rgb, up.alpha) = size::resize(up.rgb, up.alpha.take(), w, h)?;
+        Ok(up)
+    }
+
     fn encode_options(&self, job: &Job, dec_depth: u8) -> EncodeOptions {
         let mut opts = EncodeOptions::new(job.format);
         opts.bit_depth = self
@@ -329,6 +388,83 @@ mod tests {
     use crate::tile::auto::TileChoice;
     use candle_core::{DType, Device};
 
+    /// A 12x10 RGB model of the golden fixtures, one lane on the CPU, whole-image tiles.
+    fn cpu_lanes() -> (Lanes, TileSettings) {
+        let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/x2_w8_b2.safetensors");
+        let engine =
+            Engine::new(Checkpoint::load(&model).unwrap(), Device::Cpu, DType::F32).unwrap();
+        let settings = TileSettings {
+            choice: TileChoice::Fixed(8),
+            overlap: 2,
+            batch: None,
+            blend: crate::tile::BlendMode::Hann,
+            tta: false,
+        };
+        (Lanes::single(engine), settings)
+    }
+
+    /// Finishing on the finisher thread (`UPSCALE_DEFER_FINISH=1`) writes the same bytes as
+    /// finishing on the model thread: tiled colour, an alpha channel run through the
+    /// network, and a resampled output size.
+    #[test]
+    fn deferred_finishing_writes_the_same_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let rgb = dir.path().join("rgb.png");
+        image::RgbImage::from_fn(13, 11, |x, y| image::Rgb([x as u8 * 19, y as u8 * 23, 90]))
+            .save(&rgb)
+            .unwrap();
+        let rgba = dir.path().join("rgba.png");
+        image::RgbaImage::from_fn(12, 9, |x, y| {
+            image::Rgba([200, x as u8 * 20, y as u8 * 25, (x * y * 7) as u8])
+        })
+        .save(&rgba)
+        .unwrap();
+        let inputs = [rgb, rgba];
+        let (lanes, settings) = cpu_lanes();
+        for size in [OutputSize::Model, OutputSize::Width(30)] {
+            let mut written = Vec::new();
+            for defer_finish in [false, true] {
+                let stages = FileStages {
+                    engine: &lanes,
+                    settings: &settings,
+                    encode: EncodeChoice {
+                        bit_depth: None,
+                        quality: 90,
+                        strip: false,
+                    },
+                    size,
+                    stdin: Mutex::new(None),
+                    warn: &|_| {},
+                    detail: &|_| {},
+                    writer: None,
+                    defer_finish,
+                };
+                let out = dir.path().join(format!("out-{defer_finish}-{size:?}"));
+                let naming = io::NamingOptions {
+                    output: Some(out.clone()),
+                    tag: "x2".into(),
+                    format: None,
+                    overwrite: true,
+                };
+                let jobs = io::plan_outputs(&io::walk(&inputs, false).unwrap(), &naming).unwrap();
+                let outcomes = run_threaded(&stages, jobs, 2, &|_| {});
+                let files: Vec<Vec<u8>> = outcomes
+                    .iter()
+                    .map(|(job, r)| {
+                        assert!(r.is_ok(), "{r:?}");
+                        std::fs::read(&job.output).unwrap()
+                    })
+                    .collect();
+                written.push(files);
+            }
+            assert_eq!(written[0].len(), 2);
+            assert!(
+                written[0] == written[1],
+                "{size:?}: deferred output differs"
+            );
+        }
+    }
+
     /// Three images through both runners with a writer that panics on the second: that
     /// image fails with the panic's message, the others are written, and every image has
     /// exactly one outcome, reported once.
@@ -373,6 +509,7 @@ mod tests {
             warn: &|_| {},
             detail: &|_| {},
             writer: Some(&writer),
+            defer_finish: false,
         };
         for threaded in [false, true] {
             let out = dir.path().join(format!("out-{threaded}"));
@@ -385,7 +522,7 @@ mod tests {
             let jobs = io::plan_outputs(&io::walk(&inputs, false).unwrap(), &naming).unwrap();
             let reported = Mutex::new(0);
             let outcomes = if threaded {
-                run_threaded(&stages, jobs, &|_| *reported.lock().unwrap() += 1)
+                run_threaded(&stages, jobs, 3, &|_| *reported.lock().unwrap() += 1)
             } else {
                 run_inline(&stages, jobs, &mut |_| *reported.lock().unwrap() += 1)
             };

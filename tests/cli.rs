@@ -1712,7 +1712,7 @@ fn metadata_folder_run_keeps_each_images_own() {
     fs::write(dir.join("in/a.jpg"), a).unwrap();
     fs::write(dir.join("in/b.jpg"), b).unwrap();
     write_png(&dir.join("in/c.png"), 8, 8);
-    for io_threads in ["0", "1"] {
+    for io_threads in ["0", "1", "3"] {
         let out = format!("out{io_threads}");
         upscale(dir)
             .args([

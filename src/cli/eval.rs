@@ -144,7 +144,7 @@ fn measure_all(
         settings,
         scale,
     };
-    let outcomes = crate::pipeline::run_threaded(&stages, pairs, &|(_, result)| {
+    let outcomes = crate::pipeline::run_threaded(&stages, pairs, 1, &|(_, result)| {
         if let Err(msg) = result {
             log.error(msg);
         }

@@ -6,13 +6,36 @@ use crate::model::{ArchConfig, Checkpoint, DrctConfig, HatConfig, SwinIrConfig};
 
 pub fn describe(ck: &Checkpoint) -> serde_json::Value {
     match &ck.config {
-        ArchConfig::Drct(c) => describe_drct(ck, c),
-        ArchConfig::SwinIr(c) => describe_swinir(ck, c),
-        ArchConfig::Hat(c) => describe_hat(ck, c),
+        ArchConfig::Drct(c) => with_common(ck, describe_drct(c)),
+        ArchConfig::SwinIr(c) => with_common(ck, describe_swinir(c)),
+        ArchConfig::Hat(c) => with_common(ck, describe_hat(c)),
     }
 }
 
-fn describe_drct(ck: &Checkpoint, c: &DrctConfig) -> serde_json::Value {
+/// What every architecture reports, with `fields` added.
+fn with_common(ck: &Checkpoint, fields: serde_json::Value) -> serde_json::Value {
+    let mut v = json!({
+        "model": ck.source.to_string(),
+        "name": ck.metadata.get("upscale.name"),
+        "architecture": ck.config.name(),
+        "parameters": ck.config.parameter_count(),
+        "state_dict_key": ck.wrapper,
+    });
+    if let (Some(all), serde_json::Value::Object(more)) = (v.as_object_mut(), fields) {
+        all.extend(more);
+    }
+    v
+}
+
+/// One value where every entry agrees (the released models), else the list.
+fn uniform(v: &[usize]) -> serde_json::Value {
+    match v.first() {
+        Some(first) if v.iter().all(|x| x == first) => json!(first),
+        _ => json!(v),
+    }
+}
+
+fn describe_drct(c: &DrctConfig) -> serde_json::Value {
     let head_dims: Vec<Vec<usize>> = (0..c.groups)
         .map(|g| (0..c.heads[g].len()).map(|k| c.head_dim(g, k)).collect())
         .collect();
@@ -23,11 +46,7 @@ fn describe_drct(ck: &Checkpoint, c: &DrctConfig) -> serde_json::Value {
         (json!(c.heads), json!(head_dims))
     };
     json!({
-        "model": ck.source.to_string(),
-        "name": ck.metadata.get("upscale.name"),
-        "architecture": ck.config.name(),
         "scale": c.scale,
-        "parameters": ck.config.parameter_count(),
         "groups": c.groups,
         "embed_dim": c.embed_dim,
         "window": c.window,
@@ -38,25 +57,13 @@ fn describe_drct(ck: &Checkpoint, c: &DrctConfig) -> serde_json::Value {
         "num_feat": c.num_feat,
         "patch_norm": c.patch_norm,
         "conv_after_body": c.conv_after_body,
-        "state_dict_key": ck.wrapper,
     })
 }
 
-fn describe_swinir(ck: &Checkpoint, c: &SwinIrConfig) -> serde_json::Value {
-    let uniform = |v: &[usize]| {
-        if v.iter().all(|x| *x == v[0]) {
-            json!(v[0])
-        } else {
-            json!(v)
-        }
-    };
+fn describe_swinir(c: &SwinIrConfig) -> serde_json::Value {
     let head_dims: Vec<usize> = (0..c.heads.len()).map(|i| c.head_dim(i)).collect();
     json!({
-        "model": ck.source.to_string(),
-        "name": ck.metadata.get("upscale.name"),
-        "architecture": ck.config.name(),
         "scale": c.scale,
-        "parameters": ck.config.parameter_count(),
         "upsampler": c.upsampler.name(),
         "resi_connection": c.resi_connection,
         "groups": c.depths.len(),
@@ -68,25 +75,13 @@ fn describe_swinir(ck: &Checkpoint, c: &SwinIrConfig) -> serde_json::Value {
         "mlp_hidden": c.mlp_hidden,
         "num_feat": (c.num_feat > 0).then_some(c.num_feat),
         "patch_norm": c.patch_norm,
-        "state_dict_key": ck.wrapper,
     })
 }
 
-fn describe_hat(ck: &Checkpoint, c: &HatConfig) -> serde_json::Value {
-    let uniform = |v: &[usize]| {
-        if v.iter().all(|x| *x == v[0]) {
-            json!(v[0])
-        } else {
-            json!(v)
-        }
-    };
+fn describe_hat(c: &HatConfig) -> serde_json::Value {
     let head_dims: Vec<usize> = (0..c.heads.len()).map(|i| c.head_dim(i)).collect();
     json!({
-        "model": ck.source.to_string(),
-        "name": ck.metadata.get("upscale.name"),
-        "architecture": ck.config.name(),
         "scale": c.scale,
-        "parameters": ck.config.parameter_count(),
         "groups": c.depths.len(),
         "depths": uniform(&c.depths),
         "embed_dim": c.embed_dim,
@@ -101,7 +96,6 @@ fn describe_hat(ck: &Checkpoint, c: &HatConfig) -> serde_json::Value {
         "mlp_hidden": c.mlp_hidden,
         "num_feat": c.num_feat,
         "patch_norm": c.patch_norm,
-        "state_dict_key": ck.wrapper,
     })
 }
 

@@ -242,8 +242,10 @@ pub struct RunArgs {
     /// One JSON line per image and a summary line on stdout.
     #[arg(long)]
     pub json: bool,
-    /// Decode and encode on worker threads while the model runs; 0 does everything inline.
-    #[arg(long = "io_threads", alias = "io-threads", default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    /// Threads that encode outputs while the model runs (one more decodes ahead of it);
+    /// several encode several images at once, so a fast GPU does not wait on one encoder.
+    /// 0 does everything inline on one thread.
+    #[arg(long = "io_threads", alias = "io-threads", default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=16))]
     pub io_threads: u8,
     /// Only errors on stderr.
     #[arg(short = 'q', long, conflicts_with = "verbose")]

@@ -52,13 +52,16 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         warn: &warn,
         detail: &detail,
         writer: None,
+        defer_finish: pipeline::defer_finish(),
     };
     let progress = progress_bar(jobs.len(), log, args.json);
     let start = Instant::now();
     let outcomes = if args.io_threads == 0 {
         pipeline::run_inline(&stages, jobs, &mut |o| report(o, &args, log, &progress))
     } else {
-        pipeline::run_threaded(&stages, jobs, &|o| report(o, &args, log, &progress))
+        pipeline::run_threaded(&stages, jobs, args.io_threads.into(), &|o| {
+            report(o, &args, log, &progress)
+        })
     };
     progress.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();

@@ -3,7 +3,7 @@
 use crate::io::Decoded;
 use crate::planar::{Planar, SYMMETRIES};
 use crate::tile::auto::TileSettings;
-use crate::tile::lanes::merge_lane_stats;
+use crate::tile::lanes::{merge_lane_stats, Unfinished};
 use crate::tile::{LaneStats, TileError, TileOptions, TileStats};
 
 use super::lanes::Lanes;
@@ -19,6 +19,53 @@ pub struct Upscaled {
     pub lanes: Vec<LaneStats>,
 }
 
+/// An upscaled image whose canvases may still be on the device: [`Self::finish`] brings
+/// them back and blends them into the [`Upscaled`] image (see [`Lanes::upscale_pending`]).
+pub struct Pending {
+    rgb: Part,
+    alpha: Option<Part>,
+    stats: TileStats,
+    lanes: Vec<LaneStats>,
+}
+
+/// One upscaled plane group of a [`Pending`] image.
+enum Part {
+    Done(Planar),
+    Rgb(Unfinished),
+    /// Alpha run through the network as three equal channels, averaged when finished.
+    Alpha(Unfinished),
+}
+
+impl Part {
+    fn finish(self) -> Result<Planar, TileError> {
+        Ok(match self {
+            Self::Done(p) => p,
+            Self::Rgb(u) => u.finish()?,
+            Self::Alpha(u) => {
+                let out = u.finish()?;
+                let n = out.height * out.width;
+                let data = (0..n)
+                    .map(|i| (out.data[i] + out.data[n + i] + out.data[2 * n + i]) / 3.0)
+                    .collect();
+                Planar::new(1, out.height, out.width, data)
+            }
+        })
+    }
+}
+
+impl Pending {
+    /// The upscaled image: canvases still on a device come back and every canvas is
+    /// normalised by its blend weights.
+    pub fn finish(self) -> Result<Upscaled, TileError> {
+        Ok(Upscaled {
+            rgb: self.rgb.finish()?,
+            alpha: self.alpha.map(Part::finish).transpose()?,
+            stats: self.stats,
+            lanes: self.lanes,
+        })
+    }
+}
+
 impl Lanes {
     /// Upscale a decoded image. Alpha goes through the network on its own (as a gray image)
     /// so edges stay as sharp as the colour; a constant alpha is just filled.
@@ -27,17 +74,32 @@ impl Lanes {
         img: &Decoded,
         settings: &TileSettings,
     ) -> Result<Upscaled, TileError> {
+        self.upscale_pending(img, settings, false)?.finish()
+    }
+
+    /// [`Self::upscale_decoded`] up to the canvases: with `defer_download`, device canvases
+    /// stay where they are until [`Pending::finish`], which another thread may call while
+    /// the lanes start on the next image. The eight-symmetry ensemble finishes here: its
+    /// outputs are summed on the host.
+    pub fn upscale_pending(
+        &self,
+        img: &Decoded,
+        settings: &TileSettings,
+        defer_download: bool,
+    ) -> Result<Pending, TileError> {
         let opts = self.tile_options(settings, img.rgb.height, img.rgb.width);
         let (rgb, stats, mut lanes) = if settings.tta {
-            self.run_ensemble(&img.rgb, settings)?
+            let (out, stats, lanes) = self.run_ensemble(&img.rgb, settings)?;
+            (Part::Done(out), stats, lanes)
         } else {
-            self.run(&img.rgb, &opts)?
+            let (out, stats, lanes) = self.run_unfinished(&img.rgb, &opts, defer_download)?;
+            (Part::Rgb(out), stats, lanes)
         };
         let alpha = match &img.alpha {
             None => None,
-            Some(a) => Some(self.upscale_alpha(a, &opts, &mut lanes)?),
+            Some(a) => Some(self.upscale_alpha(a, &opts, &mut lanes, defer_download)?),
         };
-        Ok(Upscaled {
+        Ok(Pending {
             rgb,
             alpha,
             stats,
@@ -86,22 +148,20 @@ impl Lanes {
         a: &Planar,
         opts: &TileOptions,
         lanes: &mut Vec<LaneStats>,
-    ) -> Result<Planar, TileError> {
+        defer_download: bool,
+    ) -> Result<Part, TileError> {
         let s = self.scale();
         let (h, w) = (a.height * s, a.width * s);
         let first = a.data.first().copied().unwrap_or(1.0);
         if a.data.iter().all(|&v| v == first) {
-            return Ok(Planar::new(1, h, w, vec![first; h * w]));
+            return Ok(Part::Done(Planar::new(1, h, w, vec![first; h * w])));
         }
         let mut rgb = a.data.clone();
         rgb.extend_from_slice(&a.data);
         rgb.extend_from_slice(&a.data);
-        let (out, _, more) = self.run(&Planar::new(3, a.height, a.width, rgb), opts)?;
+        let gray = Planar::new(3, a.height, a.width, rgb);
+        let (out, _, more) = self.run_unfinished(&gray, opts, defer_download)?;
         merge_lane_stats(lanes, &more);
-        let n = h * w;
-        let data = (0..n)
-            .map(|i| (out.data[i] + out.data[n + i] + out.data[2 * n + i]) / 3.0)
-            .collect();
-        Ok(Planar::new(1, h, w, data))
+        Ok(Part::Alpha(out))
     }
 }

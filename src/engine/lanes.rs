@@ -19,8 +19,8 @@ use crate::model::fused::Attention;
 use crate::model::Checkpoint;
 use crate::planar::Planar;
 use crate::tile::auto::TileSettings;
-use crate::tile::lanes::device_label;
-use crate::tile::{run_lanes, Canvas, LaneStats, TileError, TileOptions, TileStats};
+use crate::tile::lanes::{device_label, run_lanes_unfinished, Unfinished};
+use crate::tile::{Canvas, LaneStats, TileError, TileOptions, TileStats};
 
 pub struct Lanes {
     /// Never empty; the first answers every question about the model (scale, config, cost).
@@ -129,6 +129,21 @@ impl Lanes {
         image: &Planar,
         opts: &TileOptions,
     ) -> Result<(Planar, TileStats, Vec<LaneStats>), TileError> {
+        let (out, stats, lanes) = self.run_unfinished(image, opts, false)?;
+        Ok((out.finish()?, stats, lanes))
+    }
+
+    /// [`Self::run`] up to the lanes' canvases ([`run_lanes_unfinished`]): with
+    /// `defer_download`, a device canvas comes back only when the result is finished.
+    pub fn run_unfinished(
+        &self,
+        image: &Planar,
+        opts: &TileOptions,
+        defer_download: bool,
+    ) -> Result<(Unfinished, TileStats, Vec<LaneStats>), TileError> {
+        let run_lanes = |lanes, image, opts, canvas| {
+            run_lanes_unfinished(lanes, image, opts, canvas, defer_download)
+        };
         let one = &self.engines[..1];
         if self.count() == 1 && self.engines[0].device.is_cpu() {
             return run_lanes(one, image, opts, Canvas::Host);

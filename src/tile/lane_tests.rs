@@ -69,6 +69,23 @@ proptest! {
             let d = max_diff(&two, &host);
             prop_assert!(d <= tol, "max difference {}", d);
         }
+
+        // Canvases left on their devices and finished later: one lane gives the same image
+        // bit for bit; two (whose split of the tiles varies) the host's within rounding.
+        let one_lane = std::slice::from_ref(&model);
+        for (models, exact) in [(one_lane, true), (&two_models[..], blend == BlendMode::None)] {
+            let (pending, stats, lanes) =
+                lanes::run_lanes_unfinished(models, &image, &opts, Canvas::Device, true).unwrap();
+            let got = pending.finish().unwrap();
+            if exact {
+                prop_assert!(bits_equal(&got, &host));
+            } else {
+                let d = max_diff(&got, &host);
+                prop_assert!(d <= 1e-5, "deferred, max difference {}", d);
+            }
+            prop_assert_eq!(stats.tiles, host_stats.tiles);
+            prop_assert_eq!(lanes.len(), models.len());
+        }
     }
 }
 

@@ -132,12 +132,28 @@ pub fn merge_lane_stats(total: &mut Vec<LaneStats>, more: &[LaneStats]) {
 /// Upscales `image` on all `lanes` together, each blending on a canvas of kind `canvas`; see
 /// the module documentation. Every lane must be the same network (same scale and weights) on
 /// its own device.
+#[cfg(test)]
 pub fn run_lanes<M: TileModel + Sync>(
     lanes: &[M],
     image: &Planar,
     opts: &TileOptions,
     canvas: Canvas,
 ) -> Result<(Planar, TileStats, Vec<LaneStats>), TileError> {
+    let (out, stats, lanes) = run_lanes_unfinished(lanes, image, opts, canvas, false)?;
+    Ok((out.finish()?, stats, lanes))
+}
+
+/// [`run_lanes`] up to the lanes' canvases, which [`Unfinished::finish`] sums and
+/// normalises. With `defer_download`, device canvases stay on their devices until then, so
+/// a caller can bring one image back and finish it on another thread while the lanes start
+/// on the next; otherwise each lane brings its canvas back as it ends, as [`run_lanes`] does.
+pub fn run_lanes_unfinished<M: TileModel + Sync>(
+    lanes: &[M],
+    image: &Planar,
+    opts: &TileOptions,
+    canvas: Canvas,
+    defer_download: bool,
+) -> Result<(Unfinished, TileStats, Vec<LaneStats>), TileError> {
     let first = lanes
         .first()
         .ok_or(TileError::Lanes("no lanes to run on"))?;
@@ -156,7 +172,13 @@ pub fn run_lanes<M: TileModel + Sync>(
         let queue = Mutex::new(Queue::new(plan.tiles.len(), batch));
         let t0 = Instant::now();
         let work = |(id, model): (usize, &M)| {
-            run_lane(id, model, (image, &plan, opts, canvas), &queue, t0)
+            run_lane(
+                id,
+                model,
+                (image, &plan, opts, canvas),
+                &queue,
+                (t0, defer_download),
+            )
         };
         let mut results: Vec<Lane> = if lanes.len() == 1 {
             vec![work((0, first))]
@@ -208,12 +230,12 @@ pub fn run_lanes<M: TileModel + Sync>(
             canvases.extend(lane.canvas);
             stats.push(lane.stats);
         }
-        let out = finish_canvases(
-            image.channels,
-            image.height * scale,
-            image.width * scale,
+        let out = Unfinished {
+            channels: image.channels,
+            height: image.height * scale,
+            width: image.width * scale,
             canvases,
-        )?;
+        };
         let tile_stats = TileStats {
             tiles: plan.tiles.len(),
             batches: stats.iter().map(|s| s.batches).sum(),
@@ -306,10 +328,41 @@ impl Queue {
     }
 }
 
-/// What one lane hands back: its stats and its downloaded canvas, if it did any work.
+/// An upscaled image as the lanes left it: one canvas per lane that did any work, on the
+/// host or still on its device.
+pub struct Unfinished {
+    channels: usize,
+    height: usize,
+    width: usize,
+    canvases: Vec<LaneCanvas>,
+}
+
+impl Unfinished {
+    /// Brings the canvases still on a device back, sums them and divides by the blend
+    /// weights: the upscaled image.
+    pub fn finish(self) -> candle_core::Result<Planar> {
+        let canvases = self
+            .canvases
+            .into_iter()
+            .map(|c| match c {
+                LaneCanvas::Host(data) => Ok(data),
+                LaneCanvas::Device(canvas) => canvas.download(),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        finish_canvases(self.channels, self.height, self.width, canvases)
+    }
+}
+
+/// One lane's weighted sums for an image.
+enum LaneCanvas {
+    Host(Vec<f32>),
+    Device(DeviceCanvas),
+}
+
+/// What one lane hands back: its stats and its canvas, if it did any work.
 struct Lane {
     stats: LaneStats,
-    canvas: Option<Vec<f32>>,
+    canvas: Option<LaneCanvas>,
     /// When the lane set up its image and brought its canvas back, and when it ran batches.
     transfer_spans: Vec<Span>,
     batch_spans: Vec<Span>,
@@ -343,12 +396,13 @@ impl LaneImage {
         })
     }
 
-    /// The lane's canvas on the host, for [`finish_canvases`].
-    fn into_canvas(self) -> candle_core::Result<Vec<f32>> {
-        match self {
-            Self::Host(acc) => Ok(acc.into_canvas()),
-            Self::Device { canvas, .. } => canvas.download(),
-        }
+    /// The lane's canvas, brought back to the host unless `defer_download`.
+    fn into_canvas(self, defer_download: bool) -> candle_core::Result<LaneCanvas> {
+        Ok(match self {
+            Self::Host(acc) => LaneCanvas::Host(acc.into_canvas()),
+            Self::Device { canvas, .. } if defer_download => LaneCanvas::Device(canvas),
+            Self::Device { canvas, .. } => LaneCanvas::Host(canvas.download()?),
+        })
     }
 }
 
@@ -360,7 +414,7 @@ fn run_lane<M: TileModel>(
     model: &M,
     job: Job,
     queue: &Mutex<Queue>,
-    t0: Instant,
+    (t0, defer_download): (Instant, bool),
 ) -> Lane {
     let (image, plan, _, canvas_kind) = job;
     let lock = || queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -402,14 +456,14 @@ fn run_lane<M: TileModel>(
         }
     }
     let start = Instant::now();
-    let canvas = match state.map(LaneImage::into_canvas).transpose() {
+    let canvas = match state.map(|st| st.into_canvas(defer_download)).transpose() {
         Ok(c) => c,
         Err(err) => {
             lock().abort(err);
             None
         }
     };
-    if canvas.is_some() && canvas_kind == Canvas::Device {
+    if canvas.is_some() && canvas_kind == Canvas::Device && !defer_download {
         transfer_spans.push((since(start), since(Instant::now())));
     }
     stats.transfer_seconds = transfer_spans.iter().map(|(a, b)| b - a).sum();

@@ -20,7 +20,9 @@ pub(crate) mod tests;
 use candle_core::{Device, Tensor};
 
 pub use blend::BlendMode;
-pub use lanes::{run_lanes, Canvas, LaneStats};
+#[cfg(test)]
+pub use lanes::run_lanes;
+pub use lanes::{Canvas, LaneStats};
 pub use plan::PlanError;
 #[cfg(test)]
 pub use plan::{plan, Plan};
