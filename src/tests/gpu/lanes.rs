@@ -106,3 +106,62 @@ fn cuda_blend_kernel_matches_the_host_accumulator() {
         }
     }
 }
+
+/// With all but a little of the card held by a ballast, a batch of every tile of an image
+/// does not fit: the scheduler halves the batch (or the tile) until it does, the image
+/// completes, and it matches a run that never ran short within f32 rounding. This is the
+/// path `--tile 2048 --tile_batch_size 16` takes on a card too small for it, on a real out of
+/// memory error from the driver rather than a simulated one.
+#[test]
+fn a_batch_larger_than_free_memory_backs_off_and_completes() {
+    use crate::engine::lanes::{pool_idle_bytes, reset_pool_peaks};
+    let lanes = cuda_lanes(1);
+    let dev = lanes.engines()[0].device.clone();
+    let image = crate::engine::probe::pattern(1024, 1024);
+    let small = TileOptions {
+        tile: 64,
+        overlap: 8,
+        batch: 1,
+        blend: BlendMode::Hann,
+    };
+    reset_pool_peaks(&dev);
+    let (want, want_stats, _) = lanes.run(&image, &small).unwrap();
+    let one_batch = pool_peak(&dev)
+        .expect("the pool reports peaks")
+        .used_high_bytes;
+    // Room for twice what the batch-1 run needed at its peak (the weights, the image, the
+    // canvas and one tile's activations): a batch of all 361 tiles cannot fit.
+    let room = 2 * one_batch.max(32 << 20);
+    let spare = lanes.free_memory() + pool_idle_bytes(&dev);
+    let mut ballast = Vec::new();
+    let mut held = 0u64;
+    while held + room < spare {
+        // Chunks of at most 1 GiB keep each buffer's element count far from u32 limits.
+        let n = (spare - room - held).min(1 << 30);
+        ballast.push(Tensor::zeros(n as usize, DType::U8, &dev).unwrap());
+        held += n;
+    }
+    dev.synchronize().unwrap();
+    let all = TileOptions {
+        batch: want_stats.tiles,
+        ..small
+    };
+    let (got, stats, _) = lanes.run(&image, &all).unwrap();
+    drop(ballast);
+    eprintln!(
+        "held {:.1} GiB, room {} MiB: {} out-of-memory retries, batch {} -> {}, tile {:?}",
+        held as f64 / (1u64 << 30) as f64,
+        room >> 20,
+        stats.oom_retries,
+        all.batch,
+        stats.batch,
+        stats.tile_shape
+    );
+    assert!(
+        stats.oom_retries > 0,
+        "the ballast left room for every tile at once"
+    );
+    assert!(stats.batch < all.batch);
+    let d = max_diff(&got, &want);
+    assert!(d < 1e-4, "backed-off run vs batch 1: {d}");
+}
