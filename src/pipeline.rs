@@ -403,6 +403,41 @@ mod tests {
         (Lanes::single(engine), settings)
     }
 
+    /// The main command's stages, quiet, encoding as the defaults do.
+    fn file_stages<'a>(
+        (engine, settings): (&'a Lanes, &'a TileSettings),
+        size: OutputSize,
+        writer: Option<WriteFn<'a>>,
+        defer_finish: bool,
+    ) -> FileStages<'a> {
+        FileStages {
+            engine,
+            settings,
+            encode: EncodeChoice {
+                bit_depth: None,
+                quality: 90,
+                strip: false,
+            },
+            size,
+            stdin: Mutex::new(None),
+            warn: &|_| {},
+            detail: &|_| {},
+            writer,
+            defer_finish,
+        }
+    }
+
+    /// A job for each of `inputs`, written into `out` with the `x2` tag.
+    fn jobs_into(inputs: &[PathBuf], out: &Path) -> Vec<Job> {
+        let naming = io::NamingOptions {
+            output: Some(out.to_path_buf()),
+            tag: "x2".into(),
+            format: None,
+            overwrite: true,
+        };
+        io::plan_outputs(&io::walk(inputs, false).unwrap(), &naming).unwrap()
+    }
+
     /// Finishing on the finisher thread (`UPSCALE_DEFER_FINISH=1`) writes the same bytes as
     /// finishing on the model thread: tiled colour, an alpha channel run through the
     /// network, and a resampled output size.
@@ -424,29 +459,9 @@ mod tests {
         for size in [OutputSize::Model, OutputSize::Width(30)] {
             let mut written = Vec::new();
             for defer_finish in [false, true] {
-                let stages = FileStages {
-                    engine: &lanes,
-                    settings: &settings,
-                    encode: EncodeChoice {
-                        bit_depth: None,
-                        quality: 90,
-                        strip: false,
-                    },
-                    size,
-                    stdin: Mutex::new(None),
-                    warn: &|_| {},
-                    detail: &|_| {},
-                    writer: None,
-                    defer_finish,
-                };
+                let stages = file_stages((&lanes, &settings), size, None, defer_finish);
                 let out = dir.path().join(format!("out-{defer_finish}-{size:?}"));
-                let naming = io::NamingOptions {
-                    output: Some(out.clone()),
-                    tag: "x2".into(),
-                    format: None,
-                    overwrite: true,
-                };
-                let jobs = io::plan_outputs(&io::walk(&inputs, false).unwrap(), &naming).unwrap();
+                let jobs = jobs_into(&inputs, &out);
                 let outcomes = run_threaded(&stages, jobs, 2, &|_| {});
                 let files: Vec<Vec<u8>> = outcomes
                     .iter()
@@ -496,30 +511,10 @@ mod tests {
             }
             st.write(job, dec, up)
         };
-        let stages = FileStages {
-            engine: &lanes,
-            settings: &settings,
-            encode: EncodeChoice {
-                bit_depth: None,
-                quality: 90,
-                strip: false,
-            },
-            size: OutputSize::Model,
-            stdin: Mutex::new(None),
-            warn: &|_| {},
-            detail: &|_| {},
-            writer: Some(&writer),
-            defer_finish: false,
-        };
+        let stages = file_stages((&lanes, &settings), OutputSize::Model, Some(&writer), false);
         for threaded in [false, true] {
             let out = dir.path().join(format!("out-{threaded}"));
-            let naming = io::NamingOptions {
-                output: Some(out.clone()),
-                tag: "x2".into(),
-                format: None,
-                overwrite: true,
-            };
-            let jobs = io::plan_outputs(&io::walk(&inputs, false).unwrap(), &naming).unwrap();
+            let jobs = jobs_into(&inputs, &out);
             let reported = Mutex::new(0);
             let outcomes = if threaded {
                 run_threaded(&stages, jobs, 3, &|_| *reported.lock().unwrap() += 1)
