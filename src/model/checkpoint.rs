@@ -12,6 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use super::arch::ArchConfig;
+use super::pth::{read_state_dict, PthArchive};
 use super::ModelError;
 
 /// Where the weights came from, for messages and `upscale info`.
@@ -112,31 +113,23 @@ impl Checkpoint {
     }
 
     fn from_pth(path: &Path, source: Source) -> Result<Self, ModelError> {
-        let unreadable =
-            |e: String| ModelError::file(&source, &format!("unreadable PyTorch archive: {e}"));
-        let keys = pth_top_level_keys(path).map_err(unreadable)?;
+        let mut archive = PthArchive::open(path)
+            .map_err(|e| ModelError::file(&source, &format!("unreadable PyTorch archive: {e}")))?;
+        let keys = archive.top_level_keys();
         // The wrappers present, in order of preference, then the object itself as a bare
         // state dict.
         let wrappers = PTH_KEYS.iter().filter(|k| keys.iter().any(|key| key == *k));
         for key in wrappers.map(|k| Some(*k)).chain([None]) {
-            let pth = candle_core::pickle::PthTensors::new(path, key)
-                .map_err(|e| unreadable(e.to_string()))?;
-            if pth.tensor_infos().is_empty() {
+            // Buffers are dropped unread: they are recomputed at load.
+            let tensors = read_state_dict(&mut archive, key, is_buffer);
+            if tensors.is_empty() {
                 continue;
             }
-            let mut raw = Vec::new();
-            let mut names: Vec<&String> = pth.tensor_infos().keys().collect();
-            names.sort();
-            for name in names {
-                if is_buffer(name) {
-                    continue;
-                }
-                let t = pth
-                    .get(name)
-                    .map_err(|e| ModelError::tensor(&source, name, &e.to_string()))?
-                    .ok_or_else(|| ModelError::tensor(&source, name, "tensor data missing"))?;
-                let t = checked_f32(t).map_err(|msg| ModelError::tensor(&source, name, &msg))?;
-                raw.push((name.clone(), t));
+            let mut raw = Vec::with_capacity(tensors.len());
+            for (name, t) in tensors {
+                let t = t.map_err(|e| ModelError::tensor(&source, &name, &e.to_string()))?;
+                let t = checked_f32(t).map_err(|msg| ModelError::tensor(&source, &name, &msg))?;
+                raw.push((name, t));
             }
             return Self::from_raw(raw, source, key.map(str::to_string));
         }
@@ -175,9 +168,6 @@ impl Checkpoint {
     }
 }
 
-/// The string keys of a `.pth`'s pickled top-level object when it is a dict (a wrapped
-/// checkpoint such as `{"params_ema": state_dict, ...}`), empty otherwise. Read before asking
-/// candle for a wrapper, because candle reports a missing key only as an error message.
 /// A weight file's bytes: mapped where the OS allows it, else read. Mapping saves a copy of
 /// the whole file and the page faults of a fresh buffer for it (about 20 ms of a 56 MB
 /// model's start-up); the tensors are copied out of it once, as from a read buffer.
@@ -212,33 +202,6 @@ impl std::ops::Deref for FileBytes {
             Self::Read(bytes) => bytes,
         }
     }
-}
-
-fn pth_top_level_keys(path: &Path) -> Result<Vec<String>, String> {
-    use candle_core::pickle::{Object, Stack};
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file)).map_err(|e| e.to_string())?;
-    let pickle = zip
-        .file_names()
-        .filter_map(Result::ok)
-        .find(|n| n.ends_with("data.pkl"))
-        .map(|n| n.into_owned())
-        .ok_or("no data.pkl in the archive")?;
-    let entry = zip.by_name(&pickle).map_err(|e| e.to_string())?;
-    let mut stack = Stack::empty();
-    stack
-        .read_loop(&mut std::io::BufReader::new(entry))
-        .map_err(|e| e.to_string())?;
-    Ok(match stack.finalize().map_err(|e| e.to_string())? {
-        Object::Dict(entries) => entries
-            .into_iter()
-            .filter_map(|(k, _)| match k {
-                Object::Unicode(s) => Some(s),
-                _ => None,
-            })
-            .collect(),
-        _ => Vec::new(),
-    })
 }
 
 /// Buffers the official model registers: derived data that we recompute, never weights.

@@ -14,6 +14,7 @@ pub mod hat;
 pub mod norm;
 pub mod ops;
 pub mod pad_channels;
+pub mod pth;
 pub mod rowwise;
 pub mod swinir;
 
