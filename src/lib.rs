@@ -40,6 +40,6 @@ pub use cli::main;
 pub use engine::{DeviceChoice, EngineError, Precision};
 pub use io::{Format, IoError};
 pub use model::fused::Attention;
-pub use model::ModelError;
+pub use model::{ConfigError, ModelError};
 pub use size::OutputSize;
 pub use tile::{BlendMode, PlanError, TileError};

@@ -157,7 +157,10 @@ impl Checkpoint {
             .iter()
             .map(|(k, v)| (k.clone(), v.dims().to_vec()))
             .collect();
-        let config = ArchConfig::infer(&shapes).map_err(|msg| ModelError::file(&source, &msg))?;
+        let config = ArchConfig::infer(&shapes).map_err(|e| ModelError::Config {
+            origin: source.to_string(),
+            source: e,
+        })?;
         Ok(Self {
             source,
             config,

@@ -23,6 +23,7 @@ use candle_nn::VarBuilder;
 
 pub use arch::ArchConfig;
 pub use checkpoint::{Checkpoint, Source};
+pub use config::ConfigError;
 #[cfg(any(test, feature = "cli"))]
 pub use config::DrctConfig;
 pub use drct::Drct;
@@ -53,6 +54,16 @@ pub enum ModelError {
         origin: String,
         /// What is wrong with it.
         msg: String,
+    },
+    /// The tensors do not make a model this build runs: a missing, unexplained or misshapen
+    /// tensor, or another architecture.
+    #[error("{origin}: {source}")]
+    Config {
+        /// The file, or the embedded model's name.
+        origin: String,
+        /// What config inference found.
+        #[source]
+        source: ConfigError,
     },
     /// One tensor is missing, misshapen or of an unusable dtype.
     #[error("{origin}: tensor {name}: {msg}")]
