@@ -40,6 +40,8 @@ pub use cli::main;
 pub use engine::{DeviceChoice, EngineError, Precision};
 pub use io::{Format, IoError};
 pub use model::fused::Attention;
-pub use model::{ConfigError, ModelError};
+pub use model::{
+    BuildError, ConfigError, EnvError, ModelError, PthError, PthTensorError, TensorError,
+};
 pub use size::OutputSize;
 pub use tile::{BlendMode, PlanError, TileError};
