@@ -28,7 +28,7 @@ use crate::engine::lanes::Lanes;
 use crate::engine::{
     choose_dtype, open_device, read_checkpoint, DeviceChoice, EngineError, Precision,
 };
-use crate::io::{Decoded, EncodeOptions, Format, IoError};
+use crate::io::{Decoded, EncodeOptions, Format, IoError, OutputError};
 use crate::model::fused::Attention;
 use crate::model::ModelError;
 use crate::planar::Planar;
@@ -100,8 +100,8 @@ pub enum Error {
     #[error(transparent)]
     Tiling(#[from] TileError),
     /// The result could not be resampled or converted to an image.
-    #[error("{0}")]
-    Output(String),
+    #[error(transparent)]
+    Output(#[from] OutputError),
     /// An image file could not be read or written.
     #[error(transparent)]
     File(#[from] IoError),
@@ -204,7 +204,12 @@ impl Upscaler {
         let (rgb, alpha) = self.upscale_planes(&dec)?;
         let mut opts = EncodeOptions::new(Format::Png);
         opts.bit_depth = dec.bit_depth;
-        crate::io::encode::to_image(&rgb, alpha.as_ref(), dec.gray, &opts).map_err(Error::Output)
+        Ok(crate::io::encode::to_image(
+            &rgb,
+            alpha.as_ref(),
+            dec.gray,
+            &opts,
+        )?)
     }
 
     /// Upscales the image file `input` into `output` as the command-line tool does one file:
@@ -240,7 +245,7 @@ impl Upscaler {
     fn upscale_planes(&self, dec: &Decoded) -> Result<(Planar, Option<Planar>), Error> {
         let up = self.lanes.upscale_decoded(dec, &self.settings)?;
         let (w, h) = self.size.dims(dec.rgb.width, dec.rgb.height, self.scale());
-        crate::size::resize(up.rgb, up.alpha, w, h).map_err(Error::Output)
+        Ok(crate::size::resize(up.rgb, up.alpha, w, h)?)
     }
 }
 

@@ -38,8 +38,10 @@ pub use api::{cpu_computes_bf16, Error, Options, Upscaler};
 #[cfg(feature = "cli")]
 pub use cli::main;
 pub use engine::{DeviceChoice, EngineError, Precision};
-pub use io::{Format, IoError};
+pub use io::{Format, IoError, OutputError};
 pub use model::fused::Attention;
-pub use model::ModelError;
+pub use model::{
+    BuildError, ConfigError, EnvError, ModelError, PthError, PthTensorError, TensorError,
+};
 pub use size::OutputSize;
 pub use tile::{BlendMode, PlanError, TileError};

@@ -311,7 +311,8 @@ impl FileStages<'_> {
         let (w, h) = self
             .size
             .dims(dec.rgb.width, dec.rgb.height, self.engine.scale());
-        (up.rgb, up.alpha) = size::resize(up.rgb, up.alpha.take(), w, h)?;
+        (up.rgb, up.alpha) =
+            size::resize(up.rgb, up.alpha.take(), w, h).map_err(|e| e.to_string())?;
         Ok(up)
     }
 

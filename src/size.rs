@@ -9,6 +9,7 @@ use image::imageops::{self, FilterType};
 use image::{ImageBuffer, Luma};
 use rayon::prelude::*;
 
+use crate::io::OutputError;
 use crate::planar::Planar;
 
 /// Largest output, in pixels, that resampling will produce (4 GiB per f32 plane); a larger
@@ -93,15 +94,16 @@ pub fn resize(
     alpha: Option<Planar>,
     width: usize,
     height: usize,
-) -> Result<(Planar, Option<Planar>), String> {
+) -> Result<(Planar, Option<Planar>), OutputError> {
     if (rgb.width, rgb.height) == (width, height) {
         return Ok((rgb, alpha));
     }
     if width as u64 * height as u64 > MAX_OUTPUT_PIXELS || width > u32::MAX as usize {
-        return Err(format!(
-            "an output of {width}x{height} is more than {} pixels",
-            MAX_OUTPUT_PIXELS
-        ));
+        return Err(OutputError::TooLarge {
+            width,
+            height,
+            limit: MAX_OUTPUT_PIXELS,
+        });
     }
     let Some(alpha) = alpha else {
         return Ok((resize_planes(&rgb, width, height), None));

@@ -431,10 +431,27 @@ pub fn main() -> std::process::ExitCode {
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_line(&e));
             std::process::ExitCode::from(2)
         }
     }
+}
+
+/// The error and its causes on one line, as `{:#}` writes them, less each cause whose words
+/// the line already holds: the library's errors quote their cause in their own message, so
+/// that `to_string()` alone says everything, and also return it as their `source()`.
+fn error_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let msg = cause.to_string();
+        if line.is_empty() {
+            line = msg;
+        } else if !line.contains(&msg) {
+            line.push_str(": ");
+            line.push_str(&msg);
+        }
+    }
+    line
 }
 
 fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
@@ -604,5 +621,20 @@ mod tests {
     #[test]
     fn the_default_attention_is_the_tensor_core_kernel() {
         assert_eq!(crate::Options::default().attention, Attention::TensorCore);
+    }
+
+    #[test]
+    fn an_error_line_quotes_each_cause_once() {
+        use crate::model::{ConfigError, ModelError};
+        // A library error that quotes its cause and returns it as its source.
+        let e = anyhow::Error::new(ModelError::Config {
+            origin: "m.pth".into(),
+            source: ConfigError::NoGroups,
+        });
+        let line = error_line(&e);
+        assert_eq!(line, format!("m.pth: {}", ConfigError::NoGroups));
+        // Context that the cause does not repeat is kept, as `{:#}` keeps it.
+        let e = e.context("opening the model");
+        assert_eq!(error_line(&e), format!("opening the model: {line}"));
     }
 }

@@ -61,6 +61,9 @@ pub enum EngineError {
     /// The weights could not be read or built into a network on the device.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// `UPSCALE_CUDA_OFF` holds a value it does not take.
+    #[error(transparent)]
+    Env(#[from] crate::model::EnvError),
 }
 
 /// Open the requested device (the first one of a list: [`lanes::Lanes`] opens the rest).
@@ -109,7 +112,7 @@ pub fn open_device(
 /// checked (a misspelt part stops the run here) and, when it leaves anything out, said.
 fn cuda_opened(d: Device, warn: &mut dyn FnMut(String)) -> Result<Device, EngineError> {
     lanes::skip_event_tracking(&d);
-    let off = cuda_off::from_env().map_err(EngineError::Device)?;
+    let off = cuda_off::from_env()?;
     if off != cuda_off::Off::default() {
         warn(format!(
             "{}={}: {}",
@@ -242,7 +245,7 @@ pub fn read_checkpoint(path: Option<&Path>) -> Result<Checkpoint, ModelError> {
             }
             None => Err(ModelError::File {
                 origin: "(no model)".into(),
-                msg: "this build has no embedded model: pass one with -m MODEL".into(),
+                msg: "this build has no embedded model: pass one with -m MODEL",
             }),
         },
     }

@@ -19,7 +19,7 @@ use image::{DynamicImage, ImageBuffer, ImageEncoder, ImageResult};
 
 use super::error::innermost_message;
 use super::metadata::{icc_fits, icc_space};
-use super::{write_atomic, Format, IoError, Metadata};
+use super::{write_atomic, Format, IoError, Metadata, OutputError};
 use crate::planar::Planar;
 
 pub const DEFAULT_JPEG_QUALITY: u8 = 95;
@@ -82,10 +82,10 @@ pub fn encode(
     meta: &Metadata,
     opts: &EncodeOptions,
 ) -> Result<Vec<String>, IoError> {
-    let img = to_image(rgb, alpha, gray, opts).map_err(|detail| IoError::Encode {
+    let img = to_image(rgb, alpha, gray, opts).map_err(|e| IoError::Encode {
         path: path.to_path_buf(),
         format: opts.format,
-        detail,
+        detail: e.to_string(),
     })?;
     let mut left_out = Vec::new();
     write_atomic(path, |w| {
@@ -109,7 +109,7 @@ pub fn encode_to_vec(
     meta: &Metadata,
     opts: &EncodeOptions,
 ) -> Result<(Vec<u8>, Vec<String>), String> {
-    let img = to_image(rgb, alpha, gray, opts)?;
+    let img = to_image(rgb, alpha, gray, opts).map_err(|e| e.to_string())?;
     let mut out = std::io::Cursor::new(Vec::new());
     let left_out = write_image(&mut out, &img, meta, opts).map_err(|e| innermost_message(&e))?;
     Ok((out.into_inner(), left_out))
@@ -177,49 +177,52 @@ fn with_metadata<E: ImageEncoder>(
     Ok(left_out)
 }
 
-/// Quantizes the planes into the pixel layout `opts.format` will take. The error is a
-/// message without the file name.
+/// Quantizes the planes into the pixel layout `opts.format` will take. The error names no
+/// file.
 pub fn to_image(
     rgb: &Planar,
     alpha: Option<&Planar>,
     gray: bool,
     opts: &EncodeOptions,
-) -> Result<DynamicImage, String> {
+) -> Result<DynamicImage, OutputError> {
     let format = opts.format;
     match opts.bit_depth {
         8 => {}
         16 if format.supports_16bit() => {}
-        16 => {
-            return Err(format!(
-                "{format} is 8-bit only; write PNG or TIFF for 16-bit"
-            ))
-        }
-        d => return Err(format!("bit depth {d} is not 8 or 16")),
+        16 => return Err(OutputError::EightBitOnly(format)),
+        d => return Err(OutputError::BitDepth(d)),
     }
     if !(1..=100).contains(&opts.quality) {
-        return Err(format!("quality {} is not in 1..=100", opts.quality));
+        return Err(OutputError::Quality(opts.quality));
     }
     if rgb.channels != 1 && rgb.channels != 3 {
-        return Err(format!("{} channels given, expected 1 or 3", rgb.channels));
+        return Err(OutputError::Channels(rgb.channels));
     }
     let (w, h) = (rgb.width, rgb.height);
     let (Ok(w32), Ok(h32)) = (u32::try_from(w), u32::try_from(h)) else {
-        return Err(format!(
-            "{w}x{h} does not fit the image library's 32-bit sizes"
-        ));
+        return Err(OutputError::TooWide {
+            width: w,
+            height: h,
+        });
     };
     if w == 0 || h == 0 {
-        return Err(format!("{w}x{h} image has no pixels"));
+        return Err(OutputError::NoPixels {
+            width: w,
+            height: h,
+        });
     }
     if rgb.data.len() != rgb.channels * h * w {
-        return Err("pixel buffer size does not match the image size".into());
+        return Err(OutputError::BufferSize);
     }
     if let Some(a) = alpha {
         if (a.channels, a.height, a.width) != (1, h, w) || a.data.len() != h * w {
-            return Err(format!(
-                "alpha is {}x{}x{}, expected 1x{h}x{w}",
-                a.channels, a.height, a.width
-            ));
+            return Err(OutputError::AlphaSize {
+                channels: a.channels,
+                height: a.height,
+                width: a.width,
+                want_height: h,
+                want_width: w,
+            });
         }
     }
 

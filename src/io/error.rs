@@ -128,3 +128,64 @@ pub(crate) fn innermost_message(err: &(dyn std::error::Error + 'static)) -> Stri
     }
     one_line(&cur.to_string())
 }
+
+/// Why upscaled planes could not become an image of the size and format asked for. No file
+/// is named: [`IoError::Encode`] names it when there is one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OutputError {
+    /// 16-bit samples asked of a format that holds only 8.
+    #[error("{0} is 8-bit only; write PNG or TIFF for 16-bit")]
+    EightBitOnly(Format),
+    /// A sample depth other than 8 or 16.
+    #[error("bit depth {0} is not 8 or 16")]
+    BitDepth(u8),
+    /// A JPEG quality outside 1 to 100.
+    #[error("quality {0} is not in 1..=100")]
+    Quality(u8),
+    /// Planes that are neither gray nor RGB.
+    #[error("{0} channels given, expected 1 or 3")]
+    Channels(usize),
+    /// A side over the image library's 32-bit sizes.
+    #[error("{width}x{height} does not fit the image library's 32-bit sizes")]
+    TooWide {
+        /// Width in pixels.
+        width: usize,
+        /// Height in pixels.
+        height: usize,
+    },
+    /// An image without pixels.
+    #[error("{width}x{height} image has no pixels")]
+    NoPixels {
+        /// Width in pixels.
+        width: usize,
+        /// Height in pixels.
+        height: usize,
+    },
+    /// Planes whose sample count does not match their size.
+    #[error("pixel buffer size does not match the image size")]
+    BufferSize,
+    /// An alpha plane of another size than the colour planes.
+    #[error("alpha is {channels}x{height}x{width}, expected 1x{want_height}x{want_width}")]
+    AlphaSize {
+        /// The alpha planes' channels.
+        channels: usize,
+        /// Their height.
+        height: usize,
+        /// Their width.
+        width: usize,
+        /// The colour planes' height.
+        want_height: usize,
+        /// The colour planes' width.
+        want_width: usize,
+    },
+    /// A resampled output over the pixel limit.
+    #[error("an output of {width}x{height} is more than {limit} pixels")]
+    TooLarge {
+        /// Width asked for.
+        width: usize,
+        /// Height asked for.
+        height: usize,
+        /// The limit, in pixels.
+        limit: u64,
+    },
+}

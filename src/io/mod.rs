@@ -23,7 +23,7 @@ pub use decode::{decode_bytes, DecodeLimits};
 #[cfg(feature = "cli")]
 pub use encode::encode_to_vec;
 pub use encode::{encode, EncodeOptions};
-pub use error::IoError;
+pub use error::{IoError, OutputError};
 #[cfg(feature = "cli")]
 pub use format::is_image_path;
 pub use format::Format;

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::config::{DrctConfig, BLOCKS_PER_GROUP};
+use super::config::{ConfigError, DrctConfig, BLOCKS_PER_GROUP};
 use super::hat::HatConfig;
 use super::pad_channels::Pad;
 use super::swinir::SwinIrConfig;
@@ -24,14 +24,14 @@ pub enum ArchConfig {
 
 impl ArchConfig {
     /// Tell the architecture from the key names, infer its config and check every tensor.
-    pub fn infer(shapes: &BTreeMap<String, Vec<usize>>) -> Result<Self, String> {
+    pub fn infer(shapes: &BTreeMap<String, Vec<usize>>) -> Result<Self, ConfigError> {
         let any = |f: &dyn Fn(&str) -> bool| shapes.keys().any(|k| f(k));
         let swin_family =
             any(&|k| k.starts_with("layers.") && k.contains(".residual_group.blocks."));
         if swin_family && any(&|k| k.contains(".conv_block.") || k.contains(".overlap_attn.")) {
             return HatConfig::infer(shapes)
                 .map(Self::Hat)
-                .map_err(|e| format!("HAT checkpoint: {e}"));
+                .map_err(ConfigError::Hat);
         }
         if swin_family && any(&|k| k.ends_with(".logit_scale") || k.contains(".cpb_mlp.")) {
             return Err(unsupported(
@@ -41,7 +41,7 @@ impl ArchConfig {
         if swin_family {
             return SwinIrConfig::infer(shapes)
                 .map(Self::SwinIr)
-                .map_err(|e| format!("SwinIR checkpoint: {e}"));
+                .map_err(ConfigError::SwinIr);
         }
         let drct_like = any(&|k| {
             k.strip_prefix("layers.")
@@ -54,7 +54,7 @@ impl ArchConfig {
             }
             if !shapes.contains_key("conv_first.weight") {
                 let sample: Vec<&str> = shapes.keys().take(3).map(String::as_str).collect();
-                return Err(unsupported(&format!(
+                return Err(unsupported(format!(
                     "an unrecognised architecture (keys {})",
                     sample.join(", ")
                 )));
@@ -176,8 +176,11 @@ impl ArchConfig {
     }
 }
 
-fn unsupported(found: &str) -> String {
-    format!("{found}: this build loads {SUPPORTED}")
+fn unsupported(found: impl Into<String>) -> ConfigError {
+    ConfigError::OtherArchitecture {
+        found: found.into(),
+        supported: SUPPORTED,
+    }
 }
 
 /// Other well-known super-resolution networks, named from their keys.

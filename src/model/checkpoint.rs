@@ -12,7 +12,8 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use super::arch::ArchConfig;
-use super::ModelError;
+use super::pth::{read_state_dict, PthArchive};
+use super::{ModelError, TensorError};
 
 /// Where the weights came from, for messages and `upscale info`.
 #[derive(Clone, Debug)]
@@ -52,7 +53,7 @@ impl Checkpoint {
         let source = Source::File(path.to_path_buf());
         let io = |e: std::io::Error| ModelError::Io {
             path: path.display().to_string(),
-            msg: e.to_string(),
+            source: e,
         };
         let bytes = FileBytes::open(path).map_err(io)?;
         if bytes.is_empty() {
@@ -76,8 +77,11 @@ impl Checkpoint {
     }
 
     pub fn from_safetensors_bytes(bytes: &[u8], source: Source) -> Result<Self, ModelError> {
-        let st = safetensors::SafeTensors::deserialize(bytes)
-            .map_err(|e| ModelError::file(&source, &format!("unreadable safetensors: {e}")))?;
+        let st =
+            safetensors::SafeTensors::deserialize(bytes).map_err(|e| ModelError::Safetensors {
+                origin: source.to_string(),
+                source: e,
+            })?;
         let metadata = safetensors::SafeTensors::read_metadata(bytes)
             .ok()
             .and_then(|(_, m)| m.metadata().clone())
@@ -103,7 +107,7 @@ impl Checkpoint {
             .into_iter()
             .map(|(name, t)| match t {
                 Ok(t) => Ok((name, t)),
-                Err(msg) => Err(ModelError::tensor(&source, &name, &msg)),
+                Err(e) => Err(ModelError::tensor(&source, &name, e)),
             })
             .collect::<Result<Vec<_>, _>>()?;
         let mut ck = Self::from_raw(raw, source, None)?;
@@ -112,31 +116,27 @@ impl Checkpoint {
     }
 
     fn from_pth(path: &Path, source: Source) -> Result<Self, ModelError> {
-        let unreadable =
-            |e: String| ModelError::file(&source, &format!("unreadable PyTorch archive: {e}"));
-        let keys = pth_top_level_keys(path).map_err(unreadable)?;
+        let mut archive = PthArchive::open(path).map_err(|e| ModelError::Archive {
+            origin: source.to_string(),
+            source: e,
+        })?;
+        let keys = archive.top_level_keys();
         // The wrappers present, in order of preference, then the object itself as a bare
         // state dict.
         let wrappers = PTH_KEYS.iter().filter(|k| keys.iter().any(|key| key == *k));
         for key in wrappers.map(|k| Some(*k)).chain([None]) {
-            let pth = candle_core::pickle::PthTensors::new(path, key)
-                .map_err(|e| unreadable(e.to_string()))?;
-            if pth.tensor_infos().is_empty() {
+            // Buffers are dropped unread: they are recomputed at load.
+            let tensors = read_state_dict(&mut archive, key, is_buffer);
+            if tensors.is_empty() {
                 continue;
             }
-            let mut raw = Vec::new();
-            let mut names: Vec<&String> = pth.tensor_infos().keys().collect();
-            names.sort();
-            for name in names {
-                if is_buffer(name) {
-                    continue;
-                }
-                let t = pth
-                    .get(name)
-                    .map_err(|e| ModelError::tensor(&source, name, &e.to_string()))?
-                    .ok_or_else(|| ModelError::tensor(&source, name, "tensor data missing"))?;
-                let t = checked_f32(t).map_err(|msg| ModelError::tensor(&source, name, &msg))?;
-                raw.push((name.clone(), t));
+            let mut raw = Vec::with_capacity(tensors.len());
+            for (name, t) in tensors {
+                let t = t
+                    .map_err(TensorError::from)
+                    .and_then(checked_f32)
+                    .map_err(|e| ModelError::tensor(&source, &name, e))?;
+                raw.push((name, t));
             }
             return Self::from_raw(raw, source, key.map(str::to_string));
         }
@@ -164,7 +164,10 @@ impl Checkpoint {
             .iter()
             .map(|(k, v)| (k.clone(), v.dims().to_vec()))
             .collect();
-        let config = ArchConfig::infer(&shapes).map_err(|msg| ModelError::file(&source, &msg))?;
+        let config = ArchConfig::infer(&shapes).map_err(|e| ModelError::Config {
+            origin: source.to_string(),
+            source: e,
+        })?;
         Ok(Self {
             source,
             config,
@@ -175,9 +178,6 @@ impl Checkpoint {
     }
 }
 
-/// The string keys of a `.pth`'s pickled top-level object when it is a dict (a wrapped
-/// checkpoint such as `{"params_ema": state_dict, ...}`), empty otherwise. Read before asking
-/// candle for a wrapper, because candle reports a missing key only as an error message.
 /// A weight file's bytes: mapped where the OS allows it, else read. Mapping saves a copy of
 /// the whole file and the page faults of a fresh buffer for it (about 20 ms of a 56 MB
 /// model's start-up); the tensors are copied out of it once, as from a read buffer.
@@ -214,33 +214,6 @@ impl std::ops::Deref for FileBytes {
     }
 }
 
-fn pth_top_level_keys(path: &Path) -> Result<Vec<String>, String> {
-    use candle_core::pickle::{Object, Stack};
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file)).map_err(|e| e.to_string())?;
-    let pickle = zip
-        .file_names()
-        .filter_map(Result::ok)
-        .find(|n| n.ends_with("data.pkl"))
-        .map(|n| n.into_owned())
-        .ok_or("no data.pkl in the archive")?;
-    let entry = zip.by_name(&pickle).map_err(|e| e.to_string())?;
-    let mut stack = Stack::empty();
-    stack
-        .read_loop(&mut std::io::BufReader::new(entry))
-        .map_err(|e| e.to_string())?;
-    Ok(match stack.finalize().map_err(|e| e.to_string())? {
-        Object::Dict(entries) => entries
-            .into_iter()
-            .filter_map(|(k, _)| match k {
-                Object::Unicode(s) => Some(s),
-                _ => None,
-            })
-            .collect(),
-        _ => Vec::new(),
-    })
-}
-
 /// Buffers the official model registers: derived data that we recompute, never weights.
 fn is_buffer(name: &str) -> bool {
     name.ends_with("relative_position_index")
@@ -256,7 +229,7 @@ fn looks_like_safetensors(bytes: &[u8]) -> bool {
 
 /// A safetensors tensor as f32, converted and checked for NaN/Inf in one copy out of the
 /// file's bytes; candle's loader would copy it, then `to_dtype` and the check read it again.
-fn f32_tensor(view: &safetensors::tensor::TensorView) -> Result<Tensor, String> {
+fn f32_tensor(view: &safetensors::tensor::TensorView) -> Result<Tensor, TensorError> {
     use safetensors::Dtype;
     let data = view.data();
     let values: Vec<f32> = match view.dtype() {
@@ -273,36 +246,32 @@ fn f32_tensor(view: &safetensors::tensor::TensorView) -> Result<Tensor, String> 
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
         _ => {
-            let t = candle_core::safetensors::Load::load(view, &Device::Cpu)
-                .map_err(|e| e.to_string())?;
+            let t = candle_core::safetensors::Load::load(view, &Device::Cpu)?;
             return checked_f32(t);
         }
     };
     check_finite(&values)?;
-    Tensor::from_vec(values, view.shape(), &Device::Cpu).map_err(|e| e.to_string())
+    Ok(Tensor::from_vec(values, view.shape(), &Device::Cpu)?)
 }
 
 /// `t` as f32, refused if it holds a NaN or an infinity.
-fn checked_f32(t: Tensor) -> Result<Tensor, String> {
-    let t = t
-        .to_dtype(DType::F32)
-        .and_then(|t| t.contiguous())
-        .map_err(|e| e.to_string())?;
+fn checked_f32(t: Tensor) -> Result<Tensor, TensorError> {
+    let t = t.to_dtype(DType::F32).and_then(|t| t.contiguous())?;
     {
         let (storage, layout) = t.storage_and_layout();
-        let values = super::ops::cpu_slice(&storage, layout).map_err(|e| e.to_string())?;
+        let values = super::ops::cpu_slice(&storage, layout)?;
         check_finite(values)?;
     }
     Ok(t)
 }
 
-fn check_finite(values: &[f32]) -> Result<(), String> {
+fn check_finite(values: &[f32]) -> Result<(), TensorError> {
     match values.iter().position(|x| !x.is_finite()) {
         None => Ok(()),
-        Some(i) => Err(format!(
-            "holds a non-finite value ({}) at flat index {i}",
-            values[i]
-        )),
+        Some(index) => Err(TensorError::NonFinite {
+            value: values[index],
+            index,
+        }),
     }
 }
 
@@ -311,7 +280,7 @@ mod tests {
     use super::*;
 
     /// The one-tensor safetensors file holding `t` in its own dtype, read back as a view.
-    fn converted(t: &Tensor) -> Result<Tensor, String> {
+    fn converted(t: &Tensor) -> Result<Tensor, TensorError> {
         let bytes = safetensors::serialize([("t", t)], None).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         f32_tensor(&st.tensor("t").unwrap())
@@ -346,7 +315,10 @@ mod tests {
             let t = Tensor::from_vec(v, (5, 8), &Device::Cpu).unwrap();
             for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
                 let err = converted(&t.to_dtype(dtype).unwrap()).unwrap_err();
-                assert!(err.contains("flat index 29"), "{dtype:?} {bad}: {err}");
+                assert!(
+                    matches!(err, TensorError::NonFinite { index: 29, .. }),
+                    "{dtype:?} {bad}: {err}"
+                );
             }
         }
     }

@@ -11,6 +11,101 @@ use serde::Serialize;
 
 use super::pad_channels::Pad;
 
+/// Why a state dict's tensors do not make a model this build runs: found by config inference,
+/// before any layer is built. The messages name the tensor where there is one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// A tensor the architecture needs is not in the file.
+    #[error("missing tensor {name}{hint}")]
+    Missing {
+        /// The tensor's state-dict key.
+        name: String,
+        /// What its absence suggests, with its leading space ("" when nothing).
+        hint: &'static str,
+    },
+    /// A tensor that no part of the inferred configuration explains.
+    #[error("unexpected tensor {name}{hint}")]
+    Unexpected {
+        /// The tensor's state-dict key.
+        name: String,
+        /// What its presence suggests, with its leading space ("" when nothing).
+        hint: &'static str,
+    },
+    /// A tensor whose shape does not fit.
+    #[error("tensor {name} has shape {shape:?}{expected}")]
+    Shape {
+        /// The tensor's state-dict key.
+        name: String,
+        /// Its shape in the file.
+        shape: Vec<usize>,
+        /// What would fit, with its leading separator ("" when the shape says enough).
+        expected: String,
+    },
+    /// A window-attention bias table whose rows are no (2 * window - 1)².
+    #[error("tensor {name} has {rows} rows; expected (2*window-1)^2")]
+    WindowRows {
+        /// The table's state-dict key.
+        name: String,
+        /// Its rows.
+        rows: usize,
+    },
+    /// A block whose width its head count does not divide.
+    #[error("block {block} has width {width} and {heads} heads: the width must divide evenly")]
+    Heads {
+        /// The block's key prefix (`layers.G.swinK`).
+        block: String,
+        /// Its channels.
+        width: usize,
+        /// Its heads.
+        heads: usize,
+    },
+    /// No `layers.N.*` tensors at all.
+    #[error("no residual groups (layers.N.*) found: not a DRCT checkpoint")]
+    NoGroups,
+    /// Pixel-shuffle stages that multiply to a scale the network does not have.
+    #[error("unsupported upsampler: scale {scale} from {stages} stages")]
+    Upsampler {
+        /// The product of the stages.
+        scale: usize,
+        /// How many there are.
+        stages: usize,
+    },
+    /// A variant of a supported architecture that this build does not run.
+    #[error("{0} is not supported")]
+    Unsupported(&'static str),
+    /// The tensors are of an architecture this build does not load.
+    #[error("{found}: this build loads {supported}")]
+    OtherArchitecture {
+        /// What the keys look like (`a Swin2SR checkpoint (...)`).
+        found: String,
+        /// The architectures this build loads.
+        supported: &'static str,
+    },
+    /// A HAT checkpoint that HAT's own inference refused, in its words.
+    #[error("HAT checkpoint: {0}")]
+    Hat(String),
+    /// A SwinIR checkpoint that SwinIR's own inference refused, in its words.
+    #[error("SwinIR checkpoint: {0}")]
+    SwinIr(String),
+}
+
+impl ConfigError {
+    fn missing(name: &str, hint: &'static str) -> Self {
+        Self::Missing {
+            name: name.to_string(),
+            hint,
+        }
+    }
+
+    fn shape(name: &str, shape: &[usize], expected: impl Into<String>) -> Self {
+        Self::Shape {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            expected: expected.into(),
+        }
+    }
+}
+
 /// Blocks per residual dense group: the official RDG hard-codes five, whatever `depths` says.
 pub const BLOCKS_PER_GROUP: usize = 5;
 
@@ -186,20 +281,24 @@ impl DrctConfig {
     }
 
     /// Infer the config from tensor names and shapes, then check every tensor against it.
-    pub fn infer(shapes: &BTreeMap<String, Vec<usize>>) -> Result<Self, String> {
+    pub fn infer(shapes: &BTreeMap<String, Vec<usize>>) -> Result<Self, ConfigError> {
         let t = Shapes(shapes);
         let cf = t.get("conv_first.weight")?;
         if cf.len() != 4 || cf[0] == 0 || cf[1] != 3 || cf[2] != 3 || cf[3] != 3 {
-            return Err(format!(
-                "tensor conv_first.weight has shape {cf:?}; a DRCT RGB model has [E, 3, 3, 3]"
+            return Err(ConfigError::shape(
+                "conv_first.weight",
+                cf,
+                "; a DRCT RGB model has [E, 3, 3, 3]",
             ));
         }
         let embed_dim = cf[0];
         if shapes.contains_key("absolute_pos_embed") {
-            return Err("absolute position embedding (ape=True) is not supported".into());
+            return Err(ConfigError::Unsupported(
+                "absolute position embedding (ape=True)",
+            ));
         }
         if shapes.keys().any(|k| k.starts_with("conv_after_body.0.")) {
-            return Err("the '3conv' residual connection is not supported".into());
+            return Err(ConfigError::Unsupported("the '3conv' residual connection"));
         }
         let groups = t.groups()?;
         let window = t.window()?;
@@ -229,14 +328,16 @@ impl DrctConfig {
     }
 
     /// Every expected tensor present with its exact shape, and nothing unexplained left over.
-    fn check_shapes(&self, shapes: &BTreeMap<String, Vec<usize>>) -> Result<(), String> {
+    fn check_shapes(&self, shapes: &BTreeMap<String, Vec<usize>>) -> Result<(), ConfigError> {
         let expected = self.expected_tensors();
         for (name, shape) in &expected {
             match shapes.get(name) {
-                None => return Err(format!("missing tensor {name}")),
+                None => return Err(ConfigError::missing(name, "")),
                 Some(found) if found != shape => {
-                    return Err(format!(
-                        "tensor {name} has shape {found:?} but the inferred config needs {shape:?}"
+                    return Err(ConfigError::shape(
+                        name,
+                        found,
+                        format!(" but the inferred config needs {shape:?}"),
                     ))
                 }
                 Some(_) => {}
@@ -246,9 +347,10 @@ impl DrctConfig {
             let known: std::collections::HashSet<&str> =
                 expected.iter().map(|(n, _)| n.as_str()).collect();
             if let Some(extra) = shapes.keys().find(|k| !known.contains(k.as_str())) {
-                return Err(format!(
-                    "unexpected tensor {extra} (an unsupported DRCT variant or another architecture)"
-                ));
+                return Err(ConfigError::Unexpected {
+                    name: extra.clone(),
+                    hint: " (an unsupported DRCT variant or another architecture)",
+                });
             }
         }
         Ok(())
@@ -260,57 +362,58 @@ impl DrctConfig {
 struct Shapes<'a>(&'a BTreeMap<String, Vec<usize>>);
 
 impl Shapes<'_> {
-    fn get(&self, name: &str) -> Result<&Vec<usize>, String> {
+    fn get(&self, name: &str) -> Result<&Vec<usize>, ConfigError> {
         self.0
             .get(name)
-            .ok_or_else(|| format!("missing tensor {name} (not a DRCT checkpoint?)"))
+            .ok_or_else(|| ConfigError::missing(name, " (not a DRCT checkpoint?)"))
     }
 
     /// The output width a layer's weight declares; a crafted file can hold a scalar or an
     /// empty tensor where a matrix belongs.
-    fn width(&self, name: &str) -> Result<usize, String> {
+    fn width(&self, name: &str) -> Result<usize, ConfigError> {
         let shape = self.get(name)?;
         match shape.first() {
             Some(&n) if n > 0 && shape.len() >= 2 => Ok(n),
-            _ => Err(format!(
-                "tensor {name} has shape {shape:?}; expected a non-empty weight matrix"
+            _ => Err(ConfigError::shape(
+                name,
+                shape,
+                "; expected a non-empty weight matrix",
             )),
         }
     }
 
     /// Residual groups: one past the highest `layers.N`.
-    fn groups(&self) -> Result<usize, String> {
+    fn groups(&self) -> Result<usize, ConfigError> {
         let mut groups = 0;
         for key in self.0.keys() {
             if let Some(rest) = key.strip_prefix("layers.") {
                 let idx = rest.split('.').next().unwrap_or("");
-                let i: usize = idx
-                    .parse()
-                    .map_err(|_| format!("unexpected tensor {key}"))?;
+                let i: usize = idx.parse().map_err(|_| ConfigError::Unexpected {
+                    name: key.clone(),
+                    hint: "",
+                })?;
                 groups = groups.max(i + 1);
             }
         }
         if groups == 0 {
-            return Err("no residual groups (layers.N.*) found: not a DRCT checkpoint".into());
+            return Err(ConfigError::NoGroups);
         }
         Ok(groups)
     }
 
     /// The window side, from the `(2w-1)^2` rows of the first bias table.
-    fn window(&self) -> Result<usize, String> {
+    fn window(&self) -> Result<usize, ConfigError> {
         let name = "layers.0.swin1.attn.relative_position_bias_table";
         let table = self.get(name)?;
         if table.len() != 2 {
-            return Err(format!(
-                "tensor {name} has shape {table:?}; expected 2 dims"
-            ));
+            return Err(ConfigError::shape(name, table, "; expected 2 dims"));
         }
         let side = isqrt(table[0]);
         if side * side != table[0] || side.is_multiple_of(2) {
-            return Err(format!(
-                "tensor {name} has {} rows; expected (2*window-1)^2",
-                table[0]
-            ));
+            return Err(ConfigError::WindowRows {
+                name: name.to_string(),
+                rows: table[0],
+            });
         }
         Ok(side.div_ceil(2))
     }
@@ -321,20 +424,21 @@ impl Shapes<'_> {
         groups: usize,
         embed_dim: usize,
         growth: usize,
-    ) -> Result<Vec<[usize; BLOCKS_PER_GROUP]>, String> {
+    ) -> Result<Vec<[usize; BLOCKS_PER_GROUP]>, ConfigError> {
         let mut heads = vec![[0; BLOCKS_PER_GROUP]; groups];
         for (g, group_heads) in heads.iter_mut().enumerate() {
             for (k, h) in group_heads.iter_mut().enumerate() {
                 let p = format!("layers.{g}.swin{}", k + 1);
-                let t = self.get(&format!("{p}.attn.relative_position_bias_table"))?;
-                *h = *t.get(1).ok_or_else(|| {
-                    format!("tensor {p}.attn.relative_position_bias_table has shape {t:?}")
-                })?;
+                let table = format!("{p}.attn.relative_position_bias_table");
+                let t = self.get(&table)?;
+                *h = *t.get(1).ok_or_else(|| ConfigError::shape(&table, t, ""))?;
                 let d = embed_dim + k * growth;
                 if *h == 0 || !d.is_multiple_of(*h) {
-                    return Err(format!(
-                        "block {p} has width {d} and {h} heads: the width must divide evenly"
-                    ));
+                    return Err(ConfigError::Heads {
+                        block: p,
+                        width: d,
+                        heads: *h,
+                    });
                 }
             }
         }
@@ -342,7 +446,7 @@ impl Shapes<'_> {
     }
 
     /// The product of the pixel-shuffle stages (`upsample.0`, `upsample.2`, ...).
-    fn upsampler_scale(&self, num_feat: usize) -> Result<usize, String> {
+    fn upsampler_scale(&self, num_feat: usize) -> Result<usize, ConfigError> {
         let mut scale = 1;
         let mut stage = 0;
         while self
@@ -354,24 +458,27 @@ impl Shapes<'_> {
             let r2 = self.width(&name)? / num_feat;
             let r = isqrt(r2);
             if r * r * num_feat != w[0] || !(r == 2 || r == 3) {
-                return Err(format!(
-                    "tensor {name} has shape {w:?}: not a pixel-shuffle stage of 2 or 3 over {num_feat} channels"
+                return Err(ConfigError::shape(
+                    &name,
+                    w,
+                    format!(": not a pixel-shuffle stage of 2 or 3 over {num_feat} channels"),
                 ));
             }
             scale *= r;
             stage += 1;
         }
         if stage == 0 {
-            return Err(
-                "missing tensor upsample.0.weight (only the pixel-shuffle upsampler is supported)"
-                    .into(),
-            );
+            return Err(ConfigError::missing(
+                "upsample.0.weight",
+                " (only the pixel-shuffle upsampler is supported)",
+            ));
         }
         if !(scale == 3 || (scale.is_power_of_two() && scale >= 2)) || (scale % 3 == 0 && stage > 1)
         {
-            return Err(format!(
-                "unsupported upsampler: scale {scale} from {stage} stages"
-            ));
+            return Err(ConfigError::Upsampler {
+                scale,
+                stages: stage,
+            });
         }
         Ok(scale)
     }
@@ -496,22 +603,23 @@ mod tests {
         let mut s = shapes_of(&cfg);
         s.remove("layers.3.swin2.mlp.fc2.bias");
         let e = DrctConfig::infer(&s).unwrap_err();
-        assert!(e.contains("layers.3.swin2.mlp.fc2.bias"), "{e}");
+        assert!(e.to_string().contains("layers.3.swin2.mlp.fc2.bias"), "{e}");
 
         let mut s = shapes_of(&cfg);
         s.insert("layers.1.swin4.norm2.weight".into(), vec![275]);
         let e = DrctConfig::infer(&s).unwrap_err();
-        assert!(e.contains("layers.1.swin4.norm2.weight"), "{e}");
+        assert!(e.to_string().contains("layers.1.swin4.norm2.weight"), "{e}");
 
         let mut s = shapes_of(&cfg);
         s.insert("layers.0.swin1.attn.extra".into(), vec![1]);
         let e = DrctConfig::infer(&s).unwrap_err();
-        assert!(e.contains("layers.0.swin1.attn.extra"), "{e}");
+        assert!(e.to_string().contains("layers.0.swin1.attn.extra"), "{e}");
 
         let mut s = shapes_of(&cfg);
         s.insert("upsample.0.weight".into(), vec![5 * 64, 64, 3, 3]);
         assert!(DrctConfig::infer(&s)
             .unwrap_err()
+            .to_string()
             .contains("upsample.0.weight"));
     }
 
@@ -526,6 +634,7 @@ mod tests {
         assert!(DrctConfig::infer(&s).is_err());
         assert!(DrctConfig::infer(&BTreeMap::new())
             .unwrap_err()
+            .to_string()
             .contains("conv_first.weight"));
     }
 }

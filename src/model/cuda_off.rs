@@ -8,6 +8,8 @@
 use std::cell::Cell;
 use std::sync::OnceLock;
 
+use super::env::EnvError;
+
 /// The environment variable: a comma-separated list of the parts below, `all` or `none`.
 pub const VAR: &str = "UPSCALE_CUDA_OFF";
 
@@ -32,7 +34,7 @@ impl Off {
         sass: true,
     };
 
-    pub fn parse(spec: &str) -> Result<Off, String> {
+    pub fn parse(spec: &str) -> Result<Off, EnvError> {
         let mut off = Off::default();
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             match part.to_ascii_lowercase().as_str() {
@@ -41,7 +43,13 @@ impl Off {
                 "sass" => off.sass = true,
                 "all" => off = Off::ALL,
                 "none" => {}
-                _ => return Err(format!("{VAR}: unknown part '{part}' (expected {PARTS})")),
+                _ => {
+                    return Err(EnvError::UnknownPart {
+                        var: VAR,
+                        part: part.to_string(),
+                        expected: PARTS,
+                    })
+                }
             }
         }
         Ok(off)
@@ -73,12 +81,12 @@ impl Off {
 
 /// The variable's value, read once per process; an error names the variable and the part it
 /// does not know. Opening a CUDA device checks it, so a run with a misspelt value stops there.
-pub fn from_env() -> Result<Off, String> {
-    static OFF: OnceLock<Result<Off, String>> = OnceLock::new();
+pub fn from_env() -> Result<Off, EnvError> {
+    static OFF: OnceLock<Result<Off, EnvError>> = OnceLock::new();
     OFF.get_or_init(|| match std::env::var(VAR) {
         Ok(v) => Off::parse(&v),
         Err(std::env::VarError::NotPresent) => Ok(Off::default()),
-        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{VAR} is not valid UTF-8")),
+        Err(std::env::VarError::NotUnicode(_)) => Err(EnvError::NotUnicode { var: VAR }),
     })
     .clone()
 }
@@ -136,6 +144,7 @@ mod tests {
     #[test]
     fn an_unknown_part_is_refused_by_name() {
         let e = Off::parse("rowwise,attention").unwrap_err();
+        let e = e.to_string();
         assert!(e.contains(VAR) && e.contains("'attention'"), "{e}");
     }
 

@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod cuda_off;
 pub mod drct;
+pub mod env;
 pub mod epilogue;
 pub mod fused;
 pub mod hat;
@@ -15,6 +16,7 @@ pub mod layers;
 pub mod norm;
 pub mod ops;
 pub mod pad_channels;
+pub mod pth;
 pub mod rowwise;
 pub mod swin;
 pub mod swinir;
@@ -24,70 +26,139 @@ use candle_nn::VarBuilder;
 
 pub use arch::ArchConfig;
 pub use checkpoint::{Checkpoint, Source};
+pub use config::ConfigError;
 #[cfg(any(test, feature = "cli"))]
 pub use config::DrctConfig;
 pub use drct::Drct;
+pub use env::EnvError;
 pub use fused::Attention;
 pub use hat::Hat;
 #[cfg(any(test, feature = "cli"))]
 pub use hat::HatConfig;
+pub use pth::{PthError, PthTensorError};
 pub use swinir::SwinIr;
 #[cfg(any(test, feature = "cli"))]
 pub use swinir::SwinIrConfig;
 
 /// Why a checkpoint could not become a network. Every variant names the file (or the
-/// embedded model) it came from.
+/// embedded model) it came from; the cause, where there is one, is both quoted in the message
+/// and kept as the error's `source()`.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     /// The file could not be read.
-    #[error("{path}: {msg}")]
+    #[error("{path}: {source}")]
     Io {
         /// The file's path.
         path: String,
         /// What the operating system said.
-        msg: String,
+        #[source]
+        source: std::io::Error,
     },
-    /// The file is not a checkpoint this crate reads, or holds no DRCT state dict.
+    /// The file is not a checkpoint this crate reads, or holds no state dict.
     #[error("{origin}: {msg}")]
     File {
         /// The file, or the embedded model's name.
         origin: String,
         /// What is wrong with it.
-        msg: String,
+        msg: &'static str,
     },
-    /// One tensor is missing, misshapen or of an unusable dtype.
-    #[error("{origin}: tensor {name}: {msg}")]
+    /// A `.pth` whose zip archive or pickle could not be read.
+    #[error("{origin}: unreadable PyTorch archive: {source}")]
+    Archive {
+        /// The file.
+        origin: String,
+        /// What the archive or pickle reader said.
+        #[source]
+        source: PthError,
+    },
+    /// A safetensors file whose header could not be read.
+    #[error("{origin}: unreadable safetensors: {source}")]
+    Safetensors {
+        /// The file, or the embedded model's name.
+        origin: String,
+        /// What the safetensors reader said.
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
+    /// The tensors do not make a model this build runs: a missing, unexplained or misshapen
+    /// tensor, or another architecture.
+    #[error("{origin}: {source}")]
+    Config {
+        /// The file, or the embedded model's name.
+        origin: String,
+        /// What config inference found.
+        #[source]
+        source: ConfigError,
+    },
+    /// One tensor could not be read, or holds a NaN or an infinity.
+    #[error("{origin}: tensor {name}: {source}")]
     Tensor {
         /// The file, or the embedded model's name.
         origin: String,
         /// The tensor's state-dict key.
         name: String,
-        /// What is wrong with it.
-        msg: String,
+        /// What is wrong with it (boxed: candle's errors are large, and this one would make
+        /// every `Result` carrying a `ModelError` larger).
+        #[source]
+        source: Box<TensorError>,
     },
     /// The tensors are consistent but the network could not be built from them.
-    #[error("{origin}: building the network: {msg}")]
+    #[error("{origin}: building the network: {source}")]
     Build {
         /// The file, or the embedded model's name.
         origin: String,
         /// What failed.
-        msg: String,
+        #[source]
+        source: BuildError,
     },
 }
 
+/// Why one tensor of a checkpoint could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TensorError {
+    /// It could not be read from a `.pth` archive.
+    #[error(transparent)]
+    Pth(#[from] PthTensorError),
+    /// candle could not read or convert it.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// It holds a NaN or an infinity.
+    #[error("holds a non-finite value ({value}) at flat index {index}")]
+    NonFinite {
+        /// The first such value.
+        value: f32,
+        /// Its index in the flattened tensor.
+        index: usize,
+    },
+}
+
+/// Why a network could not be built from consistent tensors.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// bf16 on the CPU was asked for on a CPU without the instructions it runs on.
+    #[error("bf16 on the CPU needs AMX, or AVX512-BF16 on an AMD core; this CPU has neither")]
+    NoCpuBf16,
+    /// `UPSCALE_PAD_CHANNELS` holds a value it does not take.
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    /// A layer could not be made of its weights.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
 impl ModelError {
-    pub(crate) fn file(source: &Source, msg: &str) -> Self {
+    pub(crate) fn file(source: &Source, msg: &'static str) -> Self {
         Self::File {
             origin: source.to_string(),
-            msg: msg.to_string(),
+            msg,
         }
     }
 
-    pub(crate) fn tensor(source: &Source, name: &str, msg: &str) -> Self {
+    pub(crate) fn tensor(source: &Source, name: &str, e: impl Into<TensorError>) -> Self {
         Self::Tensor {
             origin: source.to_string(),
             name: name.to_string(),
-            msg: msg.to_string(),
+            source: Box::new(e.into()),
         }
     }
 }
@@ -178,9 +249,9 @@ impl Model {
         device: &Device,
         attention: Attention,
     ) -> Result<Self, ModelError> {
-        let build_error = |msg: String| ModelError::Build {
+        let build_error = |e: BuildError| ModelError::Build {
             origin: ck.source.to_string(),
-            msg,
+            source: e,
         };
         // bf16 on the CPU keeps f32 activations and runs the products in bf16: the weights
         // are read in f32 and packed by the network.
@@ -188,13 +259,10 @@ impl Model {
         let isa = match (cpu_bf16, bf16::isa()) {
             (false, _) => None,
             (true, Some(isa)) => Some(isa),
-            (true, None) => return Err(build_error(
-                "bf16 on the CPU needs AMX, or AVX512-BF16 on an AMD core; this CPU has neither"
-                    .into(),
-            )),
+            (true, None) => return Err(build_error(BuildError::NoCpuBf16)),
         };
         let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
-        let pad = pad_channels::current().map_err(build_error)?;
+        let pad = pad_channels::current().map_err(|e| build_error(e.into()))?;
         if !matches!(ck.config, ArchConfig::Drct(_)) && pad != pad_channels::Pad::OFF {
             // Only DRCT's layers know how to pad; the others run as they are.
             log::warn!(
@@ -208,10 +276,10 @@ impl Model {
             ArchConfig::SwinIr(c) => SwinIr::with_attention(c, vb, attention).map(Network::SwinIr),
             ArchConfig::Hat(c) => Hat::with_attention(c, vb, attention).map(Network::Hat),
         }
-        .map_err(|e| build_error(e.to_string()))?;
+        .map_err(|e| build_error(e.into()))?;
         if let Some(isa) = isa {
             net.use_bf16_products(isa)
-                .map_err(|e| build_error(e.to_string()))?;
+                .map_err(|e| build_error(e.into()))?;
         }
         Ok(Self {
             net,

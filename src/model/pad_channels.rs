@@ -12,6 +12,8 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use super::env::EnvError;
+
 /// The environment variable: `0` (or unset) for off, else the multiple.
 pub const VAR: &str = "UPSCALE_PAD_CHANNELS";
 
@@ -32,24 +34,26 @@ impl Pad {
     pub const OFF: Pad = Pad(1);
 
     /// Padding to `multiple`, one of 8, 16 and 64.
-    pub fn to(multiple: usize) -> std::result::Result<Pad, String> {
+    pub fn to(multiple: usize) -> std::result::Result<Pad, EnvError> {
         if MULTIPLES.contains(&multiple) {
             Ok(Pad(multiple))
         } else {
-            Err(format!(
-                "{VAR}: {multiple} is not a channel multiple (expected 0, 8, 16 or 64)"
-            ))
+            Err(EnvError::NotAMultiple {
+                var: VAR,
+                value: multiple,
+            })
         }
     }
 
-    pub fn parse(spec: &str) -> std::result::Result<Pad, String> {
+    pub fn parse(spec: &str) -> std::result::Result<Pad, EnvError> {
         match spec.trim() {
             "" | "0" => Ok(Pad::OFF),
             s => match s.parse::<usize>() {
                 Ok(m) => Pad::to(m),
-                Err(_) => Err(format!(
-                    "{VAR}: '{s}' is not a channel multiple (expected 0, 8, 16 or 64)"
-                )),
+                Err(_) => Err(EnvError::NotANumber {
+                    var: VAR,
+                    value: s.to_string(),
+                }),
             },
         }
     }
@@ -86,12 +90,12 @@ impl Pad {
 }
 
 /// The variable's value, read once per process; an error names the variable and the value.
-pub fn from_env() -> std::result::Result<Pad, String> {
-    static PAD: OnceLock<std::result::Result<Pad, String>> = OnceLock::new();
+pub fn from_env() -> std::result::Result<Pad, EnvError> {
+    static PAD: OnceLock<std::result::Result<Pad, EnvError>> = OnceLock::new();
     PAD.get_or_init(|| match std::env::var(VAR) {
         Ok(v) => Pad::parse(&v),
         Err(std::env::VarError::NotPresent) => Ok(Pad::OFF),
-        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{VAR} is not valid UTF-8")),
+        Err(std::env::VarError::NotUnicode(_)) => Err(EnvError::NotUnicode { var: VAR }),
     })
     .clone()
 }
@@ -101,7 +105,7 @@ thread_local! {
 }
 
 /// The padding a model loaded on this thread gets: the variable's, or a test's override.
-pub fn current() -> std::result::Result<Pad, String> {
+pub fn current() -> std::result::Result<Pad, EnvError> {
     match OVERRIDE.with(Cell::get) {
         Some(pad) => Ok(pad),
         None => from_env(),
@@ -193,7 +197,7 @@ mod tests {
             assert_eq!(Pad::parse(&m.to_string()).map(Pad::multiple), Ok(m));
         }
         for bad in ["4", "32", "eight", "-8", "8,16"] {
-            let e = Pad::parse(bad).unwrap_err();
+            let e = Pad::parse(bad).unwrap_err().to_string();
             assert!(e.contains(VAR) && e.contains(bad.trim()), "{e}");
         }
         assert_eq!(Pad::OFF.width(180), 180);

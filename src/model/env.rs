@@ -1,0 +1,39 @@
+//! The error of the environment variables that switch parts of the model code
+//! (`UPSCALE_CUDA_OFF`, `UPSCALE_PAD_CHANNELS`).
+
+/// A value one of the variables does not take; the message names the variable.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EnvError {
+    /// The value is not UTF-8.
+    #[error("{var} is not valid UTF-8")]
+    NotUnicode {
+        /// The variable.
+        var: &'static str,
+    },
+    /// A part of the list that the variable does not know.
+    #[error("{var}: unknown part '{part}' (expected {expected})")]
+    UnknownPart {
+        /// The variable.
+        var: &'static str,
+        /// The part, as written.
+        part: String,
+        /// The parts it knows.
+        expected: &'static str,
+    },
+    /// A number that is not one of the channel multiples.
+    #[error("{var}: {value} is not a channel multiple (expected 0, 8, 16 or 64)")]
+    NotAMultiple {
+        /// The variable.
+        var: &'static str,
+        /// The number.
+        value: usize,
+    },
+    /// A value that is no number at all.
+    #[error("{var}: '{value}' is not a channel multiple (expected 0, 8, 16 or 64)")]
+    NotANumber {
+        /// The variable.
+        var: &'static str,
+        /// The value, trimmed.
+        value: String,
+    },
+}

@@ -1,0 +1,70 @@
+//! PyTorch `.pth` archives as torch.save writes them, read by our own reader
+//! (`model::pth`) rather than candle's.
+
+use crate::model::pth::{read_state_dict, PthArchive};
+use crate::model::{ArchConfig, Checkpoint};
+
+/// Saved by torch.save under a 21-character name (tests/fixtures/pth/make_pth_fixture.py).
+fn fixture() -> std::path::PathBuf {
+    super::repo().join("tests/fixtures/pth/name_of_21_characters.pth")
+}
+
+fn u16_at(b: &[u8], at: usize) -> usize {
+    u16::from_le_bytes([b[at], b[at + 1]]) as usize
+}
+
+fn u32_at(b: &[u8], at: usize) -> usize {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]) as usize
+}
+
+#[test]
+fn the_fixture_has_the_layout_that_misled_the_zip_crate() {
+    // Were torch to change what it writes, the loading test below would pass without
+    // covering anything; this one says so.
+    let b = std::fs::read(fixture()).unwrap();
+    let end = b.len() - 22;
+    assert_eq!(
+        &b[end..end + 4],
+        b"PK\x05\x06",
+        "an end record with no comment"
+    );
+    let (dir_size, dir_start) = (u32_at(&b, end + 12), u32_at(&b, end + 16));
+    assert_eq!(
+        end - (dir_start + dir_size),
+        76,
+        "zip64 end record and locator"
+    );
+    assert_eq!(&b[dir_start..dir_start + 4], b"PK\x01\x02");
+    let first = 46 + u16_at(&b, dir_start + 28) + u16_at(&b, dir_start + 30);
+    let first = first + u16_at(&b, dir_start + 32);
+    assert_eq!(first, 76, "the first directory entry is as long as the gap");
+    assert_eq!(&b[dir_start + 76..dir_start + 80], b"PK\x01\x02");
+}
+
+#[test]
+fn a_pth_whose_first_directory_entry_is_76_bytes_loads() {
+    let ck = Checkpoint::load(&fixture()).unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(&ck.config, ArchConfig::SwinIr(c) if c.scale == 2 && c.window == 2));
+    assert_eq!(ck.wrapper.as_deref(), Some("params_ema"));
+    // Every parameter holds ((i % 17) - 8) / 16 at flat index i.
+    let w = ck.tensors["conv_first.weight"].flatten_all().unwrap();
+    let w = w.to_vec1::<f32>().unwrap();
+    assert_eq!(w.len(), 6 * 3 * 3 * 3);
+    for (i, v) in w.iter().enumerate() {
+        assert_eq!(*v, ((i % 17) as f32 - 8.0) / 16.0, "index {i}");
+    }
+}
+
+#[test]
+fn keys_and_tensor_descriptions_come_from_one_open_archive() {
+    let mut archive = PthArchive::open(&fixture()).unwrap();
+    assert_eq!(archive.top_level_keys(), ["params_ema"]);
+    assert!(read_state_dict(&mut archive, Some("absent"), |_| false).is_empty());
+    // A wrapped checkpoint's top level holds the wrapper, no tensors.
+    assert!(read_state_dict(&mut archive, None, |_| false).is_empty());
+    let all = read_state_dict(&mut archive, Some("params_ema"), |_| false);
+    let kept = read_state_dict(&mut archive, Some("params_ema"), |n| n.ends_with("_index"));
+    assert!(all.iter().all(|(_, t)| t.is_ok()));
+    assert!(all.windows(2).all(|w| w[0].0 < w[1].0), "in name order");
+    assert!(kept.len() < all.len() && kept.iter().all(|(n, _)| !n.ends_with("_index")));
+}
