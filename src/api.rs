@@ -90,9 +90,14 @@ pub enum Error {
     /// The weights could not be read or do not describe a DRCT model.
     #[error(transparent)]
     Model(#[from] ModelError),
-    /// The options contradict each other (a fixed tile no larger than the overlap).
-    #[error("{0}")]
-    Options(String),
+    /// A fixed tile no larger than the overlap: no tile would have a core of its own.
+    #[error("tile {tile} must be larger than the overlap {overlap}")]
+    TileNotLargerThanOverlap {
+        /// The tile side asked for.
+        tile: usize,
+        /// The overlap asked for.
+        overlap: usize,
+    },
     /// The device could not be opened or the model not placed on it.
     #[error(transparent)]
     Device(#[from] EngineError),
@@ -124,10 +129,10 @@ impl Upscaler {
     pub fn open(model: Option<&Path>, opts: &Options) -> Result<Self, Error> {
         if let Some(t) = opts.tile {
             if t != 0 && t <= opts.overlap {
-                return Err(Error::Options(format!(
-                    "tile {t} must be larger than the overlap {}",
-                    opts.overlap
-                )));
+                return Err(Error::TileNotLargerThanOverlap {
+                    tile: t,
+                    overlap: opts.overlap,
+                });
             }
         }
         let mut warnings = Vec::new();

@@ -37,7 +37,7 @@ mod tile;
 pub use api::{cpu_computes_bf16, Error, Options, Upscaler};
 #[cfg(feature = "cli")]
 pub use cli::main;
-pub use engine::{DeviceChoice, EngineError, Precision};
+pub use engine::{DeviceChoice, DeviceError, EngineError, Precision};
 pub use io::{Format, IoError, OutputError};
 pub use model::fused::Attention;
 pub use model::{

@@ -98,6 +98,18 @@ fn a_fixed_tile_no_larger_than_the_overlap_is_refused() {
         ..cpu()
     };
     let err = Upscaler::open(None, &opts).err().expect("refused");
-    assert!(matches!(err, Error::Options(_)), "{err:?}");
-    assert!(err.to_string().contains("16"), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::TileNotLargerThanOverlap {
+                tile: 16,
+                overlap: 16
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.to_string(),
+        "tile 16 must be larger than the overlap 16"
+    );
 }

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Device};
 
-use super::{DeviceChoice, Engine, EngineError};
+use super::{DeviceChoice, DeviceError, Engine, EngineError};
 use crate::model::fused::Attention;
 use crate::model::Checkpoint;
 use crate::planar::Planar;
@@ -39,7 +39,7 @@ impl Lanes {
     /// Lanes over engines the caller built, each on its own device handle.
     pub fn from_engines(engines: Vec<Engine>) -> Result<Self, EngineError> {
         if engines.is_empty() {
-            return Err(EngineError::Device("at least one lane is needed".into()));
+            return Err(DeviceError::NoLanes.into());
         }
         Ok(Self {
             engines,
@@ -78,11 +78,9 @@ impl Lanes {
         let mut engines = Vec::with_capacity(ids.len() * streams);
         for &id in &ids {
             for _ in 0..streams.max(1) {
-                let lane = Device::new_cuda_with_stream(id).map_err(|e| {
-                    EngineError::Device(format!("cuda:{id}: {}", super::first_line(&e)))
-                })?;
-                super::gpu_runs_this_build(&lane)
-                    .map_err(|e| EngineError::Device(format!("cuda:{id}: {e}")))?;
+                let lane = Device::new_cuda_with_stream(id)
+                    .map_err(|source| DeviceError::Open { id, source })?;
+                super::gpu_runs_this_build(&lane, id)?;
                 skip_event_tracking(&lane);
                 keep_pool_memory(&lane, warn);
                 engines.push(Engine::with_attention(ck.clone(), lane, dtype, attention)?);
@@ -264,6 +262,17 @@ pub fn pool_idle_bytes(device: &Device) -> u64 {
     pool::idle(device).unwrap_or(0)
 }
 
+/// Why the memory pool of a device could not be read or set.
+#[cfg(any(feature = "cuda", feature = "cli"))]
+#[derive(Debug, thiserror::Error)]
+enum PoolError {
+    #[error("not a CUDA device")]
+    NotCuda,
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Driver(#[from] cudarc::driver::DriverError),
+}
+
 #[cfg(feature = "cuda")]
 mod pool {
     use std::ffi::c_void;
@@ -272,33 +281,33 @@ mod pool {
     use cudarc::driver::result::{device::get_default_mem_pool, mem_pool};
     use cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool};
 
-    fn default_pool(device: &Device) -> Result<CUmemoryPool, String> {
+    use super::PoolError;
+
+    fn default_pool(device: &Device) -> Result<CUmemoryPool, PoolError> {
         let Device::Cuda(dev) = device else {
-            return Err("not a CUDA device".into());
+            return Err(PoolError::NotCuda);
         };
         let stream = dev.cuda_stream();
         let ctx = stream.context();
-        ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        ctx.bind_to_thread()?;
         // SAFETY: the device handle comes from a live context.
-        unsafe { get_default_mem_pool(ctx.cu_device()) }.map_err(|e| e.to_string())
+        Ok(unsafe { get_default_mem_pool(ctx.cu_device()) }?)
     }
 
-    fn get(pool: CUmemoryPool, attr: CUmemPool_attribute) -> Result<u64, String> {
+    fn get(pool: CUmemoryPool, attr: CUmemPool_attribute) -> Result<u64, PoolError> {
         let mut v: u64 = 0;
         // SAFETY: the pool is live and these attributes are 64-bit values.
-        unsafe { mem_pool::get_attribute(pool, attr, &mut v as *mut u64 as *mut c_void) }
-            .map_err(|e| e.to_string())?;
+        unsafe { mem_pool::get_attribute(pool, attr, &mut v as *mut u64 as *mut c_void) }?;
         Ok(v)
     }
 
-    fn set(pool: CUmemoryPool, attr: CUmemPool_attribute, value: u64) -> Result<(), String> {
+    fn set(pool: CUmemoryPool, attr: CUmemPool_attribute, value: u64) -> Result<(), PoolError> {
         let mut v = value;
         // SAFETY: as in `get`.
-        unsafe { mem_pool::set_attribute(pool, attr, &mut v as *mut u64 as *mut c_void) }
-            .map_err(|e| e.to_string())
+        Ok(unsafe { mem_pool::set_attribute(pool, attr, &mut v as *mut u64 as *mut c_void) }?)
     }
 
-    pub fn set_release_threshold(device: &Device, bytes: u64) -> Result<(), String> {
+    pub fn set_release_threshold(device: &Device, bytes: u64) -> Result<(), PoolError> {
         if device.is_cpu() {
             return Ok(());
         }
@@ -311,7 +320,7 @@ mod pool {
     }
 
     #[cfg(feature = "cli")]
-    pub fn reset_peaks(device: &Device) -> Result<(), String> {
+    pub fn reset_peaks(device: &Device) -> Result<(), PoolError> {
         let pool = default_pool(device)?;
         // The driver accepts only zero for these: it restarts the high-water marks.
         set(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)?;
@@ -323,7 +332,7 @@ mod pool {
     }
 
     #[cfg(feature = "cli")]
-    pub fn peaks(device: &Device) -> Result<(u64, u64), String> {
+    pub fn peaks(device: &Device) -> Result<(u64, u64), PoolError> {
         let pool = default_pool(device)?;
         Ok((
             get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
@@ -331,7 +340,7 @@ mod pool {
         ))
     }
 
-    pub fn idle(device: &Device) -> Result<u64, String> {
+    pub fn idle(device: &Device) -> Result<u64, PoolError> {
         let pool = default_pool(device)?;
         let reserved = get(
             pool,
@@ -347,19 +356,19 @@ mod pool {
     use candle_core::Device;
 
     #[cfg(feature = "cli")]
-    const NO_CUDA: &str = "built without CUDA";
+    use super::PoolError;
 
-    pub fn set_release_threshold(_: &Device, _: u64) -> Result<(), String> {
+    pub fn set_release_threshold(_: &Device, _: u64) -> Result<(), std::convert::Infallible> {
         Ok(())
     }
 
     #[cfg(feature = "cli")]
-    pub fn reset_peaks(_: &Device) -> Result<(), String> {
-        Err(NO_CUDA.into())
+    pub fn reset_peaks(_: &Device) -> Result<(), PoolError> {
+        Err(PoolError::NotCuda)
     }
 
     #[cfg(feature = "cli")]
-    pub fn peaks(_: &Device) -> Result<(u64, u64), String> {
-        Err(NO_CUDA.into())
+    pub fn peaks(_: &Device) -> Result<(u64, u64), PoolError> {
+        Err(PoolError::NotCuda)
     }
 }

@@ -52,12 +52,49 @@ pub(crate) fn first_line(e: &candle_core::Error) -> String {
     e.to_string().lines().next().unwrap_or_default().to_string()
 }
 
+/// Why a device could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// A GPU was asked for and this binary has no CUDA.
+    #[error(
+        "--device cuda: this binary was built without CUDA support (build with --features cuda)"
+    )]
+    NoCuda,
+    /// The driver could not open the GPU.
+    #[error("cuda:{id}: {}", first_line(source))]
+    Open {
+        /// The CUDA ordinal.
+        id: usize,
+        /// What the driver (through candle) said.
+        #[source]
+        source: candle_core::Error,
+    },
+    /// The GPU is older than the generation this build's kernels were compiled for (each
+    /// capability as 10 x major + minor).
+    #[error(
+        "cuda:{id}: this GPU has compute capability {}.{}, and this binary's CUDA kernels were \
+         built for {}.{} and newer: rebuild it with CUDA_COMPUTE_CAP={gpu} (README, CUDA)",
+        gpu / 10, gpu % 10, built / 10, built % 10
+    )]
+    TooOld {
+        /// The CUDA ordinal.
+        id: usize,
+        /// The GPU's compute capability.
+        gpu: u32,
+        /// The capability the kernels were built for.
+        built: u32,
+    },
+    /// A run was asked for with no lanes.
+    #[error("at least one lane is needed")]
+    NoLanes,
+}
+
 /// Why a model could not be placed on its device(s).
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// The device could not be opened, or this build lacks it.
-    #[error("{0}")]
-    Device(String),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
     /// The weights could not be read or built into a network on the device.
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -80,9 +117,9 @@ pub fn open_device(
         DeviceChoice::Auto => {
             if candle_core::utils::cuda_is_available() {
                 match Device::new_cuda_with_stream(0) {
-                    Ok(d) => match gpu_runs_this_build(&d) {
+                    Ok(d) => match gpu_runs_this_build(&d, 0) {
                         Ok(()) => return cuda_opened(d, warn),
-                        Err(e) => warn(format!("cuda:0: {e}; running on the CPU")),
+                        Err(e) => warn(format!("{e}; running on the CPU")),
                     },
                     Err(e) => warn(format!(
                         "no usable CUDA device ({}); running on the CPU",
@@ -94,15 +131,12 @@ pub fn open_device(
         }
         DeviceChoice::Cuda(ids) => {
             if !candle_core::utils::cuda_is_available() {
-                return Err(EngineError::Device(
-                    "--device cuda: this binary was built without CUDA support (build with --features cuda)"
-                        .into(),
-                ));
+                return Err(DeviceError::NoCuda.into());
             }
-            let d = Device::new_cuda_with_stream(ids[0])
-                .map_err(|e| EngineError::Device(format!("cuda:{}: {}", ids[0], first_line(&e))))?;
-            gpu_runs_this_build(&d)
-                .map_err(|e| EngineError::Device(format!("cuda:{}: {e}", ids[0])))?;
+            let id = ids[0];
+            let d = Device::new_cuda_with_stream(id)
+                .map_err(|source| DeviceError::Open { id, source })?;
+            gpu_runs_this_build(&d, id)?;
             cuda_opened(d, warn)
         }
     }
@@ -139,9 +173,15 @@ pub fn compute_capability(device: &Device) -> Option<u32> {
 /// Whether the GPU can load this build's kernels (ours and candle's, compiled to PTX for
 /// `CUDA_COMPUTE_CAP`): the driver compiles PTX for that GPU generation or a later one only,
 /// and otherwise every kernel launch would fail with a message that does not say why.
-pub fn gpu_runs_this_build(device: &Device) -> Result<(), String> {
-    match (built_for(), compute_capability(device)) {
-        (Some(built), Some(gpu)) => build_runs_on(built, gpu),
+pub fn gpu_runs_this_build(device: &Device, id: usize) -> Result<(), DeviceError> {
+    runs_on(id, built_for(), compute_capability(device))
+}
+
+/// [`gpu_runs_this_build`] for a build for compute capability `built` and GPU `id` of `gpu`;
+/// either unknown passes.
+fn runs_on(id: usize, built: Option<u32>, gpu: Option<u32>) -> Result<(), DeviceError> {
+    match (built, gpu) {
+        (Some(built), Some(gpu)) if gpu < built => Err(DeviceError::TooOld { id, gpu, built }),
         _ => Ok(()),
     }
 }
@@ -152,21 +192,6 @@ fn built_for() -> Option<u32> {
     return Some(crate::gpu::kernels::COMPUTE_CAP / 10);
     #[cfg(not(feature = "cuda"))]
     None
-}
-
-/// [`gpu_runs_this_build`] for a build for compute capability `built` and a GPU of `gpu`.
-fn build_runs_on(built: u32, gpu: u32) -> Result<(), String> {
-    if gpu >= built {
-        return Ok(());
-    }
-    Err(format!(
-        "this GPU has compute capability {}.{}, and this binary's CUDA kernels were built for \
-         {}.{} and newer: rebuild it with CUDA_COMPUTE_CAP={gpu} (README, CUDA)",
-        gpu / 10,
-        gpu % 10,
-        built / 10,
-        built % 10
-    ))
 }
 
 /// The dtype the model runs in. On the CPU, bf16 means f32 activations with bf16 weights and
@@ -262,7 +287,8 @@ pub struct Engine {
     cost: OnceLock<f64>,
     /// fp16 only: the f32 weights, kept to redo a tile whose fp16 output overflowed.
     fp32_weights: Option<Checkpoint>,
-    fp32_model: OnceLock<Result<Model, String>>,
+    /// Built on the first overflow; a failure is kept (shared) and returned to every later one.
+    fp32_model: OnceLock<Result<Model, std::sync::Arc<ModelError>>>,
     fp16_overflows: AtomicUsize,
 }
 
@@ -338,10 +364,10 @@ impl Engine {
                     &self.device,
                     self.attention,
                 )
-                .map_err(|e| e.to_string())
+                .map_err(std::sync::Arc::new)
             })
             .as_ref()
-            .map_err(|e| candle_core::Error::Msg(e.clone()))?;
+            .map_err(|e| candle_core::Error::wrap(e.clone()))?;
         let idx = Tensor::new(bad.as_slice(), x.device())?;
         let redone = model
             .net
@@ -593,9 +619,11 @@ mod tests {
 
     #[test]
     fn a_build_runs_on_its_gpu_generation_and_later_only() {
-        assert_eq!(build_runs_on(90, 90), Ok(()));
-        assert_eq!(build_runs_on(75, 120), Ok(()));
-        let e = build_runs_on(90, 75).unwrap_err();
+        assert!(runs_on(0, Some(90), Some(90)).is_ok());
+        assert!(runs_on(0, Some(75), Some(120)).is_ok());
+        assert!(runs_on(0, None, Some(75)).is_ok());
+        let e = runs_on(1, Some(90), Some(75)).unwrap_err().to_string();
+        assert!(e.starts_with("cuda:1: "), "{e}");
         assert!(e.contains("7.5") && e.contains("9.0"), "{e}");
         assert!(e.contains("CUDA_COMPUTE_CAP=75"), "{e}");
     }
