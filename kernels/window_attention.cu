@@ -10,7 +10,8 @@
 // follows from its window index and position, so the (nW, n, n) mask tensor is never built.
 //
 // Two kernels: the scalar one below (f32 arithmetic throughout, any dtype, any bias), and the
-// tensor-core one further down (bf16/f16).
+// tensor-core one further down (bf16/f16). Beside each, its variant for HAT's overlapping
+// cross-attention (queries from a window, keys and values from a larger window around it).
 //
 // Work split: blockIdx.x = window * heads + head, blockIdx.y = a slice of query rows. Each
 // query row belongs to a group of TPR = DMAX / 32 adjacent threads, each holding 32 of the row's
@@ -200,6 +201,159 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Overlapping cross-attention (HAT's OCAB), scalar.
+//
+// Input `qkv` is the token map (B, height, width, 3c), channels last, q | k | v each head-major
+// (q already scaled by d^-0.5); the output is (B, height, width, c), the layout `proj` reads.
+// Per (window, head): the queries are the window's ws x ws tokens; the keys and values are the
+// ows x ows tokens centred on it (a margin of (ows - ws) / 2 on every side). Keys outside the
+// map are zero vectors, as the official code's unfold with zero padding makes them: they stay
+// in the softmax (their score is the bias alone) and add nothing to the output. `bias` is
+// (heads, ws², ows²), key index row-major over the ows x ows neighbourhood. No mask.
+//
+// Reading the neighbourhood straight from the map spares the graph's padded copy of k and v
+// and its gather of 2.25x their size, and the (windows, heads, ws², ows²) scores never reach
+// memory. Same work split, tiles and online softmax as window_attention above; only where
+// queries, keys and outputs live differs.
+template <typename T, int DMAX>
+__device__ __forceinline__ void overlap_attention(const T* __restrict__ qkv,
+                                                  const T* __restrict__ bias,
+                                                  T* __restrict__ out, int heads, int d, int ws,
+                                                  int ows, int height, int width) {
+    constexpr int TPR = DMAX / COLS_PER_THREAD;
+    static_assert(TPR * COLS_PER_THREAD == DMAX && (TPR & (TPR - 1)) == 0 && TPR <= 32,
+                  "a row group is a power of two of threads inside one warp");
+    const int rows = blockDim.x / TPR;
+
+    // Layout (floats): k tile [KEY_TILE][DMAX], v tile [KEY_TILE][DMAX], bias tile
+    // [rows][KEY_TILE + 1].
+    extern __shared__ float smem[];
+    float* s_k = smem;
+    float* s_v = s_k + KEY_TILE * DMAX;
+    float* s_bias = s_v + KEY_TILE * DMAX;
+
+    const int n = ws * ws;
+    const int nk = ows * ows;
+    const int margin = (ows - ws) / 2;
+    const int head = blockIdx.x % heads;
+    const long long win = blockIdx.x / heads;
+    const int c = heads * d;
+    const long long row_stride = 3LL * c;
+    const int nwx = width / ws;
+    const int per_image = (height / ws) * nwx;
+    const int w_img = static_cast<int>(win % per_image);
+    const int wy = w_img / nwx;
+    const int wx = w_img % nwx;
+    const long long image = (win / per_image) * height * width;
+    // Token (y, x) of this image, as an index into the map's pixels.
+    auto pixel = [&](int y, int x) { return image + static_cast<long long>(y) * width + x; };
+    const int row0 = blockIdx.y * rows;
+    const int local_row = threadIdx.x / TPR;
+    const int part = threadIdx.x % TPR;
+    const int row = row0 + local_row;
+    const bool active = row < n;
+    // Rows past n (whose results are dropped) read the first row's query.
+    const int q_row = active ? row : 0;
+    const long long q_pixel = pixel(wy * ws + q_row / ws, wx * ws + q_row % ws);
+    // Top-left corner of the key neighbourhood, which may lie outside the map.
+    const int ky0 = wy * ws - margin;
+    const int kx0 = wx * ws - margin;
+
+    float q[COLS_PER_THREAD];
+    float acc[COLS_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < COLS_PER_THREAD; ++i) {
+        const int col = part + TPR * i;
+        q[i] = active && col < d ? to_f32(qkv[q_pixel * row_stride + head * d + col]) : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float run_max = -INFINITY;
+    float run_sum = 0.0f;
+
+    // As in window_attention: the head-dim padding of the tiles stays zero for the launch.
+    for (int i = threadIdx.x; i < 2 * KEY_TILE * DMAX; i += blockDim.x) {
+        smem[i] = 0.0f;
+    }
+
+    for (int j0 = 0; j0 < nk; j0 += KEY_TILE) {
+        const int count = min(KEY_TILE, nk - j0);
+        __syncthreads();
+        for (int i = threadIdx.x; i < count * d; i += blockDim.x) {
+            const int key = i / d;
+            const int col = i - key * d;
+            const int y = ky0 + (j0 + key) / ows;
+            const int x = kx0 + (j0 + key) % ows;
+            float k = 0.0f, v = 0.0f;
+            if (y >= 0 && y < height && x >= 0 && x < width) {
+                const T* src = qkv + pixel(y, x) * row_stride + c + head * d + col;
+                k = to_f32(src[0]);
+                v = to_f32(src[c]);
+            }
+            s_k[key * DMAX + col] = k;
+            s_v[key * DMAX + col] = v;
+        }
+        for (int i = threadIdx.x; i < rows * KEY_TILE; i += blockDim.x) {
+            const int r = i / KEY_TILE;
+            const int j = i - r * KEY_TILE;
+            float b = 0.0f;
+            if (row0 + r < n && j < count) {
+                b = to_f32(bias[(static_cast<long long>(head) * n + row0 + r) * nk + j0 + j]);
+            }
+            s_bias[r * (KEY_TILE + 1) + j] = b;
+        }
+        __syncthreads();
+
+        float s[KEY_TILE];
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < KEY_TILE; ++j) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < COLS_PER_THREAD; ++i) {
+                dot = fmaf(q[i], s_k[j * DMAX + part + TPR * i], dot);
+            }
+#pragma unroll
+            for (int o = TPR / 2; o > 0; o /= 2) {
+                dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            }
+            const float score = dot + s_bias[local_row * (KEY_TILE + 1) + j];
+            s[j] = j < count ? score : -INFINITY;
+            tile_max = fmaxf(tile_max, s[j]);
+        }
+
+        const float new_max = fmaxf(run_max, tile_max);
+        const float rescale = expf(run_max - new_max);
+        run_sum *= rescale;
+#pragma unroll
+        for (int i = 0; i < COLS_PER_THREAD; ++i) {
+            acc[i] *= rescale;
+        }
+#pragma unroll
+        for (int j = 0; j < KEY_TILE; ++j) {
+            const float p = expf(s[j] - new_max);
+            run_sum += p;
+#pragma unroll
+            for (int i = 0; i < COLS_PER_THREAD; ++i) {
+                acc[i] = fmaf(p, s_v[j * DMAX + part + TPR * i], acc[i]);
+            }
+        }
+        run_max = new_max;
+    }
+
+    if (active) {
+        const float inv = 1.0f / run_sum;
+        T* dst = out + q_pixel * c + head * d;
+#pragma unroll
+        for (int i = 0; i < COLS_PER_THREAD; ++i) {
+            const int col = part + TPR * i;
+            if (col < d) {
+                dst[col] = from_f32<T>(acc[i] * inv);
+            }
+        }
+    }
+}
 
 #ifdef TENSOR_CORE_KERNELS
 // ---------------------------------------------------------------------------------------------
@@ -613,6 +767,25 @@ WINDOW_ATTENTION(window_attention_bf16_d128, __nv_bfloat16, 128)
 WINDOW_ATTENTION(window_attention_f16_d32, __half, 32)
 WINDOW_ATTENTION(window_attention_f16_d64, __half, 64)
 WINDOW_ATTENTION(window_attention_f16_d128, __half, 128)
+
+// The overlapping cross-attention's entry points: the same launch bound, other arguments.
+#define OVERLAP_ENTRY(NAME, FN, THREADS, MIN_BLOCKS, T, D)                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)                         \
+        NAME(const T* qkv, const T* bias, T* out, int heads, int d, int ws, int ows,          \
+             int height, int width) {                                                         \
+        FN<T, D>(qkv, bias, out, heads, d, ws, ows, height, width);                           \
+    }
+#define OVERLAP_ATTENTION(NAME, T, DMAX) OVERLAP_ENTRY(NAME, overlap_attention, MAX_THREADS, 1, T, DMAX)
+
+OVERLAP_ATTENTION(overlap_attention_f32_d32, float, 32)
+OVERLAP_ATTENTION(overlap_attention_f32_d64, float, 64)
+OVERLAP_ATTENTION(overlap_attention_f32_d128, float, 128)
+OVERLAP_ATTENTION(overlap_attention_bf16_d32, __nv_bfloat16, 32)
+OVERLAP_ATTENTION(overlap_attention_bf16_d64, __nv_bfloat16, 64)
+OVERLAP_ATTENTION(overlap_attention_bf16_d128, __nv_bfloat16, 128)
+OVERLAP_ATTENTION(overlap_attention_f16_d32, __half, 32)
+OVERLAP_ATTENTION(overlap_attention_f16_d64, __half, 64)
+OVERLAP_ATTENTION(overlap_attention_f16_d128, __half, 128)
 
 #ifdef TENSOR_CORE_KERNELS
 // Blocks per multiprocessor the registers must allow: 16 resident warps (at most 128 registers

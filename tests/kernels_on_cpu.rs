@@ -93,7 +93,7 @@ fn run_check(tag: &str, flags: &[&str], limit: Duration) {
         "kernel check ({tag}) failed:\n{stdout}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // Every attention variant family, the blend kernel and each row-wise kernel reported, none
+    // Every attention variant family (window and overlapping), the blend kernel and each row-wise kernel reported, none
     // skipped.
     for name in [
         "window_attention_f32_d32",
@@ -105,6 +105,11 @@ fn run_check(tag: &str, flags: &[&str], limit: Duration) {
         "window_attention_mma_f16_d80",
         "window_attention_mma_bf16_d16",
         "window_attention_mma_bf16_d64",
+        "overlap_attention_f32_d32",
+        "overlap_attention_bf16_d32",
+        "overlap_attention_f16_d32",
+        "overlap_attention_f16_d64",
+        "overlap_attention_f32_d128",
         "blend_add_f32",
         "bias_act_bf16",
         "cat_bias_act_f16",
