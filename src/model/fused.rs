@@ -462,6 +462,17 @@ mod cuda {
         Ok(p)
     }
 
+    /// The tensor-core overlap kernel's launch: `mma_plan`'s rows and tiles, with the head's
+    /// bias by offset ((window + overlap - 1)² floats) and one int per key of the
+    /// neighbourhood.
+    fn overlap_mma_plan(window: usize, overlap: usize, head_dim: usize) -> Result<Plan> {
+        let mut p = mma_plan(window, head_dim)?;
+        let side = window + overlap - 1;
+        p.shared_bytes =
+            4 * mma_keys(p.dmax) * (p.dmax + 8) * 2 + side * side * 4 + overlap * overlap * 4;
+        Ok(p)
+    }
+
     fn launch_overlap<T: CudaDType + DeviceRepr>(
         op: &FusedOverlapAttention,
         dims: OverlapDims,
@@ -477,13 +488,26 @@ mod cuda {
         };
         let (ws, ows) = (op.window, op.overlap_window);
         let n = ws * ws;
-        let plan = overlap_plan(n, dims.head_dim)?;
         let limit = dev
             .cuda_stream()
             .context()
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)
             .w()?
             .max(0) as usize;
+        // The tensor-core kernel's conditions are the window kernel's (see `launch`).
+        let tensor_core_plan = (op.tensor_cores
+            && TENSOR_CORE_KERNELS_BUILT
+            && dtype != "f32"
+            && dims.c.is_multiple_of(2)
+            && q0.is_multiple_of(2))
+        .then(|| overlap_mma_plan(ws, ows, dims.head_dim))
+        .transpose()?
+        .filter(|p| p.shared_bytes <= limit);
+        let mma = tensor_core_plan.is_some();
+        let plan = match tensor_core_plan {
+            Some(p) => p,
+            None => overlap_plan(n, dims.head_dim)?,
+        };
         if plan.shared_bytes > limit {
             candle_core::bail!(
                 "{name}: needs {} bytes of shared memory per block, the device allows {limit}",
@@ -515,7 +539,11 @@ mod cuda {
         let func = crate::gpu::function(
             dev,
             &crate::gpu::kernels::WINDOW_ATTENTION,
-            &format!("overlap_attention_{dtype}_d{}", plan.dmax),
+            &format!(
+                "overlap_attention_{}{dtype}_d{}",
+                if mma { "mma_" } else { "" },
+                plan.dmax
+            ),
         )?;
         let qkv = qkv.slice(q0..q1);
         let bias = bias.slice(b0..b1);
@@ -593,11 +621,14 @@ mod cuda {
                 }
             }
             assert!(mma_plan(16, 129).is_err());
-            // HAT's overlap (window 16) for every head dim the kernel takes.
-            for d in [1, 24, 30, 33, 64, 100, 128] {
+            // HAT's overlap (window 16 in 24) for every head dim the kernels take.
+            for d in [1, 7, 24, 30, 33, 53, 64, 100, 122, 128] {
                 let p = overlap_plan(256, d).unwrap();
                 assert!(p.shared_bytes <= 48 << 10, "d {d}: {}", p.shared_bytes);
                 assert!(p.dmax >= d && p.rows * (p.dmax / COLS_PER_THREAD) == p.threads);
+                let p = overlap_mma_plan(16, 24, d).unwrap();
+                assert!(p.shared_bytes <= 48 << 10, "d {d}: {}", p.shared_bytes);
+                assert!(p.dmax >= d && p.dmax - d < 16 && p.dmax.is_multiple_of(16));
             }
         }
     }
@@ -689,7 +720,9 @@ pub struct FusedOverlapAttention {
     pub heads: usize,
     pub window: usize,
     pub overlap_window: usize,
-    /// Run bf16/f16 inputs through the tensor-core kernel where there is one.
+    /// Run bf16/f16 inputs through the tensor-core kernel (both products as mma.m16n8k16,
+    /// f32 sums, the probabilities rounded to the input type), under the window kernel's
+    /// conditions; otherwise the scalar kernel runs.
     pub tensor_cores: bool,
 }
 

@@ -292,6 +292,18 @@ Launch overlap_scalar_launch(int n, int dmax) {
             static_cast<unsigned>(shared)};
 }
 
+#ifdef TENSOR_CORE_KERNELS
+// The tensor-core overlap kernel's launch (src/model/fused.rs, `overlap_mma_plan`): rows and
+// tiles of window_attention_mma, the bias table (ws + ows - 1)^2 floats, one int per key.
+Launch overlap_mma_launch(const OverlapShape& s, int dp) {
+    const int side = s.ws + s.ows - 1;
+    const int shared = 4 * mma_keys(dp) * (dp + 8) * 2 + side * side * 4 + s.nk() * 4;
+    const int rows = 16 * mma_warps(dp);
+    return {static_cast<unsigned>((s.n() + rows - 1) / rows), 32u * mma_warps(dp),
+            static_cast<unsigned>(shared)};
+}
+#endif
+
 // One overlap-attention variant on random inputs of `s` against the reference on the same
 // (rounded) inputs; `bound` is relative to the largest |v|.
 template <typename T, typename F>
@@ -813,7 +825,20 @@ int main(int argc, char** argv) {
     SCALAR_OVERLAP(float, overlap_attention_f32_d32, 32, oca_ratio1, f32_bound);
     SCALAR_OVERLAP(__half, overlap_attention_f16_d64, 64, oca_odd, f16_bound);
     SCALAR_OVERLAP(__nv_bfloat16, overlap_attention_bf16_d32, 32, oca_alone, bf16_bound);
+    // The tensor-core kernel (c even: the host's condition), heads of odd width starting at
+    // an odd element in every other head (7, 5, 53).
+    const OverlapShape oca_small_even{2, 8, 12, 4, 6, 2, 7};
+#define MMA_OVERLAP(T, NAME, DP, SHAPE, BOUND) \
+    RUN_OVERLAP(T, NAME, overlap_mma_launch(SHAPE, DP), SHAPE, BOUND)
+    MMA_OVERLAP(__nv_bfloat16, overlap_attention_mma_bf16_d32, 32, hat, bf16_bound);
+    MMA_OVERLAP(__half, overlap_attention_mma_f16_d32, 32, hat_s, f16_bound);
+    MMA_OVERLAP(__half, overlap_attention_mma_f16_d16, 16, oca_small_even, f16_bound);
+    MMA_OVERLAP(__nv_bfloat16, overlap_attention_mma_bf16_d16, 16, oca_ratio1, bf16_bound);
+    MMA_OVERLAP(__half, overlap_attention_mma_f16_d64, 64, oca_odd, f16_bound);
+    MMA_OVERLAP(__nv_bfloat16, overlap_attention_mma_bf16_d16, 16, oca_alone, bf16_bound);
     if (!quick) {
+        MMA_OVERLAP(__half, overlap_attention_mma_f16_d112, 112, oca_wide, f16_bound);
+        MMA_OVERLAP(__nv_bfloat16, overlap_attention_mma_bf16_d32, 32, hat_s, bf16_bound);
         SCALAR_OVERLAP(float, overlap_attention_f32_d128, 128, oca_wide, f32_bound);
         SCALAR_OVERLAP(float, overlap_attention_f32_d64, 64, oca_odd, f32_bound);
     }
