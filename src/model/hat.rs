@@ -25,6 +25,10 @@
 //! `(dy, dx)` the key's position minus the query's; it goes negative, and PyTorch's indexing
 //! wraps negative indices, so the row used is that index modulo the table's length.
 //!
+//! On CUDA the OCAB's attention is one kernel ([`super::fused::FusedOverlapAttention`]) that
+//! reads each neighbourhood straight from the token map; `UPSCALE_CUDA_OCA=0` or
+//! `--attention reference` runs candle's graph instead, which the CPU always runs.
+//!
 //! `conv_scale` is not stored in checkpoints: every released model uses 0.01. The HAB is
 //! DRCT's Swin block ([`super::drct::SwinBlock`]) with the CAB term added to its residual.
 
@@ -202,7 +206,9 @@ impl HatConfig {
 
     pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool) -> usize {
         let heads = self.heads.iter().copied().max().unwrap_or(1);
-        // OCAB's scores are never fused: heads x ows² per query.
+        // OCAB's scores, heads x ows² per query, as candle's graph holds them (on the CPU, and
+        // on CUDA with UPSCALE_CUDA_OCA=0); the fused kernel holds none, so this stays an upper
+        // bound there.
         let ocab = heads * self.overlap_window * self.overlap_window;
         let sa = if scores_in_memory {
             heads * self.window * self.window
