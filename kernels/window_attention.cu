@@ -10,7 +10,8 @@
 // follows from its window index and position, so the (nW, n, n) mask tensor is never built.
 //
 // Two kernels: the scalar one below (f32 arithmetic throughout, any dtype, any bias), and the
-// tensor-core one further down (bf16/f16).
+// tensor-core one further down (bf16/f16). Beside each, its variant for HAT's overlapping
+// cross-attention (queries from a window, keys and values from a larger window around it).
 //
 // Work split: blockIdx.x = window * heads + head, blockIdx.y = a slice of query rows. Each
 // query row belongs to a group of TPR = DMAX / 32 adjacent threads, each holding 32 of the row's
@@ -200,6 +201,159 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Overlapping cross-attention (HAT's OCAB), scalar.
+//
+// Input `qkv` is the token map (B, height, width, 3c), channels last, q | k | v each head-major
+// (q already scaled by d^-0.5); the output is (B, height, width, c), the layout `proj` reads.
+// Per (window, head): the queries are the window's ws x ws tokens; the keys and values are the
+// ows x ows tokens centred on it (a margin of (ows - ws) / 2 on every side). Keys outside the
+// map are zero vectors, as the official code's unfold with zero padding makes them: they stay
+// in the softmax (their score is the bias alone) and add nothing to the output. `bias` is
+// (heads, ws², ows²), key index row-major over the ows x ows neighbourhood. No mask.
+//
+// Reading the neighbourhood straight from the map spares the graph's padded copy of k and v
+// and its gather of 2.25x their size, and the (windows, heads, ws², ows²) scores never reach
+// memory. Same work split, tiles and online softmax as window_attention above; only where
+// queries, keys and outputs live differs.
+template <typename T, int DMAX>
+__device__ __forceinline__ void overlap_attention(const T* __restrict__ qkv,
+                                                  const T* __restrict__ bias,
+                                                  T* __restrict__ out, int heads, int d, int ws,
+                                                  int ows, int height, int width) {
+    constexpr int TPR = DMAX / COLS_PER_THREAD;
+    static_assert(TPR * COLS_PER_THREAD == DMAX && (TPR & (TPR - 1)) == 0 && TPR <= 32,
+                  "a row group is a power of two of threads inside one warp");
+    const int rows = blockDim.x / TPR;
+
+    // Layout (floats): k tile [KEY_TILE][DMAX], v tile [KEY_TILE][DMAX], bias tile
+    // [rows][KEY_TILE + 1].
+    extern __shared__ float smem[];
+    float* s_k = smem;
+    float* s_v = s_k + KEY_TILE * DMAX;
+    float* s_bias = s_v + KEY_TILE * DMAX;
+
+    const int n = ws * ws;
+    const int nk = ows * ows;
+    const int margin = (ows - ws) / 2;
+    const int head = blockIdx.x % heads;
+    const long long win = blockIdx.x / heads;
+    const int c = heads * d;
+    const long long row_stride = 3LL * c;
+    const int nwx = width / ws;
+    const int per_image = (height / ws) * nwx;
+    const int w_img = static_cast<int>(win % per_image);
+    const int wy = w_img / nwx;
+    const int wx = w_img % nwx;
+    const long long image = (win / per_image) * height * width;
+    // Token (y, x) of this image, as an index into the map's pixels.
+    auto pixel = [&](int y, int x) { return image + static_cast<long long>(y) * width + x; };
+    const int row0 = blockIdx.y * rows;
+    const int local_row = threadIdx.x / TPR;
+    const int part = threadIdx.x % TPR;
+    const int row = row0 + local_row;
+    const bool active = row < n;
+    // Rows past n (whose results are dropped) read the first row's query.
+    const int q_row = active ? row : 0;
+    const long long q_pixel = pixel(wy * ws + q_row / ws, wx * ws + q_row % ws);
+    // Top-left corner of the key neighbourhood, which may lie outside the map.
+    const int ky0 = wy * ws - margin;
+    const int kx0 = wx * ws - margin;
+
+    float q[COLS_PER_THREAD];
+    float acc[COLS_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < COLS_PER_THREAD; ++i) {
+        const int col = part + TPR * i;
+        q[i] = active && col < d ? to_f32(qkv[q_pixel * row_stride + head * d + col]) : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float run_max = -INFINITY;
+    float run_sum = 0.0f;
+
+    // As in window_attention: the head-dim padding of the tiles stays zero for the launch.
+    for (int i = threadIdx.x; i < 2 * KEY_TILE * DMAX; i += blockDim.x) {
+        smem[i] = 0.0f;
+    }
+
+    for (int j0 = 0; j0 < nk; j0 += KEY_TILE) {
+        const int count = min(KEY_TILE, nk - j0);
+        __syncthreads();
+        for (int i = threadIdx.x; i < count * d; i += blockDim.x) {
+            const int key = i / d;
+            const int col = i - key * d;
+            const int y = ky0 + (j0 + key) / ows;
+            const int x = kx0 + (j0 + key) % ows;
+            float k = 0.0f, v = 0.0f;
+            if (y >= 0 && y < height && x >= 0 && x < width) {
+                const T* src = qkv + pixel(y, x) * row_stride + c + head * d + col;
+                k = to_f32(src[0]);
+                v = to_f32(src[c]);
+            }
+            s_k[key * DMAX + col] = k;
+            s_v[key * DMAX + col] = v;
+        }
+        for (int i = threadIdx.x; i < rows * KEY_TILE; i += blockDim.x) {
+            const int r = i / KEY_TILE;
+            const int j = i - r * KEY_TILE;
+            float b = 0.0f;
+            if (row0 + r < n && j < count) {
+                b = to_f32(bias[(static_cast<long long>(head) * n + row0 + r) * nk + j0 + j]);
+            }
+            s_bias[r * (KEY_TILE + 1) + j] = b;
+        }
+        __syncthreads();
+
+        float s[KEY_TILE];
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < KEY_TILE; ++j) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < COLS_PER_THREAD; ++i) {
+                dot = fmaf(q[i], s_k[j * DMAX + part + TPR * i], dot);
+            }
+#pragma unroll
+            for (int o = TPR / 2; o > 0; o /= 2) {
+                dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            }
+            const float score = dot + s_bias[local_row * (KEY_TILE + 1) + j];
+            s[j] = j < count ? score : -INFINITY;
+            tile_max = fmaxf(tile_max, s[j]);
+        }
+
+        const float new_max = fmaxf(run_max, tile_max);
+        const float rescale = expf(run_max - new_max);
+        run_sum *= rescale;
+#pragma unroll
+        for (int i = 0; i < COLS_PER_THREAD; ++i) {
+            acc[i] *= rescale;
+        }
+#pragma unroll
+        for (int j = 0; j < KEY_TILE; ++j) {
+            const float p = expf(s[j] - new_max);
+            run_sum += p;
+#pragma unroll
+            for (int i = 0; i < COLS_PER_THREAD; ++i) {
+                acc[i] = fmaf(p, s_v[j * DMAX + part + TPR * i], acc[i]);
+            }
+        }
+        run_max = new_max;
+    }
+
+    if (active) {
+        const float inv = 1.0f / run_sum;
+        T* dst = out + q_pixel * c + head * d;
+#pragma unroll
+        for (int i = 0; i < COLS_PER_THREAD; ++i) {
+            const int col = part + TPR * i;
+            if (col < d) {
+                dst[col] = from_f32<T>(acc[i] * inv);
+            }
+        }
+    }
+}
 
 #ifdef TENSOR_CORE_KERNELS
 // ---------------------------------------------------------------------------------------------
@@ -587,6 +741,262 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
         }
     }
 }
+
+// Overlapping cross-attention on tensor cores: window_attention_mma's products, softmax and
+// staging, with overlap_attention's geometry. The keys of a window are its ows x ows
+// neighbourhood: a staged key row outside the map is zero-filled by the copy itself (cp.async
+// with a source size of 0), so the key loop has no branch for the border. The bias depends on
+// the query and key only through their offset (key minus query, each in its own window's
+// frame: -(ws-1)..ows-1 per axis), so this head's (ws + ows - 1)^2 values are read once into
+// shared memory, as in window_attention_mma; the wrap of the official index is already in the
+// gathered `bias`. No mask.
+template <typename T, int DP>
+__device__ __forceinline__ void overlap_attention_mma(const T* __restrict__ qkv,
+                                                      const T* __restrict__ bias,
+                                                      T* __restrict__ out, int heads, int d,
+                                                      int ws, int ows, int height, int width) {
+    static_assert(DP % 16 == 0, "the head dim is padded to whole k steps");
+    constexpr int KEYS = mma_keys(DP);
+    constexpr int KP = DP + 8;
+    constexpr int TILE = KEYS * KP;
+    constexpr int WORDS = DP / 2;
+    constexpr unsigned FULL = 0xffffffffu;
+
+    // Layout: buffer 0 (k tile, v tile), buffer 1 (k tile, v tile), each tile KEYS rows of KP
+    // 16-bit values, row-major; then this head's bias by offset (f32, side x side); then, per
+    // key of the neighbourhood, its part of the table index.
+    extern __shared__ float smem[];
+    unsigned short* s_kv = reinterpret_cast<unsigned short*>(smem);
+    const int side = ws + ows - 1;
+    float* s_table = reinterpret_cast<float*>(s_kv + 4 * TILE);
+    int* s_key = reinterpret_cast<int*>(s_table + side * side);
+
+    const int n = ws * ws;
+    const int nk = ows * ows;
+    const int margin = (ows - ws) / 2;
+    const int head = blockIdx.x % heads;
+    const long long win = blockIdx.x / heads;
+    const int c = heads * d;
+    const long long row_stride = 3LL * c;
+    const int nwx = width / ws;
+    const int per_image = (height / ws) * nwx;
+    const int w_img = static_cast<int>(win % per_image);
+    const int wy = w_img / nwx;
+    const int wx = w_img % nwx;
+    const long long image = (win / per_image) * height * width;
+    const int ky0 = wy * ws - margin;
+    const int kx0 = wx * ws - margin;
+    // Rows are even (c is), so a head's parity is the same in every row and in q, k and v.
+    const int e = (head * d) & 1;
+    const int words = (e + d + 1) / 2;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int r_lo = blockIdx.y * (16 * mma_warps(DP)) + warp * 16 + g;
+    const int r_hi = r_lo + 8;
+    // The map pixel of query row r (rows past n, whose results are dropped, take row 0's).
+    auto q_pixel = [&](int r) {
+        r = r < n ? r : 0;
+        return image + static_cast<long long>(wy * ws + r / ws) * width + wx * ws + r % ws;
+    };
+
+    // Tile `tile` of the neighbourhood's k and v into buffer `buf`, every word of it: keys
+    // past nk or outside the map, and words past the head, are zeros.
+    auto issue = [&](int tile, int buf) {
+        unsigned short* s_k = s_kv + buf * 2 * TILE;
+        const int j0 = tile * KEYS;
+        for (int i = threadIdx.x; i < KEYS * WORDS; i += blockDim.x) {
+            const int key = i / WORDS;
+            const int w = i - key * WORDS;
+            const int y = ky0 + (j0 + key) / ows;
+            const int x = kx0 + (j0 + key) % ows;
+            const bool real = j0 + key < nk && w < words && y >= 0 && y < height && x >= 0 &&
+                              x < width;
+            const T* src = real ? qkv + (image + static_cast<long long>(y) * width + x) *
+                                            row_stride +
+                                      c + head * d - e + 2 * w
+                                : qkv;
+            copy_word_async(s_k + key * KP + 2 * w, src, real);
+            copy_word_async(s_k + TILE + key * KP + 2 * w, real ? src + c : qkv, real);
+        }
+        async_commit();
+    };
+    issue(0, 0);
+
+    // Offset (dy, dx), key minus query, is that of the query at (max(-dy, 0), max(-dx, 0))
+    // and the key dy, dx from it.
+    const long long head_rows = static_cast<long long>(head) * n;
+    for (int i = threadIdx.x; i < side * side; i += blockDim.x) {
+        const int dy = i / side - (ws - 1);
+        const int dx = i % side - (ws - 1);
+        const int yi = max(-dy, 0);
+        const int xi = max(-dx, 0);
+        s_table[i] = to_f32(bias[(head_rows + yi * ws + xi) * nk + (yi + dy) * ows + xi + dx]);
+    }
+    for (int j = threadIdx.x; j < nk; j += blockDim.x) {
+        s_key[j] = (j / ows) * side + j % ows;
+    }
+    // A query's part of the table index, (ws-1 - y) * side + (ws-1 - x); the key's is added.
+    auto row_offset = [&](int r) {
+        r = min(r, n - 1);
+        return (ws - 1 - r / ws) * side + ws - 1 - r % ws;
+    };
+    const int a_lo = row_offset(r_lo);
+    const int a_hi = row_offset(r_hi);
+
+    // q as A fragments (column `raw` holds head dim raw - e); rows past n and columns outside
+    // the head are zero.
+    const long long p_lo = q_pixel(r_lo);
+    const long long p_hi = q_pixel(r_hi);
+    auto q_at = [&](int row, long long p, int raw) -> unsigned short {
+        const int col = raw - e;
+        return row < n && col >= 0 && col < d ? bits_of(qkv[p * row_stride + head * d + col]) : 0;
+    };
+    unsigned qa[DP / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < DP / 16; ++ks) {
+        const int col = ks * 16 + 2 * t;
+        qa[ks][0] = pack2(q_at(r_lo, p_lo, col), q_at(r_lo, p_lo, col + 1));
+        qa[ks][1] = pack2(q_at(r_hi, p_hi, col), q_at(r_hi, p_hi, col + 1));
+        qa[ks][2] = pack2(q_at(r_lo, p_lo, col + 8), q_at(r_lo, p_lo, col + 9));
+        qa[ks][3] = pack2(q_at(r_hi, p_hi, col + 8), q_at(r_hi, p_hi, col + 9));
+    }
+
+    float o[DP / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+        o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    }
+    float max_lo = -INFINITY, max_hi = -INFINITY;
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+
+    const int tiles = (nk + KEYS - 1) / KEYS;
+    for (int tile = 0; tile < tiles; ++tile) {
+        if (tile + 1 < tiles) {
+            issue(tile + 1, (tile + 1) & 1);
+            async_wait<1>();
+        } else {
+            async_wait<0>();
+        }
+        __syncthreads();
+        const int j0 = tile * KEYS;
+        const int count = min(KEYS, nk - j0);
+        const unsigned short* s_k = s_kv + (tile & 1) * 2 * TILE;
+        const unsigned short* s_v = s_k + TILE;
+
+        // Scores, as in window_attention_mma.
+        const int m = lane / 8;
+        const int mr = lane % 8;
+        float s[KEYS / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < KEYS / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        }
+#pragma unroll
+        for (int np = 0; np < KEYS / 16; ++np) {
+            const unsigned short* krow = s_k + ((2 * np + m / 2) * 8 + mr) * KP + (m % 2) * 8;
+#pragma unroll
+            for (int ks = 0; ks < DP / 16; ++ks) {
+                unsigned b[4];
+                ldmatrix_x4<false>(b, krow + ks * 16);
+                mma_16816<T>(s[2 * np], qa[ks], {b[0], b[1]});
+                mma_16816<T>(s[2 * np + 1], qa[ks], {b[2], b[3]});
+            }
+        }
+
+        // q·k + bias; keys past nk drop out (those outside the map stay, with q·k = 0).
+        float tile_lo = -INFINITY, tile_hi = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < KEYS / 8; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int j = nt * 8 + 2 * t + i;
+                float lo = -INFINITY, hi = -INFINITY;
+                if (j < count) {
+                    const int key = s_key[j0 + j];
+                    lo = s[nt][i] + s_table[a_lo + key];
+                    hi = s[nt][2 + i] + s_table[a_hi + key];
+                }
+                s[nt][i] = lo;
+                s[nt][2 + i] = hi;
+                tile_lo = fmaxf(tile_lo, lo);
+                tile_hi = fmaxf(tile_hi, hi);
+            }
+        }
+#pragma unroll
+        for (int o_ = 1; o_ < 4; o_ *= 2) {
+            tile_lo = fmaxf(tile_lo, __shfl_xor_sync(FULL, tile_lo, o_));
+            tile_hi = fmaxf(tile_hi, __shfl_xor_sync(FULL, tile_hi, o_));
+        }
+        const float new_lo = fmaxf(max_lo, tile_lo);
+        const float new_hi = fmaxf(max_hi, tile_hi);
+        const float scale_lo = expf(max_lo - new_lo);
+        const float scale_hi = expf(max_hi - new_hi);
+        max_lo = new_lo;
+        max_hi = new_hi;
+        sum_lo *= scale_lo;
+        sum_hi *= scale_hi;
+#pragma unroll
+        for (int dt = 0; dt < DP / 8; ++dt) {
+            o[dt][0] *= scale_lo;
+            o[dt][1] *= scale_lo;
+            o[dt][2] *= scale_hi;
+            o[dt][3] *= scale_hi;
+        }
+
+        // Probabilities, rounded to T, times v, as in window_attention_mma.
+#pragma unroll
+        for (int kk = 0; kk < KEYS / 16; ++kk) {
+            unsigned short p[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const T pr = from_f32<T>(expf(s[2 * kk + h][r] - (r < 2 ? new_lo : new_hi)));
+                    p[h][r] = bits_of(pr);
+                    if (r < 2) {
+                        sum_lo += to_f32(pr);
+                    } else {
+                        sum_hi += to_f32(pr);
+                    }
+                }
+            }
+            const unsigned pa[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
+                                    pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
+            const unsigned short* vrow = s_v + (kk * 16 + (m % 2) * 8 + mr) * KP + (m / 2) * 8;
+#pragma unroll
+            for (int dp = 0; dp < DP / 16; ++dp) {
+                unsigned b[4];
+                ldmatrix_x4<true>(b, vrow + dp * 16);
+                mma_16816<T>(o[2 * dp], pa, {b[0], b[1]});
+                mma_16816<T>(o[2 * dp + 1], pa, {b[2], b[3]});
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int o_ = 1; o_ < 4; o_ *= 2) {
+        sum_lo += __shfl_xor_sync(FULL, sum_lo, o_);
+        sum_hi += __shfl_xor_sync(FULL, sum_hi, o_);
+    }
+    const float inv_lo = 1.0f / sum_lo;
+    const float inv_hi = 1.0f / sum_hi;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int col = dt * 8 + 2 * t + i - e;
+            if (col >= 0 && col < d && r_lo < n) {
+                out[p_lo * c + head * d + col] = from_f32<T>(o[dt][i] * inv_lo);
+            }
+            if (col >= 0 && col < d && r_hi < n) {
+                out[p_hi * c + head * d + col] = from_f32<T>(o[dt][2 + i] * inv_hi);
+            }
+        }
+    }
+}
 #endif  // TENSOR_CORE_KERNELS
 
 }  // namespace
@@ -614,6 +1024,25 @@ WINDOW_ATTENTION(window_attention_f16_d32, __half, 32)
 WINDOW_ATTENTION(window_attention_f16_d64, __half, 64)
 WINDOW_ATTENTION(window_attention_f16_d128, __half, 128)
 
+// The overlapping cross-attention's entry points: the same launch bound, other arguments.
+#define OVERLAP_ENTRY(NAME, FN, THREADS, MIN_BLOCKS, T, D)                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)                         \
+        NAME(const T* qkv, const T* bias, T* out, int heads, int d, int ws, int ows,          \
+             int height, int width) {                                                         \
+        FN<T, D>(qkv, bias, out, heads, d, ws, ows, height, width);                           \
+    }
+#define OVERLAP_ATTENTION(NAME, T, DMAX) OVERLAP_ENTRY(NAME, overlap_attention, MAX_THREADS, 1, T, DMAX)
+
+OVERLAP_ATTENTION(overlap_attention_f32_d32, float, 32)
+OVERLAP_ATTENTION(overlap_attention_f32_d64, float, 64)
+OVERLAP_ATTENTION(overlap_attention_f32_d128, float, 128)
+OVERLAP_ATTENTION(overlap_attention_bf16_d32, __nv_bfloat16, 32)
+OVERLAP_ATTENTION(overlap_attention_bf16_d64, __nv_bfloat16, 64)
+OVERLAP_ATTENTION(overlap_attention_bf16_d128, __nv_bfloat16, 128)
+OVERLAP_ATTENTION(overlap_attention_f16_d32, __half, 32)
+OVERLAP_ATTENTION(overlap_attention_f16_d64, __half, 64)
+OVERLAP_ATTENTION(overlap_attention_f16_d128, __half, 128)
+
 #ifdef TENSOR_CORE_KERNELS
 // Blocks per multiprocessor the registers must allow: 16 resident warps (at most 128 registers
 // per thread) up to head dim 112, at a spill of 8 bytes at most; left free, ptxas took up to
@@ -640,4 +1069,24 @@ WINDOW_ATTENTION_MMA(window_attention_mma_f16_d80, __half, 80)
 WINDOW_ATTENTION_MMA(window_attention_mma_f16_d96, __half, 96)
 WINDOW_ATTENTION_MMA(window_attention_mma_f16_d112, __half, 112)
 WINDOW_ATTENTION_MMA(window_attention_mma_f16_d128, __half, 128)
+
+#define OVERLAP_ATTENTION_MMA(NAME, T, DP)                                                    \
+    OVERLAP_ENTRY(NAME, overlap_attention_mma, 32 * mma_warps(DP), mma_min_blocks(DP), T, DP)
+
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_bf16_d16, __nv_bfloat16, 16)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_bf16_d32, __nv_bfloat16, 32)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_bf16_d48, __nv_bfloat16, 48)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_bf16_d64, __nv_bfloat16, 64)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_bf16_d80, __nv_bfloat16, 80)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_bf16_d96, __nv_bfloat16, 96)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_bf16_d112, __nv_bfloat16, 112)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_bf16_d128, __nv_bfloat16, 128)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_f16_d16, __half, 16)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_f16_d32, __half, 32)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_f16_d48, __half, 48)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_f16_d64, __half, 64)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_f16_d80, __half, 80)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_f16_d96, __half, 96)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_f16_d112, __half, 112)
+OVERLAP_ATTENTION_MMA(overlap_attention_mma_f16_d128, __half, 128)
 #endif

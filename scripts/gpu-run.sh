@@ -426,6 +426,12 @@ swin_family() {
       >> "$logs/weights.log" 2>&1 || { record swin "failed: weights" "\"label\":\"$preset\""; continue; }
     bench swin "$preset-bf16-ours-$attn" "$weights" --precision bf16 --size "$s540" --tile "$t256" \
       --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
+    # HAT's overlapping cross-attention through candle's graph instead of our kernel
+    # (UPSCALE_CUDA_OCA=0, src/model/fused.rs): the before of that kernel, on the same shapes.
+    if [ "$preset" = hat-l ] && fits swin 20 "\"label\":\"$preset-oca-off\""; then
+      UPSCALE_CUDA_OCA=0 bench swin "$preset-bf16-ours-$attn-oca-off" "$weights" --precision bf16 \
+        --size "$s540" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
+    fi
     pytorch_rows swin "$preset" "$logs/swin-$preset-pytorch.jsonl" "$PY" benches/torch_swin_reference.py \
       time --device cuda --preset "$preset" --weights "$weights" --dtype bf16 --height "${s540%x*}" \
       --width "${s540#*x}" --tile "$t256" --overlap "$ov" --tile-batch 4 --reps "$r"

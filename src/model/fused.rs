@@ -245,7 +245,7 @@ mod cuda {
     use candle_core::cuda_backend::{CudaDType, CudaStorageSlice, WrapErr};
     use candle_core::{CudaDevice, CudaStorage, CustomOp2, Layout, Result};
 
-    use super::{Dims, FusedWindowAttention, MAX_HEAD_DIM};
+    use super::{Dims, FusedOverlapAttention, FusedWindowAttention, OverlapDims, MAX_HEAD_DIM};
 
     /// Keys per shared-memory tile; `KEY_TILE` in the kernel.
     /// Whether kernels/window_attention.cu's tensor-core kernels are in the PTX: they need
@@ -454,6 +454,144 @@ mod cuda {
         }
     }
 
+    /// The scalar overlap kernel's launch: the scalar window kernel's rows and tiles for the
+    /// `window²` queries, without the key labels (the overlap has no mask).
+    fn overlap_plan(n: usize, head_dim: usize) -> Result<Plan> {
+        let mut p = plan(n, head_dim)?;
+        p.shared_bytes = (2 * KEY_TILE * p.dmax + p.rows * (KEY_TILE + 1)) * 4;
+        Ok(p)
+    }
+
+    /// The tensor-core overlap kernel's launch: `mma_plan`'s rows and tiles, with the head's
+    /// bias by offset ((window + overlap - 1)² floats) and one int per key of the
+    /// neighbourhood.
+    fn overlap_mma_plan(window: usize, overlap: usize, head_dim: usize) -> Result<Plan> {
+        let mut p = mma_plan(window, head_dim)?;
+        let side = window + overlap - 1;
+        p.shared_bytes =
+            4 * mma_keys(p.dmax) * (p.dmax + 8) * 2 + side * side * 4 + overlap * overlap * 4;
+        Ok(p)
+    }
+
+    fn launch_overlap<T: CudaDType + DeviceRepr>(
+        op: &FusedOverlapAttention,
+        dims: OverlapDims,
+        dev: &CudaDevice,
+        (qkv, l1): (&CudaSlice<T>, &Layout),
+        (bias, l2): (&CudaSlice<T>, &Layout),
+        dtype: &str,
+    ) -> Result<CudaStorage> {
+        let name = op.name();
+        let (Some((q0, q1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("{name}: inputs must be contiguous")
+        };
+        let (ws, ows) = (op.window, op.overlap_window);
+        let n = ws * ws;
+        let limit = dev
+            .cuda_stream()
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)
+            .w()?
+            .max(0) as usize;
+        // The tensor-core kernel's conditions are the window kernel's (see `launch`).
+        let tensor_core_plan = (op.tensor_cores
+            && TENSOR_CORE_KERNELS_BUILT
+            && dtype != "f32"
+            && dims.c.is_multiple_of(2)
+            && q0.is_multiple_of(2))
+        .then(|| overlap_mma_plan(ws, ows, dims.head_dim))
+        .transpose()?
+        .filter(|p| p.shared_bytes <= limit);
+        let mma = tensor_core_plan.is_some();
+        let plan = match tensor_core_plan {
+            Some(p) => p,
+            None => overlap_plan(n, dims.head_dim)?,
+        };
+        if plan.shared_bytes > limit {
+            candle_core::bail!(
+                "{name}: needs {} bytes of shared memory per block, the device allows {limit}",
+                plan.shared_bytes
+            );
+        }
+        let windows = dims.batch * (dims.height / ws) * (dims.width / ws);
+        let to_i32 = |v: usize, what: &str| {
+            i32::try_from(v)
+                .map_err(|_| candle_core::Error::Msg(format!("{name}: {what} {v} is too large")))
+        };
+        let args = [
+            to_i32(op.heads, "heads")?,
+            to_i32(dims.head_dim, "head dim")?,
+            to_i32(ws, "window")?,
+            to_i32(ows, "overlap window")?,
+            to_i32(dims.height, "height")?,
+            to_i32(dims.width, "width")?,
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (
+                to_i32(windows * op.heads, "windows x heads")? as u32,
+                n.div_ceil(plan.rows) as u32,
+                1,
+            ),
+            block_dim: (plan.threads as u32, 1, 1),
+            shared_mem_bytes: plan.shared_bytes as u32,
+        };
+        let func = crate::gpu::function(
+            dev,
+            &crate::gpu::kernels::WINDOW_ATTENTION,
+            &format!(
+                "overlap_attention_{}{dtype}_d{}",
+                if mma { "mma_" } else { "" },
+                plan.dmax
+            ),
+        )?;
+        let qkv = qkv.slice(q0..q1);
+        let bias = bias.slice(b0..b1);
+        // SAFETY: every output element is a query of exactly one window, which the kernel
+        // writes before anything reads the output.
+        let out = unsafe { dev.alloc::<T>(dims.batch * dims.height * dims.width * dims.c)? };
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&qkv);
+        builder.arg(&bias);
+        builder.arg(&out);
+        for a in &args {
+            builder.arg(a);
+        }
+        // SAFETY: the argument list matches the kernel's signature; the sizes were checked
+        // against the slices above and the kernel stays inside them.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    pub(super) fn overlap_forward(
+        op: &FusedOverlapAttention,
+        dims: OverlapDims,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<CudaStorage> {
+        let dev = &s1.device;
+        match (&s1.slice, &s2.slice) {
+            (CudaStorageSlice::F32(q), CudaStorageSlice::F32(b)) => {
+                launch_overlap(op, dims, dev, (q, l1), (b, l2), "f32")
+            }
+            (CudaStorageSlice::BF16(q), CudaStorageSlice::BF16(b)) => {
+                launch_overlap(op, dims, dev, (q, l1), (b, l2), "bf16")
+            }
+            (CudaStorageSlice::F16(q), CudaStorageSlice::F16(b)) => {
+                launch_overlap(op, dims, dev, (q, l1), (b, l2), "f16")
+            }
+            _ => candle_core::bail!(
+                "{}: qkv and bias must share one of f32, bf16, f16 (got {:?} and {:?})",
+                op.name(),
+                s1.dtype(),
+                s2.dtype()
+            ),
+        }
+    }
+
     #[cfg(test)]
     mod tests {
         use super::*;
@@ -483,6 +621,15 @@ mod cuda {
                 }
             }
             assert!(mma_plan(16, 129).is_err());
+            // HAT's overlap (window 16 in 24) for every head dim the kernels take.
+            for d in [1, 7, 24, 30, 33, 53, 64, 100, 122, 128] {
+                let p = overlap_plan(256, d).unwrap();
+                assert!(p.shared_bytes <= 48 << 10, "d {d}: {}", p.shared_bytes);
+                assert!(p.dmax >= d && p.rows * (p.dmax / COLS_PER_THREAD) == p.threads);
+                let p = overlap_mma_plan(16, 24, d).unwrap();
+                assert!(p.shared_bytes <= 48 << 10, "d {d}: {}", p.shared_bytes);
+                assert!(p.dmax >= d && p.dmax - d < 16 && p.dmax.is_multiple_of(16));
+            }
         }
     }
 }
@@ -514,6 +661,247 @@ impl FusedWindowAttention {
     pub fn apply(&self, qkv: &Tensor, bias: &Tensor) -> Result<Tensor> {
         qkv.contiguous()?
             .apply_op2_no_bwd(&bias.contiguous()?, self)
+    }
+}
+
+/// The switch for [`FusedOverlapAttention`] in HAT's overlapping cross-attention on CUDA:
+/// `UPSCALE_CUDA_OCA=0` (or `off`, `false`) runs candle's graph there instead (pad, gather,
+/// matmul, bias, softmax, matmul), to measure one against the other in a single GPU session,
+/// or on a GPU where the kernel fails. `--attention reference` runs the graph too.
+pub const OCA_VAR: &str = "UPSCALE_CUDA_OCA";
+
+thread_local! {
+    static OCA_OVERRIDE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether HAT's overlapping cross-attention may take [`FusedOverlapAttention`] on CUDA:
+/// unless [`OCA_VAR`] turns it off (read once per process), or a test's override.
+pub fn overlap_kernel_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    OCA_OVERRIDE.with(std::cell::Cell::get).unwrap_or_else(|| {
+        *ON.get_or_init(|| {
+            std::env::var(OCA_VAR).map_or(true, |v| {
+                !matches!(
+                    v.trim().to_ascii_lowercase().as_str(),
+                    "0" | "off" | "false"
+                )
+            })
+        })
+    })
+}
+
+/// Runs `f` with the overlap kernel on or off on this thread, whatever [`OCA_VAR`] says (a
+/// GPU test runs HAT both ways in one process).
+#[cfg(test)]
+pub fn with_overlap_kernel<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            OCA_OVERRIDE.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(OCA_OVERRIDE.with(|o| o.replace(Some(on))));
+    f()
+}
+
+/// HAT's overlapping cross-attention (its OCAB) in one op: the queries of every `window x
+/// window` window of `(B, H, W)` token maps attend to the `overlap_window x overlap_window`
+/// tokens centred on that window, zero outside the map (as the official code's unfold with
+/// zero padding gives: those keys stay in the softmax with the bias alone as their score).
+///
+/// Inputs: `qkv` `(B, H, W, 3C)`, channels last (q | k | v, each head-major, q already scaled
+/// by `head_dim^-0.5`), and `bias` `(heads, window², overlap_window²)` as the model gathers it
+/// from its table, both of one float dtype. H and W are multiples of the window.
+/// Output: `(B, H, W, C)` with heads concatenated, in the input dtype; the arithmetic is f32.
+/// The CUDA kernel reads each window's neighbourhood straight from the map: no padded copy,
+/// no gathered keys and values, and the scores never reach device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedOverlapAttention {
+    pub heads: usize,
+    pub window: usize,
+    pub overlap_window: usize,
+    /// Run bf16/f16 inputs through the tensor-core kernel (both products as mma.m16n8k16,
+    /// f32 sums, the probabilities rounded to the input type), under the window kernel's
+    /// conditions; otherwise the scalar kernel runs.
+    pub tensor_cores: bool,
+}
+
+/// Sizes of one overlap-attention call, checked against each other.
+#[derive(Clone, Copy, Debug)]
+struct OverlapDims {
+    batch: usize,
+    height: usize,
+    width: usize,
+    /// Channels (heads * head_dim).
+    c: usize,
+    head_dim: usize,
+}
+
+impl FusedOverlapAttention {
+    fn dims(&self, qkv: &Shape, bias: &Shape) -> Result<OverlapDims> {
+        let name = self.name();
+        let (batch, height, width, c3) = qkv.dims4()?;
+        let (ws, ows) = (self.window, self.overlap_window);
+        if ws == 0 || self.heads == 0 || ows < ws || (ows - ws) % 2 != 0 {
+            candle_core::bail!(
+                "{name}: window {ws} in {ows} with {} heads: the window and the heads must be \
+                 positive and the overlap window as large, with even margins",
+                self.heads
+            );
+        }
+        if c3 == 0 || c3 % 3 != 0 || (c3 / 3) % self.heads != 0 {
+            candle_core::bail!(
+                "{name}: qkv {qkv:?}: last axis is not 3 x heads ({}) x head dim",
+                self.heads
+            );
+        }
+        if height == 0 || width == 0 || height % ws != 0 || width % ws != 0 {
+            candle_core::bail!(
+                "{name}: map {height}x{width} is not a positive multiple of window {ws}"
+            );
+        }
+        if bias.dims() != [self.heads, ws * ws, ows * ows] {
+            candle_core::bail!(
+                "{name}: bias {bias:?}, expected ({}, {}, {})",
+                self.heads,
+                ws * ws,
+                ows * ows
+            );
+        }
+        let c = c3 / 3;
+        Ok(OverlapDims {
+            batch,
+            height,
+            width,
+            c,
+            head_dim: c / self.heads,
+        })
+    }
+
+    /// The op on `qkv` `(B, H, W, 3C)` and `bias` `(heads, window², overlap_window²)`.
+    pub fn apply(&self, qkv: &Tensor, bias: &Tensor) -> Result<Tensor> {
+        qkv.contiguous()?
+            .apply_op2_no_bwd(&bias.contiguous()?, self)
+    }
+}
+
+impl CustomOp2 for FusedOverlapAttention {
+    fn name(&self) -> &'static str {
+        "fused-overlap-attention"
+    }
+
+    /// A plain scalar version of the definition (f32, two-pass softmax), for checking the
+    /// kernel against; the model's CPU path is candle's graph.
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = self.dims(l1.shape(), l2.shape())?;
+        if s1.dtype() != s2.dtype() {
+            candle_core::bail!(
+                "{}: qkv is {:?} but bias is {:?}",
+                self.name(),
+                s1.dtype(),
+                s2.dtype()
+            );
+        }
+        let qkv = f32_values(s1, l1)?;
+        let bias = f32_values(s2, l2)?;
+        let OverlapDims {
+            batch,
+            height,
+            width,
+            c,
+            head_dim: d,
+        } = dims;
+        let (ws, ows) = (self.window, self.overlap_window);
+        let (n, nk, margin) = (ws * ws, ows * ows, (ows - ws) / 2);
+        let (nwy, nwx) = (height / ws, width / ws);
+        let pixel = |b: usize, y: usize, x: usize| (b * height + y) * width + x;
+        // Each window's outputs (n x c), then placed on the map.
+        let per_window: Vec<Vec<f32>> = (0..batch * nwy * nwx)
+            .into_par_iter()
+            .map(|win| {
+                let (b, wy, wx) = (win / (nwy * nwx), (win / nwx) % nwy, win % nwx);
+                // The map pixel of each key, None outside the map (a zero key and value).
+                let keys: Vec<Option<usize>> = (0..nk)
+                    .map(|j| {
+                        let y = (wy * ws + j / ows).checked_sub(margin)?;
+                        let x = (wx * ws + j % ows).checked_sub(margin)?;
+                        (y < height && x < width).then(|| pixel(b, y, x))
+                    })
+                    .collect();
+                let mut out = vec![0f32; n * c];
+                let mut scores = vec![0f32; nk];
+                for h in 0..self.heads {
+                    for i in 0..n {
+                        let qp = pixel(b, wy * ws + i / ws, wx * ws + i % ws);
+                        let q = &qkv[qp * 3 * c + h * d..][..d];
+                        let bias = &bias[(h * n + i) * nk..][..nk];
+                        let mut max = f32::NEG_INFINITY;
+                        for ((s, key), b) in scores.iter_mut().zip(&keys).zip(bias) {
+                            let dot: f32 = match key {
+                                Some(p) => {
+                                    let k = &qkv[p * 3 * c + c + h * d..][..d];
+                                    q.iter().zip(k).map(|(a, b)| a * b).sum()
+                                }
+                                None => 0.0,
+                            };
+                            *s = dot + b;
+                            max = max.max(*s);
+                        }
+                        let mut sum = 0f32;
+                        for s in scores.iter_mut() {
+                            *s = (*s - max).exp();
+                            sum += *s;
+                        }
+                        let row = &mut out[i * c + h * d..][..d];
+                        for (&p, key) in scores.iter().zip(&keys) {
+                            if let Some(kp) = key {
+                                let v = &qkv[kp * 3 * c + 2 * c + h * d..][..d];
+                                row.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
+                            }
+                        }
+                        row.iter_mut().for_each(|o| *o /= sum);
+                    }
+                }
+                out
+            })
+            .collect();
+        let mut out = vec![0f32; batch * height * width * c];
+        for (win, values) in per_window.iter().enumerate() {
+            let (b, wy, wx) = (win / (nwy * nwx), (win / nwx) % nwy, win % nwx);
+            for (i, row) in values.chunks_exact(c).enumerate() {
+                let p = pixel(b, wy * ws + i / ws, wx * ws + i % ws);
+                out[p * c..(p + 1) * c].copy_from_slice(row);
+            }
+        }
+        let storage = match s1.dtype() {
+            DType::F32 => CpuStorage::F32(out),
+            DType::BF16 => CpuStorage::BF16(out.into_iter().map(half::bf16::from_f32).collect()),
+            DType::F16 => CpuStorage::F16(out.into_iter().map(half::f16::from_f32).collect()),
+            dt => candle_core::bail!("{}: dtype {dt:?} is not supported", self.name()),
+        };
+        Ok((storage, Shape::from((batch, height, width, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = self.dims(l1.shape(), l2.shape())?;
+        let out = cuda::overlap_forward(self, dims, s1, l1, s2, l2)?;
+        Ok((
+            out,
+            Shape::from((dims.batch, dims.height, dims.width, dims.c)),
+        ))
     }
 }
 

@@ -25,6 +25,10 @@
 //! `(dy, dx)` the key's position minus the query's; it goes negative, and PyTorch's indexing
 //! wraps negative indices, so the row used is that index modulo the table's length.
 //!
+//! On CUDA the OCAB's attention is one kernel ([`super::fused::FusedOverlapAttention`]) that
+//! reads each neighbourhood straight from the token map; `UPSCALE_CUDA_OCA=0` or
+//! `--attention reference` runs candle's graph instead, which the CPU always runs.
+//!
 //! `conv_scale` is not stored in checkpoints: every released model uses 0.01. The HAB is
 //! DRCT's Swin block ([`super::swin::SwinBlock`]) with the CAB term added to its residual.
 
@@ -37,6 +41,7 @@ use serde::Serialize;
 use super::bf16::Isa;
 use super::cache::WindowCache;
 use super::fused::Attention;
+use super::layers::attention::OverlapAttend;
 use super::layers::conv::{shuffle_order, Conv3x3};
 use super::layers::linear::{pointwise, Dense};
 use super::norm::{layer_norm, Norm};
@@ -203,7 +208,9 @@ impl HatConfig {
 
     pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool) -> usize {
         let heads = self.heads.iter().copied().max().unwrap_or(1);
-        // OCAB's scores are never fused: heads x ows² per query.
+        // OCAB's scores, heads x ows² per query, as candle's graph holds them (on the CPU, and
+        // on CUDA with UPSCALE_CUDA_OCA=0); the fused kernel holds none, so this stays an upper
+        // bound there.
         let ocab = heads * self.overlap_window * self.overlap_window;
         let sa = if scores_in_memory {
             heads * self.window * self.window
@@ -371,16 +378,13 @@ struct Ocab {
     qkv: Dense,
     proj: Dense,
     /// `(heads, ws², ows²)`, gathered from the table at load.
-    bias: Tensor,
+    attend: OverlapAttend,
     norm2: Norm,
     mlp: Mlp,
-    heads: usize,
-    window: usize,
-    overlap: usize,
 }
 
 impl Ocab {
-    fn new(cfg: &HatConfig, heads: usize, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &HatConfig, heads: usize, attention: Attention, vb: VarBuilder) -> Result<Self> {
         let e = cfg.embed_dim;
         let (ws, ows) = (cfg.window, cfg.overlap_window);
         let scale = ((e / heads) as f64).powf(-0.5);
@@ -388,40 +392,17 @@ impl Ocab {
         let b = vb.pp("qkv").get(3 * e, "bias")?;
         let w = Tensor::cat(&[(w.narrow(0, 0, e)? * scale)?, w.narrow(0, e, 2 * e)?], 0)?;
         let b = Tensor::cat(&[(b.narrow(0, 0, e)? * scale)?, b.narrow(0, e, 2 * e)?], 0)?;
-        let rows = cfg.ocab_table_rows() as i64;
-        let side = (ws + ows - 1) as i64;
-        let shift = ws as i64 - ows as i64 + 1;
-        let mut idx = Vec::with_capacity(ws * ws * ows * ows);
-        for yi in 0..ws as i64 {
-            for xi in 0..ws as i64 {
-                for yj in 0..ows as i64 {
-                    for xj in 0..ows as i64 {
-                        let i = (yj - yi + shift) * side + (xj - xi + shift);
-                        idx.push(i.rem_euclid(rows) as u32);
-                    }
-                }
-            }
-        }
         let table = vb.get(
             (cfg.ocab_table_rows(), heads),
             "relative_position_bias_table",
         )?;
-        let idx = Tensor::from_vec(idx, ws * ws * ows * ows, table.device())?;
-        let bias = table
-            .index_select(&idx, 0)?
-            .reshape((ws * ws, ows * ows, heads))?
-            .permute((2, 0, 1))?
-            .contiguous()?;
         Ok(Self {
             norm1: load_layer_norm(e, vb.pp("norm1"))?,
             qkv: Dense::new(w, b),
             proj: Dense::load_unpadded(e, e, vb.pp("proj"))?,
-            bias,
+            attend: OverlapAttend::new(&table, heads, (ws, ows), attention)?,
             norm2: load_layer_norm(e, vb.pp("norm2"))?,
             mlp: Mlp::unpadded(e, cfg.ocab_mlp_hidden, vb.pp("mlp"))?,
-            heads,
-            window: ws,
-            overlap: ows,
         })
     }
 
@@ -435,61 +416,8 @@ impl Ocab {
 impl Module for Ocab {
     /// `x`: `(B, H, W, C)` with H and W multiples of the window.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, h, w, c) = x.dims4()?;
-        let (ws, ows) = (self.window, self.overlap);
-        let (nh, nw) = (h / ws, w / ws);
-        let nwin = b * nh * nw;
-        let d = c / self.heads;
         let qkv = self.qkv.forward(&layer_norm(&self.norm1, x)?)?;
-        let q = qkv
-            .narrow(3, 0, c)?
-            .reshape((b, nh, ws, nw, ws, c))?
-            .permute((0, 1, 3, 2, 4, 5))?
-            .reshape((nwin, ws * ws, self.heads, d))?
-            .transpose(1, 2)?
-            .contiguous()?;
-        // Keys and values of each window's overlapping neighbourhood, zero outside the image.
-        let m = (ows - ws) / 2;
-        let kv = qkv
-            .narrow(3, c, 2 * c)?
-            .pad_with_zeros(1, m, m)?
-            .pad_with_zeros(2, m, m)?;
-        let wp = w + 2 * m;
-        let mut idx = Vec::with_capacity(nh * nw * ows * ows);
-        for r in 0..nh {
-            for s in 0..nw {
-                for a in 0..ows {
-                    for t in 0..ows {
-                        idx.push(((r * ws + a) * wp + s * ws + t) as u32);
-                    }
-                }
-            }
-        }
-        let n = idx.len();
-        let idx = Tensor::from_vec(idx, n, x.device())?;
-        let kv = kv
-            .reshape((b, (h + 2 * m) * wp, 2 * c))?
-            .index_select(&idx, 1)?
-            .reshape((nwin, ows * ows, 2, self.heads, d))?;
-        let k = kv
-            .narrow(2, 0, 1)?
-            .squeeze(2)?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let v = kv
-            .narrow(2, 1, 1)?
-            .squeeze(2)?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let bias = self.bias.to_dtype(q.dtype())?;
-        let attn = q.matmul(&k.t()?)?.broadcast_add(&bias)?;
-        let attn = candle_nn::ops::softmax_last_dim(&attn)?;
-        let y = attn
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((b, nh, nw, ws, ws, c))?
-            .permute((0, 1, 3, 2, 4, 5))?
-            .reshape((b, h, w, c))?;
+        let y = self.attend.forward(&qkv)?;
         let x = (self.proj.forward(&y)? + x)?;
         self.mlp.forward_residual(&layer_norm(&self.norm2, &x)?, x)
     }
@@ -558,7 +486,7 @@ impl Hat {
                 .collect::<Result<Vec<_>>>()?;
             layers.push(Rhag {
                 blocks,
-                ocab: Ocab::new(cfg, heads, group.pp("overlap_attn"))?,
+                ocab: Ocab::new(cfg, heads, attention, group.pp("overlap_attn"))?,
                 conv: if cfg.group_conv {
                     Some(Conv3x3::unpadded(e, e, vb.pp("conv"))?)
                 } else {

@@ -190,6 +190,196 @@ void attention_case(const char* name, F kernel, int dmax, bool mma, const Shape&
                 unmasked);
 }
 
+// ---- Overlapping cross-attention (HAT's OCAB) against the official model's definition.
+
+struct OverlapShape {
+    int batch, height, width, ws, ows, heads, d;
+    int n() const { return ws * ws; }
+    int nk() const { return ows * ows; }
+    int windows() const { return batch * (height / ws) * (width / ws); }
+    int c() const { return heads * d; }
+};
+
+// The official relative-position index of query i (row-major in its ws x ws window) and key j
+// (row-major in its ows x ows window): each position in its own window's frame, the key's minus
+// the query's, shifted by ws - ows + 1 per axis. It goes negative, and PyTorch's indexing
+// wraps negative indices round the table.
+int overlap_table_row(int i, int j, int ws, int ows) {
+    const int side = ws + ows - 1;
+    const int shift = ws - ows + 1;
+    const int dy = j / ows - i / ws + shift;
+    const int dx = j % ows - i % ws + shift;
+    const int rows = side * side;
+    return ((dy * side + dx) % rows + rows) % rows;
+}
+
+// How the reference treats keys that fall outside the map: zero vectors (the official unfold
+// with zero padding), or left out of the softmax (a plausible mistake, to show the check can
+// fail); and whether it adds the bias.
+enum class Outside { Zero, Dropped };
+
+// softmax(q kᵀ + bias) v per window and head in double, the keys and values unfolded from the
+// map around each window with a zero margin of (ows - ws) / 2.
+std::vector<double> overlap_reference(const OverlapShape& s, const std::vector<float>& qkv,
+                                      const std::vector<float>& table, Outside outside,
+                                      bool with_bias) {
+    const int n = s.n(), nk = s.nk(), c = s.c(), d = s.d, ws = s.ws;
+    const int m = (s.ows - ws) / 2, nwx = s.width / ws, nwy = s.height / ws;
+    std::vector<double> out(static_cast<size_t>(s.batch) * s.height * s.width * c);
+    std::vector<double> p(nk);
+    std::vector<bool> inside(nk);
+    auto at = [&](int b, int y, int x) {
+        return (static_cast<size_t>(b) * s.height + y) * s.width + x;
+    };
+    for (int b = 0; b < s.batch; ++b) {
+        for (int wy = 0; wy < nwy; ++wy) {
+            for (int wx = 0; wx < nwx; ++wx) {
+                for (int h = 0; h < s.heads; ++h) {
+                    for (int i = 0; i < n; ++i) {
+                        const size_t qp = at(b, wy * ws + i / ws, wx * ws + i % ws);
+                        double mx = -INFINITY;
+                        for (int j = 0; j < nk; ++j) {
+                            const int y = wy * ws - m + j / s.ows, x = wx * ws - m + j % s.ows;
+                            inside[j] = y >= 0 && y < s.height && x >= 0 && x < s.width;
+                            double dot = 0;
+                            if (inside[j]) {
+                                const size_t kp = at(b, y, x);
+                                for (int k = 0; k < d; ++k) {
+                                    dot += static_cast<double>(qkv[qp * 3 * c + h * d + k]) *
+                                           qkv[kp * 3 * c + c + h * d + k];
+                                }
+                            }
+                            if (with_bias) {
+                                dot += table[static_cast<size_t>(overlap_table_row(i, j, ws, s.ows)) *
+                                                 s.heads + h];
+                            }
+                            if (!inside[j] && outside == Outside::Dropped) {
+                                dot = -INFINITY;
+                            }
+                            p[j] = dot;
+                            mx = std::max(mx, dot);
+                        }
+                        double sum = 0;
+                        for (int j = 0; j < nk; ++j) {
+                            p[j] = std::exp(p[j] - mx);
+                            sum += p[j];
+                        }
+                        for (int k = 0; k < d; ++k) {
+                            double acc = 0;
+                            for (int j = 0; j < nk; ++j) {
+                                if (!inside[j]) continue;  // a zero value row
+                                const int y = wy * ws - m + j / s.ows, x = wx * ws - m + j % s.ows;
+                                acc += p[j] * qkv[at(b, y, x) * 3 * c + 2 * c + h * d + k];
+                            }
+                            out[qp * c + h * d + k] = acc / sum;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return out;
+}
+
+// The launch the host makes (src/model/fused.rs, `overlap_plan`): the scalar window kernel's,
+// without the key labels.
+Launch overlap_scalar_launch(int n, int dmax) {
+    const int per_row = dmax / COLS_PER_THREAD;
+    const int threads = std::min((n * per_row + 31) / 32 * 32, MAX_THREADS);
+    const int rows = threads / per_row;
+    const int shared = (2 * KEY_TILE * dmax + rows * (KEY_TILE + 1)) * 4;
+    return {static_cast<unsigned>((n + rows - 1) / rows), static_cast<unsigned>(threads),
+            static_cast<unsigned>(shared)};
+}
+
+#ifdef TENSOR_CORE_KERNELS
+// The tensor-core overlap kernel's launch (src/model/fused.rs, `overlap_mma_plan`): rows and
+// tiles of window_attention_mma, the bias table (ws + ows - 1)^2 floats, one int per key.
+Launch overlap_mma_launch(const OverlapShape& s, int dp) {
+    const int side = s.ws + s.ows - 1;
+    const int shared = 4 * mma_keys(dp) * (dp + 8) * 2 + side * side * 4 + s.nk() * 4;
+    const int rows = 16 * mma_warps(dp);
+    return {static_cast<unsigned>((s.n() + rows - 1) / rows), 32u * mma_warps(dp),
+            static_cast<unsigned>(shared)};
+}
+#endif
+
+// One overlap-attention variant on random inputs of `s` against the reference on the same
+// (rounded) inputs; `bound` is relative to the largest |v|.
+template <typename T, typename F>
+void overlap_case(const char* name, F kernel, Launch l, const OverlapShape& s, double bound,
+                  unsigned seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const int n = s.n(), nk = s.nk(), c = s.c();
+    const size_t pixels = static_cast<size_t>(s.batch) * s.height * s.width;
+    std::vector<T> qkv(pixels * 3 * c);
+    std::vector<float> qkv_f(qkv.size());
+    double vmax = 0;
+    for (size_t i = 0; i < qkv.size(); ++i) {
+        const int col = static_cast<int>(i % (3 * c));
+        // q arrives scaled by d^-0.5; 2x keeps the softmax away from uniform.
+        const float scale = col < c ? 2.0f / std::sqrt(static_cast<float>(s.d)) : 1.0f;
+        qkv[i] = convert<T>(normal(rng) * scale);
+        qkv_f[i] = widen(qkv[i]);
+        if (col >= 2 * c) {
+            vmax = std::max(vmax, std::fabs(static_cast<double>(qkv_f[i])));
+        }
+    }
+    // A random table, gathered into (heads, ws², ows²) as the model does at load.
+    const int side = s.ws + s.ows - 1;
+    std::vector<T> table(static_cast<size_t>(side) * side * s.heads);
+    std::vector<float> table_f(table.size());
+    for (size_t i = 0; i < table.size(); ++i) {
+        table[i] = convert<T>(normal(rng));
+        table_f[i] = widen(table[i]);
+    }
+    std::vector<T> bias(static_cast<size_t>(s.heads) * n * nk);
+    for (int h = 0; h < s.heads; ++h) {
+        for (int i = 0; i < n; ++i) {
+            for (int j = 0; j < nk; ++j) {
+                bias[(static_cast<size_t>(h) * n + i) * nk + j] =
+                    table[static_cast<size_t>(overlap_table_row(i, j, s.ws, s.ows)) * s.heads + h];
+            }
+        }
+    }
+    std::vector<T> out(pixels * c, convert<T>(NAN));
+    emu::launch(
+        dim3{static_cast<unsigned>(s.windows() * s.heads), l.grid_y, 1}, dim3{l.threads, 1, 1},
+        [&] {
+            kernel(qkv.data(), bias.data(), out.data(), s.heads, s.d, s.ws, s.ows, s.height,
+                   s.width);
+        },
+        l.shared_bytes);
+    const std::vector<double> want = overlap_reference(s, qkv_f, table_f, Outside::Zero, true);
+    double err = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        const double e = std::fabs(widen(out[i]) - want[i]);
+        err = std::isnan(e) ? INFINITY : std::max(err, e);
+    }
+    // The bound must be able to fail: a kernel that dropped the keys outside the map instead
+    // of zeroing them, or left the bias out, would be off by these distances, and each is more
+    // than twice the bound (in bf16 the neighbourhoods of 576 keys, only some outside, give a
+    // margin of about 3).
+    auto distance = [&](const std::vector<double>& other) {
+        double worst = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+            worst = std::max(worst, std::fabs(other[i] - want[i]));
+        }
+        return worst;
+    };
+    const double dropped =
+        distance(overlap_reference(s, qkv_f, table_f, Outside::Dropped, true));
+    const double no_bias = distance(overlap_reference(s, qkv_f, table_f, Outside::Zero, false));
+    const double limit = bound * vmax;
+    const bool ok = err <= limit && dropped > 2 * limit && no_bias > 2 * limit;
+    failures += ok ? 0 : 1;
+    std::printf("%s %-32s %d x %2dx%-2d ws %2d ows %2d heads %d d %3d: max error %.3g (bound %.3g, "
+                "outside dropped %.3g, no bias %.3g)\n",
+                ok ? "ok  " : "FAIL", name, s.batch, s.height, s.width, s.ws, s.ows, s.heads, s.d,
+                err, limit, dropped, no_bias);
+}
+
 // The blend kernel against the host accumulator's arithmetic (products and sums each rounded
 // once; compiled without FMA contraction).
 void blend_case(unsigned grid_y) {
@@ -604,6 +794,55 @@ int main(int argc, char** argv) {
         RUN(__half, window_attention_mma_f16_d80, 80, true, wide_odd, f16_bound);
         RUN(__nv_bfloat16, window_attention_mma_bf16_d64, 64, true, small_even, bf16_bound);
         RUN(__nv_bfloat16, window_attention_mma_bf16_d64, 64, true, plain, bf16_bound);
+    }
+
+    // Overlapping cross-attention: HAT (window 16 in 24, heads of 30) and HAT-S (heads of 24)
+    // on maps of 1x2 and 2x1 windows, where the neighbourhoods reach outside the map; a small
+    // window with a margin of 1 and odd head dims on a batch of two maps; 3x3 windows, the
+    // middle one's neighbourhood wholly inside; an overlap ratio of 1 (margin 2) on maps of
+    // 3x2 and 2x1 windows; an odd window (5 in 7: 25 queries, 49 keys, not a multiple of the
+    // key tiles); one window alone, every neighbour outside.
+    const OverlapShape hat{1, 16, 32, 16, 24, 2, 30};
+    const OverlapShape hat_s{1, 32, 16, 16, 24, 1, 24};
+    const OverlapShape oca_small{2, 8, 12, 4, 6, 3, 7};
+    const OverlapShape oca_middle{1, 12, 12, 4, 6, 1, 8};
+    const OverlapShape oca_ratio1{1, 12, 8, 4, 8, 2, 5};
+    const OverlapShape oca_odd{1, 10, 10, 5, 7, 2, 53};
+    const OverlapShape oca_alone{1, 4, 4, 4, 6, 2, 16};
+    const OverlapShape oca_wide{1, 16, 8, 8, 12, 1, 100};
+
+#define RUN_OVERLAP(T, NAME, LAUNCH, SHAPE, BOUND)                                              \
+    overlap_case<T>(#NAME, [](const void* a, const void* b, void* o, int h, int d, int ws,      \
+                              int ows, int hh, int ww) {                                        \
+        NAME(static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(o), h, d, ws,  \
+             ows, hh, ww);                                                                      \
+    }, LAUNCH, SHAPE, BOUND, __LINE__)
+#define SCALAR_OVERLAP(T, NAME, DMAX, SHAPE, BOUND) \
+    RUN_OVERLAP(T, NAME, overlap_scalar_launch((SHAPE).n(), DMAX), SHAPE, BOUND)
+
+    // Each emulated CUDA thread is an OS thread, and blocks of the tensor-core kernel have 512
+    // of them whatever the window: the cases are few and small, so that the sanitizer runs
+    // stay within their time limits.
+    SCALAR_OVERLAP(float, overlap_attention_f32_d32, 32, hat, f32_bound);
+    SCALAR_OVERLAP(__nv_bfloat16, overlap_attention_bf16_d32, 32, hat_s, bf16_bound);
+    SCALAR_OVERLAP(float, overlap_attention_f32_d32, 32, oca_small, f32_bound);
+    SCALAR_OVERLAP(float, overlap_attention_f32_d32, 32, oca_middle, f32_bound);
+    SCALAR_OVERLAP(float, overlap_attention_f32_d32, 32, oca_ratio1, f32_bound);
+    SCALAR_OVERLAP(__half, overlap_attention_f16_d64, 64, oca_odd, f16_bound);
+    SCALAR_OVERLAP(__nv_bfloat16, overlap_attention_bf16_d32, 32, oca_alone, bf16_bound);
+    // The tensor-core kernel (c even: the host's condition), heads of odd width starting at
+    // an odd element in every other head (5, 53).
+    const OverlapShape oca_ratio1_narrow{1, 8, 4, 4, 8, 2, 5};
+#define MMA_OVERLAP(T, NAME, DP, SHAPE, BOUND) \
+    RUN_OVERLAP(T, NAME, overlap_mma_launch(SHAPE, DP), SHAPE, BOUND)
+    MMA_OVERLAP(__nv_bfloat16, overlap_attention_mma_bf16_d32, 32, hat, bf16_bound);
+    MMA_OVERLAP(__half, overlap_attention_mma_f16_d32, 32, hat_s, f16_bound);
+    MMA_OVERLAP(__half, overlap_attention_mma_f16_d64, 64, oca_odd, f16_bound);
+    MMA_OVERLAP(__half, overlap_attention_mma_f16_d16, 16, oca_ratio1_narrow, f16_bound);
+    MMA_OVERLAP(__nv_bfloat16, overlap_attention_mma_bf16_d16, 16, oca_alone, bf16_bound);
+    if (!quick) {
+        MMA_OVERLAP(__half, overlap_attention_mma_f16_d112, 112, oca_wide, f16_bound);
+        SCALAR_OVERLAP(float, overlap_attention_f32_d128, 128, oca_wide, f32_bound);
     }
     blend_case(1);
     blend_case(4);

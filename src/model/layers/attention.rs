@@ -1,12 +1,15 @@
 //! Window attention with relative-position bias and shift mask, given the windows' q, k, v:
-//! `softmax(q·kᵀ + bias (+ mask))·v` per head.
+//! `softmax(q·kᵀ + bias (+ mask))·v` per head; and HAT's overlapping cross-attention, whose
+//! keys and values come from a larger window around each query window.
 
 use candle_core::{Result, Tensor};
 
 use super::Backend;
 use crate::model::bf16::Isa;
 use crate::model::cache::{relative_position_bias, RelativeBias, WindowCache};
-use crate::model::fused::{Attention, FusedWindowAttention, MAX_HEAD_DIM};
+use crate::model::fused::{
+    overlap_kernel_enabled, Attention, FusedOverlapAttention, FusedWindowAttention, MAX_HEAD_DIM,
+};
 use crate::model::ops;
 
 /// The attention of one Swin block, between its qkv and proj layers.
@@ -139,5 +142,254 @@ impl Attend {
         }
         let attn = candle_nn::ops::softmax_last_dim(&attn)?;
         attn.matmul(&v)?.transpose(1, 2)?.reshape((bw, n, c))
+    }
+}
+
+/// HAT's overlapping cross-attention (the OCAB's), between its qkv and proj layers: the
+/// queries of each `window`-square window attend to the keys and values of the
+/// `overlap`-square window centred on it, zero outside the image, with a relative-position
+/// bias.
+///
+/// On CUDA with a fused `--attention` choice, one kernel ([`FusedOverlapAttention`]) reads
+/// each neighbourhood straight from the token map, unless `UPSCALE_CUDA_OCA=0` turns it off
+/// (see [`overlap_kernel_enabled`]); elsewhere candle's graph runs
+/// ([`overlap_attention_graph`]).
+pub struct OverlapAttend {
+    /// `(heads, ws², ows²)`, gathered from the table at load.
+    bias: Tensor,
+    heads: usize,
+    window: usize,
+    overlap: usize,
+    attention: Attention,
+    backend: Backend,
+}
+
+impl OverlapAttend {
+    /// `heads` heads over `window`-square query windows in `overlap`-square key windows,
+    /// with the `((window + overlap - 1)², heads)` bias `table`.
+    pub fn new(
+        table: &Tensor,
+        heads: usize,
+        (window, overlap): (usize, usize),
+        attention: Attention,
+    ) -> Result<Self> {
+        Ok(Self {
+            bias: overlap_bias(table, window, overlap)?,
+            heads,
+            window,
+            overlap,
+            attention,
+            backend: Backend::of(table.device()),
+        })
+    }
+
+    /// `qkv`: `(B, H, W, 3C)` (q pre-scaled), H and W multiples of the window; returns
+    /// `(B, H, W, C)`.
+    pub fn forward(&self, qkv: &Tensor) -> Result<Tensor> {
+        let head_dim = qkv.dim(3)? / 3 / self.heads;
+        let fused = self.backend == Backend::Cuda
+            && self.attention.is_fused()
+            && head_dim <= MAX_HEAD_DIM
+            && overlap_kernel_enabled();
+        if fused {
+            let op = FusedOverlapAttention {
+                heads: self.heads,
+                window: self.window,
+                overlap_window: self.overlap,
+                tensor_cores: self.attention == Attention::TensorCore,
+            };
+            return op.apply(qkv, &self.bias);
+        }
+        overlap_attention_graph(qkv, &self.bias, self.heads, self.window, self.overlap)
+    }
+}
+
+/// The OCAB's `(heads, ws², ows²)` bias from its `((ws + ows - 1)², heads)` table, by the
+/// official index (see the module's documentation), wrapped as PyTorch wraps it.
+pub(crate) fn overlap_bias(table: &Tensor, ws: usize, ows: usize) -> Result<Tensor> {
+    let heads = table.dim(1)?;
+    let side = (ws + ows - 1) as i64;
+    let rows = side * side;
+    let shift = ws as i64 - ows as i64 + 1;
+    let mut idx = Vec::with_capacity(ws * ws * ows * ows);
+    for yi in 0..ws as i64 {
+        for xi in 0..ws as i64 {
+            for yj in 0..ows as i64 {
+                for xj in 0..ows as i64 {
+                    let i = (yj - yi + shift) * side + (xj - xi + shift);
+                    idx.push(i.rem_euclid(rows) as u32);
+                }
+            }
+        }
+    }
+    let idx = Tensor::from_vec(idx, ws * ws * ows * ows, table.device())?;
+    table
+        .index_select(&idx, 0)?
+        .reshape((ws * ws, ows * ows, heads))?
+        .permute((2, 0, 1))?
+        .contiguous()
+}
+
+/// The OCAB's attention as candle's graph, on any device: `qkv` `(B, H, W, 3C)` (q pre-scaled)
+/// and `bias` `(heads, ws², ows²)` in one dtype; returns `(B, H, W, C)`.
+pub(crate) fn overlap_attention_graph(
+    qkv: &Tensor,
+    bias: &Tensor,
+    heads: usize,
+    ws: usize,
+    ows: usize,
+) -> Result<Tensor> {
+    let (b, h, w, c3) = qkv.dims4()?;
+    let c = c3 / 3;
+    let (nh, nw) = (h / ws, w / ws);
+    let nwin = b * nh * nw;
+    let d = c / heads;
+    let q = qkv
+        .narrow(3, 0, c)?
+        .reshape((b, nh, ws, nw, ws, c))?
+        .permute((0, 1, 3, 2, 4, 5))?
+        .reshape((nwin, ws * ws, heads, d))?
+        .transpose(1, 2)?
+        .contiguous()?;
+    // Keys and values of each window's overlapping neighbourhood, zero outside the image.
+    let m = (ows - ws) / 2;
+    let kv = qkv
+        .narrow(3, c, 2 * c)?
+        .pad_with_zeros(1, m, m)?
+        .pad_with_zeros(2, m, m)?;
+    let wp = w + 2 * m;
+    let mut idx = Vec::with_capacity(nh * nw * ows * ows);
+    for r in 0..nh {
+        for s in 0..nw {
+            for a in 0..ows {
+                for t in 0..ows {
+                    idx.push(((r * ws + a) * wp + s * ws + t) as u32);
+                }
+            }
+        }
+    }
+    let n = idx.len();
+    let idx = Tensor::from_vec(idx, n, qkv.device())?;
+    let kv = kv
+        .reshape((b, (h + 2 * m) * wp, 2 * c))?
+        .index_select(&idx, 1)?
+        .reshape((nwin, ows * ows, 2, heads, d))?;
+    let k = kv
+        .narrow(2, 0, 1)?
+        .squeeze(2)?
+        .transpose(1, 2)?
+        .contiguous()?;
+    let v = kv
+        .narrow(2, 1, 1)?
+        .squeeze(2)?
+        .transpose(1, 2)?
+        .contiguous()?;
+    let attn = q.matmul(&k.t()?)?.broadcast_add(bias)?;
+    let attn = candle_nn::ops::softmax_last_dim(&attn)?;
+    attn.matmul(&v)?
+        .transpose(1, 2)?
+        .reshape((b, nh, nw, ws, ws, c))?
+        .permute((0, 1, 3, 2, 4, 5))?
+        .reshape((b, h, w, c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::fused::{overlap_kernel_enabled, with_overlap_kernel};
+    use candle_core::{DType, Device};
+
+    /// Random `(qkv, bias)` for `b` maps of `h x w`, q scaled by `d^-0.5` as the model scales
+    /// it (times 2, so the softmax is far from uniform), the bias gathered from a random table.
+    fn inputs(
+        (b, h, w): (usize, usize, usize),
+        (ws, ows, heads, d): (usize, usize, usize, usize),
+    ) -> Result<(Tensor, Tensor)> {
+        let dev = Device::Cpu;
+        let c = heads * d;
+        let q = (Tensor::randn(0f32, 1.0, (b, h, w, c), &dev)? * (2.0 / (d as f64).sqrt()))?;
+        let kv = Tensor::randn(0f32, 1.0, (b, h, w, 2 * c), &dev)?;
+        let side = ws + ows - 1;
+        let table = Tensor::randn(0f32, 1.0, (side * side, heads), &dev)?;
+        Ok((Tensor::cat(&[q, kv], 3)?, overlap_bias(&table, ws, ows)?))
+    }
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()
+    }
+
+    /// The fused op's CPU twin, which the GPU tests hold the CUDA kernel to, against the
+    /// model's graph: HAT's window 16 in 24 on a map of 2x3 windows; margins of 1 and 2 with
+    /// odd head dims; one window alone, every key of its margin outside the map.
+    #[test]
+    fn the_fused_twin_matches_the_graph() -> Result<()> {
+        for (map, shape) in [
+            ((1, 32, 48), (16, 24, 2, 30)),
+            ((2, 8, 12), (4, 6, 3, 7)),
+            ((1, 12, 8), (4, 8, 2, 5)),
+            ((1, 4, 4), (4, 6, 2, 16)),
+        ] {
+            let (ws, ows, heads, _) = shape;
+            let (qkv, bias) = inputs(map, shape)?;
+            let graph = overlap_attention_graph(&qkv, &bias, heads, ws, ows)?;
+            let op = FusedOverlapAttention {
+                heads,
+                window: ws,
+                overlap_window: ows,
+                tensor_cores: false,
+            };
+            let twin = op.apply(&qkv, &bias)?;
+            assert_eq!(twin.dims(), graph.dims());
+            let diff = max_abs_diff(&twin, &graph)?;
+            assert!(diff < 1e-5, "{map:?} {shape:?}: {diff}");
+            // The comparison can fail: another map size for the same tokens moves the borders.
+            let (b, h, w) = map;
+            if h != w {
+                let moved =
+                    op.apply(&qkv.reshape((b, w, h, ()))?, &bias)?
+                        .reshape((b, h, w, ()))?;
+                assert!(max_abs_diff(&moved, &graph)? > 1e-2, "{map:?} {shape:?}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn bad_overlap_shapes_are_errors() -> Result<()> {
+        let (qkv, bias) = inputs((1, 8, 8), (4, 6, 2, 3))?;
+        let op = |heads, window, overlap_window| FusedOverlapAttention {
+            heads,
+            window,
+            overlap_window,
+            tensor_cores: false,
+        };
+        op(2, 4, 6).apply(&qkv, &bias)?;
+        // Another head count, window or overlap than the bias has; odd margins; a map that
+        // is not a window multiple; mixed dtypes.
+        assert!(op(3, 4, 6).apply(&qkv, &bias).is_err());
+        assert!(op(2, 8, 6).apply(&qkv, &bias).is_err());
+        assert!(op(2, 4, 8).apply(&qkv, &bias).is_err());
+        assert!(op(2, 4, 5).apply(&qkv, &bias).is_err());
+        assert!(op(2, 4, 6).apply(&qkv.narrow(1, 0, 6)?, &bias).is_err());
+        let bias16 = bias.to_dtype(DType::F16)?;
+        assert!(op(2, 4, 6).apply(&qkv, &bias16).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn the_overlap_switch_override_holds_inside_and_is_undone_after() {
+        let before = overlap_kernel_enabled();
+        let inside = with_overlap_kernel(false, || {
+            (
+                overlap_kernel_enabled(),
+                with_overlap_kernel(true, overlap_kernel_enabled),
+            )
+        });
+        assert_eq!(inside, (false, true));
+        assert_eq!(overlap_kernel_enabled(), before);
     }
 }

@@ -7,6 +7,7 @@
 mod epilogue;
 mod kernels;
 mod lanes;
+mod overlap;
 mod parity;
 mod rowwise;
 
