@@ -580,7 +580,15 @@ impl Module for Rstb {
         for b in &self.blocks {
             t = b.forward(&t)?;
         }
-        self.conv.forward(&t)? + x
+        add(&self.conv.forward(&t)?, x)
+    }
+}
+
+/// `a + b`: the CPU kernel where it applies, else candle's op.
+fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match super::ops::add(a, b)? {
+        Some(sum) => Ok(sum),
+        None => a + b,
     }
 }
 
@@ -781,7 +789,10 @@ impl Module for SwinIr {
             for layer in &self.layers {
                 t = layer.forward(&t)?;
             }
-            let body = (self.conv_after_body.forward(&layer_norm(&self.norm, &t)?)? + f0)?;
+            let body = add(
+                &self.conv_after_body.forward(&layer_norm(&self.norm, &t)?)?,
+                &f0,
+            )?;
             let lrelu = candle_nn::ops::leaky_relu;
             let y = match &self.tail {
                 Tail::PixelShuffle {

@@ -450,6 +450,19 @@ fn dense_concatenation_and_shuffle_match_candle() -> Result<()> {
     Ok(())
 }
 
+/// The sum over several parallel chunks and a partial one, and the refusals.
+#[test]
+fn add_matches_candle_and_checks_shapes() -> Result<()> {
+    let dev = Device::Cpu;
+    let a = Tensor::randn(0f32, 1.0, (3, CHUNK + 77), &dev)?;
+    let b = Tensor::randn(0f32, 1.0, (3, CHUNK + 77), &dev)?;
+    let ours = add(&a, &b)?.expect("f32 on the CPU");
+    assert_eq!(max_abs_diff(&ours, &(&a + &b)?)?, 0.0);
+    assert!(add(&a, &b.narrow(1, 0, 5)?.contiguous()?).is_err());
+    assert!(add(&a.to_dtype(DType::F64)?, &b.to_dtype(DType::F64)?)?.is_none());
+    Ok(())
+}
+
 /// GFLOP/s of the f32 linear layers of a SwinIR-M block at 64x64 (qkv, proj, fc1 with its
 /// GELU, fc2 onto its residual) and of its 3x3 convolution, with the bias, on all threads.
 /// Run with `UPSCALE_CPU_GEMM=crate` to time the `gemm` crate instead of the panels:
