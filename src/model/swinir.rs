@@ -783,6 +783,19 @@ impl Module for SwinIr {
     /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)` in the model's
     /// dtype, unclamped ([`swin_frame`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // On the CPU every layer is a parallel op on rayon's pool. Called from outside the
+        // pool (the CPU lane is a thread of its own), each op would be handed to the pool and
+        // the caller woken when it ends, several hundred round trips per forward; run from a
+        // worker, the ops start where the previous one ended.
+        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.forward_in_pool(x));
+        }
+        self.forward_in_pool(x)
+    }
+}
+
+impl SwinIr {
+    fn forward_in_pool(&self, x: &Tensor) -> Result<Tensor> {
         let shape = (self.dtype, self.config.window, self.config.scale);
         let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
         swin_frame(x, shape, head, |f0, mut t| {
