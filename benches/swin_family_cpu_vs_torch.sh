@@ -8,6 +8,8 @@
 #
 # usage: [MODEL=swinir|hat] benches/swin_family_cpu_vs_torch.sh [REPS] [SIZE]   (5 reps, 64x64)
 # needs: python3 with torch, spandrel, safetensors, numpy, pillow  (PYTHON=... to choose one)
+# BEFORE=path/to/upscale also times that binary (an earlier build) in every rep, between
+# ours and PyTorch, for a before/after of a change in the same run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -70,25 +72,43 @@ with torch.inference_mode():
     print(time.perf_counter() - t0)
 PYEOF
 
-ours=(); torch=()
-for i in $(seq "$REPS"); do
+# Whole-process seconds of one `upscale` run of binary $1.
+run_ours() {
+  local t0 t1
   t0=$(date +%s.%N)
-  RAYON_NUM_THREADS=$THREADS ./target/release/upscale -m "$weights" \
+  RAYON_NUM_THREADS=$THREADS "$1" -m "$weights" \
     "$work/in.png" -o "$work/out.png" --device cpu --precision fp32 --tile 0 --overwrite -q
   t1=$(date +%s.%N)
-  o=$(echo "$t1 - $t0" | bc -l)
+  echo "$t1 - $t0" | bc -l
+}
+ours=(); before=(); torch=()
+for i in $(seq "$REPS"); do
+  o=$(run_ours ./target/release/upscale)
+  ours+=("$o")
+  if [ -n "${BEFORE:-}" ]; then
+    b=$(run_ours "$BEFORE")
+    before+=("$b")
+  fi
   t=$("$PY" "$work/torch_time.py" "$weights" "$work/in.png" "$THREADS" "$MODEL" 2>/dev/null | tail -n 1)
-  ours+=("$o"); torch+=("$t")
-  printf 'rep %d: upscale %.3f s (whole process), pytorch %.3f s (forward)\n' "$i" "$o" "$t"
+  torch+=("$t")
+  printf 'rep %d: upscale %.3f s (whole process)%s, pytorch %.3f s (forward)\n' "$i" "$o" \
+    "${b:+$(printf ', before %.3f s' "$b")}" "$t"
 done
-"$PY" - "$SIZE" "$THREADS" "${ours[*]}" "${torch[*]}" "$MODEL" <<'PYEOF'
+"$PY" - "$SIZE" "$THREADS" "${ours[*]}" "${torch[*]}" "$MODEL" "${before[*]}" <<'PYEOF'
 import json, statistics, sys
 size, threads, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[5]
 ours = [float(v) for v in sys.argv[3].split()]
 torch = [float(v) for v in sys.argv[4].split()]
+before = [float(v) for v in sys.argv[6].split()]
 mo, mt = statistics.median(ours), statistics.median(torch)
 name = "HAT x4" if model == "hat" else "SwinIR-M classical x4"
-print(json.dumps({"model": name + " (random weights)", "input": [size, size],
-                  "threads": threads, "precision": "fp32", "upscale_median_s": round(mo, 3),
-                  "pytorch_median_s": round(mt, 3), "ratio_pytorch_over_upscale": round(mt / mo, 3)}))
+report = {"model": name + " (random weights)", "input": [size, size],
+          "threads": threads, "precision": "fp32", "upscale_median_s": round(mo, 3),
+          "pytorch_median_s": round(mt, 3), "ratio_pytorch_over_upscale": round(mt / mo, 3)}
+if before:
+    mb = statistics.median(before)
+    report.update({"before_median_s": round(mb, 3),
+                   "ratio_pytorch_over_before": round(mt / mb, 3),
+                   "speedup_before_over_upscale": round(mb / mo, 3)})
+print(json.dumps(report))
 PYEOF

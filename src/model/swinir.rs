@@ -31,6 +31,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
+use rayon::prelude::*;
 use serde::Serialize;
 
 use super::bf16::Isa;
@@ -579,7 +580,15 @@ impl Module for Rstb {
         for b in &self.blocks {
             t = b.forward(&t)?;
         }
-        self.conv.forward(&t)? + x
+        add(&self.conv.forward(&t)?, x)
+    }
+}
+
+/// `a + b`: the CPU kernel where it applies, else candle's op.
+fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match super::ops::add(a, b)? {
+        Some(sum) => Ok(sum),
+        None => a + b,
     }
 }
 
@@ -658,8 +667,10 @@ impl SwinIr {
         let e = cfg.embed_dim;
         let f = cfg.num_feat;
         let windows = WindowCache::new(cfg.window, vb.dtype(), vb.device());
-        let mut layers = Vec::with_capacity(cfg.depths.len());
-        for (i, (&depth, &heads)) in cfg.depths.iter().zip(&cfg.heads).enumerate() {
+        // The groups are built in parallel: each block's weights are rearranged at load
+        // (scaled queries, convolution weights in patch order), one thread at a time
+        // otherwise, and a whole-process run of a small image spent a tenth of its time here.
+        let build = |(i, (&depth, &heads)): (usize, (&usize, &usize))| -> Result<Rstb> {
             let vb = vb.pp(format!("layers.{i}"));
             let blocks = (0..depth)
                 .map(|j| {
@@ -678,11 +689,20 @@ impl SwinIr {
                     )
                 })
                 .collect::<Result<Vec<_>>>()?;
-            layers.push(Rstb {
+            Ok(Rstb {
                 blocks,
                 conv: Resi::new(cfg, vb.pp("conv"))?,
-            });
-        }
+            })
+        };
+        let groups: Vec<_> = cfg.depths.iter().zip(&cfg.heads).enumerate().collect();
+        let layers = if vb.device().is_cpu() {
+            groups
+                .into_par_iter()
+                .map(build)
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            groups.into_iter().map(build).collect::<Result<Vec<_>>>()?
+        };
         let mean =
             Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())?;
         let flat_mean = mean.flatten_all()?;
@@ -769,13 +789,29 @@ impl Module for SwinIr {
     /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)` in the model's
     /// dtype, unclamped ([`swin_frame`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // On the CPU every layer is a parallel op on rayon's pool. Called from outside the
+        // pool (the CPU lane is a thread of its own), each op would be handed to the pool and
+        // the caller woken when it ends, several hundred round trips per forward; run from a
+        // worker, the ops start where the previous one ended.
+        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.forward_in_pool(x));
+        }
+        self.forward_in_pool(x)
+    }
+}
+
+impl SwinIr {
+    fn forward_in_pool(&self, x: &Tensor) -> Result<Tensor> {
         let shape = (self.dtype, self.config.window, self.config.scale);
         let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
         swin_frame(x, shape, head, |f0, mut t| {
             for layer in &self.layers {
                 t = layer.forward(&t)?;
             }
-            let body = (self.conv_after_body.forward(&layer_norm(&self.norm, &t)?)? + f0)?;
+            let body = add(
+                &self.conv_after_body.forward(&layer_norm(&self.norm, &t)?)?,
+                &f0,
+            )?;
             let lrelu = candle_nn::ops::leaky_relu;
             let y = match &self.tail {
                 Tail::PixelShuffle {

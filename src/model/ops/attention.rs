@@ -57,13 +57,20 @@ pub fn window_attention(
     };
     let products = match bf16 {
         Some(isa) => Products::Bf16(isa),
+        None if panels::available() => Products::Panels,
         None => Products::F32(inner),
     };
+    // On panels the scores start from the bias: gathered once per call where all heads'
+    // `n x n` matrices stay in L2 across windows (the 8x8 windows of SwinIR: 96 KiB for 6
+    // heads), else added row by row from the compact table as the softmax reads them.
+    let gathered = (matches!(products, Products::Panels) && heads * n * n <= GATHERED_BIAS)
+        .then(|| bias.gathered());
     let shape = WindowShape {
         n,
         c,
         heads,
         products,
+        gathered: gathered.as_deref(),
     };
     // Left uninitialised: `attend_window` writes every element (each head its d columns of
     // every row) without reading it.
@@ -92,31 +99,39 @@ pub fn window_attention(
     Ok(Some(Tensor::from_vec(out, (bw, n, c), qkv.device())?))
 }
 
+/// The most bias values (all heads' `n x n` matrices) gathered for scores to start from.
+const GATHERED_BIAS: usize = 32 << 10;
+
 /// The sizes one window's attention needs.
-pub(super) struct WindowShape {
+pub(super) struct WindowShape<'a> {
     /// Tokens per window.
     n: usize,
     /// Channels (all heads).
     c: usize,
     heads: usize,
     products: Products,
+    /// The `(heads, n, n)` position bias, where the scores start from it (panels only).
+    gathered: Option<&'a [f32]>,
 }
 
-/// How a window's two products run: f32 (split across threads or not), or bf16.
+/// How a window's two products run: f32 on the `gemm` crate (split across threads or not),
+/// f32 on [`panels`], or bf16.
 #[derive(Clone, Copy)]
 pub(super) enum Products {
     F32(gemm::Parallelism),
+    Panels,
     Bf16(Isa),
 }
 
-/// One task's working memory: a window's score matrix, and the bf16 operands kᵀ, v and the
-/// probabilities of one head.
+/// One task's working memory: a window's score matrix, the bf16 operands kᵀ, v and the
+/// probabilities of one head, and for panels the window's kᵀ (all heads).
 #[derive(Default)]
 pub(super) struct Scratch {
     scores: Vec<f32>,
     kt: PackedB,
     v: PackedB,
     probs: PackedA,
+    keys_t: Vec<f32>,
 }
 
 /// Attention of one window: for each head, scores = q · kᵀ straight from the strided `qkv`
@@ -138,13 +153,55 @@ pub(super) fn attend_window(
         kt,
         v,
         probs,
+        keys_t,
     } = scratch;
     assert!(qkv.len() >= n * c3 && out.len() >= n * c && scores.len() >= n * n);
+    if let Products::Panels = s.products {
+        // kᵀ of every head at once: channel-major, n tokens per row. v is read in place.
+        keys_t.resize(c * n, 0.0);
+        // SAFETY: `Products::Panels` runs where the CPU has AVX-512F; qkv holds n rows of
+        // c3 (asserted above) and keys_t c x n values.
+        unsafe { panels::transpose_keys(qkv, (n, c), keys_t) };
+    }
     for h in 0..s.heads {
         let q = qkv[h * d..].as_ptr();
         let keys = &qkv[c + h * d..];
         let values = &qkv[2 * c + h * d..];
         let head_out = out[h * d..].as_mut_ptr().cast::<f32>();
+        if let Products::Panels = s.products {
+            let bias_rows = s.gathered.map(|g| &g[h * n * n..(h + 1) * n * n]);
+            let scores = &mut scores[..n * n];
+            let start = panels::Start {
+                init: bias_rows.map(|b| (b.as_ptr(), n)),
+                bias: None,
+            };
+            let kt = panels::Rhs::Strided {
+                ptr: keys_t[h * d * n..(h + 1) * d * n].as_ptr(),
+                k: d,
+                n,
+                ld: n,
+            };
+            // v: n rows of the head's d values, c3 apart in `qkv`.
+            let v = panels::Rhs::Strided {
+                ptr: values.as_ptr(),
+                k: n,
+                n: d,
+                ld: c3,
+            };
+            // SAFETY: the CPU has AVX-512F (`Products::Panels`); q is n rows of d values c3
+            // apart inside `qkv`, kᵀ d rows of n in `keys_t`, the bias and the scores n x n;
+            // then the probabilities n x n against v (n rows of d inside `qkv`), into the
+            // head's d columns of `out`'s n rows of c, which no other task touches.
+            unsafe { panels::gemm(n, (q, c3), kt, (scores.as_mut_ptr(), n), start, false, None) };
+            let table = bias_rows.is_none().then_some((bias, h));
+            attention_probs(scores, table, labels, n, None);
+            // SAFETY: as above.
+            unsafe {
+                let zero = panels::Start::ZERO;
+                panels::gemm(n, (scores.as_ptr(), n), v, (head_out, c), zero, false, None)
+            };
+            continue;
+        }
         // SAFETY (all products): every access stays inside `qkv` (n rows of c3 starting at
         // the head's column), `scores` (n x n) and `out` (n rows of c), as asserted above; the
         // pointers do not alias and no other task touches this window's `out`. kᵀ is k read
@@ -161,8 +218,9 @@ pub(super) fn attend_window(
         };
         let scores = &mut scores[..n * n];
         match s.products {
+            Products::Panels => unreachable!("handled above"),
             Products::F32(_) => {
-                attention_probs(scores, (bias, h), labels, n, None);
+                attention_probs(scores, Some((bias, h)), labels, n, None);
                 // SAFETY: as above.
                 unsafe {
                     head_product(
@@ -180,7 +238,7 @@ pub(super) fn attend_window(
                 // softmax finishes them, instead of in a pass of their own.
                 v.repack(values, (n, d), (c3, 1));
                 probs.prepare(isa, n, v);
-                attention_probs(scores, (bias, h), labels, n, Some(probs));
+                attention_probs(scores, Some((bias, h)), labels, n, Some(probs));
                 // SAFETY: as above; the caller chose an ISA this CPU has.
                 unsafe { crate::model::bf16::gemm_packed(probs, v, head_out, c, false) };
             }
@@ -208,6 +266,7 @@ pub(super) unsafe fn head_product(
             Weights::F32(src),
             matches!(inner, gemm::Parallelism::Rayon(_)),
         ),
+        Products::Panels => unreachable!("panel products are run by `attend_window`"),
         Products::Bf16(isa) => {
             packed.repack(src, (k, cols), (rs, cs));
             (Weights::Bf16(isa, packed), false)

@@ -82,6 +82,29 @@ pub(super) fn conv3x3_with(
     let bs = cpu_slice(&b_guard, b_layout)?;
 
     let pixels = batch * h * wd;
+    if let (Weights::F32(ws), true, true) = (w, panels::available(), pixels > 0) {
+        // Taps read from the image in place: no patch matrix, no bias prefill.
+        let packed = panels::Panels::new(ws, (k, cout), (cout, 1));
+        let zeros = vec![0f32; cin];
+        let mut out: Vec<f32> = Vec::with_capacity(pixels * cout);
+        let dst = OutRows(out.as_mut_ptr());
+        let blocks = (h * wd).div_ceil(CONV_PIXELS);
+        (0..batch * blocks).into_par_iter().for_each(|task| {
+            let (bi, p0) = (task / blocks, task % blocks * CONV_PIXELS);
+            let rows = CONV_PIXELS.min(h * wd - p0);
+            let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
+            // SAFETY: the CPU has AVX-512F; output pixels p0..p0 + rows of image bi (cout
+            // values each) lie in `out` and are written by this task only.
+            unsafe {
+                let dst = (dst.at((bi * h * wd + p0) * cout), cout);
+                panels::conv3x3_pixels(image, (h, wd, cin), &zeros, &packed, (p0, rows), dst, bs)
+            };
+        });
+        // SAFETY: the tasks covered every pixel of every image, all cout values each.
+        unsafe { out.set_len(pixels * cout) };
+        drop((x_guard, b_guard));
+        return Tensor::from_vec(out, (batch, h, wd, cout), x.device());
+    }
     let mut out = par_rows(pixels, cout, |_, w| w.write_row(bs));
 
     if let (Weights::Bf16(isa, w), true) = (w, cin.is_multiple_of(2)) {
@@ -170,6 +193,9 @@ pub(super) fn tap_source(
     let (sy, sx) = ((y + tap / 3).wrapping_sub(1), (x + tap % 3).wrapping_sub(1));
     (sy < h && sx < wd).then(|| &image[(sy * wd + sx) * cin..][..cin])
 }
+
+/// Pixels per task of the f32 convolutions on panels: a whole 64-pixel image row.
+const CONV_PIXELS: usize = 64;
 
 /// Pixels per task of the bf16 convolutions, whose patches are packed in blocks this size.
 pub(super) const PATCH_ROWS: usize = 96;
@@ -289,6 +315,41 @@ pub(super) fn conv3x3_shuffled_with(
     let block = r * c;
     // Output row y*r + i holds, for every input pixel, bias block i then its products.
     let out_row = wd * block;
+    let f32_blocks: Option<Vec<&[f32]>> = blocks
+        .iter()
+        .map(|w| match w {
+            Weights::F32(ws) => Some(*ws),
+            Weights::Bf16(..) => None,
+        })
+        .collect();
+    if let (Some(ws), true) = (f32_blocks, panels::available() && wd > 0) {
+        let packed: Vec<panels::Panels> = ws
+            .iter()
+            .map(|w| panels::Panels::new(w, (k, block), f32_strides))
+            .collect();
+        let zeros = vec![0f32; cin];
+        let mut out: Vec<f32> = Vec::with_capacity(batch * h * r * out_row);
+        let dst = OutRows(out.as_mut_ptr());
+        (0..batch * h).into_par_iter().for_each(|image_row| {
+            let (bi, y) = (image_row / h, image_row % h);
+            let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
+            for (i, w) in packed.iter().enumerate() {
+                let row = image_row * r + i;
+                let bias = &bs[i * block..(i + 1) * block];
+                // SAFETY: the CPU has AVX-512F; output row `row` (wd pixels of `block`
+                // values, each pixel's values contiguous) lies in `out` and is written by
+                // this task only; the block's weights are k x block.
+                unsafe {
+                    let dst = (dst.at(row * out_row), block);
+                    panels::conv3x3_pixels(image, (h, wd, cin), &zeros, w, (y * wd, wd), dst, bias)
+                };
+            }
+        });
+        // SAFETY: every output row (r per input row) was written in full.
+        unsafe { out.set_len(batch * h * r * out_row) };
+        drop((x_guard, b_guard));
+        return Tensor::from_vec(out, (batch, h * r, wd * r, c), x.device());
+    }
     let mut out = par_rows(batch * h * r, out_row, |row, w| {
         let i = row % r;
         for _ in 0..wd {

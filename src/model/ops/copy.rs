@@ -63,3 +63,32 @@ pub fn pixel_shuffle_reordered(x: &Tensor, r: usize) -> Result<Option<Tensor>> {
         x.device(),
     )?))
 }
+
+/// `a + b` for two contiguous f32 tensors of one shape on the CPU, on rayon's threads like
+/// the kernels around it (candle's binary op runs on a pool of its own, whose idle worker
+/// spins for a while after each op, on a core the next kernel wants). `None` where the kernel
+/// does not apply.
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+    if !use_kernel(a) || !use_kernel(b) {
+        return Ok(None);
+    }
+    if a.dims() != b.dims() {
+        candle_core::bail!("add: {:?} and {:?}", a.dims(), b.dims());
+    }
+    let (a_guard, a_layout) = a.storage_and_layout();
+    let (b_guard, b_layout) = b.storage_and_layout();
+    let (xs, ys) = (
+        cpu_slice(&a_guard, a_layout)?,
+        cpu_slice(&b_guard, b_layout)?,
+    );
+    let mut out: Vec<f32> = Vec::with_capacity(xs.len());
+    out.spare_capacity_mut()
+        .par_chunks_mut(CHUNK)
+        .zip(xs.par_chunks(CHUNK).zip(ys.par_chunks(CHUNK)))
+        .for_each(|(row, (x, y))| RowWriter { row, at: 0 }.write_sum(x, y));
+    // SAFETY: all three are cut into the same CHUNK-sized pieces, so every element of `out`
+    // received a sum.
+    unsafe { out.set_len(xs.len()) };
+    drop((a_guard, b_guard));
+    Ok(Some(Tensor::from_vec(out, a.dims(), a.device())?))
+}

@@ -95,6 +95,37 @@ pub(super) fn linear_with(
     }
     let (x_guard, x_layout) = x.storage_and_layout();
     let xs = cpu_slice(&x_guard, x_layout)?;
+    let mut shape = dims.to_vec();
+    *shape.last_mut().expect("checked above") = n;
+    if let (Weights::F32(ws), true, true) = (w, panels::available(), m > 0 && n > 0) {
+        // The bias and the residual go into the accumulators: the output is written once.
+        let packed = panels::Panels::new(ws, (k, n), f32_strides);
+        let bias = b.map(|b| b.storage_and_layout());
+        let res = residual.map(|r| r.storage_and_layout());
+        let bs = bias.as_ref().map(|(g, l)| cpu_slice(g, l)).transpose()?;
+        let rs = res.as_ref().map(|(g, l)| cpu_slice(g, l)).transpose()?;
+        let mut out: Vec<f32> = Vec::with_capacity(m * n);
+        let start = panels::Start {
+            init: rs.map(|r| (r.as_ptr(), n)),
+            bias: bs.map(|b| b.as_ptr()),
+        };
+        // SAFETY: the CPU has AVX-512F; xs is m x k, the residual m x n and the bias n
+        // values (checked above); every one of the m x n outputs is written by a tile.
+        unsafe {
+            panels::gemm(
+                m,
+                (xs.as_ptr(), k),
+                packed.rhs(),
+                (out.as_mut_ptr(), n),
+                start,
+                true,
+                gelu.then_some(&gelu_rows as &Epilogue),
+            );
+            out.set_len(m * n);
+        }
+        drop((bias, res, x_guard));
+        return Tensor::from_vec(out, shape, x.device());
+    }
     // Every output element is written exactly once before the GEMM (bias, residual + bias, or
     // zero): a zeroed allocation followed by the bias rows would be two passes over the
     // largest tensor.
@@ -133,7 +164,5 @@ pub(super) fn linear_with(
         }
     }
     drop(x_guard);
-    let mut shape = dims.to_vec();
-    *shape.last_mut().expect("checked above") = n;
     Tensor::from_vec(out, shape, x.device())
 }

@@ -104,7 +104,7 @@ pub(super) fn softmax_rows_body(data: &mut [f32], n: usize) {
 #[inline(always)]
 pub(super) fn attention_probs_body(
     scores: &mut [f32],
-    (bias, h): (&RelativeBias, usize),
+    bias: Option<(&RelativeBias, usize)>,
     labels: Option<&[u8]>,
     n: usize,
     mut rounded: Option<&mut PackedA>,
@@ -112,7 +112,9 @@ pub(super) fn attention_probs_body(
     // Row by row, so that every pass over a row (and its rounding to bf16) runs in L1.
     for (i, row) in scores.chunks_exact_mut(n).enumerate() {
         // Same order of additions as the reference: (q·k + bias) + mask.
-        bias.add_to_row(h, i, row);
+        if let Some((bias, h)) = bias {
+            bias.add_to_row(h, i, row);
+        }
         if let Some(labels) = labels {
             let own = labels[i];
             for (s, &l) in row.iter_mut().zip(labels) {
@@ -127,12 +129,13 @@ pub(super) fn attention_probs_body(
 }
 
 widest_simd! {
-    /// Head `h`'s attention probabilities from its `n x n` scores, in place, with the
-    /// window's region labels (`labels`) standing for the shift mask; with `rounded`, each
-    /// row is also rounded into that bf16 operand as soon as it is final.
+    /// A head's attention probabilities from its `n x n` scores, in place: its position
+    /// bias added (`bias`: the table and the head; `None` where the scores start from it),
+    /// the window's region labels (`labels`) standing for the shift mask; with `rounded`,
+    /// each row is also rounded into that bf16 operand as soon as it is final.
     pub(super) fn attention_probs(
         scores: &mut [f32],
-        bias: (&RelativeBias, usize),
+        bias: Option<(&RelativeBias, usize)>,
         labels: Option<&[u8]>,
         n: usize,
         rounded: Option<&mut PackedA>,

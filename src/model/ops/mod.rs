@@ -311,6 +311,7 @@ mod conv;
 mod copy;
 mod linear;
 mod math;
+mod panels;
 #[cfg(test)]
 mod tests;
 

@@ -449,3 +449,59 @@ fn dense_concatenation_and_shuffle_match_candle() -> Result<()> {
     }
     Ok(())
 }
+
+/// The sum over several parallel chunks and a partial one, and the refusals.
+#[test]
+fn add_matches_candle_and_checks_shapes() -> Result<()> {
+    let dev = Device::Cpu;
+    let a = Tensor::randn(0f32, 1.0, (3, CHUNK + 77), &dev)?;
+    let b = Tensor::randn(0f32, 1.0, (3, CHUNK + 77), &dev)?;
+    let ours = add(&a, &b)?.expect("f32 on the CPU");
+    assert_eq!(max_abs_diff(&ours, &(&a + &b)?)?, 0.0);
+    assert!(add(&a, &b.narrow(1, 0, 5)?.contiguous()?).is_err());
+    assert!(add(&a.to_dtype(DType::F64)?, &b.to_dtype(DType::F64)?)?.is_none());
+    Ok(())
+}
+
+/// GFLOP/s of the f32 linear layers of a SwinIR-M block at 64x64 (qkv, proj, fc1 with its
+/// GELU, fc2 onto its residual) and of its 3x3 convolution, with the bias, on all threads.
+/// Run with `UPSCALE_CPU_GEMM=crate` to time the `gemm` crate instead of the panels:
+/// `cargo test --release --lib swinir_layer_throughput -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn swinir_layer_throughput() -> Result<()> {
+    let dev = Device::Cpu;
+    let m = 4096;
+    let reps = 20;
+    let time = |run: &dyn Fn() -> Result<Tensor>, flops: f64| -> Result<f64> {
+        run()?;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            std::hint::black_box(run()?);
+        }
+        Ok(flops * reps as f64 / t.elapsed().as_secs_f64() / 1e9)
+    };
+    for (k, n, after) in [(180, 540, 0), (180, 180, 0), (180, 360, 1), (360, 180, 2)] {
+        let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+        let w = Tensor::randn(0f32, 0.1, (n, k), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, n, &dev)?;
+        let r = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
+        let after = match after {
+            0 => After::Nothing,
+            1 => After::Gelu,
+            _ => After::Residual(&r),
+        };
+        let run = || Ok(linear(&x, &w, Some(&b), after)?.expect("f32 on the CPU"));
+        let g = time(&run, 2.0 * (m * k * n) as f64)?;
+        eprintln!("linear {m}x{k}x{n}: {g:.0} GFLOP/s");
+    }
+    for (side, cin, cout) in [(64, 180, 180), (64, 180, 64), (128, 64, 256)] {
+        let x = Tensor::randn(0f32, 1.0, (1, side, side, cin), &dev)?;
+        let w = Tensor::randn(0f32, 0.1, (9 * cin, cout), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, cout, &dev)?;
+        let run = || Ok(conv3x3(&x, &w, &b, 16 << 20)?.expect("f32 on the CPU"));
+        let g = time(&run, 2.0 * (side * side * 9 * cin * cout) as f64)?;
+        eprintln!("conv3x3 {side}x{side} {cin}->{cout}: {g:.0} GFLOP/s");
+    }
+    Ok(())
+}
