@@ -31,7 +31,6 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
-use rayon::prelude::*;
 use serde::Serialize;
 
 use super::bf16::Isa;
@@ -39,6 +38,7 @@ use super::cache::WindowCache;
 use super::fused::Attention;
 use super::layers::conv::{shuffle_order, Conv3x3};
 use super::layers::linear::{pointwise, Dense};
+use super::layers::{build_layers, in_cpu_pool};
 use super::norm::{layer_norm, Norm};
 use super::swin::{load_layer_norm, swin_frame, BlockShape, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE};
 
@@ -667,10 +667,8 @@ impl SwinIr {
         let e = cfg.embed_dim;
         let f = cfg.num_feat;
         let windows = WindowCache::new(cfg.window, vb.dtype(), vb.device());
-        // The groups are built in parallel: each block's weights are rearranged at load
-        // (scaled queries, convolution weights in patch order), one thread at a time
-        // otherwise, and a whole-process run of a small image spent a tenth of its time here.
-        let build = |(i, (&depth, &heads)): (usize, (&usize, &usize))| -> Result<Rstb> {
+        let build = |i: usize| -> Result<Rstb> {
+            let (depth, heads) = (cfg.depths[i], cfg.heads[i]);
             let vb = vb.pp(format!("layers.{i}"));
             let blocks = (0..depth)
                 .map(|j| {
@@ -694,15 +692,7 @@ impl SwinIr {
                 conv: Resi::new(cfg, vb.pp("conv"))?,
             })
         };
-        let groups: Vec<_> = cfg.depths.iter().zip(&cfg.heads).enumerate().collect();
-        let layers = if vb.device().is_cpu() {
-            groups
-                .into_par_iter()
-                .map(build)
-                .collect::<Result<Vec<_>>>()?
-        } else {
-            groups.into_iter().map(build).collect::<Result<Vec<_>>>()?
-        };
+        let layers = build_layers(vb.device(), cfg.depths.len(), build)?;
         let mean =
             Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())?;
         let flat_mean = mean.flatten_all()?;
@@ -789,19 +779,12 @@ impl Module for SwinIr {
     /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)` in the model's
     /// dtype, unclamped ([`swin_frame`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // On the CPU every layer is a parallel op on rayon's pool. Called from outside the
-        // pool (the CPU lane is a thread of its own), each op would be handed to the pool and
-        // the caller woken when it ends, several hundred round trips per forward; run from a
-        // worker, the ops start where the previous one ended.
-        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_in_pool(x));
-        }
-        self.forward_in_pool(x)
+        in_cpu_pool(x, || self.forward_here(x))
     }
 }
 
 impl SwinIr {
-    fn forward_in_pool(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         let shape = (self.dtype, self.config.window, self.config.scale);
         let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
         swin_frame(x, shape, head, |f0, mut t| {
