@@ -333,6 +333,127 @@ mod cuda {
         })
     }
 
+    /// `qkv` and `bias` as one dtype's slices, the kernel launched for it as `$launch`
+    /// says (`|q, b, dtype| ...`); other or mixed dtypes are an error.
+    macro_rules! by_dtype {
+        ($op:expr, $s1:expr, $s2:expr, |$q:ident, $b:ident, $dtype:ident| $launch:expr) => {
+            match (&$s1.slice, &$s2.slice) {
+                (CudaStorageSlice::F32($q), CudaStorageSlice::F32($b)) => {
+                    let $dtype = "f32";
+                    $launch
+                }
+                (CudaStorageSlice::BF16($q), CudaStorageSlice::BF16($b)) => {
+                    let $dtype = "bf16";
+                    $launch
+                }
+                (CudaStorageSlice::F16($q), CudaStorageSlice::F16($b)) => {
+                    let $dtype = "f16";
+                    $launch
+                }
+                _ => candle_core::bail!(
+                    "{}: qkv and bias must share one of f32, bf16, f16 (got {:?} and {:?})",
+                    $op.name(),
+                    $s1.dtype(),
+                    $s2.dtype()
+                ),
+            }
+        };
+    }
+
+    /// The element ranges (start, end) of the contiguous `qkv` and `bias`.
+    type Ranges = ((usize, usize), (usize, usize));
+
+    /// The element ranges of the contiguous `qkv` and `bias`, and where `qkv` starts.
+    fn contiguous(name: &str, l1: &Layout, l2: &Layout) -> Result<(Ranges, usize)> {
+        match (l1.contiguous_offsets(), l2.contiguous_offsets()) {
+            (Some(q), Some(b)) => Ok(((q, b), q.0)),
+            _ => candle_core::bail!("{name}: inputs must be contiguous"),
+        }
+    }
+
+    /// Whether a tensor-core kernel can take these inputs: it takes 16-bit inputs only,
+    /// copies 32-bit words (so an even channel count and an even start), and is in the build
+    /// only from sm_80 on; anything else runs the scalar kernel, which has none of these
+    /// conditions.
+    fn takes_tensor_cores(dtype: &str, channels: usize, q0: usize) -> bool {
+        TENSOR_CORE_KERNELS_BUILT
+            && dtype != "f32"
+            && channels.is_multiple_of(2)
+            && q0.is_multiple_of(2)
+    }
+
+    /// The tensor-core plan when `tensor_cores` and it fits the device's shared memory per
+    /// block, else the scalar one (an error when that does not fit either); and whether the
+    /// tensor-core one was taken.
+    fn choose_plan(
+        name: &str,
+        dev: &CudaDevice,
+        tensor_cores: bool,
+        mma: impl FnOnce() -> Result<Plan>,
+        scalar: impl FnOnce() -> Result<Plan>,
+    ) -> Result<(Plan, bool)> {
+        let limit = dev
+            .cuda_stream()
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)
+            .w()?
+            .max(0) as usize;
+        let tensor_core_plan = tensor_cores
+            .then(mma)
+            .transpose()?
+            .filter(|p| p.shared_bytes <= limit);
+        let mma = tensor_core_plan.is_some();
+        let plan = match tensor_core_plan {
+            Some(p) => p,
+            None => scalar()?,
+        };
+        if plan.shared_bytes > limit {
+            candle_core::bail!(
+                "{name}: needs {} bytes of shared memory per block, the device allows {limit}",
+                plan.shared_bytes
+            );
+        }
+        Ok((plan, mma))
+    }
+
+    fn mma_prefix(mma: bool) -> &'static str {
+        if mma {
+            "mma_"
+        } else {
+            ""
+        }
+    }
+
+    /// Launches `kernel` (of kernels/window_attention.cu) on `qkv` and `bias` (the element
+    /// ranges `inputs` of each) into a new `out_len`-element output, with the kernel's
+    /// integer arguments after those three.
+    fn run<T: CudaDType + DeviceRepr>(
+        dev: &CudaDevice,
+        kernel: &str,
+        (qkv, bias, ((q0, q1), (b0, b1))): (&CudaSlice<T>, &CudaSlice<T>, Ranges),
+        out_len: usize,
+        args: &[i32],
+        cfg: LaunchConfig,
+    ) -> Result<CudaStorage> {
+        let func = crate::gpu::function(dev, &crate::gpu::kernels::WINDOW_ATTENTION, kernel)?;
+        let qkv = qkv.slice(q0..q1);
+        let bias = bias.slice(b0..b1);
+        // SAFETY: both kernels write every output element before anything reads it.
+        let out = unsafe { dev.alloc::<T>(out_len)? };
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&qkv);
+        builder.arg(&bias);
+        builder.arg(&out);
+        for a in args {
+            builder.arg(a);
+        }
+        // SAFETY: the argument list matches the kernel's signature; the sizes were checked
+        // against the slices by the callers and the kernel stays inside them.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
     fn launch<T: CudaDType + DeviceRepr>(
         op: &FusedWindowAttention,
         dims: Dims,
@@ -342,39 +463,15 @@ mod cuda {
         dtype: &str,
     ) -> Result<CudaStorage> {
         let name = op.name();
-        let (Some((q0, q1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("{name}: inputs must be contiguous")
-        };
-        let limit = dev
-            .cuda_stream()
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)
-            .w()?;
-        let limit = limit.max(0) as usize;
-        // The tensor-core kernel takes 16-bit inputs only, copies 32-bit words (so an even
-        // channel count and an even start), stages its table and tiles in shared memory, and
-        // is in the build only from sm_80 on; anything else runs the scalar kernel, which has
-        // none of these conditions.
-        let tensor_core_plan = (op.tensor_cores
-            && TENSOR_CORE_KERNELS_BUILT
-            && dtype != "f32"
-            && dims.c.is_multiple_of(2)
-            && q0.is_multiple_of(2))
-        .then(|| mma_plan(op.window, dims.head_dim))
-        .transpose()?
-        .filter(|p| p.shared_bytes <= limit);
-        let mma = tensor_core_plan.is_some();
-        let plan = match tensor_core_plan {
-            Some(p) => p,
-            None => plan(dims.n, dims.head_dim)?,
-        };
-        if plan.shared_bytes > limit {
-            candle_core::bail!(
-                "{name}: needs {} bytes of shared memory per block, the device allows {limit}",
-                plan.shared_bytes
-            );
-        }
+        let (inputs, q0) = contiguous(name, l1, l2)?;
+        let tensor_cores = op.tensor_cores && takes_tensor_cores(dtype, dims.c, q0);
+        let (plan, mma) = choose_plan(
+            name,
+            dev,
+            tensor_cores,
+            || mma_plan(op.window, dims.head_dim),
+            || plan(dims.n, dims.head_dim),
+        )?;
         let blocks = dims.windows * op.heads;
         let row_blocks = dims.n.div_ceil(plan.rows);
         let to_i32 = |v: usize, what: &str| {
@@ -399,31 +496,9 @@ mod cuda {
             block_dim: (plan.threads as u32, 1, 1),
             shared_mem_bytes: plan.shared_bytes as u32,
         };
-        let func = crate::gpu::function(
-            dev,
-            &crate::gpu::kernels::WINDOW_ATTENTION,
-            &format!(
-                "window_attention_{}{dtype}_d{}",
-                if mma { "mma_" } else { "" },
-                plan.dmax
-            ),
-        )?;
-        let qkv = qkv.slice(q0..q1);
-        let bias = bias.slice(b0..b1);
-        // SAFETY: the kernel writes every element before anything reads the output.
-        let out = unsafe { dev.alloc::<T>(dims.windows * dims.n * dims.c)? };
-        let stream = dev.cuda_stream();
-        let mut builder = stream.launch_builder(&func);
-        builder.arg(&qkv);
-        builder.arg(&bias);
-        builder.arg(&out);
-        for a in &args {
-            builder.arg(a);
-        }
-        // SAFETY: the argument list matches the kernel's signature; the sizes were checked
-        // against the slices above and the kernel stays inside them.
-        unsafe { builder.launch(cfg) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        let kernel = format!("window_attention_{}{dtype}_d{}", mma_prefix(mma), plan.dmax);
+        let out_len = dims.windows * dims.n * dims.c;
+        run(dev, &kernel, (qkv, bias, inputs), out_len, &args, cfg)
     }
 
     pub(super) fn forward(
@@ -434,24 +509,14 @@ mod cuda {
         s2: &CudaStorage,
         l2: &Layout,
     ) -> Result<CudaStorage> {
-        let dev = &s1.device;
-        match (&s1.slice, &s2.slice) {
-            (CudaStorageSlice::F32(q), CudaStorageSlice::F32(b)) => {
-                launch(op, dims, dev, (q, l1), (b, l2), "f32")
-            }
-            (CudaStorageSlice::BF16(q), CudaStorageSlice::BF16(b)) => {
-                launch(op, dims, dev, (q, l1), (b, l2), "bf16")
-            }
-            (CudaStorageSlice::F16(q), CudaStorageSlice::F16(b)) => {
-                launch(op, dims, dev, (q, l1), (b, l2), "f16")
-            }
-            _ => candle_core::bail!(
-                "{}: qkv and bias must share one of f32, bf16, f16 (got {:?} and {:?})",
-                op.name(),
-                s1.dtype(),
-                s2.dtype()
-            ),
-        }
+        by_dtype!(op, s1, s2, |q, b, dtype| launch(
+            op,
+            dims,
+            &s1.device,
+            (q, l1),
+            (b, l2),
+            dtype
+        ))
     }
 
     /// The scalar overlap kernel's launch: the scalar window kernel's rows and tiles for the
@@ -482,38 +547,17 @@ mod cuda {
         dtype: &str,
     ) -> Result<CudaStorage> {
         let name = op.name();
-        let (Some((q0, q1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("{name}: inputs must be contiguous")
-        };
+        let (inputs, q0) = contiguous(name, l1, l2)?;
         let (ws, ows) = (op.window, op.overlap_window);
         let n = ws * ws;
-        let limit = dev
-            .cuda_stream()
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)
-            .w()?
-            .max(0) as usize;
-        // The tensor-core kernel's conditions are the window kernel's (see `launch`).
-        let tensor_core_plan = (op.tensor_cores
-            && TENSOR_CORE_KERNELS_BUILT
-            && dtype != "f32"
-            && dims.c.is_multiple_of(2)
-            && q0.is_multiple_of(2))
-        .then(|| overlap_mma_plan(ws, ows, dims.head_dim))
-        .transpose()?
-        .filter(|p| p.shared_bytes <= limit);
-        let mma = tensor_core_plan.is_some();
-        let plan = match tensor_core_plan {
-            Some(p) => p,
-            None => overlap_plan(n, dims.head_dim)?,
-        };
-        if plan.shared_bytes > limit {
-            candle_core::bail!(
-                "{name}: needs {} bytes of shared memory per block, the device allows {limit}",
-                plan.shared_bytes
-            );
-        }
+        let tensor_cores = op.tensor_cores && takes_tensor_cores(dtype, dims.c, q0);
+        let (plan, mma) = choose_plan(
+            name,
+            dev,
+            tensor_cores,
+            || overlap_mma_plan(ws, ows, dims.head_dim),
+            || overlap_plan(n, dims.head_dim),
+        )?;
         let windows = dims.batch * (dims.height / ws) * (dims.width / ws);
         let to_i32 = |v: usize, what: &str| {
             i32::try_from(v)
@@ -536,32 +580,14 @@ mod cuda {
             block_dim: (plan.threads as u32, 1, 1),
             shared_mem_bytes: plan.shared_bytes as u32,
         };
-        let func = crate::gpu::function(
-            dev,
-            &crate::gpu::kernels::WINDOW_ATTENTION,
-            &format!(
-                "overlap_attention_{}{dtype}_d{}",
-                if mma { "mma_" } else { "" },
-                plan.dmax
-            ),
-        )?;
-        let qkv = qkv.slice(q0..q1);
-        let bias = bias.slice(b0..b1);
-        // SAFETY: every output element is a query of exactly one window, which the kernel
-        // writes before anything reads the output.
-        let out = unsafe { dev.alloc::<T>(dims.batch * dims.height * dims.width * dims.c)? };
-        let stream = dev.cuda_stream();
-        let mut builder = stream.launch_builder(&func);
-        builder.arg(&qkv);
-        builder.arg(&bias);
-        builder.arg(&out);
-        for a in &args {
-            builder.arg(a);
-        }
-        // SAFETY: the argument list matches the kernel's signature; the sizes were checked
-        // against the slices above and the kernel stays inside them.
-        unsafe { builder.launch(cfg) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        let kernel = format!(
+            "overlap_attention_{}{dtype}_d{}",
+            mma_prefix(mma),
+            plan.dmax
+        );
+        // Every output element is a query of exactly one window.
+        let out_len = dims.batch * dims.height * dims.width * dims.c;
+        run(dev, &kernel, (qkv, bias, inputs), out_len, &args, cfg)
     }
 
     pub(super) fn overlap_forward(
@@ -572,24 +598,14 @@ mod cuda {
         s2: &CudaStorage,
         l2: &Layout,
     ) -> Result<CudaStorage> {
-        let dev = &s1.device;
-        match (&s1.slice, &s2.slice) {
-            (CudaStorageSlice::F32(q), CudaStorageSlice::F32(b)) => {
-                launch_overlap(op, dims, dev, (q, l1), (b, l2), "f32")
-            }
-            (CudaStorageSlice::BF16(q), CudaStorageSlice::BF16(b)) => {
-                launch_overlap(op, dims, dev, (q, l1), (b, l2), "bf16")
-            }
-            (CudaStorageSlice::F16(q), CudaStorageSlice::F16(b)) => {
-                launch_overlap(op, dims, dev, (q, l1), (b, l2), "f16")
-            }
-            _ => candle_core::bail!(
-                "{}: qkv and bias must share one of f32, bf16, f16 (got {:?} and {:?})",
-                op.name(),
-                s1.dtype(),
-                s2.dtype()
-            ),
-        }
+        by_dtype!(op, s1, s2, |q, b, dtype| launch_overlap(
+            op,
+            dims,
+            &s1.device,
+            (q, l1),
+            (b, l2),
+            dtype
+        ))
     }
 
     #[cfg(test)]
