@@ -144,6 +144,25 @@ fn f32_values<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<Cow<'a, [f
     })
 }
 
+/// Values as f32, borrowed when they already are.
+type F32s<'a> = Cow<'a, [f32]>;
+
+/// A twin's `qkv` and `bias` as f32 values; they must share one dtype, as on the device.
+fn twin_inputs<'a>(
+    name: &str,
+    (s1, l1): (&'a CpuStorage, &Layout),
+    (s2, l2): (&'a CpuStorage, &Layout),
+) -> Result<(F32s<'a>, F32s<'a>)> {
+    if s1.dtype() != s2.dtype() {
+        candle_core::bail!(
+            "{name}: qkv is {:?} but bias is {:?}",
+            s1.dtype(),
+            s2.dtype()
+        );
+    }
+    Ok((f32_values(s1, l1)?, f32_values(s2, l2)?))
+}
+
 impl CustomOp2 for FusedWindowAttention {
     fn name(&self) -> &'static str {
         "fused-window-attention"
@@ -159,16 +178,7 @@ impl CustomOp2 for FusedWindowAttention {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = self.dims(l1.shape(), l2.shape())?;
-        if s1.dtype() != s2.dtype() {
-            candle_core::bail!(
-                "{}: qkv is {:?} but bias is {:?}",
-                self.name(),
-                s1.dtype(),
-                s2.dtype()
-            );
-        }
-        let qkv = f32_values(s1, l1)?;
-        let bias = f32_values(s2, l2)?;
+        let (qkv, bias) = twin_inputs(self.name(), (s1, l1), (s2, l2))?;
         let Dims {
             windows,
             n,
@@ -816,16 +826,7 @@ impl CustomOp2 for FusedOverlapAttention {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = self.dims(l1.shape(), l2.shape())?;
-        if s1.dtype() != s2.dtype() {
-            candle_core::bail!(
-                "{}: qkv is {:?} but bias is {:?}",
-                self.name(),
-                s1.dtype(),
-                s2.dtype()
-            );
-        }
-        let qkv = f32_values(s1, l1)?;
-        let bias = f32_values(s2, l2)?;
+        let (qkv, bias) = twin_inputs(self.name(), (s1, l1), (s2, l2))?;
         let OverlapDims {
             batch,
             height,
