@@ -5,30 +5,12 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use super::gpu;
+use super::{gpu, max_abs, within};
 use crate::model::cache::{relative_position_bias, RelativeBias, WindowCache};
 use crate::model::fused::FusedWindowAttention;
 use crate::model::{Attention, Model};
 use crate::tests::fixtures::max_abs_diff;
 use candle_core::{DType, Device, Module, Result, Tensor};
-
-/// `d <= bound`, false for NaN.
-fn within(d: f64, bound: f64) -> bool {
-    d <= bound
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
 
 /// A window-attention problem: `batch` maps of `height x width`, `window`, `heads` heads of
 /// `head_dim` columns.
@@ -193,7 +175,7 @@ fn sixteen_bit_against_the_twin(
 ) {
     let dev = gpu();
     let mut failures = Vec::new();
-    for (dtype, u) in [(DType::BF16, 2f32.powi(-8)), (DType::F16, 2f32.powi(-11))] {
+    for (dtype, u) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
         for c in CASES {
             let (qkv, bias) = c.inputs().unwrap();
             let (qkv, bias) = (qkv.to_dtype(dtype).unwrap(), bias.to_dtype(dtype).unwrap());
@@ -218,8 +200,7 @@ fn sixteen_bit_against_the_twin(
                     .unwrap();
                 let want = c.fused(&qkv32, &bias32, shifted).unwrap();
                 let err = (&ours - &want).unwrap().abs().unwrap();
-                let allowed =
-                    ((want.abs().unwrap() * u as f64).unwrap() + (1e-4 + slack as f64)).unwrap();
+                let allowed = ((want.abs().unwrap() * u).unwrap() + (1e-4 + slack)).unwrap();
                 let over = err
                     .gt(&allowed)
                     .unwrap()
@@ -353,7 +334,7 @@ fn fused_kernel_official_shape_against_the_graph() {
             );
             // Fused f32 is the truth itself here; the CPU comparisons cover its accuracy.
         } else {
-            let bound = 2f64.powi(-8) * max_abs(&truth) as f64 + 1e-4;
+            let bound = 2f64.powi(-8) * max_abs(&truth) + 1e-4;
             assert!(within(d_fused, bound), "bf16: {d_fused:.2e} > {bound:.2e}");
         }
     }

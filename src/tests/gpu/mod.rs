@@ -23,3 +23,22 @@ fn gpu() -> Device {
     );
     Device::new_cuda(0).expect("an NVIDIA GPU: these tests run on a GPU machine")
 }
+
+/// `d <= bound`, false for NaN.
+fn within(d: f64, bound: f64) -> bool {
+    d <= bound
+}
+
+/// The largest magnitude in `t`, in f64.
+fn max_abs(t: &candle_core::Tensor) -> f64 {
+    t.to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}

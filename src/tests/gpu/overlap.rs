@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use super::gpu;
+use super::{gpu, max_abs, within};
 use crate::model::fused::{with_overlap_kernel, FusedOverlapAttention};
 use crate::model::layers::attention::{overlap_attention_graph, overlap_bias};
 use crate::model::{Attention, Checkpoint, Model};
@@ -90,24 +90,6 @@ impl Case {
     fn graph(&self, qkv: &Tensor, bias: &Tensor) -> Result<Tensor> {
         overlap_attention_graph(qkv, bias, self.heads, self.window, self.overlap)
     }
-}
-
-/// `d <= bound`, false for NaN.
-fn within(d: f64, bound: f64) -> bool {
-    d <= bound
-}
-
-fn max_abs(t: &Tensor) -> f64 {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
 }
 
 /// f32: the kernel against its CPU twin and against the model's graph on the CPU, within 1e-4
