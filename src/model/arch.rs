@@ -31,7 +31,7 @@ impl ArchConfig {
         if swin_family && any(&|k| k.contains(".conv_block.") || k.contains(".overlap_attn.")) {
             return HatConfig::infer(shapes)
                 .map(Self::Hat)
-                .map_err(ConfigError::Hat);
+                .map_err(|e| ConfigError::Hat(Box::new(e)));
         }
         if swin_family && any(&|k| k.ends_with(".logit_scale") || k.contains(".cpb_mlp.")) {
             return Err(unsupported(
@@ -41,7 +41,7 @@ impl ArchConfig {
         if swin_family {
             return SwinIrConfig::infer(shapes)
                 .map(Self::SwinIr)
-                .map_err(ConfigError::SwinIr);
+                .map_err(|e| ConfigError::SwinIr(Box::new(e)));
         }
         let drct_like = any(&|k| {
             k.strip_prefix("layers.")

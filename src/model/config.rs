@@ -81,23 +81,59 @@ pub enum ConfigError {
         /// The architectures this build loads.
         supported: &'static str,
     },
-    /// A HAT checkpoint that HAT's own inference refused, in its words.
+    /// A SwinIR or HAT model whose input is not RGB.
+    #[error("a {arch} model with {channels} input channels: only RGB models (3) are supported")]
+    NotRgb {
+        /// The architecture.
+        arch: &'static str,
+        /// Its input channels.
+        channels: usize,
+    },
+    /// SwinIR's 3conv residual connection on a width it cannot quarter.
+    #[error("the 3conv residual connection needs a width divisible by 4, not {0}")]
+    ThreeConvWidth(usize),
+    /// SwinIR's one-step pixel shuffle with outputs that are not 3 x scale².
+    #[error(
+        "tensor upsample.0.weight has {0} outputs: not 3 x scale^2 (a one-step pixel shuffle)"
+    )]
+    DirectUpsampler(usize),
+    /// A SwinIR model without an upsampler (a denoising or JPEG model).
+    #[error(
+        "a SwinIR model without an upsampler (denoising or JPEG artifact removal, scale 1): \
+         only the super-resolution models (x2, x3, x4) are supported"
+    )]
+    NoUpsampler,
+    /// A residual group with no Swin blocks.
+    #[error("residual group layers.{0} has no Swin blocks (layers.{0}.residual_group.blocks.N)")]
+    EmptyGroup(usize),
+    /// No `layers.N.*` tensors in a SwinIR or HAT checkpoint.
+    #[error("no residual groups (layers.N.*) found")]
+    NoSwinGroups,
+    /// HAT's overlap window leaves odd margins around its window.
+    #[error("overlap window {overlap} around a window of {window}: the margins must be even")]
+    OverlapMargins {
+        /// The overlap window's side.
+        overlap: usize,
+        /// The window's side.
+        window: usize,
+    },
+    /// A HAT checkpoint that does not fit HAT's configuration.
     #[error("HAT checkpoint: {0}")]
-    Hat(String),
-    /// A SwinIR checkpoint that SwinIR's own inference refused, in its words.
+    Hat(#[source] Box<ConfigError>),
+    /// A SwinIR checkpoint that does not fit SwinIR's configuration.
     #[error("SwinIR checkpoint: {0}")]
-    SwinIr(String),
+    SwinIr(#[source] Box<ConfigError>),
 }
 
 impl ConfigError {
-    fn missing(name: &str, hint: &'static str) -> Self {
+    pub(crate) fn missing(name: &str, hint: &'static str) -> Self {
         Self::Missing {
             name: name.to_string(),
             hint,
         }
     }
 
-    fn shape(name: &str, shape: &[usize], expected: impl Into<String>) -> Self {
+    pub(crate) fn shape(name: &str, shape: &[usize], expected: impl Into<String>) -> Self {
         Self::Shape {
             name: name.to_string(),
             shape: shape.to_vec(),

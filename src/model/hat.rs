@@ -32,14 +32,13 @@
 //! `conv_scale` is not stored in checkpoints: every released model uses 0.01. The HAB is
 //! DRCT's Swin block ([`super::swin::SwinBlock`]) with the CAB term added to its residual.
 
-use std::collections::BTreeMap;
-
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
 
 use super::bf16::Isa;
 use super::cache::WindowCache;
+use super::config::ConfigError;
 use super::fused::Attention;
 use super::layers::attention::OverlapAttend;
 use super::layers::conv::{shuffle_order, Conv3x3};
@@ -48,7 +47,9 @@ use super::norm::{layer_norm, Norm};
 use super::swin::{
     load_layer_norm, swin_frame, BlockShape, Mlp, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,
 };
-use super::swinir::{check_shapes, isqrt, pixel_shuffle_scale, swin_layout, SwinLayout};
+use super::swinir::{
+    check_shapes, isqrt, out_width, pixel_shuffle_scale, swin_layout, tensor, Shapes, SwinLayout,
+};
 
 /// The weight of the convolution branch in every released HAT model (not in the weights).
 pub const CONV_SCALE: f64 = 0.01;
@@ -259,25 +260,15 @@ impl HatConfig {
         total + 2.0 * pixels * 9.0 * f * 3.0
     }
 
-    pub fn infer(shapes: &BTreeMap<String, Vec<usize>>) -> std::result::Result<Self, String> {
-        let get = |name: &str| {
-            shapes
-                .get(name)
-                .ok_or_else(|| format!("missing tensor {name}"))
-        };
-        let first = |name: &str| -> std::result::Result<usize, String> {
-            let s = get(name)?;
-            match s.first() {
-                Some(&n) if n > 0 && s.len() >= 2 => Ok(n),
-                _ => Err(format!(
-                    "tensor {name} has shape {s:?}; expected a non-empty weight"
-                )),
-            }
-        };
-        let cf = get("conv_first.weight")?;
+    pub fn infer(shapes: &Shapes) -> std::result::Result<Self, ConfigError> {
+        let first = |name: &str| out_width(shapes, name);
+        let name = "conv_first.weight";
+        let cf = tensor(shapes, name)?;
         if cf.len() != 4 || cf[0] == 0 || cf[1] != 3 || cf[2] != 3 || cf[3] != 3 {
-            return Err(format!(
-                "tensor conv_first.weight has shape {cf:?}; an RGB HAT model has [E, 3, 3, 3]"
+            return Err(ConfigError::shape(
+                name,
+                cf,
+                "; an RGB HAT model has [E, 3, 3, 3]",
             ));
         }
         let embed_dim = cf[0];
@@ -288,18 +279,21 @@ impl HatConfig {
         } = swin_layout(shapes, embed_dim)?;
         let b0 = "layers.0.residual_group.blocks.0";
         let ocab_name = "layers.0.residual_group.overlap_attn.relative_position_bias_table";
-        let ot = get(ocab_name)?;
+        let ot = tensor(shapes, ocab_name)?;
         let oside = if ot.len() == 2 { isqrt(ot[0]) } else { 0 };
         if ot.len() != 2 || oside * oside != ot[0] || oside < 2 * window - 1 {
-            return Err(format!(
-                "tensor {ocab_name} has shape {ot:?}; expected [(window+overlap_window-1)^2, heads]"
+            return Err(ConfigError::shape(
+                ocab_name,
+                ot,
+                "; expected [(window+overlap_window-1)^2, heads]",
             ));
         }
         let overlap_window = oside + 1 - window;
         if (overlap_window - window) % 2 != 0 {
-            return Err(format!(
-                "overlap window {overlap_window} around a window of {window}: the margins must be even"
-            ));
+            return Err(ConfigError::OverlapMargins {
+                overlap: overlap_window,
+                window,
+            });
         }
         let num_feat = first("conv_before_upsample.0.weight")?;
         let cfg = HatConfig {
@@ -317,7 +311,11 @@ impl HatConfig {
             num_feat,
             scale: pixel_shuffle_scale(shapes, num_feat)?,
         };
-        check_shapes(&cfg.expected_tensors(), shapes, "HAT")?;
+        check_shapes(
+            &cfg.expected_tensors(),
+            shapes,
+            " (an unsupported HAT variant or another architecture)",
+        )?;
         Ok(cfg)
     }
 }

@@ -35,6 +35,7 @@ use serde::Serialize;
 
 use super::bf16::Isa;
 use super::cache::WindowCache;
+use super::config::ConfigError;
 use super::fused::Attention;
 use super::layers::conv::{shuffle_order, Conv3x3};
 use super::layers::linear::{pointwise, Dense};
@@ -283,23 +284,21 @@ impl SwinIrConfig {
     }
 
     /// Infer the config from tensor names and shapes, then check every tensor against it.
-    pub fn infer(shapes: &BTreeMap<String, Vec<usize>>) -> std::result::Result<Self, String> {
-        let get = |name: &str| {
-            shapes
-                .get(name)
-                .ok_or_else(|| format!("missing tensor {name}"))
-        };
-        let cf = get("conv_first.weight")?;
+    pub fn infer(shapes: &Shapes) -> std::result::Result<Self, ConfigError> {
+        let name = "conv_first.weight";
+        let cf = tensor(shapes, name)?;
         if cf.len() != 4 || cf[0] == 0 || cf[2] != 3 || cf[3] != 3 {
-            return Err(format!(
-                "tensor conv_first.weight has shape {cf:?}; a SwinIR model has [E, 3, 3, 3]"
+            return Err(ConfigError::shape(
+                name,
+                cf,
+                "; a SwinIR model has [E, 3, 3, 3]",
             ));
         }
         if cf[1] != 3 {
-            return Err(format!(
-                "a SwinIR model with {} input channels: only RGB models (3) are supported",
-                cf[1]
-            ));
+            return Err(ConfigError::NotRgb {
+                arch: "SwinIR",
+                channels: cf[1],
+            });
         }
         let embed_dim = cf[0];
         let SwinLayout {
@@ -308,15 +307,7 @@ impl SwinIrConfig {
             heads,
         } = swin_layout(shapes, embed_dim)?;
         let block0 = "layers.0.residual_group.blocks.0";
-        let width = |name: &str| -> std::result::Result<usize, String> {
-            let s = get(name)?;
-            match s.first() {
-                Some(&n) if n > 0 && s.len() >= 2 => Ok(n),
-                _ => Err(format!(
-                    "tensor {name} has shape {s:?}; expected a non-empty weight"
-                )),
-            }
-        };
+        let width = |name: &str| out_width(shapes, name);
         let mlp_hidden = width(&format!("{block0}.mlp.fc1.weight"))?;
         let resi_connection = if shapes.contains_key("conv_after_body.0.weight") {
             ResiConnection::ThreeConv
@@ -324,9 +315,7 @@ impl SwinIrConfig {
             ResiConnection::OneConv
         };
         if resi_connection == ResiConnection::ThreeConv && (embed_dim < 4 || embed_dim % 4 != 0) {
-            return Err(format!(
-                "the 3conv residual connection needs a width divisible by 4, not {embed_dim}"
-            ));
+            return Err(ConfigError::ThreeConvWidth(embed_dim));
         }
         let (upsampler, num_feat, scale) = if shapes.contains_key("conv_up1.weight") {
             let f = width("conv_before_upsample.0.weight")?;
@@ -343,16 +332,11 @@ impl SwinIrConfig {
             let out = width("upsample.0.weight")?;
             let s = isqrt(out / 3);
             if s < 2 || 3 * s * s != out {
-                return Err(format!(
-                    "tensor upsample.0.weight has {out} outputs: not 3 x scale^2 (a one-step pixel shuffle)"
-                ));
+                return Err(ConfigError::DirectUpsampler(out));
             }
             (Upsampler::PixelShuffleDirect, 0, s)
         } else {
-            return Err(
-                "a SwinIR model without an upsampler (denoising or JPEG artifact removal, scale 1): only the super-resolution models (x2, x3, x4) are supported"
-                    .into(),
-            );
+            return Err(ConfigError::NoUpsampler);
         };
         let cfg = SwinIrConfig {
             embed_dim,
@@ -366,7 +350,7 @@ impl SwinIrConfig {
             num_feat,
             scale,
         };
-        check_shapes(&cfg.expected_tensors(), shapes, "SwinIR")?;
+        check_shapes(&cfg.expected_tensors(), shapes, UNEXPECTED_SWINIR)?;
         Ok(cfg)
     }
 }
@@ -382,16 +366,13 @@ pub(crate) struct SwinLayout {
 
 /// [`SwinLayout`] read from the tensor shapes, or what is wrong with them.
 pub(crate) fn swin_layout(
-    shapes: &BTreeMap<String, Vec<usize>>,
+    shapes: &Shapes,
     embed_dim: usize,
-) -> std::result::Result<SwinLayout, String> {
-    let get = |name: &str| {
-        shapes
-            .get(name)
-            .ok_or_else(|| format!("missing tensor {name}"))
-    };
+) -> std::result::Result<SwinLayout, ConfigError> {
     if shapes.contains_key("absolute_pos_embed") {
-        return Err("absolute position embedding (ape=True) is not supported".into());
+        return Err(ConfigError::Unsupported(
+            "absolute position embedding (ape=True)",
+        ));
     }
     let mut depths: Vec<usize> = Vec::new();
     for key in shapes.keys() {
@@ -399,47 +380,55 @@ pub(crate) fn swin_layout(
             continue;
         };
         let mut parts = rest.split('.');
-        let i: usize = parts
-            .next()
-            .and_then(|i| i.parse().ok())
-            .ok_or_else(|| format!("unexpected tensor {key}"))?;
+        let i: usize =
+            parts
+                .next()
+                .and_then(|i| i.parse().ok())
+                .ok_or_else(|| ConfigError::Unexpected {
+                    name: key.clone(),
+                    hint: "",
+                })?;
         if depths.len() <= i {
             depths.resize(i + 1, 0);
         }
         if parts.next() == Some("residual_group") && parts.next() == Some("blocks") {
-            let j: usize = parts
-                .next()
-                .and_then(|j| j.parse().ok())
-                .ok_or_else(|| format!("unexpected tensor {key}"))?;
+            let j: usize = parts.next().and_then(|j| j.parse().ok()).ok_or_else(|| {
+                ConfigError::Unexpected {
+                    name: key.clone(),
+                    hint: "",
+                }
+            })?;
             depths[i] = depths[i].max(j + 1);
         }
     }
     if let Some(i) = depths.iter().position(|&d| d == 0) {
-        return Err(format!(
-            "residual group layers.{i} has no Swin blocks (layers.{i}.residual_group.blocks.N)"
-        ));
+        return Err(ConfigError::EmptyGroup(i));
     }
     if depths.is_empty() {
-        return Err("no residual groups (layers.N.*) found".into());
+        return Err(ConfigError::NoSwinGroups);
     }
     let block0 = "layers.0.residual_group.blocks.0";
     let table_name = format!("{block0}.attn.relative_position_bias_table");
-    let table = get(&table_name)?;
+    let table = tensor(shapes, &table_name)?;
     let side = if table.len() == 2 { isqrt(table[0]) } else { 0 };
     if table.len() != 2 || side * side != table[0] || side % 2 == 0 {
-        return Err(format!(
-            "tensor {table_name} has shape {table:?}; expected [(2*window-1)^2, heads]"
+        return Err(ConfigError::shape(
+            &table_name,
+            table,
+            "; expected [(2*window-1)^2, heads]",
         ));
     }
     let window = side.div_ceil(2);
     let mut heads = Vec::with_capacity(depths.len());
     for i in 0..depths.len() {
         let name = format!("layers.{i}.residual_group.blocks.0.attn.relative_position_bias_table");
-        let t = get(&name)?;
+        let t = tensor(shapes, &name)?;
         let h = t.get(1).copied().unwrap_or(0);
         if h == 0 || !embed_dim.is_multiple_of(h) {
-            return Err(format!(
-                "tensor {name} has shape {t:?}: {h} heads do not divide the width {embed_dim}"
+            return Err(ConfigError::shape(
+                &name,
+                t,
+                format!(": {h} heads do not divide the width {embed_dim}"),
             ));
         }
         heads.push(h);
@@ -453,30 +442,32 @@ pub(crate) fn swin_layout(
 
 /// The product of the classical upsampler's pixel-shuffle stages (`upsample.0`, `.2`, ...).
 pub(crate) fn pixel_shuffle_scale(
-    shapes: &BTreeMap<String, Vec<usize>>,
+    shapes: &Shapes,
     f: usize,
-) -> std::result::Result<usize, String> {
+) -> std::result::Result<usize, ConfigError> {
     let mut scale = 1;
     let mut stage = 0;
     while let Some(w) = shapes.get(&format!("upsample.{}.weight", 2 * stage)) {
         let out = w.first().copied().unwrap_or(0);
         let r = isqrt(out / f.max(1));
         if w.len() != 4 || r * r * f != out || !(r == 2 || r == 3) {
-            return Err(format!(
-                "tensor upsample.{}.weight has shape {w:?}: not a pixel-shuffle stage of 2 or 3 over {f} channels",
-                2 * stage
+            return Err(ConfigError::shape(
+                &format!("upsample.{}.weight", 2 * stage),
+                w,
+                format!(": not a pixel-shuffle stage of 2 or 3 over {f} channels"),
             ));
         }
         scale *= r;
         stage += 1;
     }
     if stage == 0 {
-        return Err("missing tensor upsample.0.weight".into());
+        return Err(ConfigError::missing("upsample.0.weight", ""));
     }
     if !(scale == 3 || (scale.is_power_of_two() && scale >= 2)) || (scale % 3 == 0 && stage > 1) {
-        return Err(format!(
-            "unsupported upsampler: scale {scale} from {stage} stages"
-        ));
+        return Err(ConfigError::Upsampler {
+            scale,
+            stages: stage,
+        });
     }
     Ok(scale)
 }
@@ -484,30 +475,56 @@ pub(crate) fn pixel_shuffle_scale(
 /// Every expected tensor present with its exact shape, and nothing unexplained left over.
 pub(crate) fn check_shapes(
     expected: &[(String, Vec<usize>)],
-    shapes: &BTreeMap<String, Vec<usize>>,
-    arch: &str,
-) -> std::result::Result<(), String> {
+    shapes: &Shapes,
+    unexpected: &'static str,
+) -> std::result::Result<(), ConfigError> {
     for (name, shape) in expected {
-        match shapes.get(name) {
-            None => return Err(format!("missing tensor {name}")),
-            Some(found) if found != shape => {
-                return Err(format!(
-                    "tensor {name} has shape {found:?} but the inferred config needs {shape:?}"
-                ))
-            }
-            Some(_) => {}
+        let found = tensor(shapes, name)?;
+        if found != shape {
+            return Err(ConfigError::shape(
+                name,
+                found,
+                format!(" but the inferred config needs {shape:?}"),
+            ));
         }
     }
     if expected.len() != shapes.len() {
         let known: std::collections::HashSet<&str> =
             expected.iter().map(|(n, _)| n.as_str()).collect();
         if let Some(extra) = shapes.keys().find(|k| !known.contains(k.as_str())) {
-            return Err(format!(
-                "unexpected tensor {extra} (an unsupported {arch} variant or another architecture)"
-            ));
+            return Err(ConfigError::Unexpected {
+                name: extra.clone(),
+                hint: unexpected,
+            });
         }
     }
     Ok(())
+}
+
+/// Tensor names and shapes of a checkpoint.
+pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
+
+/// What [`check_shapes`] adds to an unexpected tensor's name.
+const UNEXPECTED_SWINIR: &str = " (an unsupported SwinIR variant or another architecture)";
+
+/// The shape of tensor `name`.
+pub(crate) fn tensor<'a>(
+    shapes: &'a Shapes,
+    name: &str,
+) -> std::result::Result<&'a [usize], ConfigError> {
+    shapes
+        .get(name)
+        .map(Vec::as_slice)
+        .ok_or_else(|| ConfigError::missing(name, ""))
+}
+
+/// The output width (first axis) of weight `name`.
+pub(crate) fn out_width(shapes: &Shapes, name: &str) -> std::result::Result<usize, ConfigError> {
+    let s = tensor(shapes, name)?;
+    match s.first() {
+        Some(&n) if n > 0 && s.len() >= 2 => Ok(n),
+        _ => Err(ConfigError::shape(name, s, "; expected a non-empty weight")),
+    }
 }
 
 pub(crate) fn isqrt(n: usize) -> usize {

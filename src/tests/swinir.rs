@@ -425,3 +425,51 @@ fn released_configurations_round_trip() {
         );
     }
 }
+
+/// SwinIR's refusals are typed errors naming the tensor, and the architecture's wrapper
+/// keeps each one as its source: an unexplained tensor, heads that do not divide the width.
+#[test]
+fn swinir_refusals_are_typed_and_kept_as_the_source() {
+    use crate::model::config::ConfigError;
+    use std::error::Error as _;
+    let base: std::collections::BTreeMap<String, Vec<usize>> =
+        shapes(&dir().join("realworld_x4_3conv.safetensors"))
+            .into_iter()
+            .map(|(k, v)| (k, v.dims().to_vec()))
+            .collect();
+    assert!(ArchConfig::infer(&base).is_ok());
+
+    let mut s = base.clone();
+    s.insert(
+        "layers.0.residual_group.blocks.0.attn.extra".into(),
+        vec![3],
+    );
+    let e = ArchConfig::infer(&s).unwrap_err();
+    let ConfigError::SwinIr(inner) = &e else {
+        panic!("{e:?}")
+    };
+    assert!(
+        matches!(&**inner, ConfigError::Unexpected { name, .. } if name.ends_with("attn.extra")),
+        "{inner:?}"
+    );
+    let source = e.source().expect("the SwinIR wrapper keeps its cause");
+    assert_eq!(e.to_string(), format!("SwinIR checkpoint: {source}"));
+    assert!(
+        source.to_string().contains("unsupported SwinIR variant"),
+        "{source}"
+    );
+
+    // Six heads read as seven: they no longer divide the width.
+    let table = "layers.1.residual_group.blocks.0.attn.relative_position_bias_table";
+    let mut s = base.clone();
+    s.get_mut(table).unwrap()[1] += 1;
+    let e = crate::model::SwinIrConfig::infer(&s).unwrap_err();
+    assert!(
+        matches!(&e, ConfigError::Shape { name, .. } if name == table),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains("heads do not divide the width"),
+        "{e}"
+    );
+}
