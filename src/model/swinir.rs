@@ -37,9 +37,9 @@ use super::bf16::Isa;
 use super::cache::WindowCache;
 use super::config::ConfigError;
 use super::fused::Attention;
+use super::layers::build_layers;
 use super::layers::conv::{shuffle_order, Conv3x3};
 use super::layers::linear::{pointwise, Dense};
-use super::layers::{build_layers, in_cpu_pool};
 use super::norm::{layer_norm, Norm};
 use super::swin::{load_layer_norm, swin_frame, BlockShape, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE};
 
@@ -796,12 +796,6 @@ impl Module for SwinIr {
     /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)` in the model's
     /// dtype, unclamped ([`swin_frame`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        in_cpu_pool(x, || self.forward_here(x))
-    }
-}
-
-impl SwinIr {
-    fn forward_here(&self, x: &Tensor) -> Result<Tensor> {
         let shape = (self.dtype, self.config.window, self.config.scale);
         let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
         swin_frame(x, shape, head, |f0, mut t| {

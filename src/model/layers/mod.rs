@@ -17,7 +17,7 @@ pub mod attention;
 pub mod conv;
 pub mod linear;
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Device, Result};
 use rayon::prelude::*;
 
 /// Where a layer's weights live, which decides its implementation.
@@ -54,20 +54,4 @@ pub(crate) fn build_layers<T: Send>(
         Backend::Cpu => (0..n).into_par_iter().map(build).collect(),
         Backend::Cuda | Backend::Other => (0..n).map(build).collect(),
     }
-}
-
-/// Runs `forward` (of input `x`) on one of rayon's workers when `x` is on the CPU. There every
-/// layer is a parallel op on rayon's pool; called from outside the pool (a CPU lane is a
-/// thread of its own), each op would be handed to the pool and the caller woken when it
-/// ends, several hundred round trips per forward, while from a worker the ops start where
-/// the previous one ended.
-pub(crate) fn in_cpu_pool<T: Send>(
-    x: &Tensor,
-    forward: impl FnOnce() -> Result<T> + Send,
-) -> Result<T> {
-    if Backend::of(x.device()) == Backend::Cpu && rayon::current_thread_index().is_none() {
-        // `scope` runs its closure on a worker of the pool and waits for it.
-        return rayon::scope(|_| forward());
-    }
-    forward()
 }
