@@ -28,6 +28,8 @@ namespace rowwise {
 constexpr int ACT_NONE = 0;
 constexpr int ACT_GELU = 1;
 constexpr int ACT_LEAKY = 2;
+// `activate` passes every other code through unchanged, so none may take ACT_NONE's.
+static_assert(ACT_NONE != ACT_GELU && ACT_NONE != ACT_LEAKY, "distinct activation codes");
 
 __device__ __forceinline__ float activate(float v, int act, float slope) {
     if (act == ACT_GELU) {
