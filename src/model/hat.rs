@@ -48,7 +48,8 @@ use super::swin::{
     load_layer_norm, swin_frame, BlockShape, Mlp, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,
 };
 use super::swinir::{
-    check_shapes, isqrt, out_width, pixel_shuffle_scale, swin_layout, tensor, Shapes, SwinLayout,
+    check_shapes, isqrt, out_width, parameters, pixel_shuffle_scale, pixel_shuffle_stages,
+    swin_layout, tensor, Shapes, SwinLayout,
 };
 
 /// The weight of the convolution branch in every released HAT model (not in the weights).
@@ -193,18 +194,11 @@ impl HatConfig {
     }
 
     pub fn upsample_stages(&self) -> Vec<usize> {
-        if self.scale == 3 {
-            vec![3]
-        } else {
-            vec![2; self.scale.trailing_zeros() as usize]
-        }
+        pixel_shuffle_stages(self.scale)
     }
 
     pub fn parameter_count(&self) -> usize {
-        self.expected_tensors()
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>())
-            .sum()
+        parameters(&self.expected_tensors())
     }
 
     pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool) -> usize {

@@ -211,18 +211,11 @@ impl SwinIrConfig {
 
     /// Pixel-shuffle factor of each stage of the classical upsampler.
     pub fn upsample_stages(&self) -> Vec<usize> {
-        if self.scale == 3 {
-            vec![3]
-        } else {
-            vec![2; self.scale.trailing_zeros() as usize]
-        }
+        pixel_shuffle_stages(self.scale)
     }
 
     pub fn parameter_count(&self) -> usize {
-        self.expected_tensors()
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>())
-            .sum()
+        parameters(&self.expected_tensors())
     }
 
     /// The most values one intermediate tensor holds per padded input pixel (see
@@ -499,6 +492,24 @@ pub(crate) fn check_shapes(
         }
     }
     Ok(())
+}
+
+/// The factors of a classical upsampler's pixel-shuffle stages for `scale`: one stage of 3,
+/// or stages of 2.
+pub(crate) fn pixel_shuffle_stages(scale: usize) -> Vec<usize> {
+    if scale == 3 {
+        vec![3]
+    } else {
+        vec![2; scale.trailing_zeros() as usize]
+    }
+}
+
+/// The parameters that tensors of these shapes hold.
+pub(crate) fn parameters(tensors: &[(String, Vec<usize>)]) -> usize {
+    tensors
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum()
 }
 
 /// Tensor names and shapes of a checkpoint.
