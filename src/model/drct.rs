@@ -8,12 +8,11 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use super::bf16::Isa;
 use super::cache::WindowCache;
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
-use super::fused::Attention;
-use super::layers::conv::{shuffle_order, Conv3x3};
+use super::layers::conv::Conv3x3;
 use super::layers::linear::{pointwise_padded, Dense};
+use super::layers::LoadPlan;
 use super::norm::{layer_norm, Norm};
 use super::pad_channels::{Channels, Pad};
 use super::swin::{load_norm, swin_frame, BlockShape, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE};
@@ -35,8 +34,7 @@ fn drct_block(
     cfg: &DrctConfig,
     (g, k): (usize, usize),
     windows: &WindowCache,
-    attention: Attention,
-    pad: Pad,
+    plan: &LoadPlan,
     vb: VarBuilder,
 ) -> Result<SwinBlock> {
     let shape = BlockShape {
@@ -46,8 +44,8 @@ fn drct_block(
         window: cfg.window,
         shifted: k % 2 == 1,
     };
-    let channels = block_channels(cfg, pad, k);
-    SwinBlock::padded(shape, &channels, pad, windows, attention, vb)
+    let channels = block_channels(cfg, plan.pad, k);
+    SwinBlock::padded(shape, &channels, windows, plan, vb)
 }
 
 /// Residual dense group: five Swin blocks, each reading the concatenation of the group's
@@ -62,15 +60,15 @@ impl Rdg {
         cfg: &DrctConfig,
         g: usize,
         windows: &WindowCache,
-        attention: Attention,
-        pad: Pad,
+        plan: &LoadPlan,
         vb: VarBuilder,
     ) -> Result<Self> {
+        let pad = plan.pad;
         let mut blocks = Vec::with_capacity(BLOCKS_PER_GROUP);
         let mut adjust = Vec::with_capacity(BLOCKS_PER_GROUP);
         for k in 0..BLOCKS_PER_GROUP {
             let swin = vb.pp(format!("swin{}", k + 1));
-            blocks.push(drct_block(cfg, (g, k), windows, attention, pad, swin)?);
+            blocks.push(drct_block(cfg, (g, k), windows, plan, swin)?);
             let (out, scale) = if k + 1 == BLOCKS_PER_GROUP {
                 (cfg.embed_dim, RDG_RESIDUAL)
             } else {
@@ -81,22 +79,11 @@ impl Rdg {
                 &block_channels(cfg, pad, k),
                 &pad.one(out),
                 scale,
+                plan,
                 vb,
             )?);
         }
         Ok(Self { blocks, adjust })
-    }
-}
-
-impl Rdg {
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
-        for b in &mut self.blocks {
-            b.use_bf16(isa)?;
-        }
-        for a in &mut self.adjust {
-            a.use_bf16(isa)?;
-        }
-        Ok(())
     }
 }
 
@@ -132,26 +119,21 @@ pub struct Drct {
     #[cfg_attr(not(test), allow(dead_code))]
     windows: WindowCache,
     dtype: DType,
-    bf16: Option<Isa>,
     pad: Pad,
 }
 
 impl Drct {
-    /// The network with window attention run as `attention` says on CUDA devices, and its
-    /// channels padded as `pad` says ([`super::pad_channels`]).
-    pub fn with_attention(
-        cfg: &DrctConfig,
-        vb: VarBuilder,
-        attention: Attention,
-        pad: Pad,
-    ) -> Result<Self> {
+    /// The network stored under `vb`, built as `plan` says: window attention on CUDA
+    /// devices, channels padded ([`super::pad_channels`]), bf16 products on the CPU.
+    pub fn new(cfg: &DrctConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+        let pad = plan.pad;
         let e = pad.one(cfg.embed_dim);
         let f = pad.one(cfg.num_feat);
         let windows = WindowCache::new(cfg.window, vb.dtype(), vb.device());
         let layers = (0..cfg.groups)
             .map(|g| {
                 let vb = vb.pp(format!("layers.{g}"));
-                Rdg::new(cfg, g, &windows, attention, pad, vb)
+                Rdg::new(cfg, g, &windows, plan, vb)
             })
             .collect::<Result<Vec<_>>>()?;
         let upsample = cfg
@@ -159,14 +141,8 @@ impl Drct {
             .into_iter()
             .enumerate()
             .map(|(i, r)| {
-                let nf = cfg.num_feat;
-                let conv = Conv3x3::new(&f, r * r * nf, vb.pp(format!("upsample.{}", 2 * i)))?;
-                // Reordered to (i, j, c) first, so that each of the r*r groups of channels
-                // that PixelShuffle moves to one pixel is padded on its own.
-                let conv = conv
-                    .reorder_outputs(shuffle_order(nf, r))?
-                    .spread_outputs(&pad.parts(r * r, nf))?;
-                Ok((conv, r))
+                let vb = vb.pp(format!("upsample.{}", 2 * i));
+                Ok((Conv3x3::shuffled(&f, (cfg.num_feat, r), pad, plan, vb)?, r))
             })
             .collect::<Result<Vec<_>>>()?;
         let mean =
@@ -174,7 +150,7 @@ impl Drct {
         // The RGB input and output are never padded.
         let rgb = Pad::OFF.one(3);
         Ok(Self {
-            conv_first: Conv3x3::new(&rgb, e.real(), vb.pp("conv_first"))?.spread_outputs(&e)?,
+            conv_first: Conv3x3::new(&rgb, &e, plan, vb.pp("conv_first"))?,
             patch_norm: if cfg.patch_norm {
                 Some(load_norm(&e, vb.pp("patch_embed.norm"))?)
             } else {
@@ -183,21 +159,18 @@ impl Drct {
             layers,
             norm: load_norm(&e, vb.pp("norm"))?,
             conv_after_body: if cfg.conv_after_body {
-                let conv = Conv3x3::new(&e, e.real(), vb.pp("conv_after_body"))?;
-                Some(conv.spread_outputs(&e)?)
+                Some(Conv3x3::new(&e, &e, plan, vb.pp("conv_after_body"))?)
             } else {
                 None
             },
-            conv_before_upsample: Conv3x3::new(&e, f.real(), vb.pp("conv_before_upsample.0"))?
-                .spread_outputs(&f)?,
+            conv_before_upsample: Conv3x3::new(&e, &f, plan, vb.pp("conv_before_upsample.0"))?,
             upsample,
-            conv_last: Conv3x3::new(&f, 3, vb.pp("conv_last"))?
+            conv_last: Conv3x3::new(&f, &rgb, plan, vb.pp("conv_last"))?
                 .add_to_bias(&mean.flatten_all()?)?,
             mean,
             config: cfg.clone(),
             windows,
             dtype: vb.dtype(),
-            bf16: None,
             pad,
         })
     }
@@ -209,24 +182,6 @@ impl Drct {
 
     pub fn dtype(&self) -> DType {
         self.dtype
-    }
-
-    /// Bf16 products on the CPU ([`super::Network::use_bf16_products`]).
-    pub(crate) fn use_bf16_products(&mut self, isa: Isa) -> Result<()> {
-        self.conv_first.use_bf16(isa)?;
-        for layer in &mut self.layers {
-            layer.use_bf16(isa)?;
-        }
-        for conv in [&mut self.conv_after_body]
-            .into_iter()
-            .flatten()
-            .chain([&mut self.conv_before_upsample, &mut self.conv_last])
-            .chain(self.upsample.iter_mut().map(|(c, _)| c))
-        {
-            conv.use_bf16(isa)?;
-        }
-        self.bf16 = Some(isa);
-        Ok(())
     }
 
     #[cfg(test)]

@@ -36,14 +36,14 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
 
-use super::bf16::Isa;
 use super::cache::WindowCache;
 use super::config::ConfigError;
-use super::fused::Attention;
 use super::layers::attention::OverlapAttend;
-use super::layers::conv::{shuffle_order, Conv3x3};
+use super::layers::conv::Conv3x3;
 use super::layers::linear::{pointwise, Dense};
+use super::layers::LoadPlan;
 use super::norm::{layer_norm, Norm};
+use super::pad_channels::Pad;
 use super::swin::{
     load_layer_norm, swin_frame, BlockShape, Mlp, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,
 };
@@ -323,12 +323,12 @@ struct Cab {
 }
 
 impl Cab {
-    fn new(cfg: &HatConfig, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &HatConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         let e = cfg.embed_dim;
         let ca = vb.pp("3.attention");
         Ok(Self {
-            conv1: Conv3x3::unpadded(e, cfg.cab_width, vb.pp("0"))?,
-            conv2: Conv3x3::unpadded(cfg.cab_width, e, vb.pp("2"))?,
+            conv1: Conv3x3::unpadded(e, cfg.cab_width, plan, vb.pp("0"))?,
+            conv2: Conv3x3::unpadded(cfg.cab_width, e, plan, vb.pp("2"))?,
             squeeze: pointwise(e, cfg.squeeze_width, ca.pp("1"))?,
             excite: pointwise(cfg.squeeze_width, e, ca.pp("3"))?,
         })
@@ -343,11 +343,6 @@ impl Cab {
         let y = self.squeeze.forward(&pooled)?.relu()?;
         let y = (candle_nn::ops::sigmoid(&self.excite.forward(&y)?)? * CONV_SCALE)?;
         z.broadcast_mul(&y)
-    }
-
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
-        self.conv1.use_bf16(isa)?;
-        self.conv2.use_bf16(isa)
     }
 }
 
@@ -376,7 +371,7 @@ struct Ocab {
 }
 
 impl Ocab {
-    fn new(cfg: &HatConfig, heads: usize, attention: Attention, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &HatConfig, heads: usize, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         let e = cfg.embed_dim;
         let (ws, ows) = (cfg.window, cfg.overlap_window);
         let scale = ((e / heads) as f64).powf(-0.5);
@@ -390,18 +385,12 @@ impl Ocab {
         )?;
         Ok(Self {
             norm1: load_layer_norm(e, vb.pp("norm1"))?,
-            qkv: Dense::new(w, b),
-            proj: Dense::load_unpadded(e, e, vb.pp("proj"))?,
-            attend: OverlapAttend::new(&table, heads, (ws, ows), attention)?,
+            qkv: Dense::new(w, b, plan)?,
+            proj: Dense::load_unpadded(e, e, plan, vb.pp("proj"))?,
+            attend: OverlapAttend::new(&table, heads, (ws, ows), plan)?,
             norm2: load_layer_norm(e, vb.pp("norm2"))?,
-            mlp: Mlp::unpadded(e, cfg.ocab_mlp_hidden, vb.pp("mlp"))?,
+            mlp: Mlp::unpadded(e, cfg.ocab_mlp_hidden, plan, vb.pp("mlp"))?,
         })
-    }
-
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
-        self.qkv.use_bf16(isa)?;
-        self.proj.use_bf16(isa)?;
-        self.mlp.use_bf16(isa)
     }
 }
 
@@ -452,7 +441,8 @@ pub struct Hat {
 }
 
 impl Hat {
-    pub fn with_attention(cfg: &HatConfig, vb: VarBuilder, attention: Attention) -> Result<Self> {
+    /// The network stored under `vb`, built as `plan` says (its channels never padded).
+    pub fn new(cfg: &HatConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         let e = cfg.embed_dim;
         let f = cfg.num_feat;
         let windows = WindowCache::new(cfg.window, vb.dtype(), vb.device());
@@ -471,16 +461,16 @@ impl Hat {
                         shifted: j % 2 == 1,
                     };
                     Ok(Hab {
-                        swin: SwinBlock::with_shape(shape, &windows, attention, vb.clone())?,
-                        cab: Cab::new(cfg, vb.pp("conv_block.cab"))?,
+                        swin: SwinBlock::with_shape(shape, &windows, plan, vb.clone())?,
+                        cab: Cab::new(cfg, plan, vb.pp("conv_block.cab"))?,
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
             layers.push(Rhag {
                 blocks,
-                ocab: Ocab::new(cfg, heads, attention, group.pp("overlap_attn"))?,
+                ocab: Ocab::new(cfg, heads, plan, group.pp("overlap_attn"))?,
                 conv: if cfg.group_conv {
-                    Some(Conv3x3::unpadded(e, e, vb.pp("conv"))?)
+                    Some(Conv3x3::unpadded(e, e, plan, vb.pp("conv"))?)
                 } else {
                     None
                 },
@@ -493,12 +483,15 @@ impl Hat {
             .into_iter()
             .enumerate()
             .map(|(i, r)| {
-                let conv = Conv3x3::unpadded(f, r * r * f, vb.pp(format!("upsample.{}", 2 * i)))?;
-                Ok((conv.reorder_outputs(shuffle_order(f, r))?, r))
+                let vb = vb.pp(format!("upsample.{}", 2 * i));
+                Ok((
+                    Conv3x3::shuffled(&Pad::OFF.one(f), (f, r), Pad::OFF, plan, vb)?,
+                    r,
+                ))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            conv_first: Conv3x3::unpadded(3, e, vb.pp("conv_first"))?,
+            conv_first: Conv3x3::unpadded(3, e, plan, vb.pp("conv_first"))?,
             patch_norm: if cfg.patch_norm {
                 Some(load_layer_norm(e, vb.pp("patch_embed.norm"))?)
             } else {
@@ -507,13 +500,13 @@ impl Hat {
             layers,
             norm: load_layer_norm(e, vb.pp("norm"))?,
             conv_after_body: if cfg.group_conv {
-                Some(Conv3x3::unpadded(e, e, vb.pp("conv_after_body"))?)
+                Some(Conv3x3::unpadded(e, e, plan, vb.pp("conv_after_body"))?)
             } else {
                 None
             },
-            conv_before_upsample: Conv3x3::unpadded(e, f, vb.pp("conv_before_upsample.0"))?,
+            conv_before_upsample: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
             upsample,
-            conv_last: Conv3x3::unpadded(f, 3, vb.pp("conv_last"))?
+            conv_last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?
                 .add_to_bias(&mean.flatten_all()?)?,
             mean,
             config: cfg.clone(),
@@ -524,29 +517,6 @@ impl Hat {
 
     pub fn dtype(&self) -> DType {
         self.dtype
-    }
-
-    /// Bf16 products on the CPU ([`super::Network::use_bf16_products`]).
-    pub(crate) fn use_bf16_products(&mut self, isa: Isa) -> Result<()> {
-        self.conv_first.use_bf16(isa)?;
-        for layer in &mut self.layers {
-            for b in &mut layer.blocks {
-                b.swin.use_bf16(isa)?;
-                b.cab.use_bf16(isa)?;
-            }
-            layer.ocab.use_bf16(isa)?;
-            if let Some(c) = &mut layer.conv {
-                c.use_bf16(isa)?;
-            }
-        }
-        for conv in [&mut self.conv_before_upsample, &mut self.conv_last]
-            .into_iter()
-            .chain(self.conv_after_body.as_mut())
-            .chain(self.upsample.iter_mut().map(|(c, _)| c))
-        {
-            conv.use_bf16(isa)?;
-        }
-        Ok(())
     }
 
     #[cfg(test)]

@@ -35,6 +35,7 @@ pub use fused::Attention;
 pub use hat::Hat;
 #[cfg(any(test, feature = "cli"))]
 pub use hat::HatConfig;
+use layers::LoadPlan;
 pub use pth::{PthError, PthTensorError};
 pub use swinir::SwinIr;
 #[cfg(any(test, feature = "cli"))]
@@ -182,18 +183,6 @@ impl Network {
         }
     }
 
-    /// Runs every matrix product (linear layers, convolutions as GEMMs, both attention
-    /// products) with bf16 operands and f32 sums on `isa`, the weights kept in bf16 only;
-    /// everything else stays f32. For networks built in f32 on the CPU: layers elsewhere
-    /// keep their form.
-    fn use_bf16_products(&mut self, isa: bf16::Isa) -> candle_core::Result<()> {
-        match self {
-            Self::Drct(n) => n.use_bf16_products(isa),
-            Self::SwinIr(n) => n.use_bf16_products(isa),
-            Self::Hat(n) => n.use_bf16_products(isa),
-        }
-    }
-
     /// How the channels were padded at load (DRCT only; the others never are).
     pub fn padding(&self) -> pad_channels::Pad {
         match self {
@@ -253,8 +242,9 @@ impl Model {
             origin: ck.source.to_string(),
             source: e,
         };
-        // bf16 on the CPU keeps f32 activations and runs the products in bf16: the weights
-        // are read in f32 and packed by the network.
+        // bf16 on the CPU keeps f32 activations and runs every matrix product (linear layers,
+        // convolutions as GEMMs, both attention products) with bf16 operands and f32 sums:
+        // the weights are read in f32 and each layer packs its own as it is built.
         let cpu_bf16 = dtype == DType::BF16 && device.is_cpu();
         let isa = match (cpu_bf16, bf16::isa()) {
             (false, _) => None,
@@ -262,25 +252,27 @@ impl Model {
             (true, None) => return Err(build_error(BuildError::NoCpuBf16)),
         };
         let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
-        let pad = pad_channels::current().map_err(|e| build_error(e.into()))?;
+        let mut pad = pad_channels::current().map_err(|e| build_error(e.into()))?;
         if !matches!(ck.config, ArchConfig::Drct(_)) && pad != pad_channels::Pad::OFF {
             // Only DRCT's layers know how to pad; the others run as they are.
             log::warn!(
                 "{}: applies to DRCT models; this one runs unpadded",
                 pad_channels::VAR
             );
+            pad = pad_channels::Pad::OFF;
         }
+        let plan = LoadPlan {
+            attention,
+            pad,
+            bf16: isa,
+        };
         let vb = VarBuilder::from_tensors(ck.tensors, vb_dtype, device);
-        let mut net = match &ck.config {
-            ArchConfig::Drct(c) => Drct::with_attention(c, vb, attention, pad).map(Network::Drct),
-            ArchConfig::SwinIr(c) => SwinIr::with_attention(c, vb, attention).map(Network::SwinIr),
-            ArchConfig::Hat(c) => Hat::with_attention(c, vb, attention).map(Network::Hat),
+        let net = match &ck.config {
+            ArchConfig::Drct(c) => Drct::new(c, &plan, vb).map(Network::Drct),
+            ArchConfig::SwinIr(c) => SwinIr::new(c, &plan, vb).map(Network::SwinIr),
+            ArchConfig::Hat(c) => Hat::new(c, &plan, vb).map(Network::Hat),
         }
         .map_err(|e| build_error(e.into()))?;
-        if let Some(isa) = isa {
-            net.use_bf16_products(isa)
-                .map_err(|e| build_error(e.into()))?;
-        }
         Ok(Self {
             net,
             config: ck.config,

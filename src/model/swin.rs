@@ -8,12 +8,11 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use super::bf16::Isa;
 use super::cache::WindowCache;
-use super::fused::Attention;
 use super::layers::attention::Attend;
 use super::layers::conv::Conv3x3;
 use super::layers::linear::{spread2, Dense};
+use super::layers::LoadPlan;
 use super::norm::{add_gather_norm, layer_norm, norm_gather, Norm};
 use super::pad_channels::{Channels, Pad};
 
@@ -41,23 +40,21 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(dim: &Channels, hidden: &Channels, vb: VarBuilder) -> Result<Self> {
+    pub fn new(dim: &Channels, hidden: &Channels, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            fc1: Dense::load(dim, hidden, vb.pp("fc1"))?,
-            fc2: Dense::load(hidden, dim, vb.pp("fc2"))?,
+            fc1: Dense::load(dim, hidden, plan, vb.pp("fc1"))?,
+            fc2: Dense::load(hidden, dim, plan, vb.pp("fc2"))?,
         })
     }
 
     /// The MLP stored under `vb`, `dim` -> `hidden` -> `dim` channels, none padded.
-    pub(crate) fn unpadded(dim: usize, hidden: usize, vb: VarBuilder) -> Result<Self> {
-        Self::new(&Pad::OFF.one(dim), &Pad::OFF.one(hidden), vb)
-    }
-}
-
-impl Mlp {
-    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
-        self.fc1.use_bf16(isa)?;
-        self.fc2.use_bf16(isa)
+    pub(crate) fn unpadded(
+        dim: usize,
+        hidden: usize,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Self::new(&Pad::OFF.one(dim), &Pad::OFF.one(hidden), plan, vb)
     }
 }
 
@@ -83,15 +80,15 @@ pub struct WindowAttention {
 }
 
 impl WindowAttention {
-    /// The attention of a block over `channels`, its heads' dims padded as `pad` says.
+    /// The attention of a block over `channels`, its heads' dims padded as `plan` says.
     pub fn new(
         channels: &Channels,
         heads: usize,
         ws: usize,
-        attention: Attention,
-        pad: Pad,
+        plan: &LoadPlan,
         vb: VarBuilder,
     ) -> Result<Self> {
+        let pad = plan.pad;
         let dim = channels.real();
         let head_dim = dim / heads;
         // Fold head_dim^-0.5 into the query rows of qkv: one multiply at load instead of a
@@ -118,17 +115,10 @@ impl WindowAttention {
             "relative_position_bias_table",
         )?;
         Ok(Self {
-            qkv: Dense::new(w, b),
-            proj: Dense::load(&head_channels, channels, vb.pp("proj"))?,
-            attend: Attend::new(&table, heads, pad.width(head_dim), ws, attention)?,
+            qkv: Dense::new(w, b, plan)?,
+            proj: Dense::load(&head_channels, channels, plan, vb.pp("proj"))?,
+            attend: Attend::new(&table, heads, pad.width(head_dim), ws, plan)?,
         })
-    }
-
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
-        self.qkv.use_bf16(isa)?;
-        self.proj.use_bf16(isa)?;
-        self.attend.use_bf16(isa);
-        Ok(())
     }
 
     /// `x`: windows `(B*nW, N, C)` of `(B, h, w)` maps, partitioned after a half-window shift
@@ -172,32 +162,34 @@ pub struct SwinBlock {
 
 impl SwinBlock {
     /// The block of any Swin-family network: width, heads, MLP width, window and shift, its
-    /// channels unpadded.
+    /// channels unpadded whatever `plan` says.
     pub(crate) fn with_shape(
         s: BlockShape,
         windows: &WindowCache,
-        attention: Attention,
+        plan: &LoadPlan,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let pad = Pad::OFF;
-        Self::padded(s, &pad.one(s.dim), pad, windows, attention, vb)
+        let plan = LoadPlan {
+            pad: Pad::OFF,
+            ..*plan
+        };
+        Self::padded(s, &plan.pad.one(s.dim), windows, &plan, vb)
     }
 
     /// The block of shape `s` whose input channels are laid out as `dim`, each part padded
-    /// to `pad`'s multiple.
+    /// to the multiple `plan` says.
     pub(crate) fn padded(
         s: BlockShape,
         dim: &Channels,
-        pad: Pad,
         windows: &WindowCache,
-        attention: Attention,
+        plan: &LoadPlan,
         vb: VarBuilder,
     ) -> Result<Self> {
         Ok(Self {
             norm1: load_norm(dim, vb.pp("norm1"))?,
-            attn: WindowAttention::new(dim, s.heads, s.window, attention, pad, vb.pp("attn"))?,
+            attn: WindowAttention::new(dim, s.heads, s.window, plan, vb.pp("attn"))?,
             norm2: load_norm(dim, vb.pp("norm2"))?,
-            mlp: Mlp::new(dim, &pad.one(s.mlp_hidden), vb.pp("mlp"))?,
+            mlp: Mlp::new(dim, &plan.pad.one(s.mlp_hidden), plan, vb.pp("mlp"))?,
             window: s.window,
             shifted: s.shifted,
             windows: windows.clone(),
@@ -213,13 +205,6 @@ pub(crate) struct BlockShape {
     pub mlp_hidden: usize,
     pub window: usize,
     pub shifted: bool,
-}
-
-impl SwinBlock {
-    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
-        self.attn.use_bf16(isa)?;
-        self.mlp.use_bf16(isa)
-    }
 }
 
 impl Module for SwinBlock {

@@ -33,14 +33,13 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
 
-use super::bf16::Isa;
 use super::cache::WindowCache;
 use super::config::ConfigError;
-use super::fused::Attention;
-use super::layers::build_layers;
-use super::layers::conv::{shuffle_order, Conv3x3};
-use super::layers::linear::{pointwise, Dense};
+use super::layers::conv::Conv3x3;
+use super::layers::linear::{pointwise_with, Dense};
+use super::layers::{build_layers, LoadPlan};
 use super::norm::{layer_norm, Norm};
+use super::pad_channels::Pad;
 use super::swin::{load_layer_norm, swin_frame, BlockShape, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE};
 
 /// Slope of the LeakyReLUs inside the 3conv residual connection and the nearest+conv
@@ -556,30 +555,19 @@ enum Resi {
 }
 
 impl Resi {
-    fn new(cfg: &SwinIrConfig, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &SwinIrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         let e = cfg.embed_dim;
         Ok(match cfg.resi_connection {
-            ResiConnection::OneConv => Self::One(Conv3x3::unpadded(e, e, vb)?),
+            ResiConnection::OneConv => Self::One(Conv3x3::unpadded(e, e, plan, vb)?),
             ResiConnection::ThreeConv => {
                 let q = cfg.quarter();
                 Self::Three(
-                    Conv3x3::unpadded(e, q, vb.pp("0"))?,
-                    pointwise(q, q, vb.pp("2"))?,
-                    Conv3x3::unpadded(q, e, vb.pp("4"))?,
+                    Conv3x3::unpadded(e, q, plan, vb.pp("0"))?,
+                    pointwise_with(q, q, plan, vb.pp("2"))?,
+                    Conv3x3::unpadded(q, e, plan, vb.pp("4"))?,
                 )
             }
         })
-    }
-
-    fn use_bf16(&mut self, isa: Isa) -> Result<()> {
-        match self {
-            Self::One(c) => c.use_bf16(isa),
-            Self::Three(a, b, c) => {
-                a.use_bf16(isa)?;
-                b.use_bf16(isa)?;
-                c.use_bf16(isa)
-            }
-        }
     }
 }
 
@@ -638,31 +626,6 @@ enum Tail {
     },
 }
 
-impl Tail {
-    fn convs(&mut self) -> Vec<&mut Conv3x3> {
-        match self {
-            Self::PixelShuffle {
-                before,
-                stages,
-                last,
-            } => [before, last]
-                .into_iter()
-                .chain(stages.iter_mut().map(|(c, _)| c))
-                .collect(),
-            Self::Direct { conv, .. } => vec![conv],
-            Self::NearestConv {
-                before,
-                ups,
-                hr,
-                last,
-            } => [before, hr, last]
-                .into_iter()
-                .chain(ups.iter_mut())
-                .collect(),
-        }
-    }
-}
-
 /// `x` `(B, H, W, C)` repeated to `(B, 2H, 2W, C)` (nearest-neighbour upsampling by 2).
 fn nearest2(x: &Tensor) -> Result<Tensor> {
     let (b, h, w, c) = x.dims4()?;
@@ -687,11 +650,8 @@ pub struct SwinIr {
 }
 
 impl SwinIr {
-    pub fn with_attention(
-        cfg: &SwinIrConfig,
-        vb: VarBuilder,
-        attention: Attention,
-    ) -> Result<Self> {
+    /// The network stored under `vb`, built as `plan` says (its channels never padded).
+    pub fn new(cfg: &SwinIrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         let e = cfg.embed_dim;
         let f = cfg.num_feat;
         let windows = WindowCache::new(cfg.window, vb.dtype(), vb.device());
@@ -710,14 +670,14 @@ impl SwinIr {
                     SwinBlock::with_shape(
                         shape,
                         &windows,
-                        attention,
+                        plan,
                         vb.pp(format!("residual_group.blocks.{j}")),
                     )
                 })
                 .collect::<Result<Vec<_>>>()?;
             Ok(Rstb {
                 blocks,
-                conv: Resi::new(cfg, vb.pp("conv"))?,
+                conv: Resi::new(cfg, plan, vb.pp("conv"))?,
             })
         };
         let layers = build_layers(vb.device(), cfg.depths.len(), build)?;
@@ -727,40 +687,47 @@ impl SwinIr {
         // The RGB mean added back at the end is folded into the last convolution's bias.
         let tail = match cfg.upsampler {
             Upsampler::PixelShuffle => Tail::PixelShuffle {
-                before: Conv3x3::unpadded(e, f, vb.pp("conv_before_upsample.0"))?,
+                before: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
                 stages: cfg
                     .upsample_stages()
                     .into_iter()
                     .enumerate()
                     .map(|(i, r)| {
-                        let conv =
-                            Conv3x3::unpadded(f, r * r * f, vb.pp(format!("upsample.{}", 2 * i)))?;
-                        Ok((conv.reorder_outputs(shuffle_order(f, r))?, r))
+                        let vb = vb.pp(format!("upsample.{}", 2 * i));
+                        Ok((
+                            Conv3x3::shuffled(&Pad::OFF.one(f), (f, r), Pad::OFF, plan, vb)?,
+                            r,
+                        ))
                     })
                     .collect::<Result<Vec<_>>>()?,
-                last: Conv3x3::unpadded(f, 3, vb.pp("conv_last"))?.add_to_bias(&flat_mean)?,
+                last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?.add_to_bias(&flat_mean)?,
             },
             Upsampler::PixelShuffleDirect => {
                 let s = cfg.scale;
                 // After reordering, output channel (i*s + j)*3 + c is colour c of sub-pixel
                 // (i, j): the mean repeats once per sub-pixel.
                 let tiled = flat_mean.repeat(s * s)?;
-                let conv = Conv3x3::unpadded(e, 3 * s * s, vb.pp("upsample.0"))?
-                    .reorder_outputs(shuffle_order(3, s))?
-                    .add_to_bias(&tiled)?;
+                let conv = Conv3x3::shuffled(
+                    &Pad::OFF.one(e),
+                    (3, s),
+                    Pad::OFF,
+                    plan,
+                    vb.pp("upsample.0"),
+                )?
+                .add_to_bias(&tiled)?;
                 Tail::Direct { conv, scale: s }
             }
             Upsampler::NearestConv => Tail::NearestConv {
-                before: Conv3x3::unpadded(e, f, vb.pp("conv_before_upsample.0"))?,
+                before: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
                 ups: (1..=cfg.scale.trailing_zeros())
-                    .map(|k| Conv3x3::unpadded(f, f, vb.pp(format!("conv_up{k}"))))
+                    .map(|k| Conv3x3::unpadded(f, f, plan, vb.pp(format!("conv_up{k}"))))
                     .collect::<Result<Vec<_>>>()?,
-                hr: Conv3x3::unpadded(f, f, vb.pp("conv_hr"))?,
-                last: Conv3x3::unpadded(f, 3, vb.pp("conv_last"))?.add_to_bias(&flat_mean)?,
+                hr: Conv3x3::unpadded(f, f, plan, vb.pp("conv_hr"))?,
+                last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?.add_to_bias(&flat_mean)?,
             },
         };
         Ok(Self {
-            conv_first: Conv3x3::unpadded(3, e, vb.pp("conv_first"))?,
+            conv_first: Conv3x3::unpadded(3, e, plan, vb.pp("conv_first"))?,
             patch_norm: if cfg.patch_norm {
                 Some(load_layer_norm(e, vb.pp("patch_embed.norm"))?)
             } else {
@@ -768,7 +735,7 @@ impl SwinIr {
             },
             layers,
             norm: load_layer_norm(e, vb.pp("norm"))?,
-            conv_after_body: Resi::new(cfg, vb.pp("conv_after_body"))?,
+            conv_after_body: Resi::new(cfg, plan, vb.pp("conv_after_body"))?,
             tail,
             mean,
             config: cfg.clone(),
@@ -779,22 +746,6 @@ impl SwinIr {
 
     pub fn dtype(&self) -> DType {
         self.dtype
-    }
-
-    /// Bf16 products on the CPU ([`super::Network::use_bf16_products`]).
-    pub(crate) fn use_bf16_products(&mut self, isa: Isa) -> Result<()> {
-        self.conv_first.use_bf16(isa)?;
-        for layer in &mut self.layers {
-            for b in &mut layer.blocks {
-                b.use_bf16(isa)?;
-            }
-            layer.conv.use_bf16(isa)?;
-        }
-        self.conv_after_body.use_bf16(isa)?;
-        for conv in self.tail.convs() {
-            conv.use_bf16(isa)?;
-        }
-        Ok(())
     }
 
     #[cfg(test)]

@@ -63,3 +63,14 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         .to_scalar::<f64>()
         .unwrap()
 }
+
+/// Panics unless `out`, the output of the model in `weights` for `input` with bf16 products
+/// on the CPU, differs from its f32 output: the same output would mean that no layer packed
+/// its weights for bf16 products at load.
+pub fn assert_bf16_products(name: &str, weights: &Path, input: &Tensor, out: &Tensor) {
+    let f32 = crate::model::Model::load(weights, DType::F32, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let want = candle_core::Module::forward(&f32.net, input).unwrap();
+    let d = max_abs_diff(out, &want);
+    assert!(d > 0.0, "{name}: bf16 gave the f32 output");
+}

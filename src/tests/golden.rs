@@ -34,8 +34,8 @@ fn f32_matches_float64_reference_on_every_fixture() {
 /// bf16 on the CPU (bf16 weights and matrix-product operands, f32 sums and everything else
 /// f32) against the float64 reference, on every fixture and the default model. Stated
 /// tolerance: PSNR over the [0, 1] range of at least [`BF16_MIN_PSNR`] dB and no value off by
-/// more than [`BF16_MAX_ABS`]. On a CPU without bf16 arithmetic the model must refuse bf16
-/// with a clear error instead.
+/// more than [`BF16_MAX_ABS`], and not the f32 output (which is within those bounds too). On
+/// a CPU without bf16 arithmetic the model must refuse bf16 with a clear error instead.
 #[test]
 fn cpu_bf16_stays_close_to_the_float64_reference() {
     let mut cases: Vec<(String, std::path::PathBuf, std::path::PathBuf)> = cases()
@@ -62,6 +62,7 @@ fn cpu_bf16_stays_close_to_the_float64_reference() {
         let (input, expected) = load_io(io);
         let out = model.net.forward(&input).unwrap();
         assert_eq!(out.dtype(), DType::F32, "{name}: activations stay f32");
+        assert_bf16_products(name, weights, &input, &out);
         let d = max_abs_diff(&out, &expected);
         let mse = (&out.to_dtype(DType::F64).unwrap() - &expected.to_dtype(DType::F64).unwrap())
             .unwrap()

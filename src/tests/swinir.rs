@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Module, Tensor};
 
-use super::fixtures::{load_io, max_abs_diff, TOLERANCE};
+use super::fixtures::{assert_bf16_products, load_io, max_abs_diff, TOLERANCE};
 use crate::engine::Engine;
 use crate::model::swinir::{ResiConnection, Upsampler};
 use crate::model::{ArchConfig, Checkpoint, Model, Source};
@@ -119,8 +119,8 @@ fn swinir_pth_wrappers_are_read() {
     assert!(!swinir(&ck).patch_norm);
 }
 
-/// bf16 on the CPU against the float64 reference, with the DRCT bounds (see golden.rs); on a
-/// CPU without bf16 arithmetic the model must refuse bf16 instead.
+/// bf16 on the CPU against the float64 reference, with the DRCT bounds (see golden.rs), and
+/// not the f32 output; on a CPU without bf16 arithmetic the model must refuse bf16 instead.
 #[test]
 fn swinir_cpu_bf16_stays_close_to_the_float64_reference() {
     let cases = cases();
@@ -138,6 +138,7 @@ fn swinir_cpu_bf16_stays_close_to_the_float64_reference() {
         let (input, expected) = load_io(&case.io);
         let out = model.net.forward(&input).unwrap();
         assert_eq!(out.dtype(), DType::F32);
+        assert_bf16_products(&case.name, &case.weights, &input, &out);
         let d = max_abs_diff(&out, &expected);
         let psnr = psnr_unit(&out, &expected);
         eprintln!(

@@ -4,7 +4,7 @@
 
 use candle_core::{Result, Tensor};
 
-use super::Backend;
+use super::{Backend, LoadPlan};
 use crate::model::bf16::Isa;
 use crate::model::cache::{relative_position_bias, RelativeBias, WindowCache};
 use crate::model::fused::{
@@ -36,13 +36,14 @@ pub struct Attend {
 
 impl Attend {
     /// The attention of `heads` heads of `head_dim` (padded) dims over `window`-square
-    /// windows, with the `((2w-1)², heads)` relative-position bias `table`.
+    /// windows, with the `((2w-1)², heads)` relative-position bias `table`, run as `plan`
+    /// says: on the CPU with bf16 products when it asks for them.
     pub fn new(
         table: &Tensor,
         heads: usize,
         head_dim: usize,
         window: usize,
-        attention: Attention,
+        plan: &LoadPlan,
     ) -> Result<Self> {
         let backend = Backend::of(table.device());
         let bias = match backend {
@@ -55,17 +56,10 @@ impl Attend {
             window,
             table: RelativeBias::new(table, window)?,
             bias,
-            attention,
-            bf16: None,
+            attention: plan.attention,
+            bf16: plan.bf16.filter(|_| backend == Backend::Cpu),
             backend,
         })
-    }
-
-    /// Both products in bf16 with f32 sums from now on (CPU only).
-    pub(crate) fn use_bf16(&mut self, isa: Isa) {
-        if self.backend == Backend::Cpu {
-            self.bf16 = Some(isa);
-        }
     }
 
     /// `qkv`: `(B*nW, N, 3C)` (q pre-scaled) of the windows of `(B, h, w)` maps, partitioned
@@ -166,19 +160,19 @@ pub struct OverlapAttend {
 
 impl OverlapAttend {
     /// `heads` heads over `window`-square query windows in `overlap`-square key windows,
-    /// with the `((window + overlap - 1)², heads)` bias `table`.
+    /// with the `((window + overlap - 1)², heads)` bias `table`, run as `plan` says.
     pub fn new(
         table: &Tensor,
         heads: usize,
         (window, overlap): (usize, usize),
-        attention: Attention,
+        plan: &LoadPlan,
     ) -> Result<Self> {
         Ok(Self {
             bias: overlap_bias(table, window, overlap)?,
             heads,
             window,
             overlap,
-            attention,
+            attention: plan.attention,
             backend: Backend::of(table.device()),
         })
     }

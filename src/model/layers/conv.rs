@@ -5,7 +5,7 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::linear::pack_bf16;
-use super::Backend;
+use super::{Backend, LoadPlan};
 use crate::model::bf16::{Isa, PackedB};
 use crate::model::ops;
 use crate::model::pad_channels::{Channels, Pad};
@@ -20,6 +20,17 @@ const CONV_CHUNK_ELEMS: usize = 16 << 20;
 /// larger chunks keep a batch's upsampler to tens of launches instead of hundreds, and the
 /// bound stays far below the 2³¹ elements that candle's CUDA kernels can index.
 const CONV_CHUNK_ELEMS_GPU: usize = 128 << 20;
+
+/// The `(9 * cin, cout)` weight, rows ordered (dy, dx, cin) to match the patch matrix, and the
+/// bias of the convolution stored under `vb`, its inputs spread as `cin` says.
+fn read(cin: &Channels, cout: usize, vb: VarBuilder) -> Result<(Tensor, Tensor)> {
+    let w = cin.spread(&vb.get((cout, cin.real(), 3, 3), "weight")?, 1)?;
+    let weight = w
+        .permute((2, 3, 1, 0))?
+        .reshape((9 * cin.padded(), cout))?
+        .contiguous()?;
+    Ok((weight, vb.get(cout, "bias")?))
+}
 
 /// A 3x3 convolution (stride 1, zero padding 1) on channels-last features.
 ///
@@ -38,63 +49,76 @@ pub struct Conv3x3 {
 }
 
 impl Conv3x3 {
-    /// The convolution stored under `vb`, reading `cin` (spread to its padded width) and
-    /// writing `cout` channels; [`Self::spread_outputs`] pads those.
-    pub fn new(cin: &Channels, cout: usize, vb: VarBuilder) -> Result<Self> {
-        let w = cin.spread(&vb.get((cout, cin.real(), 3, 3), "weight")?, 1)?;
-        let cin = cin.padded();
-        let weight = w
-            .permute((2, 3, 1, 0))?
-            .reshape((9 * cin, cout))?
-            .contiguous()?;
-        Ok(Self {
-            backend: Backend::of(weight.device()),
-            weight,
-            bias: vb.get(cout, "bias")?,
-            cin,
-            bf16: None,
-        })
+    /// The convolution stored under `vb`, reading `cin` and writing `cout` channels, both
+    /// spread to their padded widths.
+    pub fn new(cin: &Channels, cout: &Channels, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+        let (weight, bias) = read(cin, cout.real(), vb)?;
+        Self::prepared(
+            cout.spread(&weight, 1)?.contiguous()?,
+            cout.spread(&bias, 0)?,
+            cin.padded(),
+            plan,
+        )
     }
 
     /// The convolution stored under `vb` from `cin` to `cout` channels, none padded.
-    pub(crate) fn unpadded(cin: usize, cout: usize, vb: VarBuilder) -> Result<Self> {
-        Self::new(&Pad::OFF.one(cin), cout, vb)
+    pub(crate) fn unpadded(
+        cin: usize,
+        cout: usize,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Self::new(&Pad::OFF.one(cin), &Pad::OFF.one(cout), plan, vb)
     }
 
-    /// The same convolution writing its outputs spread as `cout` says, zeros between.
-    pub(crate) fn spread_outputs(self, cout: &Channels) -> Result<Self> {
-        Ok(Self {
-            weight: cout.spread(&self.weight, 1)?.contiguous()?,
-            bias: cout.spread(&self.bias, 0)?,
-            ..self
-        })
+    /// The convolution stored under `vb` that PixelShuffle by `r` follows, from `cin` to
+    /// `r * r * c_out` channels, for [`Self::forward_shuffled`]: its outputs are put in
+    /// (i, j, c) order ([`shuffle_order`]), then each of the `r * r` groups of `c_out`
+    /// channels that PixelShuffle moves to one pixel is padded on its own as `pad` says.
+    pub(crate) fn shuffled(
+        cin: &Channels,
+        (c_out, r): (usize, usize),
+        pad: Pad,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let (weight, bias) = read(cin, r * r * c_out, vb)?;
+        let idx = Tensor::from_vec(shuffle_order(c_out, r), r * r * c_out, bias.device())?;
+        let (weight, bias) = (weight.index_select(&idx, 1)?, bias.index_select(&idx, 0)?);
+        let cout = pad.parts(r * r, c_out);
+        Self::prepared(
+            cout.spread(&weight, 1)?.contiguous()?,
+            cout.spread(&bias, 0)?,
+            cin.padded(),
+            plan,
+        )
     }
 
-    /// Computes with bf16 products from now on and drops the f32 weight. Narrow
+    /// The layer of `weight` `(9 * cin, cout)` and `bias`, in the form `plan` asks for: on
+    /// the CPU with bf16 products, the weight packed now and the f32 one dropped. Narrow
     /// convolutions (the RGB output) keep f32: they are computed directly, not as a GEMM.
-    /// Only a convolution on the CPU changes.
-    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
-        let (k, cout) = self.weight.dims2()?;
-        if self.backend != Backend::Cpu || cout <= ops::NARROW_CONV {
-            return Ok(());
-        }
-        self.bf16 = Some((isa, pack_bf16(&self.weight, (k, cout), (cout, 1))?));
-        self.weight = Tensor::zeros(0, DType::F32, self.weight.device())?;
-        Ok(())
-    }
-
-    /// The same convolution with output channel k computing the old channel `order[k]`.
-    pub(crate) fn reorder_outputs(self, order: Vec<u32>) -> Result<Self> {
-        let idx = Tensor::from_vec(order, self.bias.dim(0)?, self.bias.device())?;
+    fn prepared(weight: Tensor, bias: Tensor, cin: usize, plan: &LoadPlan) -> Result<Self> {
+        let backend = Backend::of(weight.device());
+        let (k, cout) = weight.dims2()?;
+        let (weight, bf16) = match plan.bf16 {
+            Some(isa) if backend == Backend::Cpu && cout > ops::NARROW_CONV => {
+                let packed = pack_bf16(&weight, (k, cout), (cout, 1))?;
+                let none = Tensor::zeros(0, DType::F32, weight.device())?;
+                (none, Some((isa, packed)))
+            }
+            _ => (weight, None),
+        };
         Ok(Self {
-            weight: self.weight.index_select(&idx, 1)?,
-            bias: self.bias.index_select(&idx, 0)?,
-            ..self
+            weight,
+            bias,
+            cin,
+            bf16,
+            backend,
         })
     }
 
     /// This convolution followed by PixelShuffle by `r`, its outputs being in (i, j, c)
-    /// order ([`Self::reorder_outputs`] with [`shuffle_order`]). On the CPU the products are
+    /// order ([`Self::shuffled`]). On the CPU the products are
     /// written into the shuffled layout directly.
     pub(crate) fn forward_shuffled(&self, x: &Tensor, r: usize) -> Result<Tensor> {
         let x = x.contiguous()?;

@@ -5,7 +5,7 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 
-use super::Backend;
+use super::{Backend, LoadPlan};
 use crate::model::bf16::{Isa, PackedB};
 use crate::model::epilogue;
 use crate::model::ops::{self, After};
@@ -37,44 +37,45 @@ pub enum Dense {
 }
 
 impl Dense {
-    /// The layer `x · weightᵀ + bias`, on the weight's device.
-    pub fn new(weight: Tensor, bias: Tensor) -> Self {
+    /// The layer `x · weightᵀ + bias`, on the weight's device; on the CPU with bf16 products
+    /// when `plan` asks for them, the weight packed now and the f32 one dropped.
+    pub fn new(weight: Tensor, bias: Tensor, plan: &LoadPlan) -> Result<Self> {
         let backend = Backend::of(weight.device());
+        if let (Backend::Cpu, Some(isa)) = (backend, plan.bf16) {
+            let (n, k) = weight.dims2()?;
+            return Ok(Self::CpuBf16 {
+                isa,
+                weight: pack_bf16(&weight, (k, n), (1, k))?,
+                bias: bias.to_dtype(DType::F32)?,
+            });
+        }
         let linear = Linear::new(weight, Some(bias));
-        match backend {
+        Ok(match backend {
             Backend::Cpu => Self::Cpu(linear),
             Backend::Cuda => Self::Cuda(linear),
             Backend::Other => Self::Candle(linear),
-        }
+        })
     }
 
     /// The `nn.Linear` stored under `vb`, from `cin` to `cout` channels, both spread to
     /// their padded widths.
-    pub fn load(cin: &Channels, cout: &Channels, vb: VarBuilder) -> Result<Self> {
+    pub fn load(cin: &Channels, cout: &Channels, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         let w = vb.get((cout.real(), cin.real()), "weight")?;
-        Ok(Self::new(
+        Self::new(
             spread2(&w, cout, cin)?,
             cout.spread(&vb.get(cout.real(), "bias")?, 0)?,
-        ))
+            plan,
+        )
     }
 
     /// The `nn.Linear` stored under `vb`, from `cin` to `cout` channels, none padded.
-    pub(crate) fn load_unpadded(cin: usize, cout: usize, vb: VarBuilder) -> Result<Self> {
-        Self::load(&Pad::OFF.one(cin), &Pad::OFF.one(cout), vb)
-    }
-
-    /// Computes with bf16 products from now on; the f32 weight is dropped. Only a layer on
-    /// the CPU changes.
-    pub(crate) fn use_bf16(&mut self, isa: Isa) -> Result<()> {
-        if let Self::Cpu(inner) = self {
-            let (n, k) = inner.weight().dims2()?;
-            *self = Self::CpuBf16 {
-                isa,
-                weight: pack_bf16(inner.weight(), (k, n), (1, k))?,
-                bias: dense_bias(inner)?.to_dtype(DType::F32)?,
-            };
-        }
-        Ok(())
+    pub(crate) fn load_unpadded(
+        cin: usize,
+        cout: usize,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Self::load(&Pad::OFF.one(cin), &Pad::OFF.one(cout), plan, vb)
     }
 
     /// `(K, N)` of the layer's GEMM.
@@ -240,9 +241,22 @@ pub(crate) fn pack_bf16(
     Ok(PackedB::new(values, kn, strides))
 }
 
-/// A 1x1 convolution applied to channels-last tokens is a linear layer (unpadded channels).
+/// A 1x1 convolution applied to channels-last tokens is a linear layer (unpadded channels),
+/// computed as its weights were read, without bf16 products whatever the plan: HAT's channel
+/// attention, which runs on one token per image.
 pub(crate) fn pointwise(cin: usize, cout: usize, vb: VarBuilder) -> Result<Dense> {
-    pointwise_padded(&Pad::OFF.one(cin), &Pad::OFF.one(cout), 1.0, vb)
+    pointwise_with(cin, cout, &LoadPlan::default(), vb)
+}
+
+/// A 1x1 convolution applied to channels-last tokens is a linear layer (unpadded channels),
+/// in the form `plan` asks for.
+pub(crate) fn pointwise_with(
+    cin: usize,
+    cout: usize,
+    plan: &LoadPlan,
+    vb: VarBuilder,
+) -> Result<Dense> {
+    pointwise_padded(&Pad::OFF.one(cin), &Pad::OFF.one(cout), 1.0, plan, vb)
 }
 
 /// A 1x1 convolution applied to channels-last tokens is a linear layer; its output is
@@ -251,6 +265,7 @@ pub(crate) fn pointwise_padded(
     cin: &Channels,
     cout: &Channels,
     scale: f64,
+    plan: &LoadPlan,
     vb: VarBuilder,
 ) -> Result<Dense> {
     let (ci, co) = (cin.real(), cout.real());
@@ -261,5 +276,5 @@ pub(crate) fn pointwise_padded(
     } else {
         ((w * scale)?, (b * scale)?)
     };
-    Ok(Dense::new(spread2(&w, cout, cin)?, cout.spread(&b, 0)?))
+    Dense::new(spread2(&w, cout, cin)?, cout.spread(&b, 0)?, plan)
 }

@@ -1,6 +1,7 @@
 //! The operations the Swin-family networks are built from, one type each. A layer is built
-//! from the weights where they will run, and picks its implementation then: the network
-//! code above only says what to compute, never where.
+//! from the weights where they will run and the network's [`LoadPlan`], and picks its
+//! implementation and prepares its weights then (bf16 panels on the CPU): the network code
+//! above only says what to compute, never where, and nothing changes a layer after it is built.
 //!
 //! | operation | type | CPU, f32 | CPU, bf16 products | CUDA | reference |
 //! |---|---|---|---|---|---|
@@ -19,6 +20,24 @@ pub mod linear;
 
 use candle_core::{Device, Result};
 use rayon::prelude::*;
+
+use super::bf16::Isa;
+use super::fused::Attention;
+use super::pad_channels::Pad;
+
+/// The choices a network is built with, made once at load and handed to each layer that
+/// depends on them, so that every layer is in its final form when it is constructed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadPlan {
+    /// How window attention runs on CUDA devices.
+    pub attention: Attention,
+    /// How DRCT's channels are padded ([`super::pad_channels`]); the other networks read
+    /// their layers unpadded whatever it says.
+    pub pad: Pad,
+    /// bf16 products with f32 sums on the CPU, on these instructions: the layers on the CPU
+    /// pack their weights for them at construction. Layers elsewhere ignore it.
+    pub bf16: Option<Isa>,
+}
 
 /// Where a layer's weights live, which decides its implementation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,3 +74,6 @@ pub(crate) fn build_layers<T: Send>(
         Backend::Cuda | Backend::Other => (0..n).map(build).collect(),
     }
 }
+
+#[cfg(test)]
+mod tests;
