@@ -398,8 +398,8 @@ switch_rows() {
 # The speed switches that are off by default until a GPU has measured them: UPSCALE_PAD_CHANNELS
 # (src/model/pad_channels.rs: every linear and convolution's channels padded with zeros at
 # load, so that cuBLASLt can take its aligned kernels) at each multiple, and
-# UPSCALE_CUDA_GELU_EPILOGUE (src/model/epilogue.rs: the MLP's first layer and its GELU in one
-# cuBLASLt call, with the tanh GELU).
+# UPSCALE_CUDA_GELU_EPILOGUE (src/model/layers/linear/cuda.rs: the MLP's first layer and its
+# GELU in one cuBLASLt call, with the tanh GELU).
 switches() {
   echo "== speed switches: parity with the CPU, then DRCT-L and DRCT bf16"
   local pad

@@ -16,7 +16,7 @@ pub const VAR: &str = "UPSCALE_CUDA_OFF";
 /// The parts of the CUDA path that can be left out.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Off {
-    /// cuBLASLt GEMMs with the bias in their epilogue ([`super::epilogue`]).
+    /// cuBLASLt GEMMs with the bias in their epilogue ([`super::layers::linear::cuda`]).
     pub cublaslt: bool,
     /// The row-wise kernels of kernels/rowwise.cu ([`super::rowwise`]).
     pub rowwise: bool,

@@ -9,7 +9,6 @@ pub mod config;
 pub mod cuda_off;
 pub mod drct;
 pub mod env;
-pub mod epilogue;
 pub mod fused;
 pub mod hat;
 pub mod layers;

@@ -151,7 +151,7 @@ pub(super) fn gelu_body(data: &mut [f32]) {
 
 widest_simd! {
     /// The exact GELU, in place.
-    pub(super) fn gelu_in_place(data: &mut [f32]) = gelu_body
+    pub(crate) fn gelu_in_place(data: &mut [f32]) = gelu_body
 }
 
 pub(super) struct GeluErf;

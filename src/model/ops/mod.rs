@@ -143,7 +143,7 @@ pub enum Weights<'a> {
 /// As [`gemm_f32`] and [`super::bf16::gemm`]: every addressed element inside live
 /// allocations, dst not overlapping the inputs, initialised where `accumulate` is set.
 #[allow(clippy::too_many_arguments)]
-unsafe fn product(
+pub(super) unsafe fn product(
     (m, n, k): (usize, usize, usize),
     (dst, ldc): (*mut f32, usize),
     accumulate: bool,
@@ -223,7 +223,11 @@ unsafe impl Sync for SendPtrs {}
 /// A new buffer of `rows` rows of `row_len` values, each row produced in parallel by `fill`
 /// from its index. `fill` hands every row to [`write_row`] pieces that cover it exactly, which
 /// is what makes the final `set_len` sound; the pieces are checked to fit.
-fn par_rows(rows: usize, row_len: usize, fill: impl Fn(usize, &mut RowWriter) + Sync) -> Vec<f32> {
+pub(super) fn par_rows(
+    rows: usize,
+    row_len: usize,
+    fill: impl Fn(usize, &mut RowWriter) + Sync,
+) -> Vec<f32> {
     let mut out: Vec<f32> = Vec::with_capacity(rows * row_len);
     if let Some(per_task) = CHUNK.checked_div(row_len) {
         let per_task = per_task.max(1);
@@ -263,13 +267,13 @@ fn par_copy(data: &[f32]) -> Vec<f32> {
 }
 
 /// Appends values to one uninitialised output row, front to back.
-struct RowWriter<'a> {
+pub(super) struct RowWriter<'a> {
     row: &'a mut [std::mem::MaybeUninit<f32>],
     at: usize,
 }
 
 impl RowWriter<'_> {
-    fn write_row(&mut self, src: &[f32]) {
+    pub(super) fn write_row(&mut self, src: &[f32]) {
         let dst = &mut self.row[self.at..self.at + src.len()];
         for (d, s) in dst.iter_mut().zip(src) {
             d.write(*s);
@@ -278,7 +282,7 @@ impl RowWriter<'_> {
     }
 
     /// Appends `leaky_relu(src, slope)`.
-    fn write_leaky(&mut self, src: &[f32], slope: f32) {
+    pub(super) fn write_leaky(&mut self, src: &[f32], slope: f32) {
         let dst = &mut self.row[self.at..self.at + src.len()];
         for (d, &v) in dst.iter_mut().zip(src) {
             d.write(if v >= 0.0 { v } else { v * slope });
@@ -287,7 +291,7 @@ impl RowWriter<'_> {
     }
 
     /// Appends `a + b`, element by element.
-    fn write_sum(&mut self, a: &[f32], b: &[f32]) {
+    pub(super) fn write_sum(&mut self, a: &[f32], b: &[f32]) {
         let dst = &mut self.row[self.at..self.at + a.len()];
         for ((d, x), y) in dst.iter_mut().zip(a).zip(&b[..a.len()]) {
             d.write(x + y);
@@ -309,14 +313,12 @@ pub(super) fn cpu_slice<'a>(
 mod attention;
 mod conv;
 mod copy;
-mod linear;
 mod math;
-mod panels;
+pub(crate) mod panels;
 #[cfg(test)]
 mod tests;
 
 pub use attention::*;
 pub use conv::*;
 pub use copy::*;
-pub use linear::*;
 pub use math::*;

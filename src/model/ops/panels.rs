@@ -13,10 +13,10 @@
 use super::*;
 
 /// Columns per packed panel and per output tile: three 16-lane vectors.
-pub(super) const PANEL: usize = 48;
+pub(crate) const PANEL: usize = 48;
 /// Rows per output tile: 8 x 3 accumulators, 3 rhs vectors and a broadcast value leave 4 of
 /// the 32 vector registers free.
-pub(super) const MR: usize = 8;
+pub(crate) const MR: usize = 8;
 /// Rows per parallel task: a 64 x 180 block of the lhs (46 KiB) stays in L2 while every
 /// panel runs over it, and a 64x64 input still gives 64 tasks to balance.
 const MC: usize = 64;
@@ -24,7 +24,7 @@ const MC: usize = 64;
 /// Whether this CPU runs the panel kernels (else callers keep the `gemm` crate).
 /// `UPSCALE_CPU_GEMM=crate` keeps the crate everywhere, to measure one against the other in
 /// the same binary.
-pub(super) fn available() -> bool {
+pub(crate) fn available() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         if std::env::var("UPSCALE_CPU_GEMM").as_deref() == Ok("crate") {
@@ -45,7 +45,7 @@ pub(super) fn available() -> bool {
 /// narrower, rounded up to whole vectors), each `k` rows of its width, so that a tile reads
 /// its operand front to back; lanes past `n` are zero.
 #[derive(Clone, Default)]
-pub(super) struct Panels {
+pub(crate) struct Panels {
     k: usize,
     n: usize,
     data: Vec<f32>,
@@ -53,7 +53,7 @@ pub(super) struct Panels {
 
 impl Panels {
     /// Packs `b[r][c] = src[r * rs + c * cs]` for `r < k`, `c < n`, a panel per task.
-    pub(super) fn new(src: &[f32], (k, n): (usize, usize), (rs, cs): (usize, usize)) -> Self {
+    pub(crate) fn new(src: &[f32], (k, n): (usize, usize), (rs, cs): (usize, usize)) -> Self {
         if k > 0 && n > 0 {
             assert!(
                 (k - 1) * rs + (n - 1) * cs < src.len(),
@@ -90,7 +90,7 @@ impl Panels {
     }
 
     /// The product operand these panels are.
-    pub(super) fn rhs(&self) -> Rhs<'_> {
+    pub(crate) fn rhs(&self) -> Rhs<'_> {
         Rhs::Panels(self)
     }
 }
@@ -98,7 +98,7 @@ impl Panels {
 /// The right-hand side of a product: packed panels, or a `k x n` view whose row `r` is `n`
 /// values at `ptr + r * ld` (attention's v in place, its kᵀ transposed into a buffer).
 #[derive(Clone, Copy)]
-pub(super) enum Rhs<'a> {
+pub(crate) enum Rhs<'a> {
     Panels(&'a Panels),
     Strided {
         ptr: *const f32,
@@ -148,13 +148,13 @@ impl Rhs<'_> {
 /// (rows `ld` apart: earlier partial sums, or a residual) plus the `bias` row, either
 /// optional; both absent, zero.
 #[derive(Clone, Copy)]
-pub(super) struct Start {
+pub(crate) struct Start {
     pub init: Option<(*const f32, usize)>,
     pub bias: Option<*const f32>,
 }
 
 impl Start {
-    pub(super) const ZERO: Self = Self {
+    pub(crate) const ZERO: Self = Self {
         init: None,
         bias: None,
     };
@@ -404,7 +404,7 @@ impl<'a> Shared<'a> {
 /// `k` rows, dst and `start.init` `m` rows of `n` values (`start.init` may be dst itself:
 /// each value is read before it is written), `start.bias` `n` values; dst overlaps nothing
 /// else.
-pub(super) unsafe fn gemm(
+pub(crate) unsafe fn gemm(
     m: usize,
     (a, lda): (*const f32, usize),
     b: Rhs,
@@ -452,7 +452,7 @@ pub(super) unsafe fn gemm(
 /// # Safety
 /// The CPU has AVX-512F; `image` is `h x wd x cin`, `zeros` `cin` zeros, `b` `9 cin` rows;
 /// dst holds `rows` rows of `b`'s `n` values `ldc` apart, `bias` `n` values.
-pub(super) unsafe fn conv3x3_pixels(
+pub(crate) unsafe fn conv3x3_pixels(
     image: &[f32],
     (h, wd, cin): (usize, usize, usize),
     zeros: &[f32],
@@ -513,7 +513,7 @@ pub(super) unsafe fn conv3x3_pixels(
 ///
 /// # Safety
 /// The CPU has AVX-512F; `qkv` holds `n` rows of `3c` values and `out` `c * n`.
-pub(super) unsafe fn transpose_keys(qkv: &[f32], (n, c): (usize, usize), out: &mut [f32]) {
+pub(crate) unsafe fn transpose_keys(qkv: &[f32], (n, c): (usize, usize), out: &mut [f32]) {
     assert!(qkv.len() >= n * 3 * c && out.len() >= n * c);
     // SAFETY: forwarded to the caller.
     unsafe { avx512::transpose_keys(qkv, (n, c), out) }

@@ -1,4 +1,5 @@
 use super::*;
+use crate::model::layers::linear::cpu::{linear, linear_bf16, After};
 use candle_core::Device;
 
 /// Largest absolute difference, in f64, between a result and its reference.

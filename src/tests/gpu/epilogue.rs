@@ -1,5 +1,5 @@
-//! The cuBLASLt linear layer with the bias in its epilogue (src/model/epilogue.rs) against the
-//! same product on the CPU in f32, from the same rounded inputs.
+//! The cuBLASLt linear layer with the bias in its epilogue (src/model/layers/linear/cuda.rs)
+//! against the same product on the CPU in f32, from the same rounded inputs.
 //!
 //! What cuBLASLt guarantees is the f32 accumulation of the product, not how many times the
 //! result is rounded to the 16-bit output on the way: for some shapes it writes `x · wᵀ` in
@@ -11,7 +11,7 @@
 //! moves outputs by about their own size, far beyond it.
 
 use super::gpu;
-use crate::model::epilogue::{accumulate_linear_bias, linear_bias, linear_bias_gelu};
+use crate::model::layers::linear::cuda::{accumulate_linear_bias, linear_bias, linear_bias_gelu};
 use candle_core::{DType, Device, Result, Tensor};
 
 fn randn(shape: &[usize], scale: f64) -> Result<Tensor> {

@@ -1,16 +1,23 @@
 //! Linear layers (`nn.Linear`, and 1x1 convolutions applied to channels-last tokens), with
 //! what follows them folded in: a residual sum, the GELU, the dense connection's
 //! concatenation.
+//!
+//! [`Dense`] and its reference are here; its CPU half (f32, and bf16 products) is in
+//! [`cpu`], its CUDA half (cuBLASLt with the bias in the epilogue) in [`cuda`], with the
+//! row-wise kernels of [`crate::model::rowwise`] for what that epilogue cannot do.
+
+pub(crate) mod cpu;
+pub(crate) mod cuda;
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 
 use super::{Backend, LoadPlan};
 use crate::model::bf16::{Isa, PackedB};
-use crate::model::epilogue;
-use crate::model::ops::{self, After};
+use crate::model::ops;
 use crate::model::pad_channels::{Channels, Pad};
 use crate::model::rowwise::{self, Act};
+use cpu::After;
 
 /// `w` with axis 0 spread as `rows` and axis 1 as `cols` ([`Channels::spread`]).
 pub(crate) fn spread2(w: &Tensor, rows: &Channels, cols: &Channels) -> Result<Tensor> {
@@ -20,7 +27,7 @@ pub(crate) fn spread2(w: &Tensor, rows: &Channels, cols: &Channels) -> Result<Te
 /// A linear layer, in the form its device runs fastest.
 pub enum Dense {
     /// f32 weights on the CPU: the bias and what follows are folded into our GEMM
-    /// ([`ops::linear`]).
+    /// ([`cpu::linear`]).
     Cpu(Linear),
     /// bf16 products with f32 sums on the CPU, the weight packed once at load.
     CpuBf16 {
@@ -130,13 +137,13 @@ impl Dense {
         };
         let acc2 = rows(&acc)?;
         let done =
-            epilogue::accumulate_linear_bias(&acc2, &rows(x)?, inner.weight(), dense_bias(inner)?)?;
+            cuda::accumulate_linear_bias(&acc2, &rows(x)?, inner.weight(), dense_bias(inner)?)?;
         done.then(|| acc2.reshape(acc.shape())).transpose()
     }
 
     fn forward_then(&self, x: &Tensor, after: After) -> Result<Tensor> {
         match self {
-            Self::Cpu(inner) => match ops::linear(x, inner.weight(), inner.bias(), after)? {
+            Self::Cpu(inner) => match cpu::linear(x, inner.weight(), inner.bias(), after)? {
                 Some(y) => Ok(y),
                 None => reference(inner, x, after),
             },
@@ -149,9 +156,9 @@ impl Dense {
                     }
                     other => other,
                 };
-                ops::linear_bf16(&x.contiguous()?, *isa, weight, bias, after)
+                cpu::linear_bf16(&x.contiguous()?, *isa, weight, bias, after)
             }
-            Self::Cuda(inner) => cuda(inner, x, after),
+            Self::Cuda(inner) => forward_cuda(inner, x, after),
             Self::Candle(inner) => reference(inner, x, after),
         }
     }
@@ -165,12 +172,12 @@ impl Module for Dense {
 
 /// The CUDA half: cuBLASLt with the bias (and GELU, when switched on) in its epilogue where
 /// it takes the shapes, else one GEMM over all tokens and our row-wise kernel after it.
-fn cuda(inner: &Linear, x: &Tensor, after: After) -> Result<Tensor> {
+fn forward_cuda(inner: &Linear, x: &Tensor, after: After) -> Result<Tensor> {
     let bias = dense_bias(inner)?;
     let fused = match after {
-        After::Nothing => epilogue::linear_bias(&rows(x)?, inner.weight(), bias)?,
-        After::Gelu if epilogue::gelu_epilogue() => {
-            epilogue::linear_bias_gelu(&rows(x)?, inner.weight(), bias)?
+        After::Nothing => cuda::linear_bias(&rows(x)?, inner.weight(), bias)?,
+        After::Gelu if cuda::gelu_epilogue() => {
+            cuda::linear_bias_gelu(&rows(x)?, inner.weight(), bias)?
         }
         _ => None,
     };

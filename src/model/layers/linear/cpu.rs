@@ -1,7 +1,10 @@
 //! Linear layers straight onto the GEMM: the bias, a residual or the exact GELU applied as
 //! the GEMM writes its rows, in f32 or with bf16 products.
 
-use super::*;
+use candle_core::{Result, Tensor};
+
+use crate::model::bf16::{Epilogue, Isa, PackedB};
+use crate::model::ops::{cpu_slice, gelu_in_place, panels, par_rows, product, use_kernel, Weights};
 
 /// What a linear layer does besides `x · wᵀ + b`.
 #[derive(Clone, Copy)]

@@ -46,8 +46,8 @@ fn check(x: &Tensor, w: &Tensor, b: &Tensor, what: &str) -> Result<(usize, usize
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     check(x, w, b, "linear_bias")?;
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && !super::cuda_off::current().cublaslt {
-        return cuda::linear_bias(x, w, b, false);
+    if x.device().is_cuda() && !crate::model::cuda_off::current().cublaslt {
+        return cublaslt::linear_bias(x, w, b, false);
     }
     Ok(None)
 }
@@ -57,8 +57,8 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>>
 pub fn linear_bias_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     check(x, w, b, "linear_bias_gelu")?;
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && !super::cuda_off::current().cublaslt {
-        return cuda::linear_bias(x, w, b, true);
+    if x.device().is_cuda() && !crate::model::cuda_off::current().cublaslt {
+        return cublaslt::linear_bias(x, w, b, true);
     }
     Ok(None)
 }
@@ -75,14 +75,14 @@ pub fn accumulate_linear_bias(acc: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) 
         );
     }
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && !super::cuda_off::current().cublaslt {
-        return cuda::accumulate_linear_bias(acc, x, w, b);
+    if x.device().is_cuda() && !crate::model::cuda_off::current().cublaslt {
+        return cublaslt::accumulate_linear_bias(acc, x, w, b);
     }
     Ok(false)
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
+mod cublaslt {
     use std::sync::{Arc, Mutex, OnceLock, Weak};
     use std::thread::ThreadId;
 
