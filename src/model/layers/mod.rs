@@ -6,12 +6,12 @@
 //! | operation | type | CPU, f32 | CPU, bf16 products | CUDA | reference |
 //! |---|---|---|---|---|---|
 //! | linear (and 1x1 convolution) | [`linear::Dense`] | `linear::cpu::linear` | `linear::cpu::linear_bf16` | `linear::cuda` (cuBLASLt) and `rowwise::bias_act` | candle's `Linear` |
-//! | 3x3 convolution | [`conv::Conv3x3`] | `ops::conv3x3` | `ops::conv3x3_bf16` | `rowwise::patches3x3` + GEMM, `rowwise::conv3x3_narrow` | the same patch GEMM |
+//! | 3x3 convolution | [`conv::Conv3x3`] | `conv::cpu::conv3x3` | `conv::cpu::conv3x3_bf16` | `rowwise::patches3x3` + GEMM, `rowwise::conv3x3_narrow` | the same patch GEMM |
 //! | window attention | [`attention::Attend`] | `ops::window_attention` | the same, bf16 products | `fused` (kernels/window_attention.cu) | candle's graph |
 //! | layer norm | [`super::norm::Norm`] | `norm` | (f32) | `rowwise` | candle's `layer_norm` |
 //!
-//! An operation's CPU and CUDA halves sit beside its type where they are its own (`linear/`);
-//! the rest are in [`super::ops`] and [`super::bf16`] (CPU), [`super::rowwise`] and
+//! An operation's CPU and CUDA halves sit beside its type where they are its own (`linear/`,
+//! `conv/`); the rest are in [`super::ops`] and [`super::bf16`] (CPU), [`super::rowwise`] and
 //! [`super::fused`] (CUDA). Each has a test against the reference column.
 
 pub mod attention;

@@ -1,21 +1,20 @@
 //! CPU kernels for the network's hot spots in f32, where candle's generic CPU ops spend more
-//! time moving memory than computing: a fused window attention, linear layers and 3x3
-//! convolutions that go straight to the GEMM with the bias accumulated, parallel gathers and
-//! copies, and softmax / exact GELU with polynomial `exp`/`erf` compiled for the widest vector
-//! unit the CPU has. Each kernel returns `None` (or falls back to candle) on other devices and
-//! dtypes, and each is tested against candle's graph in f64 (tests.rs); the golden tests check
-//! the whole network.
+//! time moving memory than computing: a fused window attention, parallel gathers and copies,
+//! and softmax / exact GELU with polynomial `exp`/`erf` compiled for the widest vector unit
+//! the CPU has; and the machinery the layers' own CPU halves share (linear layers in
+//! [`super::layers::linear::cpu`], 3x3 convolutions in [`super::layers::conv::cpu`]). Each
+//! kernel returns `None` (or falls back to candle) on other devices and dtypes, and each is
+//! tested against candle's graph in f64 (tests.rs); the golden tests check the whole network.
 //!
 //! One file per job: `math` (exp, erf, softmax, GELU), `attention` (the fused window
-//! attention), `linear` (linear layers with their epilogues), `conv` (3x3 convolutions, plain,
-//! pixel-shuffled and narrow), `copy` (the dense concatenation, the pixel shuffle). This file
-//! holds what they share (the GEMM driver, parallel row writers, the SIMD dispatch), and the
-//! imports every one of them takes with `use super::*`.
+//! attention), `copy` (the dense concatenation, the pixel shuffle), `panels` (the f32 GEMM
+//! microkernels on AVX-512). This file holds what they share (the GEMM driver, parallel row
+//! writers, the SIMD dispatch), and the imports every one of them takes with `use super::*`.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::bf16::{round_pairs, Epilogue, Isa, PackedA, PackedB};
+use super::bf16::{Epilogue, Isa, PackedA, PackedB};
 use super::cache::{RelativeBias, MASK_VALUE};
 
 /// Elements per parallel task: enough work to amortise scheduling.
@@ -311,7 +310,6 @@ pub(super) fn cpu_slice<'a>(
 }
 
 mod attention;
-mod conv;
 mod copy;
 mod math;
 pub(crate) mod panels;
@@ -319,6 +317,8 @@ pub(crate) mod panels;
 mod tests;
 
 pub use attention::*;
-pub use conv::*;
 pub use copy::*;
+// The row-wise CUDA kernels' tests compare against the CPU convolution under this path.
+#[cfg(test)]
+pub(crate) use crate::model::layers::conv::cpu::conv3x3;
 pub use math::*;

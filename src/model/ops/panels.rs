@@ -11,6 +11,7 @@
 //! (v) or transposed once (kᵀ) rather than packed.
 
 use super::*;
+use crate::model::layers::conv::cpu::tap_source;
 
 /// Columns per packed panel and per output tile: three 16-lane vectors.
 pub(crate) const PANEL: usize = 48;

@@ -1,4 +1,7 @@
 use super::*;
+use crate::model::layers::conv::cpu::{
+    conv3x3, conv3x3_bf16, conv3x3_shuffled, conv3x3_shuffled_bf16,
+};
 use crate::model::layers::linear::cpu::{linear, linear_bf16, After};
 use candle_core::Device;
 

@@ -1,5 +1,11 @@
 //! 3x3 convolutions (stride 1, zero padding 1) on channels-last features, plain or followed
 //! by PixelShuffle.
+//!
+//! [`Conv3x3`] and its reference (the patch GEMM) are here, its CPU half (f32, and bf16
+//! products) in [`cpu`]; on CUDA it runs the patch GEMM with the row-wise kernels of
+//! [`crate::model::rowwise`] (the patch matrix, the bias, the narrow RGB output).
+
+pub(crate) mod cpu;
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -34,7 +40,7 @@ fn read(cin: &Channels, cout: usize, vb: VarBuilder) -> Result<(Tensor, Tensor)>
 
 /// A 3x3 convolution (stride 1, zero padding 1) on channels-last features.
 ///
-/// On the CPU the kernels of [`ops`] run it. Elsewhere the patch matrix of each chunk of
+/// On the CPU the kernels of [`cpu`] run it. Elsewhere the patch matrix of each chunk of
 /// rows ([`rowwise::patches3x3`]: one kernel pass on CUDA) is fed to one matmul, with memory
 /// bounded by `CONV_CHUNK_ELEMS` (`CONV_CHUNK_ELEMS_GPU` on a GPU) however large the feature
 /// map; on CUDA the RGB output layer skips the patch matrix ([`rowwise::conv3x3_narrow`]).
@@ -101,7 +107,7 @@ impl Conv3x3 {
         let backend = Backend::of(weight.device());
         let (k, cout) = weight.dims2()?;
         let (weight, bf16) = match plan.bf16 {
-            Some(isa) if backend == Backend::Cpu && cout > ops::NARROW_CONV => {
+            Some(isa) if backend == Backend::Cpu && cout > cpu::NARROW_CONV => {
                 let packed = pack_bf16(&weight, (k, cout), (cout, 1))?;
                 let none = Tensor::zeros(0, DType::F32, weight.device())?;
                 (none, Some((isa, packed)))
@@ -124,9 +130,9 @@ impl Conv3x3 {
         let x = x.contiguous()?;
         let fused = match &self.bf16 {
             Some((isa, w)) => {
-                ops::conv3x3_shuffled_bf16(&x, *isa, w, &self.bias, r, CONV_CHUNK_ELEMS)?
+                cpu::conv3x3_shuffled_bf16(&x, *isa, w, &self.bias, r, CONV_CHUNK_ELEMS)?
             }
-            None => ops::conv3x3_shuffled(&x, &self.weight, &self.bias, r, CONV_CHUNK_ELEMS)?,
+            None => cpu::conv3x3_shuffled(&x, &self.weight, &self.bias, r, CONV_CHUNK_ELEMS)?,
         };
         match fused {
             Some(y) => Ok(y),
@@ -169,9 +175,9 @@ impl Module for Conv3x3 {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = &x.contiguous()?;
         match (&self.bf16, self.backend) {
-            (Some((isa, w)), _) => ops::conv3x3_bf16(x, *isa, w, &self.bias, CONV_CHUNK_ELEMS),
+            (Some((isa, w)), _) => cpu::conv3x3_bf16(x, *isa, w, &self.bias, CONV_CHUNK_ELEMS),
             (None, Backend::Cpu) => {
-                match ops::conv3x3(x, &self.weight, &self.bias, CONV_CHUNK_ELEMS)? {
+                match cpu::conv3x3(x, &self.weight, &self.bias, CONV_CHUNK_ELEMS)? {
                     Some(y) => Ok(y),
                     None => self.patch_gemm(x, CONV_CHUNK_ELEMS),
                 }

@@ -2,7 +2,13 @@
 //! patches gathered in chunks, written in pixel-shuffled order for the upsampler, and the
 //! narrow RGB output convolution computed directly.
 
-use super::*;
+use candle_core::{Result, Tensor};
+use rayon::prelude::*;
+
+use crate::model::bf16::{round_pairs, Isa, PackedA, PackedB};
+use crate::model::ops::{
+    cpu_slice, panels, par_rows, product, use_kernel, widest_simd, Weights, LANES,
+};
 
 /// A 3x3 convolution (stride 1, zero padding 1) on channels-last features, on the CPU: the
 /// patch matrix of a band of rows is gathered in one pass straight from the input (zeros
@@ -184,7 +190,7 @@ pub(super) fn gather_patches(
 /// The `cin` input values under 3x3 tap `tap` (ordered (dy, dx)) of output pixel `(y, x)`,
 /// or `None` where the tap falls outside the image (zero padding).
 #[inline(always)]
-pub(super) fn tap_source(
+pub(crate) fn tap_source(
     image: &[f32],
     (h, wd, cin): (usize, usize, usize),
     (y, x): (usize, usize),
@@ -226,10 +232,10 @@ pub(super) fn pack_patches(
 }
 
 /// [`conv3x3`] followed by PixelShuffle by `r`, for a convolution whose output channels are
-/// in (i, j, c) order (see [`pixel_shuffle_reordered`]): the products of each input row are
-/// written straight into the `r` output rows they become (column block i of the weights
-/// gives output row `y*r + i`, where each pixel's `r*c` values are already contiguous), so
-/// the unshuffled map, as large as the output, is never allocated nor copied.
+/// in (i, j, c) order (see [`crate::model::ops::pixel_shuffle_reordered`]): the products of
+/// each input row are written straight into the `r` output rows they become (column block i
+/// of the weights gives output row `y*r + i`, where each pixel's `r*c` values are already
+/// contiguous), so the unshuffled map, as large as the output, is never allocated nor copied.
 /// `None` where the kernel does not apply.
 pub fn conv3x3_shuffled(
     x: &Tensor,
