@@ -427,7 +427,8 @@ swin_family() {
     bench swin "$preset-bf16-ours-$attn" "$weights" --precision bf16 --size "$s540" --tile "$t256" \
       --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
     # HAT's overlapping cross-attention through candle's graph instead of our kernel
-    # (UPSCALE_CUDA_OCA=0, src/model/fused.rs): the before of that kernel, on the same shapes.
+    # (UPSCALE_CUDA_OCA=0, src/model/layers/attention/cuda.rs): the before of that kernel, on
+    # the same shapes.
     if [ "$preset" = hat-l ] && fits swin 20 "\"label\":\"$preset-oca-off\""; then
       UPSCALE_CUDA_OCA=0 bench swin "$preset-bf16-ours-$attn-oca-off" "$weights" --precision bf16 \
         --size "$s540" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"

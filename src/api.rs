@@ -29,7 +29,7 @@ use crate::engine::{
     choose_dtype, open_device, read_checkpoint, DeviceChoice, EngineError, Precision,
 };
 use crate::io::{Decoded, EncodeOptions, Format, IoError, OutputError};
-use crate::model::fused::Attention;
+use crate::model::Attention;
 use crate::model::ModelError;
 use crate::planar::Planar;
 use crate::size::OutputSize;

@@ -39,7 +39,7 @@ pub use api::{cpu_computes_bf16, Error, Options, Upscaler};
 pub use cli::main;
 pub use engine::{DeviceChoice, DeviceError, EngineError, Precision};
 pub use io::{Format, IoError, OutputError};
-pub use model::fused::Attention;
+pub use model::Attention;
 pub use model::{
     BuildError, ConfigError, EnvError, ModelError, PthError, PthTensorError, TensorError,
 };

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::{DType, Device};
 
 use super::{DeviceChoice, DeviceError, Engine, EngineError};
-use crate::model::fused::Attention;
+use crate::model::Attention;
 use crate::model::Checkpoint;
 use crate::planar::Planar;
 use crate::tile::auto::TileSettings;

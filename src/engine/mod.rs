@@ -402,7 +402,7 @@ impl Engine {
         let widest_head = self.model.config().widest_head_dim();
         let fused = !self.device.is_cpu()
             && self.attention.is_fused()
-            && widest_head <= crate::model::fused::MAX_HEAD_DIM;
+            && widest_head <= crate::model::layers::attention::MAX_HEAD_DIM;
         !fused
     }
 

@@ -25,9 +25,10 @@
 //! `(dy, dx)` the key's position minus the query's; it goes negative, and PyTorch's indexing
 //! wraps negative indices, so the row used is that index modulo the table's length.
 //!
-//! On CUDA the OCAB's attention is one kernel ([`super::fused::FusedOverlapAttention`]) that
-//! reads each neighbourhood straight from the token map; `UPSCALE_CUDA_OCA=0` or
-//! `--attention reference` runs candle's graph instead, which the CPU always runs.
+//! On CUDA the OCAB's attention is one kernel
+//! ([`super::layers::attention::cuda::FusedOverlapAttention`]) that reads each neighbourhood
+//! straight from the token map; `UPSCALE_CUDA_OCA=0` or `--attention reference` runs candle's
+//! graph instead, which the CPU always runs.
 //!
 //! `conv_scale` is not stored in checkpoints: every released model uses 0.01. The HAB is
 //! DRCT's Swin block ([`super::swin::SwinBlock`]) with the CAB term added to its residual.

@@ -7,12 +7,16 @@
 //! |---|---|---|---|---|---|
 //! | linear (and 1x1 convolution) | [`linear::Dense`] | `linear::cpu::linear` | `linear::cpu::linear_bf16` | `linear::cuda` (cuBLASLt) and `rowwise::bias_act` | candle's `Linear` |
 //! | 3x3 convolution | [`conv::Conv3x3`] | `conv::cpu::conv3x3` | `conv::cpu::conv3x3_bf16` | `rowwise::patches3x3` + GEMM, `rowwise::conv3x3_narrow` | the same patch GEMM |
-//! | window attention | [`attention::Attend`] | `ops::window_attention` | the same, bf16 products | `fused` (kernels/window_attention.cu) | candle's graph |
+//! | window attention | [`attention::Attend`] | `attention::cpu::window_attention` | the same, bf16 products | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
+//! | overlapping cross-attention (HAT) | [`attention::OverlapAttend`] | candle's graph | candle's graph | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
 //! | layer norm | [`super::norm::Norm`] | `norm` | (f32) | `rowwise` | candle's `layer_norm` |
 //!
-//! An operation's CPU and CUDA halves sit beside its type where they are its own (`linear/`,
-//! `conv/`); the rest are in [`super::ops`] and [`super::bf16`] (CPU), [`super::rowwise`] and
-//! [`super::fused`] (CUDA). Each has a test against the reference column.
+//! Each operation's folder holds its type and reference (`mod.rs`), its CPU half (`cpu.rs`)
+//! and, where it has kernels of its own, its CUDA half (`cuda.rs`). What several operations
+//! share stays apart: the GEMM driver and f32 panel microkernels in [`super::ops`], the bf16
+//! packing and microkernels in [`super::bf16`], the row-wise CUDA kernels (biases,
+//! activations, a convolution's patches, layer norms) in [`super::rowwise`]. Each has a test
+//! against the reference column.
 
 pub mod attention;
 pub mod conv;
@@ -22,8 +26,8 @@ use candle_core::{Device, Result};
 use rayon::prelude::*;
 
 use super::bf16::Isa;
-use super::fused::Attention;
 use super::pad_channels::Pad;
+use attention::Attention;
 
 /// The choices a network is built with, made once at load and handed to each layer that
 /// depends on them, so that every layer is in its final form when it is constructed.

@@ -133,7 +133,7 @@ widest_simd! {
     /// bias added (`bias`: the table and the head; `None` where the scores start from it),
     /// the window's region labels (`labels`) standing for the shift mask; with `rounded`,
     /// each row is also rounded into that bf16 operand as soon as it is final.
-    pub(super) fn attention_probs(
+    pub(crate) fn attention_probs(
         scores: &mut [f32],
         bias: Option<(&RelativeBias, usize)>,
         labels: Option<&[u8]>,

@@ -309,14 +309,12 @@ pub(super) fn cpu_slice<'a>(
     }
 }
 
-mod attention;
 mod copy;
 mod math;
 pub(crate) mod panels;
 #[cfg(test)]
 mod tests;
 
-pub use attention::*;
 pub use copy::*;
 // The row-wise CUDA kernels' tests compare against the CPU convolution under this path.
 #[cfg(test)]

@@ -1,4 +1,5 @@
 use super::*;
+use crate::model::layers::attention::cpu::window_attention;
 use crate::model::layers::conv::cpu::{
     conv3x3, conv3x3_bf16, conv3x3_shuffled, conv3x3_shuffled_bf16,
 };

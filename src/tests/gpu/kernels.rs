@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::{gpu, max_abs, within};
 use crate::model::cache::{relative_position_bias, RelativeBias, WindowCache};
-use crate::model::fused::FusedWindowAttention;
+use crate::model::layers::attention::cuda::FusedWindowAttention;
 use crate::model::{Attention, Model};
 use crate::tests::fixtures::max_abs_diff;
 use candle_core::{DType, Device, Module, Result, Tensor};
@@ -133,10 +133,14 @@ fn fused_kernel_matches_the_cpu_in_f32() {
                     .regions(c.height, c.width)
                     .unwrap()
             });
-            let stored =
-                crate::model::ops::window_attention(&qkv, &table, regions.as_deref(), None)
-                    .unwrap()
-                    .expect("the CPU f32 kernel applies");
+            let stored = crate::model::layers::attention::cpu::window_attention(
+                &qkv,
+                &table,
+                regions.as_deref(),
+                None,
+            )
+            .unwrap()
+            .expect("the CPU f32 kernel applies");
             let (d_twin, d_stored) = (max_abs_diff(&ours, &twin), max_abs_diff(&ours, &stored));
             eprintln!(
                 "{c:?} shifted {shifted}: {d_twin:.2e} vs twin, {d_stored:.2e} vs the CPU kernel"

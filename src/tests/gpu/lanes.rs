@@ -21,7 +21,7 @@ fn cuda_lanes(streams: usize) -> Lanes {
     let lanes = Lanes::open(
         checkpoint(),
         gpu(),
-        (DType::F32, crate::model::fused::Attention::Fused),
+        (DType::F32, crate::model::Attention::Fused),
         &DeviceChoice::Cuda(vec![0]),
         streams,
         &mut |w| warnings.push(w),

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::{gpu, max_abs, within};
-use crate::model::fused::{with_overlap_kernel, FusedOverlapAttention};
+use crate::model::layers::attention::cuda::{with_overlap_kernel, FusedOverlapAttention};
 use crate::model::layers::attention::{overlap_attention_graph, overlap_bias};
 use crate::model::{Attention, Checkpoint, Model};
 use crate::tests::fixtures::{load_io, max_abs_diff, TOLERANCE};

@@ -5,7 +5,7 @@
 //! `(nW, N, N)` tensor, and never writes the `(windows, heads, N, N)` scores to device memory.
 //! The CPU twin exists to check that logic (labels, window and head indexing, the order of the
 //! additions) on any machine against the model's CPU attention and its stored mask; the CPU
-//! fast path stays [`super::ops::window_attention`].
+//! fast path stays [`super::cpu::window_attention`].
 
 use std::borrow::Cow;
 
@@ -13,7 +13,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::cache::MASK_VALUE;
+use crate::model::cache::MASK_VALUE;
 
 /// How window attention runs on CUDA devices. The CPU always runs its own fused f32 kernel
 /// (or candle's graph in other dtypes), whatever the choice. The default, `TensorCore`, is the
@@ -49,7 +49,7 @@ pub const MAX_HEAD_DIM: usize = 128;
 /// Inputs: `qkv` `(B*nW, N, 3C)` (q | k | v, each head-major, q already scaled by
 /// `head_dim^-0.5`) and `bias` `(heads, N, N)`, both contiguous and of one float dtype. `bias`
 /// is a relative-position bias, as the model gathers it from its table
-/// ([`super::cache::relative_position_bias`]): the tensor-core kernel reads one value per
+/// ([`crate::model::cache::relative_position_bias`]): the tensor-core kernel reads one value per
 /// (dy, dx) offset, the other paths read all of it.
 /// Output: `(B*nW, N, C)` with heads concatenated, in the input dtype; the arithmetic is f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,7 +121,7 @@ impl FusedWindowAttention {
     /// of the 3x3 regions of the rolled map it lies in. Zero everywhere when not shifted.
     fn labels(&self, win: usize, out: &mut [u8]) {
         if self.shifted {
-            super::cache::window_labels(self.height, self.width, self.window, win, out);
+            crate::model::cache::window_labels(self.height, self.width, self.window, win, out);
         } else {
             out.fill(0);
         }
@@ -241,13 +241,13 @@ impl CustomOp2 for FusedWindowAttention {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.dims(l1.shape(), l2.shape())?;
-        let out = cuda::forward(self, dims, s1, l1, s2, l2)?;
+        let out = launch::forward(self, dims, s1, l1, s2, l2)?;
         Ok((out, Shape::from((dims.windows, dims.n, dims.c))))
     }
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
+mod launch {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
         sys, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -914,7 +914,7 @@ impl CustomOp2 for FusedOverlapAttention {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.dims(l1.shape(), l2.shape())?;
-        let out = cuda::overlap_forward(self, dims, s1, l1, s2, l2)?;
+        let out = launch::overlap_forward(self, dims, s1, l1, s2, l2)?;
         Ok((
             out,
             Shape::from((dims.batch, dims.height, dims.width, dims.c)),
@@ -978,8 +978,13 @@ mod tests {
         let (qkv, bias, table) = inputs(windows, ws, heads, d)?;
         let cache = WindowCache::new(ws, DType::F32, &Device::Cpu);
         let regions = shifted.then(|| cache.regions(h, w)).transpose()?;
-        let want = crate::model::ops::window_attention(&qkv, &table, regions.as_deref(), None)?
-            .expect("the CPU f32 kernel applies");
+        let want = crate::model::layers::attention::cpu::window_attention(
+            &qkv,
+            &table,
+            regions.as_deref(),
+            None,
+        )?
+        .expect("the CPU f32 kernel applies");
         let ours = fused_window_attention(&qkv, &bias, heads, ws, (h, w), shifted)?;
         assert_eq!(ours.dims(), want.dims());
         max_abs_diff(&ours, &want)
@@ -1008,8 +1013,13 @@ mod tests {
         let windows = b * (h / ws) * (w / ws);
         let (qkv, bias, table) = inputs(windows, ws, heads, d)?;
         let regions = WindowCache::new(ws, DType::F32, &Device::Cpu).regions(h, w)?;
-        let want = crate::model::ops::window_attention(&qkv, &table, Some(&regions), None)?
-            .expect("the CPU f32 kernel applies");
+        let want = crate::model::layers::attention::cpu::window_attention(
+            &qkv,
+            &table,
+            Some(&regions),
+            None,
+        )?
+        .expect("the CPU f32 kernel applies");
         let unmasked = fused_window_attention(&qkv, &bias, heads, ws, (h, w), false)?;
         assert!(max_abs_diff(&unmasked, &want)? > 1e-2);
         // Transposed map sizes give other region boundaries in a non-square map.

@@ -1,7 +1,12 @@
 //! The CPU's fused window attention: per window and head, the two products on the GEMM with
 //! the position bias and the shift mask applied in the softmax, no score tensor in memory.
 
-use super::*;
+use candle_core::{Result, Tensor};
+use rayon::prelude::*;
+
+use crate::model::bf16::{Isa, PackedA, PackedB};
+use crate::model::cache::RelativeBias;
+use crate::model::ops::{attention_probs, cpu_slice, panels, product, use_kernel, Weights};
 
 /// Shifted-window multi-head attention on the CPU, fused per window: both matmuls go to the
 /// GEMM directly from strided views of the `qkv` projection, and the bias, the mask and the

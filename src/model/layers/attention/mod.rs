@@ -1,20 +1,26 @@
 //! Window attention with relative-position bias and shift mask, given the windows' q, k, v:
 //! `softmax(q·kᵀ + bias (+ mask))·v` per head; and HAT's overlapping cross-attention, whose
 //! keys and values come from a larger window around each query window.
+//!
+//! [`Attend`], [`OverlapAttend`] and their reference (candle's graph) are here; the CPU's
+//! fused window attention (f32, and bf16 products) is in [`cpu`], the CUDA kernels' host code
+//! (kernels/window_attention.cu, with their scalar CPU twins) in [`cuda`].
+
+pub(crate) mod cpu;
+pub mod cuda;
+
+pub use cuda::{Attention, MAX_HEAD_DIM};
 
 use candle_core::{Result, Tensor};
 
 use super::{Backend, LoadPlan};
 use crate::model::bf16::Isa;
 use crate::model::cache::{relative_position_bias, RelativeBias, WindowCache};
-use crate::model::fused::{
-    overlap_kernel_enabled, Attention, FusedOverlapAttention, FusedWindowAttention, MAX_HEAD_DIM,
-};
-use crate::model::ops;
+use cuda::{overlap_kernel_enabled, FusedOverlapAttention, FusedWindowAttention};
 
 /// The attention of one Swin block, between its qkv and proj layers.
 ///
-/// On the CPU our kernel runs it ([`ops::window_attention`]), reading the bias table and the
+/// On the CPU our kernel runs it ([`cpu::window_attention`]), reading the bias table and the
 /// shift regions directly; on CUDA the fused kernel ([`FusedWindowAttention`]) as `attention`
 /// says; otherwise (and for inputs a kernel does not take) candle's graph with the gathered
 /// bias and the stored mask.
@@ -78,7 +84,7 @@ impl Attend {
             }
             Backend::Cpu => {
                 let regions = shifted.then(|| windows.regions(h, w)).transpose()?;
-                match ops::window_attention(qkv, &self.table, regions.as_deref(), self.bf16)? {
+                match cpu::window_attention(qkv, &self.table, regions.as_deref(), self.bf16)? {
                     Some(out) => Ok(out),
                     None => self.graph(qkv, (h, w), shifted, windows),
                 }
@@ -289,8 +295,8 @@ pub(crate) fn overlap_attention_graph(
 
 #[cfg(test)]
 mod tests {
+    use super::cuda::{overlap_kernel_enabled, with_overlap_kernel};
     use super::*;
-    use crate::model::fused::{overlap_kernel_enabled, with_overlap_kernel};
     use candle_core::{DType, Device};
 
     /// Random `(qkv, bias)` for `b` maps of `h x w`, q scaled by `d^-0.5` as the model scales
