@@ -1,24 +1,28 @@
-//! Command-line definitions (clap) and their mapping onto library calls. No model or image
-//! logic lives here.
+//! The `upscale` command-line tool: its flags (clap), their mapping onto the library's
+//! [`upscale::Upscaler`], and the machinery of a folder run (expanding INPUT arguments,
+//! naming outputs, sharding, the reader/model/encoder threads). It reaches the library only
+//! through its public API; no model or image logic lives here.
 //!
 //! Every multi-word flag is spelled with an underscore, as the official scripts do, and also
 //! accepted with dashes.
 
-pub mod bench;
-pub mod convert;
-pub mod eval;
-pub mod info;
-pub mod run;
+mod convert;
+mod eval;
+mod info;
+mod naming;
+mod pipeline;
+mod run;
+mod shard;
+mod walk;
 
 use std::path::PathBuf;
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, CommandFactory, Parser, Subcommand};
 
-use crate::engine::{DeviceChoice, Precision};
-use crate::io::{parse_shard, Format, Shard};
-use crate::model::Attention;
-use crate::tile::BlendMode;
+use upscale::{Attention, BlendMode, DeviceChoice, Format, OutputSize, Precision};
+
+use shard::{parse_shard, Shard};
 
 /// `upscale --version`: the version, what the binary was built to run on, and the credits the
 /// embedded model's training images ask for.
@@ -208,7 +212,7 @@ pub struct RunArgs {
     pub infer: InferArgs,
     /// Final scale when it is not the model's (2 or 3.5 with a x4 model, say): the model's
     /// output is resampled (Lanczos3) to round(input × F).
-    #[arg(short = 's', long, value_name = "F", value_parser = crate::size::parse_factor,
+    #[arg(short = 's', long, value_name = "F", value_parser = parse_factor,
           conflicts_with_all = ["width", "height"])]
     pub outscale: Option<f64>,
     /// Final width in pixels; the height keeps the aspect ratio unless --height is given.
@@ -304,6 +308,16 @@ fn parse_precision(s: &str) -> Result<Precision, String> {
     }
 }
 
+/// A `--outscale` value: a finite number above 0.
+fn parse_factor(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(f) if f.is_finite() && f > 0.0 => Ok(f),
+        _ => Err(format!(
+            "'{s}' is not a scale factor above 0 (e.g. 2 or 3.5)"
+        )),
+    }
+}
+
 fn parse_bit_depth(s: &str) -> Result<u8, String> {
     match s {
         "8" => Ok(8),
@@ -385,7 +399,7 @@ impl log::Log for Stderr {
 }
 
 /// The library's options for the shared inference flags and the final `size`.
-pub fn options(args: &InferArgs, size: crate::size::OutputSize) -> anyhow::Result<crate::Options> {
+pub fn options(args: &InferArgs, size: OutputSize) -> anyhow::Result<upscale::Options> {
     if args.tile.is_some() && args.tile_auto {
         anyhow::bail!("--tile and --tile_auto exclude each other");
     }
@@ -398,7 +412,7 @@ pub fn options(args: &InferArgs, size: crate::size::OutputSize) -> anyhow::Resul
             );
         }
     }
-    Ok(crate::Options {
+    Ok(upscale::Options {
         device: args.device.clone(),
         precision: args.precision,
         attention: args.attention,
@@ -418,8 +432,8 @@ pub fn options(args: &InferArgs, size: crate::size::OutputSize) -> anyhow::Resul
 }
 
 /// The model opened as the shared inference flags ask, through the library's one way in.
-pub fn setup(args: &InferArgs, size: crate::size::OutputSize) -> anyhow::Result<crate::Upscaler> {
-    Ok(crate::Upscaler::open(
+pub fn setup(args: &InferArgs, size: OutputSize) -> anyhow::Result<upscale::Upscaler> {
+    Ok(upscale::Upscaler::open(
         args.model.as_deref(),
         &options(args, size)?,
     )?)
@@ -487,8 +501,7 @@ fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
 
 /// `upscale info`: the configuration read from the weights, as text or one JSON line.
 fn show_info(model: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {
-    let ck = crate::engine::read_checkpoint(model)?;
-    let v = info::describe(&ck);
+    let v = upscale::ModelFile::open(model)?.describe();
     if json {
         println!("{v}");
     } else {
@@ -500,23 +513,15 @@ fn show_info(model: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> 
 /// `upscale bench`: one configuration on a synthetic image of the requested size.
 fn run_bench(b: &BenchArgs) -> anyhow::Result<()> {
     Logger::new(b.json, false);
-    let up = setup(&b.infer, crate::size::OutputSize::Model)?;
-    let (engine, settings) = (up.lanes(), up.settings());
-    let image = crate::engine::probe::pattern(b.size.0, b.size.1);
-    let opts = engine.tile_options(settings, b.size.0, b.size.1);
-    let r = bench::run(
-        engine,
-        &image,
-        &opts,
-        b.warmup,
-        b.reps as usize,
-        b.peak_tflops,
-        b.tile_cost,
-    )?;
+    let up = setup(&b.infer, OutputSize::Model)?;
+    let r = up.bench(b.size, b.warmup, b.reps as usize, b.tile_cost)?;
+    let mut json = serde_json::to_value(&r)?;
+    // Model FLOP utilisation needs the device's peak rate, which only the user knows.
+    json["flop_utilisation"] = serde_json::json!(b.peak_tflops.map(|p| r.achieved_tflops / p));
     if b.json {
-        println!("{}", r.json);
+        println!("{json}");
     } else {
-        println!("{}", serde_json::to_string_pretty(&r.json)?);
+        println!("{}", serde_json::to_string_pretty(&json)?);
     }
     Ok(())
 }
@@ -534,10 +539,17 @@ fn write_man(dir: Option<&std::path::Path>) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::size::OutputSize;
 
     fn parsed(args: &[&str]) -> Cli {
         Cli::try_parse_from(args).expect("valid flags")
+    }
+
+    #[test]
+    fn factors_are_checked() {
+        assert_eq!(parse_factor("3.5"), Ok(3.5));
+        for bad in ["0", "-2", "nan", "inf", "x"] {
+            assert!(parse_factor(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -558,14 +570,14 @@ mod tests {
         let cli = parsed(&["upscale", "in.png"]);
         assert_eq!(
             options(&cli.run.infer, OutputSize::Model).unwrap(),
-            crate::Options::default()
+            upscale::Options::default()
         );
         let Some(Command::Bench(b)) = parsed(&["upscale", "bench"]).command else {
             panic!("bench parses as bench");
         };
         assert_eq!(
             options(&b.infer, OutputSize::Model).unwrap(),
-            crate::Options::default()
+            upscale::Options::default()
         );
     }
 
@@ -593,7 +605,7 @@ mod tests {
             "average",
             "--tta",
         ]);
-        let want = crate::Options {
+        let want = upscale::Options {
             device: DeviceChoice::Cpu,
             precision: Precision::Bf16,
             attention: Attention::Fused,
@@ -620,12 +632,12 @@ mod tests {
     /// bf16/fp16 (1.3x `fused` on an H100), and it runs `fused` itself where it has none.
     #[test]
     fn the_default_attention_is_the_tensor_core_kernel() {
-        assert_eq!(crate::Options::default().attention, Attention::TensorCore);
+        assert_eq!(upscale::Options::default().attention, Attention::TensorCore);
     }
 
     #[test]
     fn an_error_line_quotes_each_cause_once() {
-        use crate::model::{ConfigError, ModelError};
+        use upscale::{ConfigError, ModelError};
         // A library error that quotes its cause and returns it as its source.
         let e = anyhow::Error::new(ModelError::Config {
             origin: "m.pth".into(),

@@ -101,7 +101,6 @@ impl Format {
     }
 }
 
-#[cfg(feature = "cli")]
 /// True when the path's extension is an extension folder walks pick up (png, jpg, jpeg, webp, tif, tiff).
 pub fn is_image_path(path: &Path) -> bool {
     Format::from_path(path).is_some()

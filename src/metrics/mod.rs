@@ -30,19 +30,33 @@ use crate::planar::Planar;
 /// Why a metric could not be computed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MetricsError {
+    /// The two images are not the same size and channel count.
     #[error("images differ in shape: {a:?} vs {b:?} (channels, height, width)")]
     ShapeMismatch {
+        /// The first image's (channels, height, width).
         a: (usize, usize, usize),
+        /// The second image's.
         b: (usize, usize, usize),
     },
+    /// The crop takes the whole image.
     #[error("cropping {crop} pixels per side leaves nothing of a {height}x{width} image")]
     CropTooLarge {
+        /// Pixels cropped per side.
         crop: usize,
+        /// The image's height before cropping.
         height: usize,
+        /// Its width.
         width: usize,
     },
+    /// SSIM's 11x11 Gaussian window does not fit in the cropped image.
     #[error("SSIM needs at least 11x11 pixels after cropping, got {height}x{width}")]
-    TooSmallForSsim { height: usize, width: usize },
+    TooSmallForSsim {
+        /// Height after cropping.
+        height: usize,
+        /// Width after cropping.
+        width: usize,
+    },
+    /// Luma asked of an image that is neither gray nor RGB (the channel count).
     #[error("the Y channel needs a 1- or 3-channel image, got {0} channels")]
     NotRgb(usize),
 }
