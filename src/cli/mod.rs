@@ -17,8 +17,8 @@ mod walk;
 
 use std::path::PathBuf;
 
-use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use clap::{Args, CommandFactory, Parser, Subcommand};
+use clap::builder::{EnumValueParser, PossibleValue, PossibleValuesParser, TypedValueParser};
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
 use upscale::{Attention, BlendMode, DeviceChoice, Format, OutputSize, Precision};
 
@@ -181,7 +181,8 @@ pub struct InferArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub streams: u32,
     /// How overlapping tiles are merged.
-    #[arg(long, value_enum, ignore_case = true, default_value_t = BlendMode::Hann)]
+    #[arg(long, ignore_case = true, default_value = "hann",
+          value_parser = EnumValueParser::<BlendChoice>::new().map(BlendMode::from))]
     pub blend: BlendMode,
     /// Same as --blend hann.
     #[arg(long = "hann_blend", alias = "hann-blend")]
@@ -192,7 +193,8 @@ pub struct InferArgs {
     /// Window attention on CUDA: tensor-core (the fused kernel's two products on tensor cores,
     /// for bf16/fp16; 1.3x `fused` on an H100), fused (one kernel per block, no score tensors)
     /// or reference (candle's matmul/softmax graph). The CPU runs its own kernel either way.
-    #[arg(long, value_enum, ignore_case = true, default_value_t = Attention::default())]
+    #[arg(long, ignore_case = true, default_value = "tensor-core",
+          value_parser = EnumValueParser::<AttentionChoice>::new().map(Attention::from))]
     pub attention: Attention,
     /// Test-time self-ensemble: average the outputs for the eight flips and transpositions
     /// of the input (+0.04 dB PSNR-Y on the default model's held-out photos, at 8x the time).
@@ -225,7 +227,8 @@ pub struct RunArgs {
     #[arg(long = "bit-depth", alias = "bit_depth", value_parser = parse_bit_depth)]
     pub bit_depth: Option<u8>,
     /// Output format; the input's when omitted.
-    #[arg(long, value_enum, ignore_case = true)]
+    #[arg(long, ignore_case = true,
+          value_parser = EnumValueParser::<FormatChoice>::new().map(Format::from))]
     pub format: Option<Format>,
     /// JPEG quality, 1-100.
     #[arg(long, default_value_t = 95, value_parser = clap::value_parser!(u8).range(1..=100))]
@@ -257,6 +260,80 @@ pub struct RunArgs {
     /// More detail on stderr.
     #[arg(short = 'v', long)]
     pub verbose: bool,
+}
+
+/// `--blend`: the library's [`BlendMode`] as clap choices. The choice types are the tool's
+/// own so that the library needs no clap; their doc comments are what `--help` prints beside
+/// each value.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum BlendChoice {
+    /// Raised-cosine crossfade over the middle half of each overlap; the outer quarter at a
+    /// tile's inner edge gets no weight, since the model saw little context there.
+    Hann,
+    /// Uniform average of all tiles covering a pixel, as the official inference script does.
+    #[value(alias = "avg")]
+    Average,
+    /// Crop and paste: every output pixel comes from one tile, seams mid-overlap.
+    None,
+}
+
+impl From<BlendChoice> for BlendMode {
+    fn from(c: BlendChoice) -> Self {
+        match c {
+            BlendChoice::Hann => BlendMode::Hann,
+            BlendChoice::Average => BlendMode::Average,
+            BlendChoice::None => BlendMode::None,
+        }
+    }
+}
+
+/// `--attention`: the library's [`Attention`] as clap choices.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum AttentionChoice {
+    /// One kernel per block: scores stay on chip, the shift mask is computed, not stored.
+    Fused,
+    /// candle's op graph: matmul, bias, stored mask, softmax, matmul.
+    Reference,
+    /// The fused kernel with both products on tensor cores (bf16/fp16 inputs, f32 sums; the
+    /// probabilities are rounded to the input type); f32, and builds for GPUs before compute
+    /// capability 8.0, run `fused`.
+    TensorCore,
+}
+
+impl From<AttentionChoice> for Attention {
+    fn from(c: AttentionChoice) -> Self {
+        match c {
+            AttentionChoice::Fused => Attention::Fused,
+            AttentionChoice::Reference => Attention::Reference,
+            AttentionChoice::TensorCore => Attention::TensorCore,
+        }
+    }
+}
+
+/// `--format`, spelt as the extensions we write, the long extensions accepted as aliases.
+/// The values go undocumented: clap would print a doc comment beside each and drop the
+/// one-line list of choices from `--help`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum FormatChoice {
+    #[value(name = "png")]
+    Png,
+    #[value(name = "jpg", alias = "jpeg")]
+    Jpeg,
+    #[value(name = "webp")]
+    Webp,
+    #[value(name = "tiff", alias = "tif")]
+    Tiff,
+}
+
+impl From<FormatChoice> for Format {
+    fn from(c: FormatChoice) -> Self {
+        match c {
+            FormatChoice::Png => Format::Png,
+            FormatChoice::Jpeg => Format::Jpeg,
+            FormatChoice::Webp => Format::Webp,
+            FormatChoice::Tiff => Format::Tiff,
+        }
+    }
 }
 
 /// The precisions as clap choices, so that `--help` lists them and a typo gets a suggestion;
