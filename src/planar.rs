@@ -65,7 +65,7 @@ pub const SYMMETRIES: u8 = 8;
 
 impl Planar {
     /// This image under symmetry `k` (see [`SYMMETRIES`]).
-    pub fn transformed(&self, k: u8) -> Planar {
+    pub(crate) fn transformed(&self, k: u8) -> Planar {
         let (h, w) = (self.height, self.width);
         let transpose = k & 4 != 0;
         let (oh, ow) = if transpose { (w, h) } else { (h, w) };
@@ -85,7 +85,7 @@ impl Planar {
     }
 
     /// The inverse of [`Planar::transformed`]: `img.transformed(k).untransformed(k) == img`.
-    pub fn untransformed(&self, k: u8) -> Planar {
+    pub(crate) fn untransformed(&self, k: u8) -> Planar {
         // Flips are their own inverses and commute with each other; only the order of the
         // transposition and the flips changes: transposing first swaps what the bits flip.
         if k & 4 == 0 {
