@@ -9,7 +9,7 @@ use candle_core::DType;
 use serde_json::json;
 
 use crate::api::Error;
-use crate::engine::read_checkpoint;
+use crate::engine::{read_checkpoint, Precision};
 use crate::model::{ArchConfig, Checkpoint, DrctConfig, HatConfig, Source, SwinIrConfig};
 
 /// A checkpoint, validated: its architecture and configuration inferred from the tensors
@@ -55,12 +55,18 @@ impl ModelFile {
         }
     }
 
-    /// Writes the validated weights as `dtype` (`F32`, `F16` or `BF16`) to `output`:
+    /// Writes the validated weights in `precision` to `output` (`Auto` is fp32, what every
+    /// checkpoint holds once loaded):
     /// buffers dropped, keys normalised, the architecture and the detected configuration in
     /// the metadata with the original file's name. The write goes through a temporary
     /// file, so a failure never leaves a partial output.
-    pub fn write_safetensors(&self, output: &Path, dtype: DType) -> Result<(), Error> {
+    pub fn write_safetensors(&self, output: &Path, precision: Precision) -> Result<(), Error> {
         let ck = &self.ck;
+        let dtype = match precision {
+            Precision::Auto | Precision::Fp32 => DType::F32,
+            Precision::Fp16 => DType::F16,
+            Precision::Bf16 => DType::BF16,
+        };
         let failed = |origin: String, detail: String| Error::Convert { origin, detail };
         let mut tensors = HashMap::new();
         for (name, t) in &ck.tensors {

@@ -84,7 +84,7 @@ pub enum Command {
         output: PathBuf,
         /// Weight dtype of the output.
         #[arg(long, default_value = "f32", value_parser = convert::parse_dtype)]
-        dtype: candle_core::DType,
+        dtype: Precision,
     },
     /// Measure latency, throughput, memory and FLOP rate of one configuration.
     Bench(BenchArgs),
