@@ -90,17 +90,14 @@ impl HatConfig {
         }
     }
 
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info reports it
     pub fn compress_ratio(&self) -> f64 {
         self.embed_dim as f64 / self.cab_width as f64
     }
 
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info reports it
     pub fn squeeze_factor(&self) -> f64 {
         self.embed_dim as f64 / self.squeeze_width as f64
     }
 
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info reports it
     pub fn overlap_ratio(&self) -> f64 {
         (self.overlap_window - self.window) as f64 / self.window as f64
     }
