@@ -6,7 +6,8 @@
 // - cat_bias_act: the dense connection of a residual group, out = [prev | act(y + bias)], so
 //   the concatenation costs no pass of its own.
 // - gather_norm / add_gather_norm: the window partition (a token permutation) fused with the
-//   layer norm beside it, one warp per token row.
+//   layer norm beside it, one warp per token row; add_scaled_gather_norm also adds HAT's
+//   channel-attention branch, scaled per image and channel, to the residual sum.
 // - patches3x3: the patch matrix of a 3x3 convolution in one pass, where candle's zero
 //   padding, nine strided tap copies and their concatenation took eleven.
 // - conv3x3_narrow: a 3x3 convolution with at most four outputs (the RGB output layer at the
@@ -196,10 +197,13 @@ __device__ void gather_norm(const T *__restrict__ x, const unsigned int *__restr
 }
 
 // sum[b, t] = x[b, t] + y[b, back[t]] and normed[b, t] = ln(sum[b, t]): x, sum and normed are
-// batch x tokens x cols, y batch x tokens_y x cols. The norm reads the rounded sum, which is
-// what the next layers see.
+// batch x tokens x cols, y batch x tokens_y x cols. With z (batch x tokens x cols) and its
+// scale s (batch x cols), HAT's channel attention, the sum is x + z * s[b] + y[b, back[t]],
+// in f32 and rounded once: the product and the first sum cost no passes of their own. z and
+// s are null without it. The norm reads the rounded sum, which is what the next layers see.
 template <typename T>
-__device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ y,
+__device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ z,
+                                const T *__restrict__ s, const T *__restrict__ y,
                                 const unsigned int *__restrict__ back,
                                 const T *__restrict__ gamma, const T *__restrict__ beta,
                                 const T *__restrict__ mask, T *sum, T *__restrict__ normed,
@@ -212,8 +216,17 @@ __device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ y
         const T *xr = x + (size_t)r * cols;
         const T *yr = y + ((size_t)b * tokens_y + back[r - b * tokens]) * cols;
         T *sr = sum + (size_t)r * cols;
-        for (unsigned int c = lane; c < cols; c += 32) {
-            sr[c] = from_f32<T>(to_f32(xr[c]) + to_f32(yr[c]));
+        if (z != nullptr) {
+            const T *zr = z + (size_t)r * cols;
+            const T *sb = s + (size_t)b * cols;
+            for (unsigned int c = lane; c < cols; c += 32) {
+                const float v = to_f32(xr[c]) + to_f32(zr[c]) * to_f32(sb[c]);
+                sr[c] = from_f32<T>(v + to_f32(yr[c]));
+            }
+        } else {
+            for (unsigned int c = lane; c < cols; c += 32) {
+                sr[c] = from_f32<T>(to_f32(xr[c]) + to_f32(yr[c]));
+            }
         }
         // Each lane reads back only the columns it wrote: no synchronisation needed.
         norm_row(sr, gamma, beta, mask, normed + (size_t)r * cols, cols, count, masked, eps);
@@ -343,8 +356,16 @@ __device__ void conv3x3_narrow(const T *__restrict__ x, const T *__restrict__ wt
         const T *x, const T *y, const unsigned int *back, const T *gamma, const T *beta,       \
         const T *mask, T *sum, T *normed, unsigned int rows, unsigned int tokens,              \
         unsigned int tokens_y, unsigned int cols, unsigned int count, int masked, float eps) { \
-        rowwise::add_gather_norm(x, y, back, gamma, beta, mask, sum, normed, rows, tokens,     \
-                                 tokens_y, cols, count, masked, eps);                          \
+        rowwise::add_gather_norm<T>(x, nullptr, nullptr, y, back, gamma, beta, mask, sum,      \
+                                    normed, rows, tokens, tokens_y, cols, count, masked, eps); \
+    }                                                                                          \
+    extern "C" __global__ void add_scaled_gather_norm_##SUFFIX(                                \
+        const T *x, const T *z, const T *s, const T *y, const unsigned int *back,              \
+        const T *gamma, const T *beta, const T *mask, T *sum, T *normed, unsigned int rows,    \
+        unsigned int tokens, unsigned int tokens_y, unsigned int cols, unsigned int count,     \
+        int masked, float eps) {                                                               \
+        rowwise::add_gather_norm(x, z, s, y, back, gamma, beta, mask, sum, normed, rows,       \
+                                 tokens, tokens_y, cols, count, masked, eps);                  \
     }                                                                                          \
     extern "C" __global__ void patches3x3_##SUFFIX(const T *x, T *out, unsigned int n,         \
                                                    unsigned int h, unsigned int w,             \

@@ -481,6 +481,170 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const unsigned sho
 }
 #endif
 
+// The pieces both tensor-core kernels share. A warp holds 16 query rows: thread (g, t) of
+// the warp (g = lane / 4, t = lane % 4) holds rows g ("lo") and g + 8 ("hi") of every 16x8
+// accumulator, columns 2t and 2t + 1; the four threads of a quad together hold a row.
+
+// The q rows as A fragments, one per 16 staged columns: `q_lo(col)` and `q_hi(col)` give the
+// 16-bit value of staged column `col` of each row (zero outside the head or past the rows).
+template <int DP, typename QLo, typename QHi>
+__device__ __forceinline__ void mma_q_fragments(unsigned (&qa)[DP / 16][4], int t, QLo q_lo,
+                                                QHi q_hi) {
+#pragma unroll
+    for (int ks = 0; ks < DP / 16; ++ks) {
+        const int col = ks * 16 + 2 * t;
+        qa[ks][0] = pack2(q_lo(col), q_lo(col + 1));
+        qa[ks][1] = pack2(q_hi(col), q_hi(col + 1));
+        qa[ks][2] = pack2(q_lo(col + 8), q_lo(col + 9));
+        qa[ks][3] = pack2(q_hi(col + 8), q_hi(col + 9));
+    }
+}
+
+// Scores of the warp's 16 rows against the staged k tile's keys, 8 keys per accumulator. One
+// ldmatrix gives the B fragments of two 8-key tiles (matrices: keys 0-7 of the pair at dims
+// 0-7 and 8-15 of the k step, then keys 8-15 at the same dims).
+template <typename T, int DP>
+__device__ __forceinline__ void mma_scores(float (&s)[mma_keys(DP) / 8][4],
+                                           const unsigned (&qa)[DP / 16][4],
+                                           const unsigned short* s_k, int lane) {
+    constexpr int KEYS = mma_keys(DP);
+    constexpr int KP = DP + 8;
+    const int m = lane / 8;
+    const int mr = lane % 8;
+#pragma unroll
+    for (int nt = 0; nt < KEYS / 8; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    }
+#pragma unroll
+    for (int np = 0; np < KEYS / 16; ++np) {
+        const unsigned short* krow = s_k + ((2 * np + m / 2) * 8 + mr) * KP + (m % 2) * 8;
+#pragma unroll
+        for (int ks = 0; ks < DP / 16; ++ks) {
+            unsigned b[4];
+            ldmatrix_x4<false>(b, krow + ks * 16);
+            mma_16816<T>(s[2 * np], qa[ks], {b[0], b[1]});
+            mma_16816<T>(s[2 * np + 1], qa[ks], {b[2], b[3]});
+        }
+    }
+}
+
+// The running state of the online softmax of a thread's two rows: each row's maximum so far
+// (the same in the four threads of its quad), this thread's share of its sum of exponentials
+// (added across the quad at the end), and its share of the unnormalised output.
+template <typename T, int DP>
+struct MmaRows {
+    float o[DP / 8][4];
+    float max_lo, max_hi;
+    float sum_lo, sum_hi;
+
+    __device__ __forceinline__ void start() {
+#pragma unroll
+        for (int dt = 0; dt < DP / 8; ++dt) {
+            o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+        }
+        max_lo = -INFINITY;
+        max_hi = -INFINITY;
+        sum_lo = 0.0f;
+        sum_hi = 0.0f;
+    }
+
+    // Takes in a tile whose largest score in each row of this thread's share is
+    // `tile_lo`/`tile_hi`: the quad's maxima become the rows' tile maxima, and the sums and
+    // outputs so far are rescaled to the new running maxima. Every tile has a real key, so
+    // the new maxima are finite and the first rescale is exp(-inf) = 0 on empty accumulators.
+    __device__ __forceinline__ void rescale(float tile_lo, float tile_hi) {
+        constexpr unsigned FULL = 0xffffffffu;
+#pragma unroll
+        for (int o_ = 1; o_ < 4; o_ *= 2) {
+            tile_lo = fmaxf(tile_lo, __shfl_xor_sync(FULL, tile_lo, o_));
+            tile_hi = fmaxf(tile_hi, __shfl_xor_sync(FULL, tile_hi, o_));
+        }
+        const float new_lo = fmaxf(max_lo, tile_lo);
+        const float new_hi = fmaxf(max_hi, tile_hi);
+        const float scale_lo = expf(max_lo - new_lo);
+        const float scale_hi = expf(max_hi - new_hi);
+        max_lo = new_lo;
+        max_hi = new_hi;
+        sum_lo *= scale_lo;
+        sum_hi *= scale_hi;
+#pragma unroll
+        for (int dt = 0; dt < DP / 8; ++dt) {
+            o[dt][0] *= scale_lo;
+            o[dt][1] *= scale_lo;
+            o[dt][2] *= scale_hi;
+            o[dt][3] *= scale_hi;
+        }
+    }
+
+    // o += p v for the tile's scores `s` (after `rescale`). The probabilities, rounded to T,
+    // become the A fragments of p v (the accumulator layout of two adjacent 8-key tiles is
+    // the A layout of one 16-key step), and their rounded values are what the sums add. One
+    // transposing ldmatrix gives the B fragments of two 8-column tiles of the row-major v tile
+    // (matrices: keys 0-7 and 8-15 of the step at the first 8 columns, then at the next).
+    __device__ __forceinline__ void add_pv(const float (&s)[mma_keys(DP) / 8][4],
+                                           const unsigned short* s_v, int lane) {
+        constexpr int KEYS = mma_keys(DP);
+        constexpr int KP = DP + 8;
+        const int m = lane / 8;
+        const int mr = lane % 8;
+#pragma unroll
+        for (int kk = 0; kk < KEYS / 16; ++kk) {
+            unsigned short p[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const T pr = from_f32<T>(expf(s[2 * kk + h][r] - (r < 2 ? max_lo : max_hi)));
+                    p[h][r] = bits_of(pr);
+                    if (r < 2) {
+                        sum_lo += to_f32(pr);
+                    } else {
+                        sum_hi += to_f32(pr);
+                    }
+                }
+            }
+            const unsigned pa[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
+                                    pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
+            const unsigned short* vrow = s_v + (kk * 16 + (m % 2) * 8 + mr) * KP + (m / 2) * 8;
+#pragma unroll
+            for (int dp = 0; dp < DP / 16; ++dp) {
+                unsigned b[4];
+                ldmatrix_x4<true>(b, vrow + dp * 16);
+                mma_16816<T>(o[2 * dp], pa, {b[0], b[1]});
+                mma_16816<T>(o[2 * dp + 1], pa, {b[2], b[3]});
+            }
+        }
+    }
+
+    // Writes o / sum for each row that is real: head dim `col` of a row goes to `row[col]`,
+    // where `out_lo`/`out_hi` point at the row's first value of this head (staged column
+    // `raw` holds head dim raw - e).
+    __device__ __forceinline__ void store(T* out_lo, T* out_hi, bool real_lo, bool real_hi,
+                                          int e, int d, int t) {
+        constexpr unsigned FULL = 0xffffffffu;
+#pragma unroll
+        for (int o_ = 1; o_ < 4; o_ *= 2) {
+            sum_lo += __shfl_xor_sync(FULL, sum_lo, o_);
+            sum_hi += __shfl_xor_sync(FULL, sum_hi, o_);
+        }
+        const float inv_lo = 1.0f / sum_lo;
+        const float inv_hi = 1.0f / sum_hi;
+#pragma unroll
+        for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int col = dt * 8 + 2 * t + i - e;
+                if (col >= 0 && col < d && real_lo) {
+                    out_lo[col] = from_f32<T>(o[dt][i] * inv_lo);
+                }
+                if (col >= 0 && col < d && real_hi) {
+                    out_hi[col] = from_f32<T>(o[dt][2 + i] * inv_hi);
+                }
+            }
+        }
+    }
+};
+
 // Per (window, head) and 16 * mma_warps(DP) query rows: softmax(q kᵀ + bias + mask) v on tensor
 // cores. DP is the head dim (plus its offset e) padded to a multiple of 16 (the k of the first
 // product).
@@ -497,7 +661,6 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
     constexpr int KP = DP + 8;
     constexpr int TILE = KEYS * KP;
     constexpr int WORDS = DP / 2;
-    constexpr unsigned FULL = 0xffffffffu;
 
     // Layout: buffer 0 (k tile, v tile), buffer 1 (k tile, v tile), each tile KEYS rows of KP
     // 16-bit values, row-major; then this head's bias table (f32, side x side); then, per key
@@ -580,24 +743,10 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
                                               : 0;
     };
     unsigned qa[DP / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < DP / 16; ++ks) {
-        const int col = ks * 16 + 2 * t;
-        qa[ks][0] = pack2(q_at(r_lo, col), q_at(r_lo, col + 1));
-        qa[ks][1] = pack2(q_at(r_hi, col), q_at(r_hi, col + 1));
-        qa[ks][2] = pack2(q_at(r_lo, col + 8), q_at(r_lo, col + 9));
-        qa[ks][3] = pack2(q_at(r_hi, col + 8), q_at(r_hi, col + 9));
-    }
-
-    float o[DP / 8][4];
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-        o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
-    }
-    // Running max per row (the same in the four threads of a quad) and this thread's share
-    // of the row sum (added across the quad at the end).
-    float max_lo = -INFINITY, max_hi = -INFINITY;
-    float sum_lo = 0.0f, sum_hi = 0.0f;
+    mma_q_fragments<DP>(
+        qa, t, [&](int raw) { return q_at(r_lo, raw); }, [&](int raw) { return q_at(r_hi, raw); });
+    MmaRows<T, DP> rows;
+    rows.start();
 
     const int tiles = (n + KEYS - 1) / KEYS;
     for (int tile = 0; tile < tiles; ++tile) {
@@ -614,27 +763,8 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
         const unsigned short* s_k = s_kv + (tile & 1) * 2 * TILE;
         const unsigned short* s_v = s_k + TILE;
 
-        // Scores of the warp's 16 rows against the tile's keys, 8 keys per accumulator. One
-        // ldmatrix gives the B fragments of two 8-key tiles (matrices: keys 0-7 of the pair
-        // at dims 0-7 and 8-15 of the k step, then keys 8-15 at the same dims).
-        const int m = lane / 8;
-        const int mr = lane % 8;
         float s[KEYS / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < KEYS / 8; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-        }
-#pragma unroll
-        for (int np = 0; np < KEYS / 16; ++np) {
-            const unsigned short* krow = s_k + ((2 * np + m / 2) * 8 + mr) * KP + (m % 2) * 8;
-#pragma unroll
-            for (int ks = 0; ks < DP / 16; ++ks) {
-                unsigned b[4];
-                ldmatrix_x4<false>(b, krow + ks * 16);
-                mma_16816<T>(s[2 * np], qa[ks], {b[0], b[1]});
-                mma_16816<T>(s[2 * np + 1], qa[ks], {b[2], b[3]});
-            }
-        }
+        mma_scores<T, DP>(s, qa, s_k, lane);
 
         // (q·k + bias) + mask, as the reference adds them; keys past n drop out.
         float tile_lo = -INFINITY, tile_hi = -INFINITY;
@@ -661,85 +791,15 @@ __device__ __forceinline__ void window_attention_mma(const T* __restrict__ qkv,
                 tile_hi = fmaxf(tile_hi, hi);
             }
         }
-        // The quad holds a row's whole tile: after this every thread of it has the row max.
-#pragma unroll
-        for (int o_ = 1; o_ < 4; o_ *= 2) {
-            tile_lo = fmaxf(tile_lo, __shfl_xor_sync(FULL, tile_lo, o_));
-            tile_hi = fmaxf(tile_hi, __shfl_xor_sync(FULL, tile_hi, o_));
-        }
-        // Every tile has a real key, so the new maxima are finite and the first rescale is
-        // exp(-inf) = 0 on empty accumulators.
-        const float new_lo = fmaxf(max_lo, tile_lo);
-        const float new_hi = fmaxf(max_hi, tile_hi);
-        const float scale_lo = expf(max_lo - new_lo);
-        const float scale_hi = expf(max_hi - new_hi);
-        max_lo = new_lo;
-        max_hi = new_hi;
-        sum_lo *= scale_lo;
-        sum_hi *= scale_hi;
-#pragma unroll
-        for (int dt = 0; dt < DP / 8; ++dt) {
-            o[dt][0] *= scale_lo;
-            o[dt][1] *= scale_lo;
-            o[dt][2] *= scale_hi;
-            o[dt][3] *= scale_hi;
-        }
-
-        // Probabilities, rounded to T, become the A fragments of p v (the accumulator layout
-        // of two adjacent 8-key tiles is the A layout of one 16-key step). One transposing
-        // ldmatrix gives the B fragments of two 8-column tiles of the row-major v tile
-        // (matrices: keys 0-7 and 8-15 of the step at the first 8 columns, then at the next).
-#pragma unroll
-        for (int kk = 0; kk < KEYS / 16; ++kk) {
-            unsigned short p[2][4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const T pr = from_f32<T>(expf(s[2 * kk + h][r] - (r < 2 ? new_lo : new_hi)));
-                    p[h][r] = bits_of(pr);
-                    if (r < 2) {
-                        sum_lo += to_f32(pr);
-                    } else {
-                        sum_hi += to_f32(pr);
-                    }
-                }
-            }
-            const unsigned pa[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
-                                    pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
-            const unsigned short* vrow = s_v + (kk * 16 + (m % 2) * 8 + mr) * KP + (m / 2) * 8;
-#pragma unroll
-            for (int dp = 0; dp < DP / 16; ++dp) {
-                unsigned b[4];
-                ldmatrix_x4<true>(b, vrow + dp * 16);
-                mma_16816<T>(o[2 * dp], pa, {b[0], b[1]});
-                mma_16816<T>(o[2 * dp + 1], pa, {b[2], b[3]});
-            }
-        }
+        rows.rescale(tile_lo, tile_hi);
+        rows.add_pv(s, s_v, lane);
         // Everyone is done with this buffer before the next issue refills it.
         __syncthreads();
     }
 
-#pragma unroll
-    for (int o_ = 1; o_ < 4; o_ *= 2) {
-        sum_lo += __shfl_xor_sync(FULL, sum_lo, o_);
-        sum_hi += __shfl_xor_sync(FULL, sum_hi, o_);
-    }
-    const float inv_lo = 1.0f / sum_lo;
-    const float inv_hi = 1.0f / sum_hi;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int col = dt * 8 + 2 * t + i - e;
-            if (col >= 0 && col < d && r_lo < n) {
-                out[(win * n + r_lo) * c + head * d + col] = from_f32<T>(o[dt][i] * inv_lo);
-            }
-            if (col >= 0 && col < d && r_hi < n) {
-                out[(win * n + r_hi) * c + head * d + col] = from_f32<T>(o[dt][2 + i] * inv_hi);
-            }
-        }
-    }
+    // Rows past n are not written (their pointers are never dereferenced).
+    rows.store(out + (win * n + r_lo) * c + head * d, out + (win * n + r_hi) * c + head * d,
+               r_lo < n, r_hi < n, e, d, t);
 }
 
 // Overlapping cross-attention on tensor cores: window_attention_mma's products, softmax and
@@ -760,7 +820,6 @@ __device__ __forceinline__ void overlap_attention_mma(const T* __restrict__ qkv,
     constexpr int KP = DP + 8;
     constexpr int TILE = KEYS * KP;
     constexpr int WORDS = DP / 2;
-    constexpr unsigned FULL = 0xffffffffu;
 
     // Layout: buffer 0 (k tile, v tile), buffer 1 (k tile, v tile), each tile KEYS rows of KP
     // 16-bit values, row-major; then this head's bias by offset (f32, side x side); then, per
@@ -854,22 +913,11 @@ __device__ __forceinline__ void overlap_attention_mma(const T* __restrict__ qkv,
         return row < n && col >= 0 && col < d ? bits_of(qkv[p * row_stride + head * d + col]) : 0;
     };
     unsigned qa[DP / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < DP / 16; ++ks) {
-        const int col = ks * 16 + 2 * t;
-        qa[ks][0] = pack2(q_at(r_lo, p_lo, col), q_at(r_lo, p_lo, col + 1));
-        qa[ks][1] = pack2(q_at(r_hi, p_hi, col), q_at(r_hi, p_hi, col + 1));
-        qa[ks][2] = pack2(q_at(r_lo, p_lo, col + 8), q_at(r_lo, p_lo, col + 9));
-        qa[ks][3] = pack2(q_at(r_hi, p_hi, col + 8), q_at(r_hi, p_hi, col + 9));
-    }
-
-    float o[DP / 8][4];
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-        o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
-    }
-    float max_lo = -INFINITY, max_hi = -INFINITY;
-    float sum_lo = 0.0f, sum_hi = 0.0f;
+    mma_q_fragments<DP>(
+        qa, t, [&](int raw) { return q_at(r_lo, p_lo, raw); },
+        [&](int raw) { return q_at(r_hi, p_hi, raw); });
+    MmaRows<T, DP> rows;
+    rows.start();
 
     const int tiles = (nk + KEYS - 1) / KEYS;
     for (int tile = 0; tile < tiles; ++tile) {
@@ -885,25 +933,8 @@ __device__ __forceinline__ void overlap_attention_mma(const T* __restrict__ qkv,
         const unsigned short* s_k = s_kv + (tile & 1) * 2 * TILE;
         const unsigned short* s_v = s_k + TILE;
 
-        // Scores, as in window_attention_mma.
-        const int m = lane / 8;
-        const int mr = lane % 8;
         float s[KEYS / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < KEYS / 8; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-        }
-#pragma unroll
-        for (int np = 0; np < KEYS / 16; ++np) {
-            const unsigned short* krow = s_k + ((2 * np + m / 2) * 8 + mr) * KP + (m % 2) * 8;
-#pragma unroll
-            for (int ks = 0; ks < DP / 16; ++ks) {
-                unsigned b[4];
-                ldmatrix_x4<false>(b, krow + ks * 16);
-                mma_16816<T>(s[2 * np], qa[ks], {b[0], b[1]});
-                mma_16816<T>(s[2 * np + 1], qa[ks], {b[2], b[3]});
-            }
-        }
+        mma_scores<T, DP>(s, qa, s_k, lane);
 
         // q·k + bias; keys past nk drop out (those outside the map stay, with q·k = 0).
         float tile_lo = -INFINITY, tile_hi = -INFINITY;
@@ -924,78 +955,12 @@ __device__ __forceinline__ void overlap_attention_mma(const T* __restrict__ qkv,
                 tile_hi = fmaxf(tile_hi, hi);
             }
         }
-#pragma unroll
-        for (int o_ = 1; o_ < 4; o_ *= 2) {
-            tile_lo = fmaxf(tile_lo, __shfl_xor_sync(FULL, tile_lo, o_));
-            tile_hi = fmaxf(tile_hi, __shfl_xor_sync(FULL, tile_hi, o_));
-        }
-        const float new_lo = fmaxf(max_lo, tile_lo);
-        const float new_hi = fmaxf(max_hi, tile_hi);
-        const float scale_lo = expf(max_lo - new_lo);
-        const float scale_hi = expf(max_hi - new_hi);
-        max_lo = new_lo;
-        max_hi = new_hi;
-        sum_lo *= scale_lo;
-        sum_hi *= scale_hi;
-#pragma unroll
-        for (int dt = 0; dt < DP / 8; ++dt) {
-            o[dt][0] *= scale_lo;
-            o[dt][1] *= scale_lo;
-            o[dt][2] *= scale_hi;
-            o[dt][3] *= scale_hi;
-        }
-
-        // Probabilities, rounded to T, times v, as in window_attention_mma.
-#pragma unroll
-        for (int kk = 0; kk < KEYS / 16; ++kk) {
-            unsigned short p[2][4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const T pr = from_f32<T>(expf(s[2 * kk + h][r] - (r < 2 ? new_lo : new_hi)));
-                    p[h][r] = bits_of(pr);
-                    if (r < 2) {
-                        sum_lo += to_f32(pr);
-                    } else {
-                        sum_hi += to_f32(pr);
-                    }
-                }
-            }
-            const unsigned pa[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
-                                    pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
-            const unsigned short* vrow = s_v + (kk * 16 + (m % 2) * 8 + mr) * KP + (m / 2) * 8;
-#pragma unroll
-            for (int dp = 0; dp < DP / 16; ++dp) {
-                unsigned b[4];
-                ldmatrix_x4<true>(b, vrow + dp * 16);
-                mma_16816<T>(o[2 * dp], pa, {b[0], b[1]});
-                mma_16816<T>(o[2 * dp + 1], pa, {b[2], b[3]});
-            }
-        }
+        rows.rescale(tile_lo, tile_hi);
+        rows.add_pv(s, s_v, lane);
         __syncthreads();
     }
 
-#pragma unroll
-    for (int o_ = 1; o_ < 4; o_ *= 2) {
-        sum_lo += __shfl_xor_sync(FULL, sum_lo, o_);
-        sum_hi += __shfl_xor_sync(FULL, sum_hi, o_);
-    }
-    const float inv_lo = 1.0f / sum_lo;
-    const float inv_hi = 1.0f / sum_hi;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int col = dt * 8 + 2 * t + i - e;
-            if (col >= 0 && col < d && r_lo < n) {
-                out[p_lo * c + head * d + col] = from_f32<T>(o[dt][i] * inv_lo);
-            }
-            if (col >= 0 && col < d && r_hi < n) {
-                out[p_hi * c + head * d + col] = from_f32<T>(o[dt][2 + i] * inv_hi);
-            }
-        }
-    }
+    rows.store(out + p_lo * c + head * d, out + p_hi * c + head * d, r_lo < n, r_hi < n, e, d, t);
 }
 #endif  // TENSOR_CORE_KERNELS
 

@@ -411,7 +411,8 @@ switches() {
 
 # swin_family REPS: SwinIR-M and HAT-L x4 (random weights of the released shapes, the same
 # file for both programs) on the DRCT-L side by side's input and tiling, bf16: ours, then
-# PyTorch eager and torch.compile (benches/torch_swin_reference.py) while the budget lasts.
+# PyTorch eager and torch.compile (benches/torch_swin_reference.py) while the budget lasts;
+# HAT-L also with its overlap kernel and its channel attention in the residual norm off.
 swin_family() {
   echo "== SwinIR-M and HAT-L x4 960x540 bf16: ours, PyTorch eager and torch.compile"
   if [ "$smoke" = 1 ] || [ "$have_torch" = 0 ]; then
@@ -432,6 +433,14 @@ swin_family() {
     if [ "$preset" = hat-l ] && fits swin 20 "\"label\":\"$preset-oca-off\""; then
       UPSCALE_CUDA_OCA=0 bench swin "$preset-bf16-ours-$attn-oca-off" "$weights" --precision bf16 \
         --size "$s540" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
+    fi
+    # HAT's channel attention multiplied and added by candle before the residual norm
+    # (UPSCALE_CUDA_OFF=cab, src/model/cuda_off.rs): the before of folding it into that norm's
+    # kernel, on the same shapes; whatever the probe left off stays off.
+    if [ "$preset" = hat-l ] && fits swin 20 "\"label\":\"$preset-cab-off\""; then
+      UPSCALE_CUDA_OFF="${UPSCALE_CUDA_OFF:+$UPSCALE_CUDA_OFF,}cab" bench swin "$preset-bf16-ours-$attn-cab-off" \
+        "$weights" --precision bf16 --size "$s540" --tile "$t256" --tile_overlap "$ov" \
+        --tile_batch_size 4 --reps "$r"
     fi
     pytorch_rows swin "$preset" "$logs/swin-$preset-pytorch.jsonl" "$PY" benches/torch_swin_reference.py \
       time --device cuda --preset "$preset" --weights "$weights" --dtype bf16 --height "${s540%x*}" \

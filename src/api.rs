@@ -24,6 +24,7 @@ use std::path::Path;
 
 use image::DynamicImage;
 
+use crate::engine::image::Upscaled;
 use crate::engine::lanes::Lanes;
 use crate::engine::{
     choose_dtype, open_device, read_checkpoint, DeviceChoice, EngineError, Precision,
@@ -110,6 +111,14 @@ pub enum Error {
     /// An image file could not be read or written.
     #[error(transparent)]
     File(#[from] IoError),
+    /// A checkpoint could not be converted (see [`crate::ModelFile::write_safetensors`]).
+    #[error("{origin}: {detail}")]
+    Convert {
+        /// The checkpoint, or the file being written.
+        origin: String,
+        /// What failed.
+        detail: String,
+    },
 }
 
 /// A model loaded on its device(s), ready for any number of images.
@@ -178,16 +187,19 @@ impl Upscaler {
         })
     }
 
-    /// The engine(s) the command-line tool's folder pipeline and bench drive directly.
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    /// The engine(s) the model runs on (bench drives them directly).
     pub(crate) fn lanes(&self) -> &Lanes {
         &self.lanes
     }
 
     /// The tile settings [`Upscaler::open`] made of its options.
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     pub(crate) fn settings(&self) -> &TileSettings {
         &self.settings
+    }
+
+    /// How many lanes every image is spread over: one on the CPU, `streams` per GPU.
+    pub fn lane_count(&self) -> usize {
+        self.lanes.count()
     }
 
     /// The model's upscaling factor.
@@ -246,11 +258,53 @@ impl Upscaler {
         Ok(())
     }
 
+    /// A decoded image (see [`crate::io::decode`]) upscaled and resampled to
+    /// [`Options::size`], with how it was tiled and each lane's share of the work. Alpha goes
+    /// through the network on its own, so its edges stay as sharp as the colour's.
+    pub fn upscale_image(&self, dec: &Decoded) -> Result<Upscaled, Error> {
+        self.upscale_deferred_as(dec, false)?.finish()
+    }
+
+    /// [`Upscaler::upscale_image`] up to the last step: on a GPU the output canvases stay
+    /// in device memory until [`Pending::finish`], which another thread may call while this
+    /// one starts the next image, so the device does not wait for the host's blending and
+    /// resampling. Each pending image holds its canvases until it is finished.
+    pub fn upscale_deferred(&self, dec: &Decoded) -> Result<Pending, Error> {
+        self.upscale_deferred_as(dec, true)
+    }
+
+    fn upscale_deferred_as(&self, dec: &Decoded, defer: bool) -> Result<Pending, Error> {
+        let image = self.lanes.upscale_pending(dec, &self.settings, defer)?;
+        let (width, height) = self.size.dims(dec.rgb.width, dec.rgb.height, self.scale());
+        Ok(Pending {
+            image,
+            width,
+            height,
+        })
+    }
+
     /// The colour and alpha planes of `dec` upscaled and resampled to [`Options::size`].
     fn upscale_planes(&self, dec: &Decoded) -> Result<(Planar, Option<Planar>), Error> {
-        let up = self.lanes.upscale_decoded(dec, &self.settings)?;
-        let (w, h) = self.size.dims(dec.rgb.width, dec.rgb.height, self.scale());
-        Ok(crate::size::resize(up.rgb, up.alpha, w, h)?)
+        let up = self.upscale_image(dec)?;
+        Ok((up.rgb, up.alpha))
+    }
+}
+
+/// An image [`Upscaler::upscale_deferred`] has run through the network but not finished.
+pub struct Pending {
+    image: crate::engine::image::Pending,
+    /// The final size.
+    width: usize,
+    height: usize,
+}
+
+impl Pending {
+    /// The upscaled image: canvases still on a device come back, are normalised by their
+    /// blend weights and resampled to the final size.
+    pub fn finish(self) -> Result<Upscaled, Error> {
+        let mut up = self.image.finish()?;
+        (up.rgb, up.alpha) = crate::size::resize(up.rgb, up.alpha.take(), self.width, self.height)?;
+        Ok(up)
     }
 }
 

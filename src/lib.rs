@@ -3,45 +3,56 @@
 //! Programs that embed it need [`Upscaler`] and its [`Options`]: open a model once (official
 //! `.pth`/`.safetensors` weights or the embedded default), then upscale `image` crate images
 //! in memory ([`Upscaler::upscale`]) or image files ([`Upscaler::upscale_file`]: metadata
-//! kept, the output never half-written). Warnings go through the `log` crate. Everything else
-//! is the command-line tool's own machinery, private to it and compiled only with the `cli`
-//! feature (on by default); [`main`] is the tool itself.
+//! kept, the output never half-written). Warnings go through the `log` crate.
 //!
-//! Data flow: `io` decodes a file into a `planar::Planar` image, `tile` plans and stitches
-//! overlapping tiles, `model` runs the DRCT network on batches of tiles, `io` encodes the
-//! result through a temporary file and a rename. `metrics` holds the BasicSR-exact PSNR/SSIM
-//! and the MATLAB-style bicubic resize used by `upscale eval`.
+//! Around it, what a program that runs many images needs, and what the `upscale`
+//! command-line tool is built on (the tool is the binary crate in `src/main.rs` and
+//! `src/cli/`, compiled with the `cli` feature; it reaches this library only through the
+//! items below):
+//!
+//! * [`io`]: image files to planar [`Planar`] images and back, with their ICC profile and
+//!   EXIF, and writes that never leave a partial file;
+//! * [`Upscaler::upscale_image`] and [`Upscaler::upscale_deferred`]: one decoded image
+//!   through the model, with its tiling and per-lane statistics, the latter leaving the
+//!   last step to another thread;
+//! * [`metrics`]: BasicSR-exact PSNR/SSIM and the MATLAB-style bicubic resize, for quality
+//!   gates;
+//! * [`ModelFile`]: what a weight file holds (architecture and configuration), and its
+//!   conversion to `.safetensors`;
+//! * [`Upscaler::bench`]: latency, throughput and memory of one configuration.
+//!
+//! Data flow: `io` decodes a file into a [`Planar`] image, `tile` plans and stitches
+//! overlapping tiles, `model` runs the network on batches of tiles, `io` encodes the result
+//! through a temporary file and a rename.
 
 #![warn(missing_docs)]
 
 mod api;
-#[cfg(feature = "cli")]
-mod cli;
+mod bench;
 mod engine;
-#[cfg(feature = "cli")]
-mod eval;
 #[cfg(feature = "cuda")]
 mod gpu;
-mod io;
-#[cfg(feature = "cli")]
-mod metrics;
+mod inspect;
+pub mod io;
+pub mod metrics;
 mod model;
-#[cfg(feature = "cli")]
-mod pipeline;
 mod planar;
 mod size;
 #[cfg(test)]
 mod tests;
 mod tile;
 
-pub use api::{cpu_computes_bf16, Error, Options, Upscaler};
-#[cfg(feature = "cli")]
-pub use cli::main;
+pub use api::{cpu_computes_bf16, Error, Options, Pending, Upscaler};
+pub use bench::{BenchReport, DevicePool, TileCost};
+pub use engine::image::Upscaled;
 pub use engine::{DeviceChoice, DeviceError, EngineError, Precision};
+pub use inspect::ModelFile;
 pub use io::{Format, IoError, OutputError};
 pub use model::Attention;
 pub use model::{
     BuildError, ConfigError, EnvError, ModelError, PthError, PthTensorError, TensorError,
 };
+pub use planar::Planar;
 pub use size::OutputSize;
-pub use tile::{BlendMode, PlanError, TileError};
+pub use tile::lanes::merge_lane_stats;
+pub use tile::{BlendMode, LaneStats, PlanError, TileError, TileStats};

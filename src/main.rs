@@ -1,4 +1,9 @@
+//! The `upscale` command-line tool, built on the `upscale` library's public API (see
+//! [`cli`]).
+
 use std::process::ExitCode;
+
+mod cli;
 
 /// Keep freed activation buffers in the process instead of returning them to the kernel:
 /// every layer allocates fresh tensors of the same few sizes, and glibc's default of mapping
@@ -25,5 +30,5 @@ fn default_sigpipe() {
 fn main() -> ExitCode {
     keep_freed_memory();
     default_sigpipe();
-    upscale::main()
+    cli::main()
 }

@@ -3,16 +3,23 @@
 //! This is the one image type shared by io, tiling and metrics, so that no module needs
 //! to know another module's representation.
 
+/// An image as `channels` planes of f32 samples, nominally in [0, 1]: what [`crate::io`]
+/// decodes to and encodes from, what the model runs on and what [`crate::metrics`] measure.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Planar {
+    /// Planes: 3 for RGB, 1 for alpha or gray.
     pub channels: usize,
+    /// Rows.
     pub height: usize,
+    /// Columns.
     pub width: usize,
     /// `channels * height * width` values, channel-major, rows top to bottom.
     pub data: Vec<f32>,
 }
 
 impl Planar {
+    /// An image of `data`, which must hold `channels * height * width` values (panics
+    /// otherwise).
     pub fn new(channels: usize, height: usize, width: usize, data: Vec<f32>) -> Self {
         assert_eq!(data.len(), channels * height * width, "planar buffer size");
         Self {
@@ -23,6 +30,7 @@ impl Planar {
         }
     }
 
+    /// An all-zero image.
     pub fn zeros(channels: usize, height: usize, width: usize) -> Self {
         Self::new(
             channels,
@@ -32,17 +40,19 @@ impl Planar {
         )
     }
 
+    /// Channel `c`'s samples, row by row.
     pub fn plane(&self, c: usize) -> &[f32] {
         let n = self.height * self.width;
         &self.data[c * n..(c + 1) * n]
     }
 
+    /// Channel `c`'s samples, row by row, to change.
     pub fn plane_mut(&mut self, c: usize) -> &mut [f32] {
         let n = self.height * self.width;
         &mut self.data[c * n..(c + 1) * n]
     }
 
-    #[cfg(any(test, feature = "cli"))]
+    /// The sample of channel `c` at row `y`, column `x`.
     pub fn get(&self, c: usize, y: usize, x: usize) -> f32 {
         self.data[(c * self.height + y) * self.width + x]
     }
@@ -55,7 +65,7 @@ pub const SYMMETRIES: u8 = 8;
 
 impl Planar {
     /// This image under symmetry `k` (see [`SYMMETRIES`]).
-    pub fn transformed(&self, k: u8) -> Planar {
+    pub(crate) fn transformed(&self, k: u8) -> Planar {
         let (h, w) = (self.height, self.width);
         let transpose = k & 4 != 0;
         let (oh, ow) = if transpose { (w, h) } else { (h, w) };
@@ -75,7 +85,7 @@ impl Planar {
     }
 
     /// The inverse of [`Planar::transformed`]: `img.transformed(k).untransformed(k) == img`.
-    pub fn untransformed(&self, k: u8) -> Planar {
+    pub(crate) fn untransformed(&self, k: u8) -> Planar {
         // Flips are their own inverses and commute with each other; only the order of the
         // transposition and the flips changes: transposing first swaps what the bits flip.
         if k & 4 == 0 {

@@ -76,17 +76,6 @@ impl OutputSize {
     }
 }
 
-#[cfg(feature = "cli")]
-/// A `--outscale` value: a finite number above 0.
-pub fn parse_factor(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(f) if f.is_finite() && f > 0.0 => Ok(f),
-        _ => Err(format!(
-            "'{s}' is not a scale factor above 0 (e.g. 2 or 3.5)"
-        )),
-    }
-}
-
 /// `rgb` (and `alpha`, same size) resampled to `width` × `height` with Lanczos3. Returns the
 /// planes unchanged when they already have that size.
 pub fn resize(
@@ -180,14 +169,6 @@ mod tests {
             OutputSize::from_flags(None, Some(3), None),
             OutputSize::Width(3)
         );
-    }
-
-    #[test]
-    fn factors_are_checked() {
-        assert_eq!(parse_factor("3.5"), Ok(3.5));
-        for bad in ["0", "-2", "nan", "inf", "x"] {
-            assert!(parse_factor(bad).is_err(), "{bad}");
-        }
     }
 
     /// A flat image stays flat (the filter's weights sum to 1), and a transparent pixel's

@@ -113,3 +113,52 @@ fn a_fixed_tile_no_larger_than_the_overlap_is_refused() {
         "tile 16 must be larger than the overlap 16"
     );
 }
+
+/// What a program that runs many images does with the pieces (decode, `upscale_image` or
+/// `upscale_deferred` and `finish`, encode) gives the file `upscale_file` writes, and the
+/// statistics say how the image was tiled.
+#[test]
+fn the_file_pieces_give_what_upscale_file_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = Options {
+        tile: Some(16),
+        overlap: 4,
+        ..cpu()
+    };
+    let up = Upscaler::open(None, &opts).unwrap();
+    let input = dir.path().join("in.png");
+    image::RgbaImage::from_fn(30, 20, |x, y| {
+        image::Rgba([x as u8 * 8, y as u8 * 12, 77, 255 - x as u8 * 4])
+    })
+    .save(&input)
+    .unwrap();
+    let whole = dir.path().join("whole.png");
+    up.upscale_file(&input, &whole).unwrap();
+
+    let dec = upscale::io::decode(&input).unwrap();
+    let now = up.upscale_image(&dec).unwrap();
+    let later = up.upscale_deferred(&dec).unwrap().finish().unwrap();
+    assert_eq!((now.rgb.width, now.rgb.height), (120, 80));
+    assert!(now.alpha.is_some());
+    assert!(now.stats.tiles > 1, "{:?}", now.stats);
+    assert_eq!(up.lane_count(), 1);
+    assert_eq!(now.lanes.len(), 1);
+    assert_eq!((&now.rgb, &now.alpha), (&later.rgb, &later.alpha));
+
+    let pieces = dir.path().join("pieces.png");
+    let mut enc = upscale::io::EncodeOptions::new(upscale::Format::Png);
+    enc.bit_depth = dec.bit_depth;
+    upscale::io::encode(
+        &pieces,
+        &now.rgb,
+        now.alpha.as_ref(),
+        dec.gray,
+        &dec.metadata,
+        &enc,
+    )
+    .unwrap();
+    assert_eq!(
+        std::fs::read(&pieces).unwrap(),
+        std::fs::read(&whole).unwrap()
+    );
+}

@@ -1,24 +1,28 @@
-//! Command-line definitions (clap) and their mapping onto library calls. No model or image
-//! logic lives here.
+//! The `upscale` command-line tool: its flags (clap), their mapping onto the library's
+//! [`upscale::Upscaler`], and the machinery of a folder run (expanding INPUT arguments,
+//! naming outputs, sharding, the reader/model/encoder threads). It reaches the library only
+//! through its public API; no model or image logic lives here.
 //!
 //! Every multi-word flag is spelled with an underscore, as the official scripts do, and also
 //! accepted with dashes.
 
-pub mod bench;
-pub mod convert;
-pub mod eval;
-pub mod info;
-pub mod run;
+mod convert;
+mod eval;
+mod info;
+mod naming;
+mod pipeline;
+mod run;
+mod shard;
+mod walk;
 
 use std::path::PathBuf;
 
-use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use clap::{Args, CommandFactory, Parser, Subcommand};
+use clap::builder::{EnumValueParser, PossibleValue, PossibleValuesParser, TypedValueParser};
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
-use crate::engine::{DeviceChoice, Precision};
-use crate::io::{parse_shard, Format, Shard};
-use crate::model::Attention;
-use crate::tile::BlendMode;
+use upscale::{Attention, BlendMode, DeviceChoice, Format, OutputSize, Precision};
+
+use shard::{parse_shard, Shard};
 
 /// `upscale --version`: the version, what the binary was built to run on, and the credits the
 /// embedded model's training images ask for.
@@ -80,7 +84,7 @@ pub enum Command {
         output: PathBuf,
         /// Weight dtype of the output.
         #[arg(long, default_value = "f32", value_parser = convert::parse_dtype)]
-        dtype: candle_core::DType,
+        dtype: Precision,
     },
     /// Measure latency, throughput, memory and FLOP rate of one configuration.
     Bench(BenchArgs),
@@ -177,7 +181,8 @@ pub struct InferArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub streams: u32,
     /// How overlapping tiles are merged.
-    #[arg(long, value_enum, ignore_case = true, default_value_t = BlendMode::Hann)]
+    #[arg(long, ignore_case = true, default_value = "hann",
+          value_parser = EnumValueParser::<BlendChoice>::new().map(BlendMode::from))]
     pub blend: BlendMode,
     /// Same as --blend hann.
     #[arg(long = "hann_blend", alias = "hann-blend")]
@@ -188,7 +193,8 @@ pub struct InferArgs {
     /// Window attention on CUDA: tensor-core (the fused kernel's two products on tensor cores,
     /// for bf16/fp16; 1.3x `fused` on an H100), fused (one kernel per block, no score tensors)
     /// or reference (candle's matmul/softmax graph). The CPU runs its own kernel either way.
-    #[arg(long, value_enum, ignore_case = true, default_value_t = Attention::default())]
+    #[arg(long, ignore_case = true, default_value = "tensor-core",
+          value_parser = EnumValueParser::<AttentionChoice>::new().map(Attention::from))]
     pub attention: Attention,
     /// Test-time self-ensemble: average the outputs for the eight flips and transpositions
     /// of the input (+0.04 dB PSNR-Y on the default model's held-out photos, at 8x the time).
@@ -208,7 +214,7 @@ pub struct RunArgs {
     pub infer: InferArgs,
     /// Final scale when it is not the model's (2 or 3.5 with a x4 model, say): the model's
     /// output is resampled (Lanczos3) to round(input × F).
-    #[arg(short = 's', long, value_name = "F", value_parser = crate::size::parse_factor,
+    #[arg(short = 's', long, value_name = "F", value_parser = parse_factor,
           conflicts_with_all = ["width", "height"])]
     pub outscale: Option<f64>,
     /// Final width in pixels; the height keeps the aspect ratio unless --height is given.
@@ -221,7 +227,8 @@ pub struct RunArgs {
     #[arg(long = "bit-depth", alias = "bit_depth", value_parser = parse_bit_depth)]
     pub bit_depth: Option<u8>,
     /// Output format; the input's when omitted.
-    #[arg(long, value_enum, ignore_case = true)]
+    #[arg(long, ignore_case = true,
+          value_parser = EnumValueParser::<FormatChoice>::new().map(Format::from))]
     pub format: Option<Format>,
     /// JPEG quality, 1-100.
     #[arg(long, default_value_t = 95, value_parser = clap::value_parser!(u8).range(1..=100))]
@@ -253,6 +260,80 @@ pub struct RunArgs {
     /// More detail on stderr.
     #[arg(short = 'v', long)]
     pub verbose: bool,
+}
+
+/// `--blend`: the library's [`BlendMode`] as clap choices. The choice types are the tool's
+/// own so that the library needs no clap; their doc comments are what `--help` prints beside
+/// each value.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum BlendChoice {
+    /// Raised-cosine crossfade over the middle half of each overlap; the outer quarter at a
+    /// tile's inner edge gets no weight, since the model saw little context there.
+    Hann,
+    /// Uniform average of all tiles covering a pixel, as the official inference script does.
+    #[value(alias = "avg")]
+    Average,
+    /// Crop and paste: every output pixel comes from one tile, seams mid-overlap.
+    None,
+}
+
+impl From<BlendChoice> for BlendMode {
+    fn from(c: BlendChoice) -> Self {
+        match c {
+            BlendChoice::Hann => BlendMode::Hann,
+            BlendChoice::Average => BlendMode::Average,
+            BlendChoice::None => BlendMode::None,
+        }
+    }
+}
+
+/// `--attention`: the library's [`Attention`] as clap choices.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum AttentionChoice {
+    /// One kernel per block: scores stay on chip, the shift mask is computed, not stored.
+    Fused,
+    /// candle's op graph: matmul, bias, stored mask, softmax, matmul.
+    Reference,
+    /// The fused kernel with both products on tensor cores (bf16/fp16 inputs, f32 sums; the
+    /// probabilities are rounded to the input type); f32, and builds for GPUs before compute
+    /// capability 8.0, run `fused`.
+    TensorCore,
+}
+
+impl From<AttentionChoice> for Attention {
+    fn from(c: AttentionChoice) -> Self {
+        match c {
+            AttentionChoice::Fused => Attention::Fused,
+            AttentionChoice::Reference => Attention::Reference,
+            AttentionChoice::TensorCore => Attention::TensorCore,
+        }
+    }
+}
+
+/// `--format`, spelt as the extensions we write, the long extensions accepted as aliases.
+/// The values go undocumented: clap would print a doc comment beside each and drop the
+/// one-line list of choices from `--help`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum FormatChoice {
+    #[value(name = "png")]
+    Png,
+    #[value(name = "jpg", alias = "jpeg")]
+    Jpeg,
+    #[value(name = "webp")]
+    Webp,
+    #[value(name = "tiff", alias = "tif")]
+    Tiff,
+}
+
+impl From<FormatChoice> for Format {
+    fn from(c: FormatChoice) -> Self {
+        match c {
+            FormatChoice::Png => Format::Png,
+            FormatChoice::Jpeg => Format::Jpeg,
+            FormatChoice::Webp => Format::Webp,
+            FormatChoice::Tiff => Format::Tiff,
+        }
+    }
 }
 
 /// The precisions as clap choices, so that `--help` lists them and a typo gets a suggestion;
@@ -300,6 +381,16 @@ fn parse_precision(s: &str) -> Result<Precision, String> {
         "bf16" | "bfloat16" => Ok(Precision::Bf16),
         _ => Err(format!(
             "unknown precision '{s}' (expected auto, fp32, fp16 or bf16)"
+        )),
+    }
+}
+
+/// A `--outscale` value: a finite number above 0.
+fn parse_factor(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(f) if f.is_finite() && f > 0.0 => Ok(f),
+        _ => Err(format!(
+            "'{s}' is not a scale factor above 0 (e.g. 2 or 3.5)"
         )),
     }
 }
@@ -385,7 +476,7 @@ impl log::Log for Stderr {
 }
 
 /// The library's options for the shared inference flags and the final `size`.
-pub fn options(args: &InferArgs, size: crate::size::OutputSize) -> anyhow::Result<crate::Options> {
+pub fn options(args: &InferArgs, size: OutputSize) -> anyhow::Result<upscale::Options> {
     if args.tile.is_some() && args.tile_auto {
         anyhow::bail!("--tile and --tile_auto exclude each other");
     }
@@ -398,7 +489,7 @@ pub fn options(args: &InferArgs, size: crate::size::OutputSize) -> anyhow::Resul
             );
         }
     }
-    Ok(crate::Options {
+    Ok(upscale::Options {
         device: args.device.clone(),
         precision: args.precision,
         attention: args.attention,
@@ -418,8 +509,8 @@ pub fn options(args: &InferArgs, size: crate::size::OutputSize) -> anyhow::Resul
 }
 
 /// The model opened as the shared inference flags ask, through the library's one way in.
-pub fn setup(args: &InferArgs, size: crate::size::OutputSize) -> anyhow::Result<crate::Upscaler> {
-    Ok(crate::Upscaler::open(
+pub fn setup(args: &InferArgs, size: OutputSize) -> anyhow::Result<upscale::Upscaler> {
+    Ok(upscale::Upscaler::open(
         args.model.as_deref(),
         &options(args, size)?,
     )?)
@@ -487,8 +578,7 @@ fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
 
 /// `upscale info`: the configuration read from the weights, as text or one JSON line.
 fn show_info(model: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {
-    let ck = crate::engine::read_checkpoint(model)?;
-    let v = info::describe(&ck);
+    let v = upscale::ModelFile::open(model)?.describe();
     if json {
         println!("{v}");
     } else {
@@ -500,23 +590,15 @@ fn show_info(model: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> 
 /// `upscale bench`: one configuration on a synthetic image of the requested size.
 fn run_bench(b: &BenchArgs) -> anyhow::Result<()> {
     Logger::new(b.json, false);
-    let up = setup(&b.infer, crate::size::OutputSize::Model)?;
-    let (engine, settings) = (up.lanes(), up.settings());
-    let image = crate::engine::probe::pattern(b.size.0, b.size.1);
-    let opts = engine.tile_options(settings, b.size.0, b.size.1);
-    let r = bench::run(
-        engine,
-        &image,
-        &opts,
-        b.warmup,
-        b.reps as usize,
-        b.peak_tflops,
-        b.tile_cost,
-    )?;
+    let up = setup(&b.infer, OutputSize::Model)?;
+    let r = up.bench(b.size, b.warmup, b.reps as usize, b.tile_cost)?;
+    let mut json = serde_json::to_value(&r)?;
+    // Model FLOP utilisation needs the device's peak rate, which only the user knows.
+    json["flop_utilisation"] = serde_json::json!(b.peak_tflops.map(|p| r.achieved_tflops / p));
     if b.json {
-        println!("{}", r.json);
+        println!("{json}");
     } else {
-        println!("{}", serde_json::to_string_pretty(&r.json)?);
+        println!("{}", serde_json::to_string_pretty(&json)?);
     }
     Ok(())
 }
@@ -534,10 +616,17 @@ fn write_man(dir: Option<&std::path::Path>) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::size::OutputSize;
 
     fn parsed(args: &[&str]) -> Cli {
         Cli::try_parse_from(args).expect("valid flags")
+    }
+
+    #[test]
+    fn factors_are_checked() {
+        assert_eq!(parse_factor("3.5"), Ok(3.5));
+        for bad in ["0", "-2", "nan", "inf", "x"] {
+            assert!(parse_factor(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -558,14 +647,14 @@ mod tests {
         let cli = parsed(&["upscale", "in.png"]);
         assert_eq!(
             options(&cli.run.infer, OutputSize::Model).unwrap(),
-            crate::Options::default()
+            upscale::Options::default()
         );
         let Some(Command::Bench(b)) = parsed(&["upscale", "bench"]).command else {
             panic!("bench parses as bench");
         };
         assert_eq!(
             options(&b.infer, OutputSize::Model).unwrap(),
-            crate::Options::default()
+            upscale::Options::default()
         );
     }
 
@@ -593,7 +682,7 @@ mod tests {
             "average",
             "--tta",
         ]);
-        let want = crate::Options {
+        let want = upscale::Options {
             device: DeviceChoice::Cpu,
             precision: Precision::Bf16,
             attention: Attention::Fused,
@@ -620,12 +709,12 @@ mod tests {
     /// bf16/fp16 (1.3x `fused` on an H100), and it runs `fused` itself where it has none.
     #[test]
     fn the_default_attention_is_the_tensor_core_kernel() {
-        assert_eq!(crate::Options::default().attention, Attention::TensorCore);
+        assert_eq!(upscale::Options::default().attention, Attention::TensorCore);
     }
 
     #[test]
     fn an_error_line_quotes_each_cause_once() {
-        use crate::model::{ConfigError, ModelError};
+        use upscale::{ConfigError, ModelError};
         // A library error that quotes its cause and returns it as its source.
         let e = anyhow::Error::new(ModelError::Config {
             origin: "m.pth".into(),

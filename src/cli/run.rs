@@ -1,5 +1,5 @@
 //! `upscale INPUT...`: checks the flags, plans the outputs, runs the jobs through
-//! [`crate::pipeline`] and reports each outcome.
+//! [`super::pipeline`] and reports each outcome.
 
 use std::io::{IsTerminal, Read};
 use std::path::PathBuf;
@@ -10,11 +10,13 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 
+use upscale::io::{self, DecodeLimits};
+use upscale::{merge_lane_stats, Format, OutputSize};
+
+use super::naming::{self, is_dash, Job};
+use super::pipeline::{self, EncodeChoice, FileStages, Written};
+use super::walk::{walk, InputFile};
 use super::{Logger, RunArgs};
-use crate::io::{self, is_dash, Format, InputFile, Job};
-use crate::pipeline::{self, EncodeChoice, FileStages, Written};
-use crate::size::OutputSize;
-use crate::tile::lanes::merge_lane_stats;
 
 type Outcome = (Job, Result<Written, String>);
 
@@ -26,7 +28,7 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
     let stream = plan_stream(&args)?;
     let files = match stream {
         Some(_) => Vec::new(),
-        None => io::walk(&args.inputs, args.recursive)?,
+        None => walk(&args.inputs, args.recursive)?,
     };
     if stream.is_none() && files.is_empty() {
         bail!("no images found in {}", display_list(&args.inputs));
@@ -34,20 +36,17 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
 
     let size = OutputSize::from_flags(args.outscale, args.width, args.height);
     let up = super::setup(&args.infer, size)?;
-    let (engine, settings) = (up.lanes(), up.settings());
-    let (jobs, stdin, skipped) = plan_jobs(&args, stream, &files, size.tag(engine.scale()), log)?;
+    let (jobs, stdin, skipped) = plan_jobs(&args, stream, &files, size.tag(up.scale()), log)?;
 
     let warn = |m: String| log.warn(m);
     let detail = |m: String| log.verbose(m);
     let stages = FileStages {
-        engine,
-        settings,
+        up: &up,
         encode: EncodeChoice {
             bit_depth: args.bit_depth,
             quality: args.quality,
             strip: args.strip,
         },
-        size,
         stdin: Mutex::new(stdin),
         warn: &warn,
         detail: &detail,
@@ -69,7 +68,7 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         &outcomes,
         skipped,
         secs,
-        engine.count(),
+        up.lane_count(),
         args.json,
         log,
     ))
@@ -87,13 +86,13 @@ fn plan_jobs(
     let (mut jobs, stdin) = match stream {
         Some(s) => (vec![s.job], s.stdin),
         None => {
-            let naming = io::NamingOptions {
+            let naming = naming::NamingOptions {
                 output: args.output.clone(),
                 tag,
                 format: args.format,
                 overwrite: args.overwrite,
             };
-            (io::plan_outputs(files, &naming)?, None)
+            (naming::plan_outputs(files, &naming)?, None)
         }
     };
     if let [job] = jobs.as_slice() {
@@ -107,7 +106,7 @@ fn plan_jobs(
     }
     if let Some(shard) = args.shard {
         // Split before dropping finished jobs, so every shard sees the same partition.
-        jobs = io::select_shard(jobs, shard);
+        jobs = super::shard::select_shard(jobs, shard);
     }
     remove_leftovers(&jobs, log);
     let skipped = jobs.iter().filter(|j| j.skip).count();
@@ -186,7 +185,7 @@ fn plan_stream(args: &RunArgs) -> Result<Option<Stream>> {
             rel: PathBuf::from("-"),
         }
     } else {
-        match io::walk(&args.inputs, args.recursive)?.as_slice() {
+        match walk(&args.inputs, args.recursive)?.as_slice() {
             [one] if one.root.is_none() => one.clone(),
             _ => bail!("-o - (standard output) takes one input file, not a folder or a list"),
         }
@@ -198,7 +197,7 @@ fn plan_stream(args: &RunArgs) -> Result<Option<Stream>> {
         Some(out) => out,
     };
     if !to_stdout {
-        if io::is_folder_like(output) {
+        if naming::is_folder_like(output) {
             bail!(
                 "-o {}: with standard input, -o must name a file (or - for standard output)",
                 output.display()
@@ -211,7 +210,7 @@ fn plan_stream(args: &RunArgs) -> Result<Option<Stream>> {
         args.format.unwrap_or(Format::Png)
     } else {
         let sniffed = stdin.as_deref().and_then(Format::sniff);
-        io::file_output_format(output, args.format, || sniffed.unwrap_or(Format::Png))?
+        naming::file_output_format(output, args.format, || sniffed.unwrap_or(Format::Png))?
     };
     let skip = !to_stdout && output.exists() && !args.overwrite;
     Ok(Some(Stream {
@@ -228,7 +227,7 @@ fn plan_stream(args: &RunArgs) -> Result<Option<Stream>> {
 /// All of standard input, up to one byte past what decoding accepts (so that decoding
 /// reports an oversized image as too large instead of reading without end).
 fn read_stdin() -> Result<Vec<u8>> {
-    let limit = io::DecodeLimits::default().max_alloc;
+    let limit = DecodeLimits::default().max_alloc;
     let mut bytes = Vec::new();
     std::io::stdin()
         .lock()

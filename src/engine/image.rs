@@ -8,14 +8,16 @@ use crate::tile::{LaneStats, TileError, TileOptions, TileStats};
 
 use super::lanes::Lanes;
 
+/// An upscaled image as planes, with how it was computed.
+#[derive(Clone, Debug)]
 pub struct Upscaled {
+    /// 3 channels, nominally in [0, 1] (encoding clamps).
     pub rgb: Planar,
+    /// 1 channel, when the input had alpha.
     pub alpha: Option<Planar>,
-    /// The tiling (the command-line tool reports it).
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    /// How the colour was tiled.
     pub stats: TileStats,
-    /// Work per lane, alpha included (the command-line tool reports it).
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
+    /// Work per lane, alpha included.
     pub lanes: Vec<LaneStats>,
 }
 
@@ -69,6 +71,7 @@ impl Pending {
 impl Lanes {
     /// Upscale a decoded image. Alpha goes through the network on its own (as a gray image)
     /// so edges stay as sharp as the colour; a constant alpha is just filled.
+    #[cfg(test)]
     pub fn upscale_decoded(
         &self,
         img: &Decoded,

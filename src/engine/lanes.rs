@@ -169,7 +169,6 @@ impl Lanes {
     }
 
     /// The distinct devices under the lanes, one handle each.
-    #[cfg(feature = "cli")]
     pub fn devices(&self) -> Vec<&Device> {
         let mut seen = Vec::new();
         let mut out = Vec::new();
@@ -192,11 +191,11 @@ impl Deref for Lanes {
     }
 }
 
-#[cfg(feature = "cli")]
 /// Peak memory of a CUDA device's default pool, which serves every allocation candle makes
 /// (weights, activations, canvases); cuBLAS workspaces and the context are outside it.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct PoolPeak {
+    /// "cuda:N".
     pub device: String,
     /// Most bytes in use by allocations at once.
     pub used_high_bytes: u64,
@@ -238,13 +237,11 @@ pub fn skip_event_tracking(device: &Device) {
     let _ = device;
 }
 
-#[cfg(feature = "cli")]
 /// Starts the pool's peak counters afresh.
 pub fn reset_pool_peaks(device: &Device) {
     let _ = pool::reset_peaks(device);
 }
 
-#[cfg(feature = "cli")]
 /// The pool's peaks since the last reset; None off CUDA or when the driver does not say.
 pub fn pool_peak(device: &Device) -> Option<PoolPeak> {
     let (used_high_bytes, reserved_high_bytes) = pool::peaks(device).ok()?;
@@ -263,7 +260,6 @@ pub fn pool_idle_bytes(device: &Device) -> u64 {
 }
 
 /// Why the memory pool of a device could not be read or set.
-#[cfg(any(feature = "cuda", feature = "cli"))]
 #[derive(Debug, thiserror::Error)]
 enum PoolError {
     #[error("not a CUDA device")]
@@ -319,7 +315,6 @@ mod pool {
         )
     }
 
-    #[cfg(feature = "cli")]
     pub fn reset_peaks(device: &Device) -> Result<(), PoolError> {
         let pool = default_pool(device)?;
         // The driver accepts only zero for these: it restarts the high-water marks.
@@ -331,7 +326,6 @@ mod pool {
         )
     }
 
-    #[cfg(feature = "cli")]
     pub fn peaks(device: &Device) -> Result<(u64, u64), PoolError> {
         let pool = default_pool(device)?;
         Ok((
@@ -355,19 +349,16 @@ mod pool {
 mod pool {
     use candle_core::Device;
 
-    #[cfg(feature = "cli")]
     use super::PoolError;
 
     pub fn set_release_threshold(_: &Device, _: u64) -> Result<(), std::convert::Infallible> {
         Ok(())
     }
 
-    #[cfg(feature = "cli")]
     pub fn reset_peaks(_: &Device) -> Result<(), PoolError> {
         Err(PoolError::NotCuda)
     }
 
-    #[cfg(feature = "cli")]
     pub fn peaks(_: &Device) -> Result<(u64, u64), PoolError> {
         Err(PoolError::NotCuda)
     }

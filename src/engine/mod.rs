@@ -281,7 +281,6 @@ pub struct Engine {
     pub device: Device,
     /// The precision asked for: on the CPU, bf16 keeps f32 activations, so the network's own
     /// dtype says F32 (`upscale bench` reports both).
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     pub dtype: DType,
     attention: Attention,
     cost: OnceLock<f64>,

@@ -6,16 +6,13 @@
 //! lets folder walks skip them and [`remove_stale_temporaries`] cleans up those of a run's
 //! own outputs.
 
-#[cfg(feature = "cli")]
 use std::collections::{BTreeMap, HashSet};
-#[cfg(feature = "cli")]
 use std::ffi::OsStr;
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, ErrorKind};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-#[cfg(feature = "cli")]
 use std::time::{Duration, SystemTime};
 
 use super::IoError;
@@ -23,7 +20,6 @@ use super::IoError;
 /// Part of every temporary's name, after `.NAME`.
 pub const TEMP_TAG: &str = ".upscale-tmp-";
 
-#[cfg(feature = "cli")]
 /// True for a file name of the form `.NAME.upscale-tmp-...`.
 pub fn is_temporary(path: &Path) -> bool {
     path.file_name().is_some_and(|n| {
@@ -98,7 +94,6 @@ fn create_temporary(dir: &Path, name: &std::ffi::OsStr) -> std::io::Result<(Path
     }
 }
 
-#[cfg(feature = "cli")]
 /// The final name a temporary was writing, from `.NAME.upscale-tmp-PID-SEQ`.
 fn temporary_target(file_name: &str) -> Option<&str> {
     file_name
@@ -107,7 +102,6 @@ fn temporary_target(file_name: &str) -> Option<&str> {
         .map(|(name, _)| name)
 }
 
-#[cfg(feature = "cli")]
 /// Removes the temporaries that writers of `outputs` left behind (a killed run) and that have
 /// not been touched for `min_age` (so a live writer, even another process's, keeps its own).
 /// Only the outputs' own folders are read, not below them, and only temporaries of exactly

@@ -6,7 +6,6 @@
 //! set, so the model always sees RGB and the caller can write gray again.
 
 use std::fs::File;
-#[cfg(feature = "cli")]
 use std::io::Cursor;
 use std::io::{BufRead, BufReader, ErrorKind, Read, Seek, SeekFrom};
 use std::path::Path;
@@ -22,7 +21,9 @@ use crate::planar::Planar;
 /// image fails fast instead of exhausting memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeLimits {
+    /// Widest image accepted, in pixels.
     pub max_width: u32,
+    /// Tallest image accepted, in pixels.
     pub max_height: u32,
     /// Bytes the decoder may allocate for the decoded pixels (and, as a cheap proxy for the
     /// JPEG decoder reading the whole file into memory, the largest file size accepted).
@@ -42,6 +43,7 @@ impl Default for DecodeLimits {
     }
 }
 
+/// A decoded image: upright planes, what the file was, and the metadata to carry over.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Decoded {
     /// 3 channels in [0, 1], upright.
@@ -58,6 +60,9 @@ pub struct Decoded {
     pub metadata: Metadata,
 }
 
+/// Reads and decodes the image file `path` (PNG, JPEG, WebP or TIFF, told by its content)
+/// within the default [`DecodeLimits`]: EXIF orientation applied, gray read as three equal
+/// planes, the ICC profile and EXIF kept.
 pub fn decode(path: &Path) -> Result<Decoded, IoError> {
     decode_with_limits(path, &DecodeLimits::default())
 }
@@ -90,7 +95,6 @@ pub fn decode_with_limits(path: &Path, limits: &DecodeLimits) -> Result<Decoded,
     decode_reader(path, BufReader::new(file), limits)
 }
 
-#[cfg(feature = "cli")]
 /// An image held in memory (read from a pipe, say); `name` stands for it in error messages.
 pub fn decode_bytes(name: &Path, bytes: &[u8], limits: &DecodeLimits) -> Result<Decoded, IoError> {
     if bytes.is_empty() {

@@ -43,8 +43,10 @@ pub const DEFAULT_JPEG_QUALITY: u8 = 95;
 pub const DEFAULT_PNG_COMPRESSION: CompressionType = CompressionType::Fast;
 pub const DEFAULT_PNG_FILTER: FilterType = FilterType::Adaptive;
 
+/// How [`encode`] writes an image.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EncodeOptions {
+    /// The file format.
     pub format: Format,
     /// 8 or 16. 16 is accepted for PNG and TIFF only; asking it of JPEG or WebP is an error
     /// (use [`Format::default_bit_depth`] to follow the source without asking).
@@ -52,11 +54,14 @@ pub struct EncodeOptions {
     /// JPEG quality, 1 to 100. WebP is always written lossless (the only WebP encoder the
     /// image crate has), so quality does not apply to it.
     pub quality: u8,
+    /// PNG deflate level (the default is chosen by measurement: see the module source).
     pub png_compression: CompressionType,
+    /// PNG row filter.
     pub png_filter: FilterType,
 }
 
 impl EncodeOptions {
+    /// 8-bit `format` with the default JPEG quality and PNG settings.
     pub fn new(format: Format) -> Self {
         EncodeOptions {
             format,
@@ -99,7 +104,6 @@ pub fn encode(
     Ok(left_out)
 }
 
-#[cfg(feature = "cli")]
 /// The encoded file's bytes, for a destination that is not a file (a pipe, say), and what
 /// of `meta` was left out.
 pub fn encode_to_vec(

@@ -93,7 +93,7 @@ impl IoError {
 
     /// Maps an OS error on `path`, keeping "not found" distinct because it is the common
     /// user mistake.
-    pub(crate) fn os(path: &Path, source: std::io::Error) -> IoError {
+    pub fn os(path: &Path, source: std::io::Error) -> IoError {
         if source.kind() == std::io::ErrorKind::NotFound {
             IoError::NotFound {
                 path: path.to_path_buf(),
@@ -106,7 +106,8 @@ impl IoError {
         }
     }
 
-    pub(crate) fn bad_output(path: &Path, detail: impl Into<String>) -> IoError {
+    /// An output `path` that cannot be used, and why.
+    pub fn bad_output(path: &Path, detail: impl Into<String>) -> IoError {
         IoError::BadOutput {
             path: path.to_path_buf(),
             detail: detail.into(),

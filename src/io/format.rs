@@ -4,22 +4,16 @@ use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
-/// Also a command-line value (`--format`), spelt as the extensions we write, the long
-/// extensions accepted as aliases.
+/// An image file format that is read and written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-// The variants go undocumented: clap would print a doc comment beside each value and drop
-// the one-line list of choices from --help. PNG and TIFF hold 16 bits, JPEG no alpha, WebP
-// is written lossless.
-#[allow(missing_docs)]
 pub enum Format {
-    #[cfg_attr(feature = "cli", value(name = "png"))]
+    /// PNG: 8 or 16 bits, alpha.
     Png,
-    #[cfg_attr(feature = "cli", value(name = "jpg", alias = "jpeg"))]
+    /// JPEG: 8 bits, no alpha.
     Jpeg,
-    #[cfg_attr(feature = "cli", value(name = "webp"))]
+    /// WebP, written lossless: 8 bits, alpha.
     Webp,
-    #[cfg_attr(feature = "cli", value(name = "tiff", alias = "tif"))]
+    /// TIFF: 8 or 16 bits, alpha.
     Tiff,
 }
 
@@ -101,7 +95,6 @@ impl Format {
     }
 }
 
-#[cfg(feature = "cli")]
 /// True when the path's extension is an extension folder walks pick up (png, jpg, jpeg, webp, tif, tiff).
 pub fn is_image_path(path: &Path) -> bool {
     Format::from_path(path).is_some()

@@ -18,7 +18,7 @@ pub struct Metadata {
 
 impl Metadata {
     /// Takes a decoder's raw EXIF; see [`upright_exif`].
-    pub fn with_exif(icc: Option<Vec<u8>>, exif: Option<Vec<u8>>) -> Self {
+    pub(crate) fn with_exif(icc: Option<Vec<u8>>, exif: Option<Vec<u8>>) -> Self {
         let icc = icc.filter(|p| !p.is_empty());
         match exif.filter(|e| !e.is_empty()) {
             None => Metadata {

@@ -5,8 +5,8 @@
 //! publish numbers with), so that `upscale eval` reproduces published tables:
 //!
 //! * [`psnr`] and [`ssim`] work in float64 on the 0..255 scale, crop `crop` pixels from
-//!   every side first, and measure either the BT.601 "studio swing" luma `Y` ([`rgb_to_y`])
-//!   or all RGB channels.
+//!   every side first, and measure either the BT.601 "studio swing" luma `Y` or all RGB
+//!   channels.
 //! * BasicSR measures the 8-bit images that were saved to disk, not the network's float
 //!   output; [`quantize_u8`] turns a float image into exactly what an 8-bit PNG holds, so
 //!   an evaluation can measure what actually ships.
@@ -14,7 +14,7 @@
 //!   [`bicubic_lr`] makes an LR image from an HR one the way benchmark sets are made.
 //!
 //! Images are [`Planar`] values in [0, 1]. They are brought to the 255 scale by a float32
-//! multiply (see [`to_255`]) so that an 8-bit level `k / 255` stored as f32 maps back to
+//! multiply (see `to_255`) so that an 8-bit level `k / 255` stored as f32 maps back to
 //! exactly `k`; every later step is float64.
 
 mod quality;
@@ -30,19 +30,33 @@ use crate::planar::Planar;
 /// Why a metric could not be computed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MetricsError {
+    /// The two images are not the same size and channel count.
     #[error("images differ in shape: {a:?} vs {b:?} (channels, height, width)")]
     ShapeMismatch {
+        /// The first image's (channels, height, width).
         a: (usize, usize, usize),
+        /// The second image's.
         b: (usize, usize, usize),
     },
+    /// The crop takes the whole image.
     #[error("cropping {crop} pixels per side leaves nothing of a {height}x{width} image")]
     CropTooLarge {
+        /// Pixels cropped per side.
         crop: usize,
+        /// The image's height before cropping.
         height: usize,
+        /// Its width.
         width: usize,
     },
+    /// SSIM's 11x11 Gaussian window does not fit in the cropped image.
     #[error("SSIM needs at least 11x11 pixels after cropping, got {height}x{width}")]
-    TooSmallForSsim { height: usize, width: usize },
+    TooSmallForSsim {
+        /// Height after cropping.
+        height: usize,
+        /// Width after cropping.
+        width: usize,
+    },
+    /// Luma asked of an image that is neither gray nor RGB (the channel count).
     #[error("the Y channel needs a 1- or 3-channel image, got {0} channels")]
     NotRgb(usize),
 }
@@ -86,7 +100,7 @@ pub fn quantize_u8(img: &Planar) -> Planar {
 }
 
 /// The 8-bit level a [0, 1] value is saved as (see [`quantize_u8`]).
-pub fn level_u8(x: f32) -> u8 {
+pub(crate) fn level_u8(x: f32) -> u8 {
     // NaN maps to 0 through the saturating cast; clamping first keeps the product in range.
     (x.clamp(0.0, 1.0) * 255.0).round_ties_even() as u8
 }
@@ -97,7 +111,7 @@ pub fn level_u8(x: f32) -> u8 {
 /// for every 8-bit level `k`, so quantised images give the integer values BasicSR sees in
 /// its uint8 arrays. For other values the f32 rounding (below 2e-5) is no larger than the
 /// precision the f32 input already has.
-pub fn to_255(x: f32) -> f64 {
+pub(crate) fn to_255(x: f32) -> f64 {
     f64::from(x * 255.0)
 }
 

@@ -6,7 +6,7 @@ use crate::planar::Planar;
 /// Which signal a metric compares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Measure {
-    /// The luma `Y` of [`rgb_to_y`] (BasicSR's `test_y_channel=True`); a 1-channel image is
+    /// The BT.601 studio-swing luma `Y` (BasicSR's `test_y_channel=True`); a 1-channel image is
     /// used as it is. This is what SR papers report.
     Y,
     /// Every channel of the image as stored (BasicSR's `test_y_channel=False`).

@@ -63,7 +63,6 @@ impl ArchConfig {
         DrctConfig::infer(shapes).map(Self::Drct)
     }
 
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info and bench report it
     pub fn name(&self) -> &'static str {
         match self {
             Self::Drct(c) if c.groups >= 12 => "DRCT-L",
@@ -89,7 +88,6 @@ impl ArchConfig {
         }
     }
 
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info and bench report it
     pub fn parameter_count(&self) -> usize {
         match self {
             Self::Drct(c) => c.parameter_count(),
@@ -98,7 +96,6 @@ impl ArchConfig {
         }
     }
 
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info and bench report it
     pub fn flops(&self, h: usize, w: usize) -> f64 {
         match self {
             Self::Drct(c) => c.flops(h, w),

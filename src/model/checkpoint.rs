@@ -41,7 +41,6 @@ pub struct Checkpoint {
     pub metadata: BTreeMap<String, String>,
     /// The wrapper key the state dict came from in a `.pth` (e.g. `params_ema`); `upscale
     /// info` and `convert` report it.
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     pub wrapper: Option<String>,
 }
 

@@ -275,7 +275,6 @@ impl DrctConfig {
     /// Multiply-adds x2 of one forward pass over a padded `h x w` input: the convolutions,
     /// every linear layer and both attention matmuls. Element-wise work is left out, as FLOP
     /// counts conventionally do.
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // bench and info report it
     pub fn flops(&self, h: usize, w: usize) -> f64 {
         let l = (h * w) as f64;
         let e = self.embed_dim as f64;
@@ -308,7 +307,6 @@ impl DrctConfig {
         total + 2.0 * pixels * 9.0 * f * 3.0 // conv_last
     }
 
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // bench and info report it
     pub fn parameter_count(&self) -> usize {
         self.expected_tensors()
             .iter()

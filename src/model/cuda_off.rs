@@ -20,17 +20,22 @@ pub struct Off {
     pub cublaslt: bool,
     /// The row-wise kernels of kernels/rowwise.cu ([`super::rowwise`]).
     pub rowwise: bool,
+    /// HAT's channel-attention term (`z * s`, scaled per image and channel) folded into the
+    /// residual sum and norm after window attention ([`super::rowwise::add_gather_norm`]):
+    /// off, candle multiplies and adds it in passes of their own, as before that kernel.
+    pub cab: bool,
     /// The SASS built for the target GPU: our kernels load from their PTX, which the driver
     /// compiles on first use, as on a GPU newer than the build's ([`crate::gpu`]).
     pub sass: bool,
 }
 
-const PARTS: &str = "cublaslt, rowwise, sass, all or none";
+const PARTS: &str = "cublaslt, rowwise, cab, sass, all or none";
 
 impl Off {
     pub const ALL: Off = Off {
         cublaslt: true,
         rowwise: true,
+        cab: true,
         sass: true,
     };
 
@@ -40,6 +45,7 @@ impl Off {
             match part.to_ascii_lowercase().as_str() {
                 "cublaslt" => off.cublaslt = true,
                 "rowwise" => off.rowwise = true,
+                "cab" => off.cab = true,
                 "sass" => off.sass = true,
                 "all" => off = Off::ALL,
                 "none" => {}
@@ -58,7 +64,7 @@ impl Off {
     /// What a run with these parts off does differently, for the line it prints.
     pub fn effect(self) -> String {
         let mut said = Vec::new();
-        if self.cublaslt || self.rowwise {
+        if self.cublaslt || self.rowwise || self.cab {
             said.push("candle's ops run in place of ours there");
         }
         if self.sass {
@@ -72,6 +78,7 @@ impl Off {
         let parts = [
             ("cublaslt", self.cublaslt),
             ("rowwise", self.rowwise),
+            ("cab", self.cab),
             ("sass", self.sass),
         ];
         let on: Vec<&str> = parts.iter().filter(|p| p.1).map(|p| p.0).collect();
@@ -131,10 +138,14 @@ mod tests {
         assert!(row.rowwise && !row.cublaslt && !row.sass);
         let sass = Off::parse("SASS").unwrap();
         assert!(sass.sass && !sass.rowwise && !sass.cublaslt);
-        assert_eq!(Off::parse("sass,rowwise,cublaslt"), Ok(Off::ALL));
-        assert_ne!(Off::parse("rowwise,cublaslt"), Ok(Off::ALL));
+        let cab = Off::parse("CAB").unwrap();
+        assert!(cab.cab && !cab.rowwise && !cab.cublaslt && !cab.sass);
+        assert!(cab.effect().contains("candle") && !cab.effect().contains("PTX"));
+        assert_eq!(cab.names(), "cab");
+        assert_eq!(Off::parse("sass,cab,rowwise,cublaslt"), Ok(Off::ALL));
+        assert_ne!(Off::parse("sass,rowwise,cublaslt"), Ok(Off::ALL));
         assert_eq!(Off::parse("all"), Ok(Off::ALL));
-        assert_eq!(Off::ALL.names(), "cublaslt,rowwise,sass");
+        assert_eq!(Off::ALL.names(), "cublaslt,rowwise,cab,sass");
         assert_eq!(row.names(), "rowwise");
         assert_eq!(Off::default().names(), "");
         assert!(!sass.effect().contains("candle") && sass.effect().contains("PTX"));

@@ -91,17 +91,14 @@ impl HatConfig {
         }
     }
 
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info reports it
     pub fn compress_ratio(&self) -> f64 {
         self.embed_dim as f64 / self.cab_width as f64
     }
 
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info reports it
     pub fn squeeze_factor(&self) -> f64 {
         self.embed_dim as f64 / self.squeeze_width as f64
     }
 
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info reports it
     pub fn overlap_ratio(&self) -> f64 {
         (self.overlap_window - self.window) as f64 / self.window as f64
     }
@@ -335,15 +332,19 @@ impl Cab {
         })
     }
 
-    /// `cab(x) * CONV_SCALE` for `x` `(B, H, W, C)`.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `cab(x) * CONV_SCALE` for `x` `(B, H, W, C)`, as its two factors: the convolutions'
+    /// output `z` `(B, H, W, C)` and the channel attention times `CONV_SCALE`, `s` `(B, C)`.
+    /// The block adds `z * s` in the pass that sums its residual, rather than multiplying
+    /// here in a pass of its own.
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let z = self
             .conv2
             .forward(&super::ops::gelu_erf(&self.conv1.forward(x)?)?)?;
         let pooled = z.mean_keepdim(1)?.mean_keepdim(2)?;
         let y = self.squeeze.forward(&pooled)?.relu()?;
         let y = (candle_nn::ops::sigmoid(&self.excite.forward(&y)?)? * CONV_SCALE)?;
-        z.broadcast_mul(&y)
+        let (b, c) = (y.dim(0)?, y.dim(3)?);
+        Ok((z, y.reshape((b, c))?))
     }
 }
 
@@ -354,8 +355,8 @@ struct Hab {
 
 impl Module for Hab {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let cab = self.cab.forward(&layer_norm(self.swin.norm1(), x)?)?;
-        self.swin.forward_plus(x, Some(&cab))
+        let (z, s) = self.cab.forward(&layer_norm(self.swin.norm1(), x)?)?;
+        self.swin.forward_plus(x, Some((&z, &s)))
     }
 }
 

@@ -25,18 +25,15 @@ use candle_nn::VarBuilder;
 pub use arch::ArchConfig;
 pub use checkpoint::{Checkpoint, Source};
 pub use config::ConfigError;
-#[cfg(any(test, feature = "cli"))]
 pub use config::DrctConfig;
 pub use drct::Drct;
 pub use env::EnvError;
 pub use hat::Hat;
-#[cfg(any(test, feature = "cli"))]
 pub use hat::HatConfig;
 pub use layers::attention::Attention;
 use layers::LoadPlan;
 pub use pth::{PthError, PthTensorError};
 pub use swinir::SwinIr;
-#[cfg(any(test, feature = "cli"))]
 pub use swinir::SwinIrConfig;
 
 /// Why a checkpoint could not become a network. Every variant names the file (or the

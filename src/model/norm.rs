@@ -182,6 +182,41 @@ widest_simd! {
     ) = add_norm_row_body
 }
 
+/// [`add_norm_row_body`] with HAT's channel-attention term: `sum = (x + z * s) + y`, `s` the
+/// row's per-channel scale. The product and the first sum are rounded as candle's separate
+/// multiply and add round them, so the result is the one the unfused ops give, bit for bit.
+#[inline(always)]
+fn add_scaled_norm_row_body(
+    p: &Params,
+    (x, z, s): (&[f32], &[f32], &[f32]),
+    y: &[f32],
+    sum: &mut [MaybeUninit<f32>],
+    dst: &mut [MaybeUninit<f32>],
+) {
+    let n = x.len();
+    let (z, s, y) = (&z[..n], &s[..n], &y[..n]);
+    let v = |i: usize| (x[i] + z[i] * s[i]) + y[i];
+    for (i, out) in sum[..n].iter_mut().enumerate() {
+        out.write(v(i));
+    }
+    let mean = lane_sum(n, v) / p.count;
+    let var = p.variance(n, mean, v);
+    let inv = 1.0 / (var + p.eps).sqrt();
+    for (i, ((d, w), bias)) in dst[..n].iter_mut().zip(p.weight).zip(p.bias).enumerate() {
+        d.write((v(i) - mean) * inv * w + bias);
+    }
+}
+
+widest_simd! {
+    fn add_scaled_norm_row(
+        p: &Params,
+        xzs: (&[f32], &[f32], &[f32]),
+        y: &[f32],
+        sum: &mut [MaybeUninit<f32>],
+        dst: &mut [MaybeUninit<f32>],
+    ) = add_scaled_norm_row_body
+}
+
 /// The layer norm's f32 parameters on the CPU, or `None` (no bias, other device or dtype).
 fn params_of(norm: &Norm) -> Option<(Tensor, Tensor, f32)> {
     let ln = &norm.ln;
@@ -307,19 +342,31 @@ pub fn norm_gather(norm: &Norm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
 }
 
 /// The residual step after window attention: `sum = x + index_select(y, back, 1)` and
-/// `ln(sum)`. `x` is `(B, T, C)`, `y` `(B, T', C)`, `back` `T` indices into `T'`.
+/// `ln(sum)`. `x` is `(B, T, C)`, `y` `(B, T', C)`, `back` `T` indices into `T'`. With
+/// `scaled` `(z, s)` (HAT's channel-attention branch, `z` `(B, T, C)` and `s` `(B, C)` its
+/// scale per image and channel) the sum is `x + z * s + index_select(y, back, 1)`, in the
+/// same pass: neither the product nor its sum with `x` costs a pass over the map of its own.
 pub fn add_gather_norm(
     norm: &Norm,
     x: &Tensor,
+    scaled: Option<(&Tensor, &Tensor)>,
     y: &Tensor,
     back: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    let (b, t, c, ty) = super::rowwise::add_gather_dims(x, y, back)?;
-    if use_kernel(x) && use_kernel(y) {
+    let (b, t, c, ty) = super::rowwise::add_gather_dims(x, scaled, y, back)?;
+    let kernel = use_kernel(x)
+        && use_kernel(y)
+        && scaled.is_none_or(|(z, s)| use_kernel(z) && use_kernel(s));
+    if kernel {
         if let Some(idx) = indices(back, ty)? {
             let (xg, xl) = x.storage_and_layout();
             let (yg, yl) = y.storage_and_layout();
             let (xs, ys) = (cpu_slice(&xg, xl)?, cpu_slice(&yg, yl)?);
+            let zs_held = scaled.map(|(z, s)| (z.storage_and_layout(), s.storage_and_layout()));
+            let zs = match &zs_held {
+                Some(((zg, zl), (sg, sl))) => Some((cpu_slice(zg, zl)?, cpu_slice(sg, sl)?)),
+                None => None,
+            };
             let buffers = with_params(norm, c, |p| {
                 let mut sum: Vec<f32> = Vec::with_capacity(b * t * c);
                 let mut normed: Vec<f32> = Vec::with_capacity(b * t * c);
@@ -334,19 +381,26 @@ pub fn add_gather_norm(
                             for (k, (s, d)) in rows.enumerate() {
                                 let r = task * per / c + k;
                                 let src = (r / t * ty + idx[r % t] as usize) * c;
-                                add_norm_row(p, &xs[r * c..(r + 1) * c], &ys[src..src + c], s, d);
+                                let (xr, yr) = (&xs[r * c..(r + 1) * c], &ys[src..src + c]);
+                                match zs {
+                                    Some((zs, ss)) => {
+                                        let (zr, sr) = (&zs[r * c..(r + 1) * c], &ss[r / t * c..]);
+                                        add_scaled_norm_row(p, (xr, zr, sr), yr, s, d)
+                                    }
+                                    None => add_norm_row(p, xr, yr, s, d),
+                                }
                             }
                         });
                 }
                 // SAFETY: both buffers were cut into the same rows, and every row of each was
-                // written by `add_norm_row`.
+                // written by `add_norm_row` or `add_scaled_norm_row`.
                 unsafe {
                     sum.set_len(b * t * c);
                     normed.set_len(b * t * c);
                 }
                 Ok((sum, normed))
             })?;
-            drop((xg, yg));
+            drop((xg, yg, zs_held));
             if let Some((sum, normed)) = buffers {
                 let dev = x.device();
                 return Ok((
@@ -356,7 +410,7 @@ pub fn add_gather_norm(
             }
         }
     }
-    super::rowwise::add_gather_norm(norm, x, y, back)
+    super::rowwise::add_gather_norm(norm, x, scaled, y, back)
 }
 
 #[cfg(test)]
@@ -455,7 +509,7 @@ mod tests {
         let x = tokens((2, 5, 19), 0.0)?;
         let y = tokens((2, 4, 19), 2.0)?;
         let back = Tensor::new(&[3u32, 0, 2, 1, 3], &dev)?;
-        let (sum, normed) = add_gather_norm(&ln, &x, &y, &back)?;
+        let (sum, normed) = add_gather_norm(&ln, &x, None, &y, &back)?;
         // The sum is the same f32 addition candle makes: bit for bit.
         let want_sum = (&x + y.index_select(&back, 1)?)?;
         assert_eq!(
@@ -466,9 +520,107 @@ mod tests {
         let diff = max_abs_diff(&normed, &want);
         assert!(diff < 1e-5, "{diff}");
         let short = Tensor::new(&[0u32, 1], &dev)?;
-        assert!(add_gather_norm(&ln, &x, &y, &short).is_err());
+        assert!(add_gather_norm(&ln, &x, None, &y, &short).is_err());
         let out_of_range = Tensor::new(&[4u32, 0, 0, 0, 0], &dev)?;
-        assert!(add_gather_norm(&ln, &x, &y, &out_of_range).is_err());
+        assert!(add_gather_norm(&ln, &x, None, &y, &out_of_range).is_err());
+        Ok(())
+    }
+
+    /// HAT's channel-attention term folded into the residual step: the kernel's sum and norm
+    /// are those of the unfused ops (`x + z * s` with candle, then the plain step) bit for
+    /// bit, since both round the product and each sum in f32 in the same order; and near the
+    /// float64 norm of the exact sum. Channel counts below, at and off the vector width, and
+    /// HAT's 180.
+    #[test]
+    fn add_gather_norm_with_a_scaled_term_matches_the_unfused_ops() -> Result<()> {
+        let dev = Device::Cpu;
+        for c in [5usize, 16, 37, 180] {
+            let (ln, ln64) = norms(c)?;
+            let x = tokens((2, 7, c), 3.0)?;
+            let z = tokens((2, 7, c), 0.0)?;
+            // Larger than CONV_SCALE's sigmoids, so that a wrong scale index shows.
+            let s = Tensor::randn(0f32, 1.0, (2, c), &dev)?;
+            let y = tokens((2, 5, c), 1.0)?;
+            let back = Tensor::new(&[3u32, 0, 2, 1, 4, 4, 1], &dev)?;
+            let (sum, normed) = add_gather_norm(&ln, &x, Some((&z, &s)), &y, &back)?;
+            let plus = (&x + z.broadcast_mul(&s.reshape((2, 1, c))?)?)?;
+            let (want_sum, want_normed) = add_gather_norm(&ln, &plus, None, &y, &back)?;
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                Ok(t.flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect())
+            };
+            assert_eq!(bits(&sum)?, bits(&want_sum)?, "c {c}: sum");
+            assert_eq!(bits(&normed)?, bits(&want_normed)?, "c {c}: normed");
+            let f64_of = |t: &Tensor| t.to_dtype(DType::F64);
+            let (s64, z64) = (f64_of(&s)?.reshape((2, 1, c))?, f64_of(&z)?);
+            let exact = (f64_of(&x)? + z64.broadcast_mul(&s64)?)?
+                .add(&f64_of(&y)?.index_select(&back, 1)?)?;
+            let diff = max_abs_diff(&normed, &ln64.forward(&exact)?);
+            assert!(diff < 1e-5, "c {c}: {diff}");
+            // The term is there: without it the sum is off by about its own size.
+            let (plain, _) = add_gather_norm(&ln, &x, None, &y, &back)?;
+            assert!(
+                max_abs_diff(&plain, &sum) > 0.5,
+                "c {c}: the scaled term is missing"
+            );
+        }
+        Ok(())
+    }
+
+    /// Where the kernel does not apply (a strided `z`, bf16 rows), candle's composition runs:
+    /// a strided `z` gives the kernel's result within f32 noise, bf16 rows within bf16's
+    /// rounding of each step; shapes that do not fit are refused.
+    #[test]
+    fn add_gather_norm_with_a_scaled_term_falls_back_to_candle() -> Result<()> {
+        let dev = Device::Cpu;
+        let c = 24;
+        let (ln, _) = norms(c)?;
+        let x = tokens((2, 6, c), 3.0)?;
+        let z = tokens((2, 6, c), 0.0)?;
+        let s = Tensor::randn(0f32, 1.0, (2, c), &dev)?;
+        let y = tokens((2, 6, c), 1.0)?;
+        let back = Tensor::new(&[5u32, 0, 3, 2, 1, 4], &dev)?;
+        let (sum, normed) = add_gather_norm(&ln, &x, Some((&z, &s)), &y, &back)?;
+        // The same values, laid out transposed: not contiguous, so not the kernel's.
+        let zt = z.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;
+        assert!(!zt.is_contiguous());
+        let (sum_t, normed_t) = add_gather_norm(&ln, &x, Some((&zt, &s)), &y, &back)?;
+        assert!(max_abs_diff(&sum_t, &sum) < 1e-6);
+        assert!(max_abs_diff(&normed_t, &normed) < 1e-5);
+        // bf16 rows on the inputs rounded to bf16, against the kernel on the same values:
+        // each of the three sums and the product rounds to 8 bits (|sum| < 16: 2^-4 apart).
+        let b16 = |t: &Tensor| t.to_dtype(DType::BF16);
+        let (xb, zb, sb, yb) = (b16(&x)?, b16(&z)?, b16(&s)?, b16(&y)?);
+        let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+        let (sum32, normed32) = add_gather_norm(
+            &ln,
+            &f32_of(&xb)?,
+            Some((&f32_of(&zb)?, &f32_of(&sb)?)),
+            &f32_of(&yb)?,
+            &back,
+        )?;
+        let lnb = Norm::new(
+            &Pad::OFF.one(c),
+            b16(ln.layer_norm().weight())?,
+            b16(ln.layer_norm().bias().unwrap())?,
+            1e-5,
+        )?;
+        let (sum16, normed16) = add_gather_norm(&lnb, &xb, Some((&zb, &sb)), &yb, &back)?;
+        assert_eq!(sum16.dtype(), DType::BF16);
+        let big = sum32.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(big < 16.0, "{big}");
+        let d_sum = max_abs_diff(&sum16, &sum32);
+        assert!(d_sum <= 3.0 * 0.0625, "{d_sum}");
+        let d_norm = max_abs_diff(&normed16, &normed32);
+        assert!(d_norm < 0.2, "{d_norm}");
+        // z of another shape, s per token instead of per image: refused.
+        let z_short = z.narrow(1, 0, 5)?;
+        assert!(add_gather_norm(&ln, &x, Some((&z_short, &s)), &y, &back).is_err());
+        let s_tokens = Tensor::ones((2, 6, c), DType::F32, &dev)?;
+        assert!(add_gather_norm(&ln, &x, Some((&z, &s_tokens)), &y, &back).is_err());
         Ok(())
     }
 
@@ -498,7 +650,7 @@ mod tests {
             let order = Tensor::new(&[5u32, 0, 3, 3, 1], &dev)?;
             let back = Tensor::new(&[3u32, 0, 2, 1, 3, 1], &dev)?;
             let sum = (&x + y.index_select(&back, 1)?)?;
-            let (sum_p, normed_p) = add_gather_norm(&norm, &xp, &yp, &back)?;
+            let (sum_p, normed_p) = add_gather_norm(&norm, &xp, None, &yp, &back)?;
             let cases = [
                 ("layer_norm", layer_norm(&norm, &xp)?, ln64.forward(&x)?),
                 ("candle", norm.forward(&xp)?, ln64.forward(&x)?),

@@ -58,13 +58,11 @@ impl Pad {
         }
     }
 
-    #[cfg(feature = "cli")]
     pub fn is_off(self) -> bool {
         self.0 == 1
     }
 
     /// The multiple, 0 when off (as the variable writes it).
-    #[cfg(feature = "cli")] // bench reports it
     pub fn multiple(self) -> usize {
         if self.is_off() {
             0

@@ -4,7 +4,7 @@
 //! - [`bias_act`]: a GEMM's epilogue, `act(y + bias) + residual`;
 //! - [`cat_bias_act`]: the dense connection, `cat([prev, act(y + bias)], -1)`;
 //! - [`gather_norm`] and [`add_gather_norm`]: a window partition (token permutation) fused
-//!   with the layer norm next to it;
+//!   with the layer norm next to it (the second also with HAT's channel-attention term);
 //! - [`patches3x3`]: a 3x3 convolution's patch matrix, zero padding included, in one pass;
 //! - [`conv3x3_narrow`]: a 3x3 convolution with at most four outputs, with no patch matrix.
 //!
@@ -155,38 +155,62 @@ pub fn gather_norm(norm: &Norm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
 }
 
 /// `sum = x + index_select(y, back, 1)` and `ln(sum)`: `x` `(B, T, C)`, `y` `(B, T', C)`,
-/// `back` `T` u32 indices below `T'`.
+/// `back` `T` u32 indices below `T'`. With `scaled` `(z, s)`, `z` `(B, T, C)` and `s`
+/// `(B, C)`, the sum is `x + z * s + index_select(y, back, 1)` (HAT's channel attention),
+/// in the same kernel unless `UPSCALE_CUDA_OFF` names `cab`.
 pub fn add_gather_norm(
     norm: &Norm,
     x: &Tensor,
+    scaled: Option<(&Tensor, &Tensor)>,
     y: &Tensor,
     back: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
+    add_gather_dims(x, scaled, y, back)?;
     #[cfg(feature = "cuda")]
     if ours(x) {
-        let (x, y, back) = (x.contiguous()?, y.contiguous()?, back.contiguous()?);
-        return cuda::add_gather_norm(norm, &x, &y, &back);
+        let (y, back) = (y.contiguous()?, back.contiguous()?);
+        if let Some((z, s)) = scaled.filter(|_| !super::cuda_off::current().cab) {
+            let (z, s) = (z.contiguous()?, s.contiguous()?);
+            return cuda::add_gather_norm(norm, &x.contiguous()?, Some((&z, &s)), &y, &back);
+        }
+        let x = plus_scaled(x, scaled)?.contiguous()?;
+        return cuda::add_gather_norm(norm, &x, None, &y, &back);
     }
-    let sum = (x + y.index_select(back, 1)?)?;
+    let sum = (plus_scaled(x, scaled)? + y.index_select(back, 1)?)?;
     let normed = norm.forward(&sum)?;
     Ok((sum, normed))
 }
 
+/// `x + z * s` with candle's ops, `s` broadcast over the tokens; `x` without `scaled`.
+fn plus_scaled(x: &Tensor, scaled: Option<(&Tensor, &Tensor)>) -> Result<Tensor> {
+    match scaled {
+        Some((z, s)) => {
+            let (b, c) = s.dims2()?;
+            x + z.broadcast_mul(&s.reshape((b, 1, c))?)?
+        }
+        None => Ok(x.clone()),
+    }
+}
+
 /// `(B, T, C, T')` of [`add_gather_norm`]'s `x` `(B, T, C)` and `y` `(B, T', C)`, checked
-/// against each other and against the `T` indices in `back`.
+/// against each other, against the `T` indices in `back` and against `scaled`'s `(B, T, C)`
+/// and `(B, C)`.
 pub(super) fn add_gather_dims(
     x: &Tensor,
+    scaled: Option<(&Tensor, &Tensor)>,
     y: &Tensor,
     back: &Tensor,
 ) -> Result<(usize, usize, usize, usize)> {
     let (b, t, c) = x.dims3()?;
     let (by, ty, cy) = y.dims3()?;
-    if (by, cy) != (b, c) || back.elem_count() != t {
+    let scaled_ok = scaled.is_none_or(|(z, s)| z.dims() == x.dims() && s.dims() == [b, c]);
+    if (by, cy) != (b, c) || back.elem_count() != t || !scaled_ok {
         candle_core::bail!(
-            "add_gather_norm: x {:?}, y {:?}, back {:?}",
+            "add_gather_norm: x {:?}, y {:?}, back {:?}, scaled {:?}",
             x.dims(),
             y.dims(),
-            back.dims()
+            back.dims(),
+            scaled.map(|(z, s)| (z.dims(), s.dims()))
         );
     }
     Ok((b, t, c, ty))
@@ -531,10 +555,11 @@ mod cuda {
     pub(super) fn add_gather_norm(
         norm: &Norm,
         x: &Tensor,
+        scaled: Option<(&Tensor, &Tensor)>,
         y: &Tensor,
         back: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let (b, t, c, ty) = super::add_gather_dims(x, y, back)?;
+        let (b, t, c, ty) = super::add_gather_dims(x, scaled, y, back)?;
         index_count(back, "add_gather_norm: back")?;
         let args = norm_args(norm, x, c)?;
         let hx = held(x, "add_gather_norm: x")?;
@@ -543,6 +568,14 @@ mod cuda {
         let (hg, hb) = (held(&args.gamma, "gamma")?, held(&args.beta, "beta")?);
         let hm = args.mask.as_ref().map(|m| held(m, "mask")).transpose()?;
         let masked = i32::from(hm.is_some());
+        let hzs = scaled
+            .map(|(z, s)| -> Result<_> {
+                Ok((
+                    held(z, "add_gather_norm: z")?,
+                    held(s, "add_gather_norm: s")?,
+                ))
+            })
+            .transpose()?;
         let dev = hx.device()?;
         u32_of(b * t * c, "elements")?;
         let rows = u32_of(b * t, "rows")?;
@@ -558,14 +591,24 @@ mod cuda {
             let mv = hm.as_ref().unwrap_or(&hg).view::<T>()?;
             let sum = alloc::<T>(&dev, b * t * c)?;
             let normed = alloc::<T>(&dev, b * t * c)?;
-            let f = func::<T>(&dev, "add_gather_norm")?;
+            let zs = match &hzs {
+                Some((hz, hs)) => Some((hz.view::<T>()?, hs.view::<T>()?)),
+                None => None,
+            };
+            let name = if zs.is_some() { "add_scaled_gather_norm" } else { "add_gather_norm" };
+            let f = func::<T>(&dev, name)?;
             let stream = dev.cuda_stream();
             let mut bld = stream.launch_builder(&f);
-            bld.arg(&xv).arg(&yv).arg(&iv).arg(&gv).arg(&bv).arg(&mv).arg(&sum).arg(&normed);
+            bld.arg(&xv);
+            if let Some((zv, sv)) = &zs {
+                bld.arg(zv).arg(sv);
+            }
+            bld.arg(&yv).arg(&iv).arg(&gv).arg(&bv).arg(&mv).arg(&sum).arg(&normed);
             bld.arg(&rows).arg(&t32).arg(&ty).arg(&c32);
             bld.arg(&args.count).arg(&masked).arg(&args.eps);
             // SAFETY: the arguments follow the kernel's signature; y holds b x ty x c
-            // elements and back's values index its tokens.
+            // elements and back's values index its tokens; z holds b x t x c elements and s
+            // b x c.
             unsafe { bld.launch(grid(rows as usize, THREADS / 32)) }.w()?;
             let shape = Shape::from((b, t, c));
             Ok((wrap(sum, &dev, shape.clone()), wrap(normed, &dev, shape)))

@@ -220,9 +220,14 @@ impl SwinBlock {
         &self.norm1
     }
 
-    /// The block with `extra` `(B, H, W, C)` added to the attention's residual sum, before
-    /// the MLP (HAT's convolution branch).
-    pub(crate) fn forward_plus(&self, x: &Tensor, extra: Option<&Tensor>) -> Result<Tensor> {
+    /// The block with `extra` `(z, s)` added to the attention's residual sum, before the MLP:
+    /// `z` `(B, H, W, C)` times `s` `(B, C)`, a scale per image and channel (HAT's convolution
+    /// branch), summed in the same pass as the residual and its norm.
+    pub(crate) fn forward_plus(
+        &self,
+        x: &Tensor,
+        extra: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let ws = self.window;
         let (nh, nw) = (h / ws, w / ws);
@@ -234,11 +239,10 @@ impl SwinBlock {
         let y = self
             .attn
             .forward(&windows, (h, w), self.shifted, &self.windows)?;
-        let x = match extra {
-            Some(e) => (x + e.reshape((b, h * w, c))?)?,
-            None => x,
-        };
-        let (x, normed) = add_gather_norm(&self.norm2, &x, &y.reshape((b, h * w, c))?, &back)?;
+        let z = extra.map(|(z, _)| z.reshape((b, h * w, c))).transpose()?;
+        let scaled = z.as_ref().zip(extra.map(|(_, s)| s));
+        let y = y.reshape((b, h * w, c))?;
+        let (x, normed) = add_gather_norm(&self.norm2, &x, scaled, &y, &back)?;
         self.mlp.forward_residual(&normed, x)?.reshape((b, h, w, c))
     }
 }

@@ -72,7 +72,6 @@ pub enum Upsampler {
 }
 
 impl Upsampler {
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // info reports it
     pub fn name(self) -> &'static str {
         match self {
             Self::PixelShuffle => "pixelshuffle",

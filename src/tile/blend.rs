@@ -11,14 +11,12 @@ use super::plan::Span;
 
 /// How the outputs of overlapping tiles are merged.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum BlendMode {
     /// Raised-cosine crossfade over the middle half of each overlap; the outer quarter at a
     /// tile's inner edge gets no weight, since the model saw little context there.
     #[default]
     Hann,
     /// Uniform average of all tiles covering a pixel, as the official inference script does.
-    #[cfg_attr(feature = "cli", value(alias = "avg"))]
     Average,
     /// Crop and paste: every output pixel comes from one tile, seams mid-overlap.
     None,

@@ -35,10 +35,13 @@ pub enum Canvas {
 /// The work one lane did for one image.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct LaneStats {
+    /// The lane's number, from 0.
     pub lane: usize,
     /// "cpu" or "cuda:N".
     pub device: String,
+    /// Forward passes the lane ran.
     pub batches: usize,
+    /// Tiles in those passes.
     pub tiles: usize,
     /// Wall time spent on batches: cutting, forward, blending and waiting for the device.
     pub busy_seconds: f64,
@@ -51,7 +54,7 @@ pub struct LaneStats {
 }
 
 impl LaneStats {
-    pub fn new(lane: usize, device: &candle_core::Device) -> Self {
+    pub(crate) fn new(lane: usize, device: &candle_core::Device) -> Self {
         Self {
             lane,
             device: device_label(device),
@@ -60,7 +63,7 @@ impl LaneStats {
     }
 
     /// Adds another image's work by the same lane.
-    pub fn absorb(&mut self, other: &LaneStats) {
+    pub(crate) fn absorb(&mut self, other: &LaneStats) {
         self.batches += other.batches;
         self.tiles += other.tiles;
         self.busy_seconds += other.busy_seconds;
@@ -118,7 +121,8 @@ pub fn device_label(device: &candle_core::Device) -> String {
     }
 }
 
-/// Adds per-lane stats of several images (or of an image and its alpha) by lane id.
+/// Adds per-lane stats of several images (or of an image and its alpha) into `total` by
+/// lane number, keeping it sorted by lane.
 pub fn merge_lane_stats(total: &mut Vec<LaneStats>, more: &[LaneStats]) {
     for s in more {
         match total.iter_mut().find(|t| t.lane == s.lane) {

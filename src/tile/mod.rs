@@ -63,6 +63,7 @@ impl Default for TileOptions {
     }
 }
 
+/// How an image was tiled.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TileStats {
     /// Tiles in the plan that produced the output.
@@ -71,6 +72,7 @@ pub struct TileStats {
     pub batches: usize,
     /// Tile shape (rows, columns) and batch size finally used, after any back-off.
     pub tile_shape: (usize, usize),
+    /// Tiles per forward pass finally used.
     pub batch: usize,
     /// Forward passes that ran out of memory and were retried smaller.
     pub oom_retries: usize,

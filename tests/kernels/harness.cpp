@@ -671,6 +671,9 @@ void norm_cases(const char* suffix_in,
                 void (*add_gather)(const T*, const T*, const unsigned*, const T*, const T*,
                                    const T*, T*, T*, unsigned, unsigned, unsigned, unsigned,
                                    unsigned, int, float),
+                void (*add_scaled)(const T*, const T*, const T*, const T*, const unsigned*,
+                                   const T*, const T*, const T*, T*, T*, unsigned, unsigned,
+                                   unsigned, unsigned, unsigned, int, float),
                 double u, bool padded) {
     // Two maps; 70 channels (two warp strides and a remainder); an order that permutes and
     // drops tokens; inputs offset from zero, as residual streams are. Padded rows (as
@@ -747,6 +750,46 @@ void norm_cases(const char* suffix_in,
     report("add_gather_norm_" + suffix + " sum", sum, want_sum, u, 1e-6);
     report("add_gather_norm_" + suffix + " normed", normed, want_norm, u, 1e-5);
     check_padding_zero("add_gather_norm_" + suffix + " normed", normed, real);
+
+    // add_scaled_gather_norm: the same step with HAT's channel-attention term z * s[b] added,
+    // z (batch, tokens, cols) and s (batch, cols), against the exact sum in double. The kernel
+    // rounds the product and each sum in f32, then the sum once to T: u |want| plus f32 noise
+    // on the terms' magnitudes. s of about 1, so that a scale read from the wrong image or
+    // channel, or a missing term, shows.
+    auto z = random_values<T>(batch * tokens * cols, 9, 2.0f);
+    auto sc = random_values<T>(batch * cols, 10);
+    zero_padding(z);
+    double magnitude = 0, without = 0;
+    for (unsigned r = 0; r < rows; ++r) {
+        const unsigned b = r / tokens, src = b * tokens_in + order[r % tokens];
+        for (unsigned i = 0; i < cols; ++i) {
+            const double xv = widen(xs[r * cols + i]), yv = widen(x[src * cols + i]);
+            const double term = double(widen(z[r * cols + i])) * widen(sc[b * cols + i]);
+            const double v = xv + term + yv;
+            want_sum[r * cols + i] = v;
+            row[i] = widen(convert<T>(static_cast<float>(v)));
+            magnitude = std::max(magnitude, std::fabs(xv) + std::fabs(term) + std::fabs(yv));
+            without = std::max(without, std::fabs(term));
+        }
+        norm_ref(row.data(), gamma, beta, eps, &want_norm[r * cols], real);
+    }
+    std::fill(sum.begin(), sum.end(), convert<T>(NAN));
+    std::fill(normed.begin(), normed.end(), convert<T>(NAN));
+    emu::launch(rowwise_grid(rows, 8, padded), dim3{256, 1, 1}, [&] {
+        add_scaled(xs.data(), z.data(), sc.data(), x.data(), order.data(), g.data(), b.data(),
+                   mask_arg, sum.data(), normed.data(), rows, tokens, tokens_in, cols, count,
+                   masked, eps);
+    });
+    const double noise = 1e-6 * magnitude;
+    // The bound must be able to fail: the term alone is far larger than it.
+    if (without < 100 * (noise + u * magnitude)) {
+        ++failures;
+        std::printf("FAIL add_scaled_gather_norm_%s: term %.3g too small for its bound\n",
+                    suffix.c_str(), without);
+    }
+    report("add_scaled_gather_norm_" + suffix + " sum", sum, want_sum, u, noise);
+    report("add_scaled_gather_norm_" + suffix + " normed", normed, want_norm, u, 1e-5);
+    check_padding_zero("add_scaled_gather_norm_" + suffix + " normed", normed, real);
 }
 
 }  // namespace
@@ -850,10 +893,12 @@ int main(int argc, char** argv) {
     bias_act_cases<__nv_bfloat16>("bf16", bias_act_bf16, cat_bias_act_bf16, 1.0 / 256);
     bias_act_cases<__half>("f16", bias_act_f16, cat_bias_act_f16, 1.0 / 2048);
     for (bool padded : {false, true}) {
-        norm_cases<float>("f32", gather_norm_f32, add_gather_norm_f32, 0.0, padded);
-        norm_cases<__nv_bfloat16>("bf16", gather_norm_bf16, add_gather_norm_bf16, 1.0 / 256,
-                                  padded);
-        norm_cases<__half>("f16", gather_norm_f16, add_gather_norm_f16, 1.0 / 2048, padded);
+        norm_cases<float>("f32", gather_norm_f32, add_gather_norm_f32,
+                          add_scaled_gather_norm_f32, 0.0, padded);
+        norm_cases<__nv_bfloat16>("bf16", gather_norm_bf16, add_gather_norm_bf16,
+                                  add_scaled_gather_norm_bf16, 1.0 / 256, padded);
+        norm_cases<__half>("f16", gather_norm_f16, add_gather_norm_f16,
+                           add_scaled_gather_norm_f16, 1.0 / 2048, padded);
     }
     patches_cases<float>("f32", patches3x3_f32);
     patches_cases<__nv_bfloat16>("bf16", patches3x3_bf16);

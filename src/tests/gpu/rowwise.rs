@@ -226,15 +226,97 @@ fn add_gather_norm_matches_candle() {
             let (ln, ln32) = layer_norms(&ch, &seed, dtype, &dev);
             let want = candle_core::Module::forward(&ln32, &sum).unwrap();
             let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
+            let back_gpu = back.to_device(&dev).unwrap();
             let (ours_sum, ours) =
-                rowwise::add_gather_norm(&ln, &on(&x), &on(&y), &back.to_device(&dev).unwrap())
-                    .unwrap();
+                rowwise::add_gather_norm(&ln, &on(&x), None, &on(&y), &back_gpu).unwrap();
             let what = format!(
                 "add_gather_norm {b}x{ty}->{t}x{} of {c} {dtype:?}",
                 ch.padded()
             );
             failures.extend(excess(&format!("{what} sum"), &ours_sum, &sum, u));
             failures.extend(excess(&format!("{what} normed"), &ours, &want, u));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// HAT's channel-attention term folded into the residual step: `add_gather_norm` with
+/// `(z, s)` sums `x + z * s[b] + y[back]` in f32 and rounds it once, so the stored sum is
+/// within the dtype's rounding of the exact one (float64 here) plus f32 noise; the norm is
+/// held to candle's f32 norm of that stored sum, which is what the kernel normalises, within
+/// its own output rounding. With `UPSCALE_CUDA_OFF=cab` (the path before this kernel) candle
+/// multiplies and adds in the dtype first: two roundings more, of `z * s` and of `x + z * s`,
+/// so the sum's bound grows by `u (|x| + 2 |z s|)`.
+#[test]
+fn add_gather_norm_with_a_scaled_term_matches_the_exact_sum() {
+    use crate::model::cuda_off::{self, Off};
+    let dev = gpu();
+    let seed = (randn(&[512]), randn(&[512]));
+    let mut failures = Vec::new();
+    for ((b, ty, t, c), ch) in NORM_CASES
+        .into_iter()
+        .flat_map(|case| norm_channels(case.3).map(|ch| (case, ch)))
+    {
+        let x = offset_rows(&[b, t], &ch);
+        let y = ch.spread(&randn(&[b, ty, c]), 2).unwrap();
+        let z = ch.spread(&randn(&[b, t, c]), 2).unwrap();
+        // Scales of about 1 (the model's are below CONV_SCALE): a scale from the wrong image
+        // or channel moves the sum by about its own size.
+        let s = ch.spread(&randn(&[b, c]), 1).unwrap();
+        let back = scrambled(t, ty);
+        let back_gpu = back.to_device(&dev).unwrap();
+        for (dtype, u) in DTYPES {
+            let [x, y, z, s] = [&x, &y, &z, &s].map(|v| rounded(v, dtype));
+            let f64_of = |v: &Tensor| v.to_dtype(DType::F64).unwrap();
+            let zs = f64_of(&z)
+                .broadcast_mul(&f64_of(&s).reshape((b, 1, ch.padded())).unwrap())
+                .unwrap();
+            let gathered = f64_of(&y).index_select(&back, 1).unwrap();
+            let exact = ((f64_of(&x) + &zs).unwrap() + gathered).unwrap();
+            let exact = exact.to_dtype(DType::F32).unwrap();
+            let unfused = (f64_of(&x).abs().unwrap() + (zs.abs().unwrap() * 2.0).unwrap())
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap() as f32;
+            let (ln, ln32) = layer_norms(&ch, &seed, dtype, &dev);
+            let on = |v: &Tensor| v.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
+            let (xg, yg, zg, sg) = (on(&x), on(&y), on(&z), on(&s));
+            for cab_off in [false, true] {
+                let off = Off {
+                    cab: cab_off,
+                    ..Off::default()
+                };
+                let (ours_sum, ours) = cuda_off::with(off, || {
+                    rowwise::add_gather_norm(&ln, &xg, Some((&zg, &sg)), &yg, &back_gpu)
+                })
+                .unwrap();
+                assert!(ours.device().is_cuda() && ours.dtype() == dtype);
+                let stored = ours_sum
+                    .to_device(&Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap();
+                let want = candle_core::Module::forward(&ln32, &stored).unwrap();
+                let what = format!(
+                    "add_gather_norm scaled {b}x{ty}->{t}x{} of {c} {dtype:?} cab off {cab_off}",
+                    ch.padded()
+                );
+                let noise = if cab_off {
+                    NOISE + 1.01 * u * unfused
+                } else {
+                    NOISE
+                };
+                failures.extend(excess_over(
+                    &format!("{what} sum"),
+                    &ours_sum,
+                    &exact,
+                    u,
+                    noise,
+                ));
+                failures.extend(excess(&format!("{what} normed"), &ours, &want, u));
+            }
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

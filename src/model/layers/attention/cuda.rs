@@ -20,7 +20,6 @@ use crate::model::cache::MASK_VALUE;
 /// fastest for every device and precision: it runs `Fused` where it has no tensor-core
 /// kernel (f32, builds for GPUs before compute capability 8.0).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Attention {
     /// One kernel per block: scores stay on chip, the shift mask is computed, not stored.
     Fused,

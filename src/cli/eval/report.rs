@@ -3,7 +3,7 @@
 //!
 //! For each HR image the LR input is either made from it ([`metrics::bicubic_lr`]: crop to
 //! a multiple of the scale, MATLAB bicubic by 1/scale, 8 bits) or read from an LR folder.
-//! The model runs through [`Lanes::upscale_decoded`] with the caller's tile settings, so
+//! The model runs through [`Upscaler::upscale_image`] with the caller's tile settings, so
 //! what is measured is what the main command ships; its output is rounded to 8 bits, then
 //! PSNR/SSIM are taken as BasicSR does (Y channel, `scale` pixels cropped per side). The
 //! MATLAB bicubic upscaling of the same LR image is measured alongside, because the gain
@@ -18,13 +18,12 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-use crate::engine::image::Upscaled;
-use crate::engine::lanes::Lanes;
-use crate::io::{self, Decoded, Format};
-use crate::metrics::{self, ImageMetrics};
-use crate::pipeline;
-use crate::planar::Planar;
-use crate::tile::auto::TileSettings;
+use upscale::io::{self, Decoded};
+use upscale::metrics::{self, ImageMetrics};
+use upscale::{Format, Planar, Upscaled, Upscaler};
+
+use crate::cli::pipeline;
+use crate::cli::walk::walk;
 
 /// Why an evaluation could not start.
 #[derive(Debug, thiserror::Error)]
@@ -133,7 +132,7 @@ fn image_files(dir: &Path, flag: &str) -> Result<Vec<PathBuf>, EvalError> {
             dir.display()
         )));
     }
-    let files: Vec<PathBuf> = io::walk(&[dir.to_path_buf()], false)?
+    let files: Vec<PathBuf> = walk(&[dir.to_path_buf()], false)?
         .into_iter()
         .map(|f| f.path)
         .collect();
@@ -243,8 +242,8 @@ pub fn measure(
 /// `upscale eval` as [`pipeline::Stages`]: read a pair, upscale its LR image, measure
 /// the result. Errors are one line, for the report.
 pub struct EvalStages<'a> {
-    pub engine: &'a Lanes,
-    pub settings: &'a TileSettings,
+    /// The model, at its own scale.
+    pub up: &'a Upscaler,
     pub scale: usize,
 }
 
@@ -274,9 +273,7 @@ impl pipeline::Stages for EvalStages<'_> {
     }
 
     fn upscale(&self, _: &Pair, (_, lr): &(Planar, Decoded)) -> Result<Upscaled, String> {
-        self.engine
-            .upscale_decoded(lr, self.settings)
-            .map_err(|e| format!("{e:#}"))
+        self.up.upscale_image(lr).map_err(|e| format!("{e:#}"))
     }
 
     fn finish(
@@ -806,7 +803,18 @@ mod tests {
 
     #[test]
     fn measure_identical_and_crop() {
-        let hr = crate::engine::probe::pattern(40, 36);
+        // Smooth waves, so that bicubic comes close but not exactly.
+        let hr = Planar::new(
+            3,
+            40,
+            36,
+            (0..3 * 40 * 36)
+                .map(|i| {
+                    let (c, y, x) = (i / (40 * 36), i / 36 % 40, i % 36);
+                    0.5 + 0.4 * ((x as f32 * 0.3 + c as f32).sin() * (y as f32 * 0.2).cos())
+                })
+                .collect(),
+        );
         let hr = metrics::quantize_u8(&hr);
         let lr = metrics::bicubic_lr(&hr, 2);
         let r = measure("x", &hr, &lr, &hr, 2).unwrap();

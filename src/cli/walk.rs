@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use super::{is_image_path, is_temporary, IoError};
+use upscale::io::{is_image_path, is_temporary, IoError};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct InputFile {

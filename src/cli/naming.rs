@@ -21,7 +21,10 @@ use std::fs::{self, File};
 use std::io::Read;
 use std::path::{Path, PathBuf, MAIN_SEPARATOR};
 
-use super::{check_output_parent, Format, InputFile, IoError};
+use upscale::io::{check_output_parent, IoError};
+use upscale::Format;
+
+use super::walk::InputFile;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NamingOptions {
@@ -250,7 +253,7 @@ fn same_file(a: &Path, b: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::io::walk;
+    use crate::cli::walk::walk;
 
     fn opts(output: Option<&Path>, format: Option<Format>) -> NamingOptions {
         NamingOptions {

@@ -13,12 +13,10 @@ use std::sync::mpsc::sync_channel;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use crate::engine::image::{Pending, Upscaled};
-use crate::engine::lanes::Lanes;
-use crate::io::{self, Decoded, EncodeOptions, Job};
-use crate::size::{self, OutputSize};
-use crate::tile::auto::TileSettings;
-use crate::tile::LaneStats;
+use upscale::io::{self, DecodeLimits, Decoded, EncodeOptions};
+use upscale::{LaneStats, Pending, Upscaled, Upscaler};
+
+use super::naming::{is_dash, Job, STDIN_NAME};
 
 /// Tasks waiting between stages: enough to hide a slow file, few enough to bound memory.
 const QUEUE_DEPTH: usize = 2;
@@ -198,10 +196,9 @@ pub(crate) type WriteFn<'a> =
 /// `upscale INPUT...`: decode each job's input, upscale (and resample to the requested
 /// size), encode to its output through a temporary file.
 pub(crate) struct FileStages<'a> {
-    pub engine: &'a Lanes,
-    pub settings: &'a TileSettings,
+    /// The model, its devices, tiling and output size.
+    pub up: &'a Upscaler,
     pub encode: EncodeChoice,
-    pub size: OutputSize,
     /// Standard input's bytes, when the input is `-` (taken by the first read).
     pub stdin: Mutex<Option<Vec<u8>>>,
     /// Warnings about an output (transparency it cannot hold).
@@ -244,7 +241,7 @@ impl Stages for FileStages<'_> {
     fn read(&self, job: &Job) -> Result<Timed, String> {
         let t = Instant::now();
         let path = &job.input.path;
-        if !io::is_dash(path) {
+        if !is_dash(path) {
             return io::decode(path).map(|d| (t, d)).map_err(|e| e.to_string());
         }
         let bytes = self
@@ -253,25 +250,23 @@ impl Stages for FileStages<'_> {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take()
             .unwrap_or_default();
-        io::decode_bytes(
-            Path::new(io::STDIN_NAME),
-            &bytes,
-            &io::DecodeLimits::default(),
-        )
-        .map(|d| (t, d))
-        .map_err(|e| e.to_string())
+        io::decode_bytes(Path::new(STDIN_NAME), &bytes, &DecodeLimits::default())
+            .map(|d| (t, d))
+            .map_err(|e| e.to_string())
     }
 
     fn upscale(&self, _job: &Job, (_, dec): &Timed) -> Result<Up, String> {
-        let defer = self.defer_finish;
-        let pending = self
-            .engine
-            .upscale_pending(dec, self.settings, defer)
-            .map_err(|e| format!("{e:#}"))?;
-        if defer {
-            return Ok(Up::Pending(pending));
+        if self.defer_finish {
+            return self
+                .up
+                .upscale_deferred(dec)
+                .map(Up::Pending)
+                .map_err(|e| format!("{e:#}"));
         }
-        self.finish_pending(dec, pending).map(Up::Done)
+        self.up
+            .upscale_image(dec)
+            .map(Up::Done)
+            .map_err(|e| format!("{e:#}"))
     }
 
     /// A deferred image holds its output canvas in device memory until it is finished: the
@@ -288,7 +283,7 @@ impl Stages for FileStages<'_> {
     fn finish(&self, job: &Job, (t, dec): Timed, up: Up) -> Result<Written, String> {
         let up = match up {
             Up::Done(up) => up,
-            Up::Pending(pending) => self.finish_pending(&dec, pending)?,
+            Up::Pending(pending) => pending.finish().map_err(|e| format!("{e:#}"))?,
         };
         match self.writer {
             Some(writer) => writer(self, job, &dec, &up)?,
@@ -305,17 +300,6 @@ impl Stages for FileStages<'_> {
 }
 
 impl FileStages<'_> {
-    /// The upscaled image of `dec`, at the requested size.
-    fn finish_pending(&self, dec: &Decoded, pending: Pending) -> Result<Upscaled, String> {
-        let mut up = pending.finish().map_err(|e| format!("{e:#}"))?;
-        let (w, h) = self
-            .size
-            .dims(dec.rgb.width, dec.rgb.height, self.engine.scale());
-        (up.rgb, up.alpha) =
-            size::resize(up.rgb, up.alpha.take(), w, h).map_err(|e| e.to_string())?;
-        Ok(up)
-    }
-
     fn encode_options(&self, job: &Job, dec_depth: u8) -> EncodeOptions {
         let mut opts = EncodeOptions::new(job.format);
         opts.bit_depth = self
@@ -329,7 +313,7 @@ impl FileStages<'_> {
     /// Encodes `up` to the job's output (a file through a temporary, or standard output).
     pub(crate) fn write(&self, job: &Job, dec: &Decoded, up: &Upscaled) -> Result<(), String> {
         let opts = self.encode_options(job, dec.bit_depth);
-        let to_stdout = io::is_dash(&job.output);
+        let to_stdout = is_dash(&job.output);
         let name = match to_stdout {
             true => "standard output".to_string(),
             false => job.output.display().to_string(),
@@ -384,42 +368,41 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
-    use crate::engine::Engine;
-    use crate::model::Checkpoint;
-    use crate::tile::auto::TileChoice;
-    use candle_core::{DType, Device};
+    use crate::cli::naming::{plan_outputs, NamingOptions};
+    use crate::cli::walk::walk;
+    use upscale::{BlendMode, DeviceChoice, Options, OutputSize, Precision};
 
-    /// A 12x10 RGB model of the golden fixtures, one lane on the CPU, whole-image tiles.
-    fn cpu_lanes() -> (Lanes, TileSettings) {
+    /// The 12x10 RGB model of the golden fixtures, one lane on the CPU in fp32, tiles of
+    /// `tile` overlapping by `overlap`, results of `size`.
+    fn cpu_upscaler(tile: usize, overlap: usize, size: OutputSize) -> Upscaler {
         let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/x2_w8_b2.safetensors");
-        let engine =
-            Engine::new(Checkpoint::load(&model).unwrap(), Device::Cpu, DType::F32).unwrap();
-        let settings = TileSettings {
-            choice: TileChoice::Fixed(8),
-            overlap: 2,
+        let opts = Options {
+            device: DeviceChoice::Cpu,
+            precision: Precision::Fp32,
+            tile: Some(tile),
+            overlap,
             batch: None,
-            blend: crate::tile::BlendMode::Hann,
+            blend: BlendMode::Hann,
             tta: false,
+            size,
+            ..Options::default()
         };
-        (Lanes::single(engine), settings)
+        Upscaler::open(Some(&model), &opts).unwrap()
     }
 
     /// The main command's stages, quiet, encoding as the defaults do.
     fn file_stages<'a>(
-        (engine, settings): (&'a Lanes, &'a TileSettings),
-        size: OutputSize,
+        up: &'a Upscaler,
         writer: Option<WriteFn<'a>>,
         defer_finish: bool,
     ) -> FileStages<'a> {
         FileStages {
-            engine,
-            settings,
+            up,
             encode: EncodeChoice {
                 bit_depth: None,
                 quality: 90,
                 strip: false,
             },
-            size,
             stdin: Mutex::new(None),
             warn: &|_| {},
             detail: &|_| {},
@@ -430,13 +413,13 @@ mod tests {
 
     /// A job for each of `inputs`, written into `out` with the `x2` tag.
     fn jobs_into(inputs: &[PathBuf], out: &Path) -> Vec<Job> {
-        let naming = io::NamingOptions {
+        let naming = NamingOptions {
             output: Some(out.to_path_buf()),
             tag: "x2".into(),
             format: None,
             overwrite: true,
         };
-        io::plan_outputs(&io::walk(inputs, false).unwrap(), &naming).unwrap()
+        plan_outputs(&walk(inputs, false).unwrap(), &naming).unwrap()
     }
 
     /// Finishing on the finisher thread (`UPSCALE_DEFER_FINISH=1`) writes the same bytes as
@@ -456,11 +439,11 @@ mod tests {
         .save(&rgba)
         .unwrap();
         let inputs = [rgb, rgba];
-        let (lanes, settings) = cpu_lanes();
         for size in [OutputSize::Model, OutputSize::Width(30)] {
+            let up = cpu_upscaler(8, 2, size);
             let mut written = Vec::new();
             for defer_finish in [false, true] {
-                let stages = file_stages((&lanes, &settings), size, None, defer_finish);
+                let stages = file_stages(&up, None, defer_finish);
                 let out = dir.path().join(format!("out-{defer_finish}-{size:?}"));
                 let jobs = jobs_into(&inputs, &out);
                 let outcomes = run_threaded(&stages, jobs, 2, &|_| {});
@@ -495,24 +478,14 @@ mod tests {
                 .save(p)
                 .unwrap();
         }
-        let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/x2_w8_b2.safetensors");
-        let engine =
-            Engine::new(Checkpoint::load(&model).unwrap(), Device::Cpu, DType::F32).unwrap();
-        let lanes = Lanes::single(engine);
-        let settings = TileSettings {
-            choice: TileChoice::Fixed(0),
-            overlap: 0,
-            batch: None,
-            blend: crate::tile::BlendMode::Hann,
-            tta: false,
-        };
+        let up = cpu_upscaler(0, 0, OutputSize::Model);
         let writer = |st: &FileStages, job: &Job, dec: &Decoded, up: &Upscaled| {
             if job.input.path.ends_with("1.png") {
                 panic!("encoder bug");
             }
             st.write(job, dec, up)
         };
-        let stages = file_stages((&lanes, &settings), OutputSize::Model, Some(&writer), false);
+        let stages = file_stages(&up, Some(&writer), false);
         for threaded in [false, true] {
             let out = dir.path().join(format!("out-{threaded}"));
             let jobs = jobs_into(&inputs, &out);

@@ -10,8 +10,13 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
+use upscale::Upscaler;
+
 use super::{InferArgs, Logger};
-use crate::eval::{self, Baseline, Report};
+
+mod report;
+
+use report::{Baseline, Report};
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
@@ -54,23 +59,22 @@ pub fn run(args: EvalArgs, log: &Logger) -> Result<ExitCode> {
             bail!("the baseline was measured at x{s}, this run is x{scale}");
         }
     }
-    let (pairs, unused) = eval::find_pairs(&args.hr, args.lr.as_deref(), scale)?;
+    let (pairs, unused) = report::find_pairs(&args.hr, args.lr.as_deref(), scale)?;
     for f in &unused {
         log.warn(format!(
             "{}: no HR image of that name, ignored",
             f.display()
         ));
     }
-    let up = super::setup(&args.infer, crate::size::OutputSize::Model)?;
-    let (engine, settings) = (up.lanes(), up.settings());
-    if engine.scale() != scale {
+    let up = super::setup(&args.infer, upscale::OutputSize::Model)?;
+    if up.scale() != scale {
         bail!(
             "--scale {scale} does not match the model, which upscales x{}",
-            engine.scale()
+            up.scale()
         );
     }
 
-    let report = measure_all(engine, settings, pairs, scale, log);
+    let report = measure_all(&up, pairs, scale, log);
 
     let mut out = report.to_json();
     let mut ok = report.failed.is_empty();
@@ -78,7 +82,7 @@ pub fn run(args: EvalArgs, log: &Logger) -> Result<ExitCode> {
         write_baseline(path, &report, &out, log)?;
     }
     if let (Some(b), Some(path)) = (&baseline, &args.baseline) {
-        let problems = eval::gate(&b.scores, &report.scores(), args.max_drop);
+        let problems = report::gate(&b.scores, &report.scores(), args.max_drop);
         for p in &problems {
             log.error(format!("gate: {p}"));
         }
@@ -120,31 +124,21 @@ fn write_baseline(
         return Ok(());
     }
     let text = serde_json::to_string_pretty(out)? + "\n";
-    crate::io::write_atomic(path, |w| {
+    upscale::io::write_atomic(path, |w| {
         w.write_all(text.as_bytes())
-            .map_err(|e| crate::io::IoError::os(path, e))
+            .map_err(|e| upscale::IoError::os(path, e))
     })
     .with_context(|| format!("--write_baseline {}", path.display()))
 }
 
 /// Every pair through the pipeline: the measured images and the failures, in folder order.
-fn measure_all(
-    engine: &crate::engine::lanes::Lanes,
-    settings: &crate::tile::auto::TileSettings,
-    pairs: Vec<eval::Pair>,
-    scale: usize,
-    log: &Logger,
-) -> Report {
+fn measure_all(up: &Upscaler, pairs: Vec<report::Pair>, scale: usize, log: &Logger) -> Report {
     let mut report = Report {
         scale,
         ..Report::default()
     };
-    let stages = eval::EvalStages {
-        engine,
-        settings,
-        scale,
-    };
-    let outcomes = crate::pipeline::run_threaded(&stages, pairs, 1, &|(_, result)| {
+    let stages = report::EvalStages { up, scale };
+    let outcomes = super::pipeline::run_threaded(&stages, pairs, 1, &|(_, result)| {
         if let Err(msg) = result {
             log.error(msg);
         }

@@ -1,0 +1,200 @@
+//! [`ModelFile`]: what a weight file holds, read from its tensors alone, and its
+//! conversion to a clean `.safetensors` file.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+
+use candle_core::DType;
+use serde_json::json;
+
+use crate::api::Error;
+use crate::engine::{read_checkpoint, Precision};
+use crate::model::{ArchConfig, Checkpoint, DrctConfig, HatConfig, Source, SwinIrConfig};
+
+/// A checkpoint, validated: its architecture and configuration inferred from the tensors
+/// and every tensor checked against them.
+pub struct ModelFile {
+    ck: Checkpoint,
+}
+
+impl ModelFile {
+    /// Reads `path` (a `.pth` or `.safetensors` file), or the embedded default model when
+    /// `None`.
+    pub fn open(path: Option<&Path>) -> Result<Self, Error> {
+        Ok(Self {
+            ck: read_checkpoint(path)?,
+        })
+    }
+
+    /// The variant's name, e.g. `DRCT-L`, `SwinIR-M` or `HAT-S`.
+    pub fn variant(&self) -> &'static str {
+        self.ck.config.name()
+    }
+
+    /// The model's upscaling factor.
+    pub fn scale(&self) -> usize {
+        self.ck.config.scale()
+    }
+
+    /// Learned parameters in the network.
+    pub fn parameter_count(&self) -> usize {
+        self.ck.config.parameter_count()
+    }
+
+    /// Everything known about the model as one JSON object (what `upscale info --json`
+    /// prints): where it came from, the architecture, the parameter count, the wrapper key
+    /// of a `.pth` state dict, and the architecture's configuration (scale, groups, width,
+    /// window, heads, ...). A value that is the same for every group or block is given once.
+    pub fn describe(&self) -> serde_json::Value {
+        let ck = &self.ck;
+        match &ck.config {
+            ArchConfig::Drct(c) => with_common(ck, describe_drct(c)),
+            ArchConfig::SwinIr(c) => with_common(ck, describe_swinir(c)),
+            ArchConfig::Hat(c) => with_common(ck, describe_hat(c)),
+        }
+    }
+
+    /// Writes the validated weights in `precision` to `output` (`Auto` is fp32, what every
+    /// checkpoint holds once loaded):
+    /// buffers dropped, keys normalised, the architecture and the detected configuration in
+    /// the metadata with the original file's name. The write goes through a temporary
+    /// file, so a failure never leaves a partial output.
+    pub fn write_safetensors(&self, output: &Path, precision: Precision) -> Result<(), Error> {
+        let ck = &self.ck;
+        let dtype = match precision {
+            Precision::Auto | Precision::Fp32 => DType::F32,
+            Precision::Fp16 => DType::F16,
+            Precision::Bf16 => DType::BF16,
+        };
+        let failed = |origin: String, detail: String| Error::Convert { origin, detail };
+        let mut tensors = HashMap::new();
+        for (name, t) in &ck.tensors {
+            let t = t
+                .to_dtype(dtype)
+                .map_err(|e| failed(ck.source.to_string(), format!("converting {name}: {e}")))?;
+            tensors.insert(name.clone(), t);
+        }
+        let mut meta = HashMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        let arch = match &ck.config {
+            ArchConfig::Drct(_) => "DRCT",
+            ArchConfig::SwinIr(_) => "SwinIR",
+            ArchConfig::Hat(_) => "HAT",
+        };
+        meta.insert("architecture".to_string(), arch.to_string());
+        let config = serde_json::to_string(&ck.config)
+            .map_err(|e| failed(output.display().to_string(), format!("cannot write: {e}")))?;
+        meta.insert("upscale.config".to_string(), config);
+        meta.insert(
+            "upscale.source".to_string(),
+            match &ck.source {
+                Source::File(path) => path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                Source::Embedded(name) => name.to_string(),
+            },
+        );
+        if let Some(w) = &ck.wrapper {
+            meta.insert("upscale.source_key".to_string(), w.clone());
+        }
+        let bytes =
+            safetensors::serialize(tensors.iter().map(|(k, v)| (k.as_str(), v)), Some(meta))
+                .map_err(|e| failed(output.display().to_string(), format!("cannot write: {e}")))?;
+        // The same atomic write as images get: ordinary permissions, synced, and a name that
+        // folder walks and cleanup recognise as ours if a crash leaves it behind.
+        crate::io::write_atomic(output, |w| {
+            w.write_all(&bytes)
+                .map_err(|e| crate::io::IoError::os(output, e))
+        })?;
+        Ok(())
+    }
+}
+
+/// What every architecture reports, with `fields` added.
+fn with_common(ck: &Checkpoint, fields: serde_json::Value) -> serde_json::Value {
+    let mut v = json!({
+        "model": ck.source.to_string(),
+        "name": ck.metadata.get("upscale.name"),
+        "architecture": ck.config.name(),
+        "parameters": ck.config.parameter_count(),
+        "state_dict_key": ck.wrapper,
+    });
+    if let (Some(all), serde_json::Value::Object(more)) = (v.as_object_mut(), fields) {
+        all.extend(more);
+    }
+    v
+}
+
+/// One value where every entry agrees (the released models), else the list.
+fn uniform(v: &[usize]) -> serde_json::Value {
+    match v.first() {
+        Some(first) if v.iter().all(|x| x == first) => json!(first),
+        _ => json!(v),
+    }
+}
+
+fn describe_drct(c: &DrctConfig) -> serde_json::Value {
+    let head_dims: Vec<Vec<usize>> = (0..c.groups)
+        .map(|g| (0..c.heads[g].len()).map(|k| c.head_dim(g, k)).collect())
+        .collect();
+    // One row per group is noise for the released models, where all groups agree.
+    let (heads, head_dims) = if c.heads.iter().all(|h| *h == c.heads[0]) {
+        (json!(c.heads[0]), json!(head_dims[0]))
+    } else {
+        (json!(c.heads), json!(head_dims))
+    };
+    json!({
+        "scale": c.scale,
+        "groups": c.groups,
+        "embed_dim": c.embed_dim,
+        "window": c.window,
+        "heads": heads,
+        "head_dims": head_dims,
+        "growth": c.growth,
+        "mlp_hidden": c.mlp_hidden,
+        "num_feat": c.num_feat,
+        "patch_norm": c.patch_norm,
+        "conv_after_body": c.conv_after_body,
+    })
+}
+
+fn describe_swinir(c: &SwinIrConfig) -> serde_json::Value {
+    let head_dims: Vec<usize> = (0..c.heads.len()).map(|i| c.head_dim(i)).collect();
+    json!({
+        "scale": c.scale,
+        "upsampler": c.upsampler.name(),
+        "resi_connection": c.resi_connection,
+        "groups": c.depths.len(),
+        "depths": uniform(&c.depths),
+        "embed_dim": c.embed_dim,
+        "window": c.window,
+        "heads": uniform(&c.heads),
+        "head_dims": uniform(&head_dims),
+        "mlp_hidden": c.mlp_hidden,
+        "num_feat": (c.num_feat > 0).then_some(c.num_feat),
+        "patch_norm": c.patch_norm,
+    })
+}
+
+fn describe_hat(c: &HatConfig) -> serde_json::Value {
+    let head_dims: Vec<usize> = (0..c.heads.len()).map(|i| c.head_dim(i)).collect();
+    json!({
+        "scale": c.scale,
+        "groups": c.depths.len(),
+        "depths": uniform(&c.depths),
+        "embed_dim": c.embed_dim,
+        "window": c.window,
+        "overlap_window": c.overlap_window,
+        "overlap_ratio": c.overlap_ratio(),
+        "compress_ratio": c.compress_ratio(),
+        "squeeze_factor": c.squeeze_factor(),
+        "conv_scale": crate::model::hat::CONV_SCALE,
+        "heads": uniform(&c.heads),
+        "head_dims": uniform(&head_dims),
+        "mlp_hidden": c.mlp_hidden,
+        "num_feat": c.num_feat,
+        "patch_norm": c.patch_norm,
+    })
+}
