@@ -28,8 +28,8 @@
 
 // cp.async and mma.m16n8k16 on 16-bit inputs need sm_80. A build for an older GPU
 // (CUDA_COMPUTE_CAP=75: a T4) leaves the tensor-core kernels out, so that the module still
-// loads there, and the host runs the scalar kernels (src/model/fused.rs reads the same build
-// setting).
+// loads there, and the host runs the scalar kernels (src/model/layers/attention/cuda.rs reads
+// the same build setting).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define TENSOR_CORE_KERNELS 1
 #endif
@@ -388,7 +388,8 @@ __device__ __forceinline__ void overlap_attention(const T* __restrict__ qkv,
 // each staged tile, so more warps stage less per product; the narrow heads (DRCT's 30) take a
 // whole 256-token window in one block. Wider heads hold more registers per thread and take
 // fewer warps, and a shorter tile keeps both double-buffered tiles under 48 KiB. The host
-// computes the same launch: keep in step with `mma_plan` in src/model/fused.rs.
+// computes the same launch: keep in step with `mma_plan` in
+// src/model/layers/attention/cuda.rs.
 __host__ __device__ constexpr int mma_warps(int dp) { return dp <= 32 ? 16 : (dp <= 64 ? 8 : 4); }
 __host__ __device__ constexpr int mma_keys(int dp) { return dp <= 64 ? 64 : 32; }
 

@@ -100,7 +100,7 @@ struct Launch {
     unsigned grid_y, threads, shared_bytes;
 };
 
-// The launch shape the host uses (src/model/fused.rs, `plan` and `mma_plan`).
+// The launch shape the host uses (src/model/layers/attention/cuda.rs, `plan` and `mma_plan`).
 Launch scalar_launch(int n, int dmax) {
     const int per_row = dmax / COLS_PER_THREAD;
     const int threads = std::min((n * per_row + 31) / 32 * 32, MAX_THREADS);
@@ -281,8 +281,8 @@ std::vector<double> overlap_reference(const OverlapShape& s, const std::vector<f
     return out;
 }
 
-// The launch the host makes (src/model/fused.rs, `overlap_plan`): the scalar window kernel's,
-// without the key labels.
+// The launch the host makes (src/model/layers/attention/cuda.rs, `overlap_plan`): the scalar
+// window kernel's, without the key labels.
 Launch overlap_scalar_launch(int n, int dmax) {
     const int per_row = dmax / COLS_PER_THREAD;
     const int threads = std::min((n * per_row + 31) / 32 * 32, MAX_THREADS);
@@ -293,8 +293,9 @@ Launch overlap_scalar_launch(int n, int dmax) {
 }
 
 #ifdef TENSOR_CORE_KERNELS
-// The tensor-core overlap kernel's launch (src/model/fused.rs, `overlap_mma_plan`): rows and
-// tiles of window_attention_mma, the bias table (ws + ows - 1)^2 floats, one int per key.
+// The tensor-core overlap kernel's launch (src/model/layers/attention/cuda.rs,
+// `overlap_mma_plan`): rows and tiles of window_attention_mma, the bias table (ws + ows - 1)^2
+// floats, one int per key.
 Launch overlap_mma_launch(const OverlapShape& s, int dp) {
     const int side = s.ws + s.ows - 1;
     const int shared = 4 * mma_keys(dp) * (dp + 8) * 2 + side * side * 4 + s.nk() * 4;
