@@ -111,13 +111,17 @@ impl fmt::Display for Format {
     }
 }
 
+/// A name that is none of the formats' extensions, as [`Format`]'s `from_str` got it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown image format '{0}' (expected png, jpg, webp or tiff)")]
+pub struct UnknownFormat(pub String);
+
 impl FromStr for Format {
-    type Err = String;
+    type Err = UnknownFormat;
 
     /// Accepts the extensions (`png`, `jpg`, `jpeg`, `webp`, `tif`, `tiff`), any case.
-    fn from_str(s: &str) -> Result<Format, String> {
-        Format::from_extension(s)
-            .ok_or_else(|| format!("unknown image format '{s}' (expected png, jpg, webp or tiff)"))
+    fn from_str(s: &str) -> Result<Format, UnknownFormat> {
+        Format::from_extension(s).ok_or_else(|| UnknownFormat(s.to_string()))
     }
 }
 
@@ -132,7 +136,9 @@ mod tests {
         assert_eq!(Format::from_path(Path::new("x.gif")), None);
         assert_eq!(Format::from_path(Path::new("png")), None);
         assert_eq!("WEBP".parse::<Format>(), Ok(Format::Webp));
-        assert!("bmp".parse::<Format>().is_err());
+        let err = "bmp".parse::<Format>().unwrap_err();
+        assert_eq!(err, UnknownFormat("bmp".into()));
+        assert!(err.to_string().contains("'bmp'"), "{err}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ pub use atomic::{check_output_parent, is_temporary, remove_stale_temporaries, wr
 pub use decode::{decode, decode_bytes, DecodeLimits, Decoded};
 pub use encode::{encode, encode_to_vec, EncodeOptions};
 pub use error::{IoError, OutputError};
-pub use format::{is_image_path, Format};
+pub use format::{is_image_path, Format, UnknownFormat};
 pub use metadata::Metadata;
 
 #[cfg(test)]
