@@ -21,8 +21,9 @@ pub struct Off {
     /// The row-wise kernels of kernels/rowwise.cu ([`super::rowwise`]).
     pub rowwise: bool,
     /// HAT's channel-attention term (`z * s`, scaled per image and channel) folded into the
-    /// residual sum and norm after window attention ([`super::rowwise::add_gather_norm`]):
-    /// off, candle multiplies and adds it in passes of their own, as before that kernel.
+    /// residual sum and norm after window attention
+    /// ([`super::layers::norm::cuda::add_gather_norm`]): off, candle multiplies and adds it in
+    /// passes of their own, as before that kernel.
     pub cab: bool,
     /// The SASS built for the target GPU: our kernels load from their PTX, which the driver
     /// compiles on first use, as on a GPU newer than the build's ([`crate::gpu`]).

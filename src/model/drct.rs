@@ -12,8 +12,8 @@ use super::cache::WindowCache;
 use super::config::{DrctConfig, BLOCKS_PER_GROUP};
 use super::layers::conv::Conv3x3;
 use super::layers::linear::{pointwise_padded, Dense};
+use super::layers::norm::{layer_norm, Norm};
 use super::layers::LoadPlan;
-use super::norm::{layer_norm, Norm};
 use super::pad_channels::{Channels, Pad};
 use super::swin::{load_norm, swin_frame, BlockShape, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE};
 

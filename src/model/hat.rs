@@ -42,8 +42,8 @@ use super::config::ConfigError;
 use super::layers::attention::OverlapAttend;
 use super::layers::conv::Conv3x3;
 use super::layers::linear::{pointwise, Dense};
+use super::layers::norm::{layer_norm, Norm};
 use super::layers::LoadPlan;
-use super::norm::{layer_norm, Norm};
 use super::pad_channels::Pad;
 use super::swin::{
     load_layer_norm, swin_frame, BlockShape, Mlp, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,

@@ -11,7 +11,6 @@ pub mod drct;
 pub mod env;
 pub mod hat;
 pub mod layers;
-pub mod norm;
 pub mod ops;
 pub mod pad_channels;
 pub mod pth;

@@ -12,8 +12,8 @@ use super::cache::WindowCache;
 use super::layers::attention::Attend;
 use super::layers::conv::Conv3x3;
 use super::layers::linear::{spread2, Dense};
+use super::layers::norm::{add_gather_norm, layer_norm, norm_gather, Norm};
 use super::layers::LoadPlan;
-use super::norm::{add_gather_norm, layer_norm, norm_gather, Norm};
 use super::pad_channels::{Channels, Pad};
 
 /// The RGB mean the official models subtract (img_range 1.0); not stored in checkpoints.

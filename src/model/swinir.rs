@@ -37,8 +37,8 @@ use super::cache::WindowCache;
 use super::config::ConfigError;
 use super::layers::conv::Conv3x3;
 use super::layers::linear::{pointwise_with, Dense};
+use super::layers::norm::{layer_norm, Norm};
 use super::layers::{build_layers, LoadPlan};
-use super::norm::{layer_norm, Norm};
 use super::pad_channels::Pad;
 use super::swin::{load_layer_norm, swin_frame, BlockShape, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE};
 

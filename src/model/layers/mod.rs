@@ -5,22 +5,24 @@
 //!
 //! | operation | type | CPU, f32 | CPU, bf16 products | CUDA | reference |
 //! |---|---|---|---|---|---|
-//! | linear (and 1x1 convolution) | [`linear::Dense`] | `linear::cpu::linear` | `linear::cpu::linear_bf16` | `linear::cuda` (cuBLASLt) and `rowwise::bias_act` | candle's `Linear` |
-//! | 3x3 convolution | [`conv::Conv3x3`] | `conv::cpu::conv3x3` | `conv::cpu::conv3x3_bf16` | `rowwise::patches3x3` + GEMM, `rowwise::conv3x3_narrow` | the same patch GEMM |
+//! | linear (and 1x1 convolution) | [`linear::Dense`] | `linear::cpu::linear` | `linear::cpu::linear_bf16` | `linear::cuda` (cuBLASLt) and `linear::rowwise` (its epilogues) | candle's `Linear` |
+//! | 3x3 convolution | [`conv::Conv3x3`] | `conv::cpu::conv3x3` | `conv::cpu::conv3x3_bf16` | `conv::cuda::patches3x3` + GEMM, `conv::cuda::conv3x3_narrow` | the same patch GEMM |
 //! | window attention | [`attention::Attend`] | `attention::cpu::window_attention` | the same, bf16 products | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
 //! | overlapping cross-attention (HAT) | [`attention::OverlapAttend`] | candle's graph | candle's graph | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
-//! | layer norm | [`super::norm::Norm`] | `norm` | (f32) | `rowwise` | candle's `layer_norm` |
+//! | layer norm | [`norm::Norm`] | `norm::cpu` | (f32) | `norm::cuda` | candle's `layer_norm` |
 //!
 //! Each operation's folder holds its type and reference (`mod.rs`), its CPU half (`cpu.rs`)
-//! and, where it has kernels of its own, its CUDA half (`cuda.rs`). What several operations
+//! and, where it has kernels of its own, its CUDA half (`cuda.rs`; Dense's row-wise
+//! epilogues in `linear/rowwise.rs`, beside its cuBLASLt GEMMs). What several operations
 //! share stays apart: the GEMM driver and f32 panel microkernels in [`super::ops`], the bf16
-//! packing and microkernels in [`super::bf16`], the row-wise CUDA kernels (biases,
-//! activations, a convolution's patches, layer norms) in [`super::rowwise`]. Each has a test
-//! against the reference column.
+//! packing and microkernels in [`super::bf16`], the row-wise CUDA kernels' switch and launch
+//! helpers in [`super::rowwise`] (the kernels are one CUDA module, kernels/rowwise.cu). Each
+//! has a test against the reference column.
 
 pub mod attention;
 pub mod conv;
 pub mod linear;
+pub mod norm;
 
 use candle_core::{Device, Result};
 use rayon::prelude::*;

@@ -316,7 +316,4 @@ pub(crate) mod panels;
 mod tests;
 
 pub use copy::*;
-// The row-wise CUDA kernels' tests compare against the CPU convolution under this path.
-#[cfg(test)]
-pub(crate) use crate::model::layers::conv::cpu::conv3x3;
 pub use math::*;

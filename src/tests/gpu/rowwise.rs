@@ -7,9 +7,10 @@
 //! size, far beyond that.
 
 use super::gpu;
-use crate::model::norm::Norm;
+use crate::model::layers::conv::cuda as conv_rw;
+use crate::model::layers::linear::rowwise::{self, Act};
+use crate::model::layers::norm::{cuda as norm_rw, Norm};
 use crate::model::pad_channels::{Channels, Pad};
-use crate::model::rowwise::{self, Act};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Unit roundoff of each dtype the kernels take.
@@ -192,9 +193,9 @@ fn gather_norm_matches_candle() {
         for (dtype, u) in DTYPES {
             let x = rounded(&x, dtype);
             let (ln, ln32) = layer_norms(&ch, &seed, dtype, &dev);
-            let want = rowwise::gather_norm(&ln32, &x, &order).unwrap();
+            let want = norm_rw::gather_norm(&ln32, &x, &order).unwrap();
             let x_gpu = x.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
-            let ours = rowwise::gather_norm(&ln, &x_gpu, &order.to_device(&dev).unwrap()).unwrap();
+            let ours = norm_rw::gather_norm(&ln, &x_gpu, &order.to_device(&dev).unwrap()).unwrap();
             assert!(ours.device().is_cuda());
             let what = format!(
                 "gather_norm {b}x{t_in}->{t}x{} of {c} {dtype:?}",
@@ -228,7 +229,7 @@ fn add_gather_norm_matches_candle() {
             let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
             let back_gpu = back.to_device(&dev).unwrap();
             let (ours_sum, ours) =
-                rowwise::add_gather_norm(&ln, &on(&x), None, &on(&y), &back_gpu).unwrap();
+                norm_rw::add_gather_norm(&ln, &on(&x), None, &on(&y), &back_gpu).unwrap();
             let what = format!(
                 "add_gather_norm {b}x{ty}->{t}x{} of {c} {dtype:?}",
                 ch.padded()
@@ -289,7 +290,7 @@ fn add_gather_norm_with_a_scaled_term_matches_the_exact_sum() {
                     ..Off::default()
                 };
                 let (ours_sum, ours) = cuda_off::with(off, || {
-                    rowwise::add_gather_norm(&ln, &xg, Some((&zg, &sg)), &yg, &back_gpu)
+                    norm_rw::add_gather_norm(&ln, &xg, Some((&zg, &sg)), &yg, &back_gpu)
                 })
                 .unwrap();
                 assert!(ours.device().is_cuda() && ours.dtype() == dtype);
@@ -336,8 +337,8 @@ fn patches3x3_matches_candle() -> Result<()> {
         for (dtype, _) in DTYPES {
             let xd = x.to_dtype(dtype)?;
             for (y0, rows) in chunks {
-                let want = rowwise::patches3x3(&xd, y0, rows)?.to_dtype(DType::F32)?;
-                let ours = rowwise::patches3x3(&xd.to_device(&dev)?, y0, rows)?;
+                let want = conv_rw::patches3x3(&xd, y0, rows)?.to_dtype(DType::F32)?;
+                let ours = conv_rw::patches3x3(&xd.to_device(&dev)?, y0, rows)?;
                 let what = format!("{dtype:?} {dims:?} rows {y0}+{rows}");
                 assert_eq!(excess_over(&what, &ours, &want, 0.0, 0.0), None);
             }
@@ -361,9 +362,9 @@ fn conv3x3_narrow_matches_candle() -> Result<()> {
                 rounded(&wt, dtype),
                 rounded(&bias, dtype),
             );
-            let want = rowwise::conv3x3_narrow(&xr, &wr, &br)?;
+            let want = conv_rw::conv3x3_narrow(&xr, &wr, &br)?;
             let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(&dev);
-            let ours = rowwise::conv3x3_narrow(&on(&x)?, &on(&wt)?, &on(&bias)?)?;
+            let ours = conv_rw::conv3x3_narrow(&on(&x)?, &on(&wt)?, &on(&bias)?)?;
             let what = format!("{dtype:?} {b}x{h}x{w}x{cin} -> {cout}");
             assert_eq!(excess_over(&what, &ours, &want, u, 1e-4), None);
         }
@@ -390,7 +391,7 @@ fn bad_inputs_are_errors() -> Result<()> {
     let ln = Norm::new(&Pad::OFF.one(6), ones, b.clone(), 1e-5)?;
     let x = Tensor::zeros((1, 4, 6), DType::F32, &dev)?;
     let float_idx = Tensor::zeros(4, DType::F32, &dev)?;
-    assert!(rowwise::gather_norm(&ln, &x, &float_idx).is_err());
+    assert!(norm_rw::gather_norm(&ln, &x, &float_idx).is_err());
     Ok(())
 }
 

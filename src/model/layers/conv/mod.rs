@@ -2,20 +2,23 @@
 //! by PixelShuffle.
 //!
 //! [`Conv3x3`] and its reference (the patch GEMM) are here, its CPU half (f32, and bf16
-//! products) in [`cpu`]; on CUDA it runs the patch GEMM with the row-wise kernels of
-//! [`crate::model::rowwise`] (the patch matrix, the bias, the narrow RGB output).
+//! products) in [`cpu`], its CUDA half (the row-wise kernels for the patch matrix and the
+//! narrow RGB output, kernels/rowwise.cu) in [`cuda`]; on CUDA it runs the patch GEMM with
+//! those and Dense's bias epilogue ([`super::linear::rowwise`]).
 
 pub(crate) mod cpu;
+pub(crate) mod cuda;
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::linear::pack_bf16;
+use super::linear::rowwise::{bias_act, Act};
 use super::{Backend, LoadPlan};
 use crate::model::bf16::{Isa, PackedB};
 use crate::model::ops;
 use crate::model::pad_channels::{Channels, Pad};
-use crate::model::rowwise::{self, Act};
+use crate::model::rowwise::ours;
 
 /// Upper bound on the patch matrix of one convolution chunk, in elements (64 MiB in f32):
 /// large enough for full-speed matmuls, small enough that a high-resolution upsampler
@@ -41,9 +44,9 @@ fn read(cin: &Channels, cout: usize, vb: VarBuilder) -> Result<(Tensor, Tensor)>
 /// A 3x3 convolution (stride 1, zero padding 1) on channels-last features.
 ///
 /// On the CPU the kernels of [`cpu`] run it. Elsewhere the patch matrix of each chunk of
-/// rows ([`rowwise::patches3x3`]: one kernel pass on CUDA) is fed to one matmul, with memory
+/// rows ([`cuda::patches3x3`]: one kernel pass on CUDA) is fed to one matmul, with memory
 /// bounded by `CONV_CHUNK_ELEMS` (`CONV_CHUNK_ELEMS_GPU` on a GPU) however large the feature
-/// map; on CUDA the RGB output layer skips the patch matrix ([`rowwise::conv3x3_narrow`]).
+/// map; on CUDA the RGB output layer skips the patch matrix ([`cuda::conv3x3_narrow`]).
 pub struct Conv3x3 {
     /// `(9 * cin, cout)`, rows ordered (dy, dx, cin) to match the patch matrix.
     weight: Tensor,
@@ -157,8 +160,8 @@ impl Conv3x3 {
         let mut y = 0;
         while y < h {
             let n = rows.min(h - y);
-            let out = rowwise::patches3x3(x, y, n)?.matmul(&self.weight)?;
-            let out = rowwise::bias_act(&out, &self.bias, None, Act::None)?;
+            let out = cuda::patches3x3(x, y, n)?.matmul(&self.weight)?;
+            let out = bias_act(&out, &self.bias, None, Act::None)?;
             outs.push(out.reshape((b, n, w, ()))?);
             y += n;
         }
@@ -183,8 +186,8 @@ impl Module for Conv3x3 {
                 }
             }
             (None, Backend::Cuda) => {
-                if rowwise::ours(x) && self.bias.dim(0)? <= rowwise::NARROW_CONV_MAX {
-                    return rowwise::conv3x3_narrow(x, &self.weight, &self.bias);
+                if ours(x) && self.bias.dim(0)? <= cuda::NARROW_CONV_MAX {
+                    return cuda::conv3x3_narrow(x, &self.weight, &self.bias);
                 }
                 self.patch_gemm(x, CONV_CHUNK_ELEMS_GPU)
             }

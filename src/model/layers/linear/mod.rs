@@ -4,10 +4,11 @@
 //!
 //! [`Dense`] and its reference are here; its CPU half (f32, and bf16 products) is in
 //! [`cpu`], its CUDA half (cuBLASLt with the bias in the epilogue) in [`cuda`], with the
-//! row-wise kernels of [`crate::model::rowwise`] for what that epilogue cannot do.
+//! row-wise kernels of [`rowwise`] (kernels/rowwise.cu) for what that epilogue cannot do.
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+pub(crate) mod rowwise;
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
@@ -16,8 +17,8 @@ use super::{Backend, LoadPlan};
 use crate::model::bf16::{Isa, PackedB};
 use crate::model::ops;
 use crate::model::pad_channels::{Channels, Pad};
-use crate::model::rowwise::{self, Act};
 use cpu::After;
+use rowwise::Act;
 
 /// `w` with axis 0 spread as `rows` and axis 1 as `cols` ([`Channels::spread`]).
 pub(crate) fn spread2(w: &Tensor, rows: &Channels, cols: &Channels) -> Result<Tensor> {

@@ -9,87 +9,11 @@
 
 use std::mem::MaybeUninit;
 
-use candle_core::{DType, Module, Result, Tensor, D};
-use candle_nn::{LayerNorm, VarBuilder};
+use candle_core::{DType, Module, Result, Tensor};
 use rayon::prelude::*;
 
-use super::ops::{cpu_slice, use_kernel, widest_simd, CHUNK, LANES};
-use super::pad_channels::Channels;
-
-/// A layer norm over the real channels of rows that may carry zero padding
-/// ([`super::pad_channels`]): the mean and variance count the real channels only, and the
-/// weight and bias are zero on the padded ones, so those come out zero again.
-pub struct Norm {
-    ln: LayerNorm,
-    /// For padded rows: 1 on real channels and 0 on padded ones, and the real count.
-    real: Option<(Tensor, usize)>,
-}
-
-impl Norm {
-    /// The norm over `channels.real()` channels stored under `vb`, spread to
-    /// `channels.padded()`.
-    pub fn load(channels: &Channels, eps: f64, vb: VarBuilder) -> Result<Self> {
-        let c = channels.real();
-        Self::new(channels, vb.get(c, "weight")?, vb.get(c, "bias")?, eps)
-    }
-
-    /// The norm with `weight` and `bias` over the real channels of `channels`.
-    pub fn new(channels: &Channels, weight: Tensor, bias: Tensor, eps: f64) -> Result<Self> {
-        let real = if channels.is_padded() {
-            Some((
-                channels.mask(weight.dtype(), weight.device())?,
-                channels.real(),
-            ))
-        } else {
-            None
-        };
-        Ok(Self {
-            ln: LayerNorm::new(
-                channels.spread(&weight, 0)?,
-                channels.spread(&bias, 0)?,
-                eps,
-            ),
-            real,
-        })
-    }
-
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub fn layer_norm(&self) -> &LayerNorm {
-        &self.ln
-    }
-
-    /// The real-channel mask and count of padded rows; `None` when the rows are not padded.
-    pub fn real(&self) -> Option<(&Tensor, usize)> {
-        self.real.as_ref().map(|(m, n)| (m, *n))
-    }
-}
-
-impl Module for Norm {
-    /// candle's ops: its layer norm for unpadded rows, else the norm over the real channels
-    /// written out (in f32 for narrower dtypes, as candle's own does).
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let Some((mask, count)) = &self.real else {
-            return self.ln.forward(x);
-        };
-        let Some(bias) = self.ln.bias() else {
-            candle_core::bail!("padded layer norms have a bias");
-        };
-        let dtype = x.dtype();
-        let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-        let x = f32_of(x)?;
-        let mean = (x.sum_keepdim(D::Minus1)? / *count as f64)?;
-        // Padded channels are zero: they add nothing to the sum, and centring them at 0
-        // instead of the mean keeps them out of the variance.
-        let centred = x.broadcast_sub(&mean.broadcast_mul(&f32_of(mask)?)?)?;
-        let var = (centred.sqr()?.sum_keepdim(D::Minus1)? / *count as f64)?;
-        let inv = (var + self.ln.eps())?.sqrt()?.recip()?;
-        centred
-            .broadcast_mul(&inv)?
-            .broadcast_mul(&f32_of(self.ln.weight())?)?
-            .broadcast_add(&f32_of(bias)?)?
-            .to_dtype(dtype)
-    }
-}
+use super::Norm;
+use crate::model::ops::{cpu_slice, use_kernel, widest_simd, CHUNK, LANES};
 
 /// A layer norm's parameters as slices.
 struct Params<'a> {
@@ -338,7 +262,7 @@ pub fn norm_gather(norm: &Norm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
             }
         }
     }
-    super::rowwise::gather_norm(norm, x, order)
+    super::cuda::gather_norm(norm, x, order)
 }
 
 /// The residual step after window attention: `sum = x + index_select(y, back, 1)` and
@@ -353,7 +277,7 @@ pub fn add_gather_norm(
     y: &Tensor,
     back: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    let (b, t, c, ty) = super::rowwise::add_gather_dims(x, scaled, y, back)?;
+    let (b, t, c, ty) = super::cuda::add_gather_dims(x, scaled, y, back)?;
     let kernel = use_kernel(x)
         && use_kernel(y)
         && scaled.is_none_or(|(z, s)| use_kernel(z) && use_kernel(s));
@@ -410,7 +334,7 @@ pub fn add_gather_norm(
             }
         }
     }
-    super::rowwise::add_gather_norm(norm, x, scaled, y, back)
+    super::cuda::add_gather_norm(norm, x, scaled, y, back)
 }
 
 #[cfg(test)]
@@ -418,7 +342,7 @@ mod tests {
     use super::*;
     use candle_core::{Device, D};
 
-    use crate::model::pad_channels::Pad;
+    use crate::model::pad_channels::{Channels, Pad};
     use crate::tests::fixtures::max_abs_diff;
 
     /// The layer norm in f64, written out (candle's fused op has no f64 kernel).
