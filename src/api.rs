@@ -112,12 +112,15 @@ pub enum Error {
     #[error(transparent)]
     File(#[from] IoError),
     /// A checkpoint could not be converted (see [`crate::ModelFile::write_safetensors`]).
-    #[error("{origin}: {detail}")]
+    #[error("{origin}: {step}")]
     Convert {
         /// The checkpoint, or the file being written.
         origin: String,
-        /// What failed.
-        detail: String,
+        /// The step that failed ("converting <tensor>", "cannot write").
+        step: String,
+        /// Why it failed: candle's, serde_json's or safetensors' error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 }
 

@@ -67,12 +67,23 @@ impl ModelFile {
             Precision::Fp16 => DType::F16,
             Precision::Bf16 => DType::BF16,
         };
-        let failed = |origin: String, detail: String| Error::Convert { origin, detail };
+        fn failed(
+            origin: String,
+            step: &str,
+            source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+        ) -> Error {
+            let (step, source) = (step.to_string(), source.into());
+            Error::Convert {
+                origin,
+                step,
+                source,
+            }
+        }
         let mut tensors = HashMap::new();
         for (name, t) in &ck.tensors {
             let t = t
                 .to_dtype(dtype)
-                .map_err(|e| failed(ck.source.to_string(), format!("converting {name}: {e}")))?;
+                .map_err(|e| failed(ck.source.to_string(), &format!("converting {name}"), e))?;
             tensors.insert(name.clone(), t);
         }
         let mut meta = HashMap::new();
@@ -84,7 +95,7 @@ impl ModelFile {
         };
         meta.insert("architecture".to_string(), arch.to_string());
         let config = serde_json::to_string(&ck.config)
-            .map_err(|e| failed(output.display().to_string(), format!("cannot write: {e}")))?;
+            .map_err(|e| failed(output.display().to_string(), "cannot write", e))?;
         meta.insert("upscale.config".to_string(), config);
         meta.insert(
             "upscale.source".to_string(),
@@ -101,7 +112,7 @@ impl ModelFile {
         }
         let bytes =
             safetensors::serialize(tensors.iter().map(|(k, v)| (k.as_str(), v)), Some(meta))
-                .map_err(|e| failed(output.display().to_string(), format!("cannot write: {e}")))?;
+                .map_err(|e| failed(output.display().to_string(), "cannot write", e))?;
         // The same atomic write as images get: ordinary permissions, synced, and a name that
         // folder walks and cleanup recognise as ours if a crash leaves it behind.
         crate::io::write_atomic(output, |w| {
