@@ -116,7 +116,7 @@ pub enum Error {
     Convert {
         /// The checkpoint, or the file being written.
         origin: String,
-        /// The step that failed ("converting <tensor>", "cannot write").
+        /// The step that failed (`converting NAME` for a tensor, `cannot write`).
         step: String,
         /// Why it failed: candle's, serde_json's or safetensors' error.
         #[source]
