@@ -64,7 +64,12 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
             .to_dtype(DType::F64)
             .unwrap()
     };
-    (f64_on_cpu(a) - f64_on_cpu(b))
+    max_abs(&(f64_on_cpu(a) - f64_on_cpu(b)).unwrap())
+}
+
+/// The largest magnitude in `t`, in f64, on its own device.
+pub fn max_abs(t: &Tensor) -> f64 {
+    t.to_dtype(DType::F64)
         .unwrap()
         .abs()
         .unwrap()
