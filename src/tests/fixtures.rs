@@ -190,3 +190,16 @@ pub fn assert_tiles_blend_to_whole(
         assert!(db >= min_db, "{name}: {db:.1} dB");
     }
 }
+
+/// The model in `weights` builds its shift masks once per input size: a second forward pass
+/// on `io`'s input reuses them and gives the same output.
+pub fn assert_shift_masks_cached(weights: &Path, io: &Path) {
+    use candle_core::Module;
+    let model = crate::model::Model::load(weights, DType::F32, &Device::Cpu).unwrap();
+    let (input, _) = load_io(io);
+    let a = model.net.forward(&input).unwrap();
+    assert_eq!(model.net.cached_masks(), 1);
+    let b = model.net.forward(&input).unwrap();
+    assert_eq!(model.net.cached_masks(), 1);
+    assert_eq!(max_abs_diff(&a, &b), 0.0);
+}

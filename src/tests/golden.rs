@@ -200,13 +200,7 @@ fn f16_weights_stay_close() {
 #[test]
 fn shift_masks_are_cached_per_size() {
     let case = &cases()[0];
-    let model = Model::load(&case.weights, DType::F32, &Device::Cpu).unwrap();
-    let (input, _) = load_io(&case.io);
-    let a = model.net.forward(&input).unwrap();
-    assert_eq!(model.net.cached_masks(), 1);
-    let b = model.net.forward(&input).unwrap();
-    assert_eq!(model.net.cached_masks(), 1);
-    assert_eq!(max_abs_diff(&a, &b), 0.0);
+    assert_shift_masks_cached(&case.weights, &case.io);
 }
 
 fn all_finite(t: &Tensor) -> bool {

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Module, Tensor};
 
 use super::fixtures::{
-    assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
+    assert_bf16_close, assert_shift_masks_cached, assert_tiles_blend_to_whole, load_io, manifest,
+    max_abs_diff, TOLERANCE,
 };
 use crate::model::swinir::{ResiConnection, Upsampler};
 use crate::model::{ArchConfig, Checkpoint, Model, Source};
@@ -119,13 +120,7 @@ fn swinir_cpu_bf16_stays_close_to_the_float64_reference() {
 #[test]
 fn swinir_shift_masks_are_cached_per_size() {
     let case = &cases()[0];
-    let model = Model::load(&case.weights, DType::F32, &Device::Cpu).unwrap();
-    let (input, _) = load_io(&case.io);
-    let a = model.net.forward(&input).unwrap();
-    assert_eq!(model.net.cached_masks(), 1);
-    let b = model.net.forward(&input).unwrap();
-    assert_eq!(model.net.cached_masks(), 1);
-    assert_eq!(max_abs_diff(&a, &b), 0.0);
+    assert_shift_masks_cached(&case.weights, &case.io);
 }
 
 /// Tiles blended with the Hann window against the whole image, on a photo, through the
@@ -251,6 +246,8 @@ fn foreign_architectures_get_one_line_naming_what_was_found() {
 #[test]
 fn released_configurations_round_trip() {
     use crate::model::SwinIrConfig;
+    use ResiConnection::{OneConv, ThreeConv};
+    use Upsampler::{NearestConv, PixelShuffle, PixelShuffleDirect};
     let cfg = |e, n: usize, h, up, resi, feat, scale| SwinIrConfig {
         embed_dim: e,
         depths: vec![6; n],
@@ -265,63 +262,23 @@ fn released_configurations_round_trip() {
     };
     let cases = [
         (
-            cfg(
-                180,
-                6,
-                6,
-                Upsampler::PixelShuffle,
-                ResiConnection::OneConv,
-                64,
-                4,
-            ),
+            cfg(180, 6, 6, PixelShuffle, OneConv, 64, 4),
             "SwinIR-M (classical)",
         ),
         (
-            cfg(
-                180,
-                6,
-                6,
-                Upsampler::PixelShuffle,
-                ResiConnection::OneConv,
-                64,
-                3,
-            ),
+            cfg(180, 6, 6, PixelShuffle, OneConv, 64, 3),
             "SwinIR-M (classical)",
         ),
         (
-            cfg(
-                60,
-                4,
-                6,
-                Upsampler::PixelShuffleDirect,
-                ResiConnection::OneConv,
-                0,
-                2,
-            ),
+            cfg(60, 4, 6, PixelShuffleDirect, OneConv, 0, 2),
             "SwinIR-S (lightweight)",
         ),
         (
-            cfg(
-                180,
-                6,
-                6,
-                Upsampler::NearestConv,
-                ResiConnection::OneConv,
-                64,
-                4,
-            ),
+            cfg(180, 6, 6, NearestConv, OneConv, 64, 4),
             "SwinIR-M (real-world)",
         ),
         (
-            cfg(
-                240,
-                9,
-                8,
-                Upsampler::NearestConv,
-                ResiConnection::ThreeConv,
-                64,
-                4,
-            ),
+            cfg(240, 9, 8, NearestConv, ThreeConv, 64, 4),
             "SwinIR-L (real-world)",
         ),
     ];
@@ -333,15 +290,7 @@ fn released_configurations_round_trip() {
     }
     // The paper's counts leave out the relative position bias tables (24 x 225 x 6).
     for (scale, params) in [(2, 878), (3, 886), (4, 897)] {
-        let c = cfg(
-            60,
-            4,
-            6,
-            Upsampler::PixelShuffleDirect,
-            ResiConnection::OneConv,
-            0,
-            scale,
-        );
+        let c = cfg(60, 4, 6, PixelShuffleDirect, OneConv, 0, scale);
         let tables = 24 * 225 * 6;
         assert_eq!(
             (c.parameter_count() - tables + 500) / 1000,
