@@ -21,7 +21,16 @@ pub struct Case {
 }
 
 pub fn cases() -> Vec<Case> {
-    let text = std::fs::read_to_string(golden_dir().join("manifest.json")).expect("manifest");
+    manifest(&golden_dir())
+        .into_iter()
+        .map(|(case, _)| case)
+        .collect()
+}
+
+/// Every case listed in `dir/manifest.json` (a list, or an object holding it under `cases`),
+/// its paths joined to `dir`, with the entry itself for the fields a family adds.
+pub fn manifest(dir: &Path) -> Vec<(Case, serde_json::Value)> {
+    let text = std::fs::read_to_string(dir.join("manifest.json")).expect("manifest");
     let v: serde_json::Value = serde_json::from_str(&text).expect("manifest json");
     let list = v
         .get("cases")
@@ -29,11 +38,14 @@ pub fn cases() -> Vec<Case> {
         .or_else(|| v.as_array())
         .expect("manifest: a list of cases");
     list.iter()
-        .map(|c| Case {
-            name: c["name"].as_str().unwrap().to_string(),
-            weights: golden_dir().join(c["weights"].as_str().unwrap()),
-            io: golden_dir().join(c["io"].as_str().unwrap()),
-            scale: c["scale"].as_u64().unwrap() as usize,
+        .map(|c| {
+            let case = Case {
+                name: c["name"].as_str().unwrap().to_string(),
+                weights: dir.join(c["weights"].as_str().unwrap()),
+                io: dir.join(c["io"].as_str().unwrap()),
+                scale: c["scale"].as_u64().unwrap() as usize,
+            };
+            (case, c.clone())
         })
         .collect()
 }
@@ -52,7 +64,12 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
             .to_dtype(DType::F64)
             .unwrap()
     };
-    (f64_on_cpu(a) - f64_on_cpu(b))
+    max_abs(&(f64_on_cpu(a) - f64_on_cpu(b)).unwrap())
+}
+
+/// The largest magnitude in `t`, in f64, on its own device.
+pub fn max_abs(t: &Tensor) -> f64 {
+    t.to_dtype(DType::F64)
         .unwrap()
         .abs()
         .unwrap()
@@ -73,4 +90,116 @@ pub fn assert_bf16_products(name: &str, weights: &Path, input: &Tensor, out: &Te
     let want = candle_core::Module::forward(&f32.net, input).unwrap();
     let d = max_abs_diff(out, &want);
     assert!(d > 0.0, "{name}: bf16 gave the f32 output");
+}
+
+/// PSNR in dB of `a` against `b` over the [0, 1] range, in f64.
+pub fn psnr_unit(a: &Tensor, b: &Tensor) -> f64 {
+    let mse = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    -10.0 * mse.log10()
+}
+
+/// bf16 on the CPU against the float64 reference for each (name, weights, io): activations
+/// stay f32, the output is not the f32 one, no value is off by more than `max_abs` and the
+/// PSNR is at least `min_psnr` dB. On a CPU without bf16 arithmetic the first model must
+/// refuse bf16 with an error naming the instructions instead.
+pub fn assert_bf16_close(cases: &[(String, PathBuf, PathBuf)], max_abs: f64, min_psnr: f64) {
+    if !crate::model::bf16::supported() {
+        let err = crate::model::Model::load(&cases[0].1, DType::BF16, &Device::Cpu)
+            .err()
+            .expect("bf16 without bf16 instructions must be refused");
+        assert!(err.to_string().contains("AVX512-BF16"), "{err}");
+        eprintln!("this CPU has no bf16 arithmetic: checked that bf16 is refused");
+        return;
+    }
+    let mut failures = Vec::new();
+    for (name, weights, io) in cases {
+        let model = crate::model::Model::load(weights, DType::BF16, &Device::Cpu)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (input, expected) = load_io(io);
+        let out = candle_core::Module::forward(&model.net, &input).unwrap();
+        assert_eq!(out.dtype(), DType::F32, "{name}: activations stay f32");
+        assert_bf16_products(name, weights, &input, &out);
+        let d = max_abs_diff(&out, &expected);
+        let psnr = psnr_unit(&out, &expected);
+        eprintln!("{name:<28} bf16: max |bf16 - f64| = {d:.3e}, PSNR {psnr:.1} dB");
+        if !(d <= max_abs && psnr >= min_psnr) {
+            failures.push(format!("{name}: max {d:.3e}, {psnr:.1} dB"));
+        }
+    }
+    assert!(failures.is_empty(), "bf16 out of tolerance: {failures:?}");
+}
+
+/// Hann-blended tiles against the whole image through the command line's path (the engine's
+/// lanes, f32 on the CPU), on the `h` x `w` crop at (`top`, `left`) of tests/photos/coffee.png,
+/// for each (weights, tile, overlap): at least `min_db` dB.
+pub fn assert_tiles_blend_to_whole(
+    crop: (usize, usize, usize, usize),
+    runs: &[(PathBuf, usize, usize)],
+    min_db: f64,
+) {
+    use crate::engine::lanes::Lanes;
+    use crate::engine::Engine;
+    use crate::io::{Decoded, Format};
+    use crate::metrics::{psnr, Measure};
+    use crate::model::Checkpoint;
+    use crate::planar::Planar;
+    use crate::tile::auto::{TileChoice, TileSettings};
+    let photo = crate::io::decode(&crate::tests::repo().join("tests/photos/coffee.png"))
+        .unwrap()
+        .rgb;
+    let (top, left, h, w) = crop;
+    let mut data = Vec::with_capacity(3 * h * w);
+    for c in 0..3 {
+        for y in 0..h {
+            for x in 0..w {
+                data.push(photo.get(c, top + y, left + x));
+            }
+        }
+    }
+    let dec = Decoded {
+        rgb: Planar::new(3, h, w, data),
+        alpha: None,
+        gray: false,
+        bit_depth: 8,
+        format: Format::Png,
+        metadata: Default::default(),
+    };
+    for (weights, tile, overlap) in runs {
+        let name = weights.file_stem().unwrap().to_string_lossy();
+        let engine =
+            Engine::new(Checkpoint::load(weights).unwrap(), Device::Cpu, DType::F32).unwrap();
+        let lanes = Lanes::single(engine);
+        let settings = |tile| TileSettings {
+            choice: TileChoice::Fixed(tile),
+            overlap: *overlap,
+            batch: Some(2),
+            blend: crate::tile::BlendMode::Hann,
+            tta: false,
+        };
+        let whole = lanes.upscale_decoded(&dec, &settings(0)).unwrap().rgb;
+        let tiled = lanes.upscale_decoded(&dec, &settings(*tile)).unwrap().rgb;
+        let db = psnr(&tiled, &whole, 0, Measure::Rgb).unwrap();
+        eprintln!("{name:<20} tiled ({tile}, overlap {overlap}, Hann) vs whole: {db:.1} dB");
+        assert!(db >= min_db, "{name}: {db:.1} dB");
+    }
+}
+
+/// The model in `weights` builds its shift masks once per input size: a second forward pass
+/// on `io`'s input reuses them and gives the same output.
+pub fn assert_shift_masks_cached(weights: &Path, io: &Path) {
+    use candle_core::Module;
+    let model = crate::model::Model::load(weights, DType::F32, &Device::Cpu).unwrap();
+    let (input, _) = load_io(io);
+    let a = model.net.forward(&input).unwrap();
+    assert_eq!(model.net.cached_masks(), 1);
+    let b = model.net.forward(&input).unwrap();
+    assert_eq!(model.net.cached_masks(), 1);
+    assert_eq!(max_abs_diff(&a, &b), 0.0);
 }

@@ -38,47 +38,7 @@ fn f32_matches_float64_reference_on_every_fixture() {
 /// a CPU without bf16 arithmetic the model must refuse bf16 with a clear error instead.
 #[test]
 fn cpu_bf16_stays_close_to_the_float64_reference() {
-    let mut cases: Vec<(String, std::path::PathBuf, std::path::PathBuf)> = cases()
-        .into_iter()
-        .map(|c| (c.name, c.weights, c.io))
-        .collect();
-    cases.push((
-        "default_x4".into(),
-        crate::tests::repo().join("models/default_x4.safetensors"),
-        golden_dir().join("default_x4.io.safetensors"),
-    ));
-    if !crate::model::bf16::supported() {
-        let err = Model::load(&cases[0].1, DType::BF16, &Device::Cpu)
-            .err()
-            .expect("bf16 without bf16 instructions must be refused");
-        assert!(err.to_string().contains("AVX512-BF16"), "{err}");
-        eprintln!("this CPU has no bf16 arithmetic: checked that bf16 is refused");
-        return;
-    }
-    let mut failures = Vec::new();
-    for (name, weights, io) in &cases {
-        let model = Model::load(weights, DType::BF16, &Device::Cpu)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        let (input, expected) = load_io(io);
-        let out = model.net.forward(&input).unwrap();
-        assert_eq!(out.dtype(), DType::F32, "{name}: activations stay f32");
-        assert_bf16_products(name, weights, &input, &out);
-        let d = max_abs_diff(&out, &expected);
-        let mse = (&out.to_dtype(DType::F64).unwrap() - &expected.to_dtype(DType::F64).unwrap())
-            .unwrap()
-            .sqr()
-            .unwrap()
-            .mean_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        let psnr = -10.0 * mse.log10();
-        eprintln!("{name:<28} bf16: max |bf16 - f64| = {d:.3e}, PSNR {psnr:.1} dB");
-        if !(d <= BF16_MAX_ABS && psnr >= BF16_MIN_PSNR) {
-            failures.push(format!("{name}: max {d:.3e}, {psnr:.1} dB"));
-        }
-    }
-    assert!(failures.is_empty(), "bf16 out of tolerance: {failures:?}");
+    assert_bf16_close(&all_cases(), BF16_MAX_ABS, BF16_MIN_PSNR);
 }
 
 /// Every fixture and the default model: the golden cases' weights, input and float64 output.
@@ -240,13 +200,7 @@ fn f16_weights_stay_close() {
 #[test]
 fn shift_masks_are_cached_per_size() {
     let case = &cases()[0];
-    let model = Model::load(&case.weights, DType::F32, &Device::Cpu).unwrap();
-    let (input, _) = load_io(&case.io);
-    let a = model.net.forward(&input).unwrap();
-    assert_eq!(model.net.cached_masks(), 1);
-    let b = model.net.forward(&input).unwrap();
-    assert_eq!(model.net.cached_masks(), 1);
-    assert_eq!(max_abs_diff(&a, &b), 0.0);
+    assert_shift_masks_cached(&case.weights, &case.io);
 }
 
 fn all_finite(t: &Tensor) -> bool {

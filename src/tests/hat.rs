@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Module};
 
-use super::fixtures::{assert_bf16_products, load_io, max_abs_diff, TOLERANCE};
+use super::fixtures::{
+    assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
+};
 use crate::model::{ArchConfig, Checkpoint, Model};
 
 fn dir() -> PathBuf {
@@ -15,19 +17,11 @@ fn dir() -> PathBuf {
 
 /// (name, weights, io, scale, window) of every case in the manifest.
 fn cases() -> Vec<(String, PathBuf, PathBuf, usize, usize)> {
-    let text = std::fs::read_to_string(dir().join("manifest.json")).expect("manifest");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("manifest json");
-    v.as_array()
-        .expect("a list of cases")
-        .iter()
-        .map(|c| {
-            (
-                c["name"].as_str().unwrap().to_string(),
-                dir().join(c["weights"].as_str().unwrap()),
-                dir().join(c["io"].as_str().unwrap()),
-                c["scale"].as_u64().unwrap() as usize,
-                c["window"].as_u64().unwrap() as usize,
-            )
+    manifest(&dir())
+        .into_iter()
+        .map(|(c, entry)| {
+            let window = entry["window"].as_u64().unwrap() as usize;
+            (c.name, c.weights, c.io, c.scale, window)
         })
         .collect()
 }
@@ -75,37 +69,11 @@ fn hat_params_ema_is_read_and_described() {
 /// output; on a CPU without bf16 arithmetic, bf16 must be refused instead.
 #[test]
 fn hat_cpu_bf16_stays_close_to_the_float64_reference() {
-    let cases = cases();
-    if !crate::model::bf16::supported() {
-        let err = Model::load(&cases[0].1, DType::BF16, &Device::Cpu)
-            .err()
-            .expect("bf16 without bf16 instructions must be refused");
-        assert!(err.to_string().contains("AVX512-BF16"), "{err}");
-        eprintln!("this CPU has no bf16 arithmetic: checked that bf16 is refused");
-        return;
-    }
-    let mut failures = Vec::new();
-    for (name, weights, io, _, _) in &cases {
-        let model = Model::load(weights, DType::BF16, &Device::Cpu).unwrap();
-        let (input, expected) = load_io(io);
-        let out = model.net.forward(&input).unwrap();
-        assert_bf16_products(name, weights, &input, &out);
-        let d = max_abs_diff(&out, &expected);
-        let mse = (out.to_dtype(DType::F64).unwrap() - expected.to_dtype(DType::F64).unwrap())
-            .unwrap()
-            .sqr()
-            .unwrap()
-            .mean_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        let psnr = -10.0 * mse.log10();
-        eprintln!("{name:<28} bf16: max |bf16 - f64| = {d:.3e}, PSNR {psnr:.1} dB");
-        if !(d <= 0.05 && psnr >= 45.0) {
-            failures.push(format!("{name}: max {d:.3e}, {psnr:.1} dB"));
-        }
-    }
-    assert!(failures.is_empty(), "bf16 out of tolerance: {failures:?}");
+    let cases: Vec<_> = cases()
+        .into_iter()
+        .map(|(name, weights, io, _, _)| (name, weights, io))
+        .collect();
+    assert_bf16_close(&cases, 0.05, 45.0);
 }
 
 /// Hann-blended tiles against the whole image through the command line's path: at least
@@ -113,51 +81,10 @@ fn hat_cpu_bf16_stays_close_to_the_float64_reference() {
 /// which tiling cannot reproduce exactly; the bound holds all the same.
 #[test]
 fn hat_tiles_blend_to_the_whole_image() {
-    use crate::engine::lanes::Lanes;
-    use crate::engine::Engine;
-    use crate::io::{Decoded, Format};
-    use crate::metrics::{psnr, Measure};
-    use crate::planar::Planar;
-    use crate::tile::auto::{TileChoice, TileSettings};
-    let photo = crate::io::decode(&crate::tests::repo().join("tests/photos/coffee.png"))
-        .unwrap()
-        .rgb;
-    let (top, left, h, w) = (40, 100, 192, 224);
-    let mut data = Vec::with_capacity(3 * h * w);
-    for c in 0..3 {
-        for y in 0..h {
-            for x in 0..w {
-                data.push(photo.get(c, top + y, left + x));
-            }
-        }
-    }
-    let dec = Decoded {
-        rgb: Planar::new(3, h, w, data),
-        alpha: None,
-        gray: false,
-        bit_depth: 8,
-        format: Format::Png,
-        metadata: Default::default(),
-    };
     // Tiles and overlaps in proportion to the window: 64/16 for window 8, 128/48 for 16.
-    for (name, tile, overlap) in [("hat_x2_w8", 64, 16), ("hat_x3_w16", 128, 48)] {
-        let weights = dir().join(format!("{name}.safetensors"));
-        let engine =
-            Engine::new(Checkpoint::load(&weights).unwrap(), Device::Cpu, DType::F32).unwrap();
-        let lanes = Lanes::single(engine);
-        let settings = |tile| TileSettings {
-            choice: TileChoice::Fixed(tile),
-            overlap,
-            batch: Some(2),
-            blend: crate::tile::BlendMode::Hann,
-            tta: false,
-        };
-        let whole = lanes.upscale_decoded(&dec, &settings(0)).unwrap().rgb;
-        let tiled = lanes.upscale_decoded(&dec, &settings(tile)).unwrap().rgb;
-        let db = psnr(&tiled, &whole, 0, Measure::Rgb).unwrap();
-        eprintln!("{name:<20} tiled ({tile}, overlap {overlap}, Hann) vs whole: {db:.1} dB");
-        assert!(db >= 45.0, "{name}: {db:.1} dB");
-    }
+    let runs = [("hat_x2_w8", 64, 16), ("hat_x3_w16", 128, 48)]
+        .map(|(name, tile, overlap)| (dir().join(format!("{name}.safetensors")), tile, overlap));
+    assert_tiles_blend_to_whole((40, 100, 192, 224), &runs, 45.0);
 }
 
 /// The released configurations, rebuilt as shape lists, are recognised as what they are, with

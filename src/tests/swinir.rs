@@ -7,8 +7,10 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Module, Tensor};
 
-use super::fixtures::{assert_bf16_products, load_io, max_abs_diff, TOLERANCE};
-use crate::engine::Engine;
+use super::fixtures::{
+    assert_bf16_close, assert_shift_masks_cached, assert_tiles_blend_to_whole, load_io, manifest,
+    max_abs_diff, TOLERANCE,
+};
 use crate::model::swinir::{ResiConnection, Upsampler};
 use crate::model::{ArchConfig, Checkpoint, Model, Source};
 
@@ -26,18 +28,15 @@ struct Case {
 }
 
 fn cases() -> Vec<Case> {
-    let text = std::fs::read_to_string(dir().join("manifest.json")).expect("manifest");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("manifest json");
-    v.as_array()
-        .expect("a list of cases")
-        .iter()
-        .map(|c| Case {
-            name: c["name"].as_str().unwrap().to_string(),
-            weights: dir().join(c["weights"].as_str().unwrap()),
-            io: dir().join(c["io"].as_str().unwrap()),
-            scale: c["scale"].as_u64().unwrap() as usize,
-            upsampler: c["upsampler"].as_str().unwrap().to_string(),
-            resi: c["resi_connection"].as_str().unwrap().to_string(),
+    manifest(&dir())
+        .into_iter()
+        .map(|(c, entry)| Case {
+            name: c.name,
+            weights: c.weights,
+            io: c.io,
+            scale: c.scale,
+            upsampler: entry["upsampler"].as_str().unwrap().to_string(),
+            resi: entry["resi_connection"].as_str().unwrap().to_string(),
         })
         .collect()
 }
@@ -47,18 +46,6 @@ fn swinir(ck: &Checkpoint) -> &crate::model::SwinIrConfig {
         ArchConfig::SwinIr(c) => c,
         other => panic!("not read as SwinIR: {other:?}"),
     }
-}
-
-fn psnr_unit(a: &Tensor, b: &Tensor) -> f64 {
-    let mse = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .mean_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    -10.0 * mse.log10()
 }
 
 #[test]
@@ -123,97 +110,29 @@ fn swinir_pth_wrappers_are_read() {
 /// not the f32 output; on a CPU without bf16 arithmetic the model must refuse bf16 instead.
 #[test]
 fn swinir_cpu_bf16_stays_close_to_the_float64_reference() {
-    let cases = cases();
-    if !crate::model::bf16::supported() {
-        let err = Model::load(&cases[0].weights, DType::BF16, &Device::Cpu)
-            .err()
-            .expect("bf16 without bf16 instructions must be refused");
-        assert!(err.to_string().contains("AVX512-BF16"), "{err}");
-        eprintln!("this CPU has no bf16 arithmetic: checked that bf16 is refused");
-        return;
-    }
-    let mut failures = Vec::new();
-    for case in &cases {
-        let model = Model::load(&case.weights, DType::BF16, &Device::Cpu).unwrap();
-        let (input, expected) = load_io(&case.io);
-        let out = model.net.forward(&input).unwrap();
-        assert_eq!(out.dtype(), DType::F32);
-        assert_bf16_products(&case.name, &case.weights, &input, &out);
-        let d = max_abs_diff(&out, &expected);
-        let psnr = psnr_unit(&out, &expected);
-        eprintln!(
-            "{:<28} bf16: max |bf16 - f64| = {d:.3e}, PSNR {psnr:.1} dB",
-            case.name
-        );
-        if !(d <= 0.05 && psnr >= 45.0) {
-            failures.push(format!("{}: max {d:.3e}, {psnr:.1} dB", case.name));
-        }
-    }
-    assert!(failures.is_empty(), "bf16 out of tolerance: {failures:?}");
+    let cases: Vec<_> = cases()
+        .into_iter()
+        .map(|c| (c.name, c.weights, c.io))
+        .collect();
+    assert_bf16_close(&cases, 0.05, 45.0);
 }
 
 #[test]
 fn swinir_shift_masks_are_cached_per_size() {
     let case = &cases()[0];
-    let model = Model::load(&case.weights, DType::F32, &Device::Cpu).unwrap();
-    let (input, _) = load_io(&case.io);
-    let a = model.net.forward(&input).unwrap();
-    assert_eq!(model.net.cached_masks(), 1);
-    let b = model.net.forward(&input).unwrap();
-    assert_eq!(model.net.cached_masks(), 1);
-    assert_eq!(max_abs_diff(&a, &b), 0.0);
+    assert_shift_masks_cached(&case.weights, &case.io);
 }
 
 /// Tiles blended with the Hann window against the whole image, on a photo, through the
 /// path the command line takes, for each kind of upsampler: at least 45 dB.
 #[test]
 fn swinir_tiles_blend_to_the_whole_image() {
-    use crate::engine::lanes::Lanes;
-    use crate::io::{Decoded, Format};
-    use crate::metrics::{psnr, Measure};
-    use crate::planar::Planar;
-    use crate::tile::auto::{TileChoice, TileSettings};
-    let photo = crate::io::decode(&crate::tests::repo().join("tests/photos/coffee.png"))
-        .unwrap()
-        .rgb;
     // Sides that are window multiples: the whole image then needs no padding, which a tile
     // at the border does not see either. (With random weights, what two rows of reflected
     // padding change near the border alone would be some 20 dB.)
-    let (top, left, h, w) = (40, 100, 128, 160);
-    let mut data = Vec::with_capacity(3 * h * w);
-    for c in 0..3 {
-        for y in 0..h {
-            for x in 0..w {
-                data.push(photo.get(c, top + y, left + x));
-            }
-        }
-    }
-    let dec = Decoded {
-        rgb: Planar::new(3, h, w, data),
-        alpha: None,
-        gray: false,
-        bit_depth: 8,
-        format: Format::Png,
-        metadata: Default::default(),
-    };
-    for name in ["classical_x2", "lightweight_x3", "realworld_x4_3conv"] {
-        let weights = dir().join(format!("{name}.safetensors"));
-        let engine =
-            Engine::new(Checkpoint::load(&weights).unwrap(), Device::Cpu, DType::F32).unwrap();
-        let lanes = Lanes::single(engine);
-        let settings = |tile| TileSettings {
-            choice: TileChoice::Fixed(tile),
-            overlap: 16,
-            batch: Some(2),
-            blend: crate::tile::BlendMode::Hann,
-            tta: false,
-        };
-        let whole = lanes.upscale_decoded(&dec, &settings(0)).unwrap().rgb;
-        let tiled = lanes.upscale_decoded(&dec, &settings(64)).unwrap().rgb;
-        let db = psnr(&tiled, &whole, 0, Measure::Rgb).unwrap();
-        eprintln!("{name:<20} tiled (64, overlap 16, Hann) vs whole: {db:.1} dB");
-        assert!(db >= 45.0, "{name}: {db:.1} dB");
-    }
+    let runs = ["classical_x2", "lightweight_x3", "realworld_x4_3conv"]
+        .map(|name| (dir().join(format!("{name}.safetensors")), 64, 16));
+    assert_tiles_blend_to_whole((40, 100, 128, 160), &runs, 45.0);
 }
 
 fn shapes(path: &std::path::Path) -> Vec<(String, Tensor)> {
@@ -327,6 +246,8 @@ fn foreign_architectures_get_one_line_naming_what_was_found() {
 #[test]
 fn released_configurations_round_trip() {
     use crate::model::SwinIrConfig;
+    use ResiConnection::{OneConv, ThreeConv};
+    use Upsampler::{NearestConv, PixelShuffle, PixelShuffleDirect};
     let cfg = |e, n: usize, h, up, resi, feat, scale| SwinIrConfig {
         embed_dim: e,
         depths: vec![6; n],
@@ -341,63 +262,23 @@ fn released_configurations_round_trip() {
     };
     let cases = [
         (
-            cfg(
-                180,
-                6,
-                6,
-                Upsampler::PixelShuffle,
-                ResiConnection::OneConv,
-                64,
-                4,
-            ),
+            cfg(180, 6, 6, PixelShuffle, OneConv, 64, 4),
             "SwinIR-M (classical)",
         ),
         (
-            cfg(
-                180,
-                6,
-                6,
-                Upsampler::PixelShuffle,
-                ResiConnection::OneConv,
-                64,
-                3,
-            ),
+            cfg(180, 6, 6, PixelShuffle, OneConv, 64, 3),
             "SwinIR-M (classical)",
         ),
         (
-            cfg(
-                60,
-                4,
-                6,
-                Upsampler::PixelShuffleDirect,
-                ResiConnection::OneConv,
-                0,
-                2,
-            ),
+            cfg(60, 4, 6, PixelShuffleDirect, OneConv, 0, 2),
             "SwinIR-S (lightweight)",
         ),
         (
-            cfg(
-                180,
-                6,
-                6,
-                Upsampler::NearestConv,
-                ResiConnection::OneConv,
-                64,
-                4,
-            ),
+            cfg(180, 6, 6, NearestConv, OneConv, 64, 4),
             "SwinIR-M (real-world)",
         ),
         (
-            cfg(
-                240,
-                9,
-                8,
-                Upsampler::NearestConv,
-                ResiConnection::ThreeConv,
-                64,
-                4,
-            ),
+            cfg(240, 9, 8, NearestConv, ThreeConv, 64, 4),
             "SwinIR-L (real-world)",
         ),
     ];
@@ -409,15 +290,7 @@ fn released_configurations_round_trip() {
     }
     // The paper's counts leave out the relative position bias tables (24 x 225 x 6).
     for (scale, params) in [(2, 878), (3, 886), (4, 897)] {
-        let c = cfg(
-            60,
-            4,
-            6,
-            Upsampler::PixelShuffleDirect,
-            ResiConnection::OneConv,
-            0,
-            scale,
-        );
+        let c = cfg(60, 4, 6, PixelShuffleDirect, OneConv, 0, scale);
         let tables = 24 * 225 * 6;
         assert_eq!(
             (c.parameter_count() - tables + 500) / 1000,

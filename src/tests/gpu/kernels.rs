@@ -352,19 +352,12 @@ struct Golden {
 
 /// Every case of tests/golden/manifest.json, plus the shipped default model.
 fn golden_cases() -> Vec<Golden> {
-    let text = std::fs::read_to_string(crate::tests::golden("manifest.json")).expect("manifest");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("manifest json");
-    let list = v
-        .get("cases")
-        .and_then(|c| c.as_array())
-        .or_else(|| v.as_array())
-        .expect("manifest: a list of cases");
-    let mut cases: Vec<Golden> = list
-        .iter()
+    let mut cases: Vec<Golden> = crate::tests::fixtures::cases()
+        .into_iter()
         .map(|c| Golden {
-            name: c["name"].as_str().unwrap().to_string(),
-            weights: crate::tests::golden(c["weights"].as_str().unwrap()),
-            io: crate::tests::golden(c["io"].as_str().unwrap()),
+            name: c.name,
+            weights: c.weights,
+            io: c.io,
         })
         .collect();
     cases.push(Golden {

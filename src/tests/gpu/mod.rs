@@ -13,6 +13,8 @@ mod rowwise;
 
 use candle_core::Device;
 
+use crate::tests::fixtures::max_abs;
+
 /// The GPU the tests run on. With `UPSCALE_CUDA_OFF` set, the kernel tests would hold
 /// candle's fallbacks to themselves and pass whatever our kernels do, so it must be unset.
 fn gpu() -> Device {
@@ -27,18 +29,4 @@ fn gpu() -> Device {
 /// `d <= bound`, false for NaN.
 fn within(d: f64, bound: f64) -> bool {
     d <= bound
-}
-
-/// The largest magnitude in `t`, in f64.
-fn max_abs(t: &candle_core::Tensor) -> f64 {
-    t.to_dtype(candle_core::DType::F64)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
 }
