@@ -59,14 +59,93 @@ __device__ __forceinline__ int token_label(int t, int wy, int wx, int ws, int sh
     return 3 * region(y, height, ws, shift) + region(x, width, ws, shift);
 }
 
+// One query row of the scalar kernels: a group of TPR threads holds it, each thread
+// COLS_PER_THREAD of its columns (part, part + TPR, ...), with the row's running max and sum of
+// the online softmax (the same in every thread of the group) and this thread's share of the
+// unnormalised output.
+template <typename T, int DMAX>
+struct ScalarRow {
+    static constexpr int TPR = DMAX / COLS_PER_THREAD;
+    static_assert(TPR * COLS_PER_THREAD == DMAX && (TPR & (TPR - 1)) == 0 && TPR <= 32,
+                  "a row group is a power of two of threads inside one warp");
+    int part;
+    float q[COLS_PER_THREAD];
+    float acc[COLS_PER_THREAD];
+    float run_max;
+    float run_sum;
+
+    // Reads the query, `src[col]` for the head's d columns; zeros past them and for a row that
+    // is not `active` (then `src` is not read).
+    __device__ __forceinline__ void start(const T* src, bool active, int d) {
+        part = threadIdx.x % TPR;
+#pragma unroll
+        for (int i = 0; i < COLS_PER_THREAD; ++i) {
+            const int col = part + TPR * i;
+            q[i] = active && col < d ? to_f32(src[col]) : 0.0f;
+            acc[i] = 0.0f;
+        }
+        run_max = -INFINITY;
+        run_sum = 0.0f;
+    }
+
+    // q·k for staged key j. A butterfly leaves the same sum, bit for bit, in every thread of the
+    // group, so the group agrees on the running max and sum without further exchange.
+    __device__ __forceinline__ float dot(const float* s_k, int j) const {
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < COLS_PER_THREAD; ++i) {
+            dot = fmaf(q[i], s_k[j * DMAX + part + TPR * i], dot);
+        }
+#pragma unroll
+        for (int o = TPR / 2; o > 0; o /= 2) {
+            dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        }
+        return dot;
+    }
+
+    // Takes in a tile's scores `s` (dropped keys -inf), whose largest is `tile_max`, and its
+    // staged values. Every tile has at least one real key, so the new max is finite and the
+    // first tile's rescale is exp(-inf) = 0 on an empty accumulator.
+    __device__ __forceinline__ void take(const float (&s)[KEY_TILE], float tile_max,
+                                         const float* s_v) {
+        const float new_max = fmaxf(run_max, tile_max);
+        const float rescale = expf(run_max - new_max);
+        run_sum *= rescale;
+#pragma unroll
+        for (int i = 0; i < COLS_PER_THREAD; ++i) {
+            acc[i] *= rescale;
+        }
+#pragma unroll
+        for (int j = 0; j < KEY_TILE; ++j) {
+            const float p = expf(s[j] - new_max);
+            run_sum += p;
+#pragma unroll
+            for (int i = 0; i < COLS_PER_THREAD; ++i) {
+                acc[i] = fmaf(p, s_v[j * DMAX + part + TPR * i], acc[i]);
+            }
+        }
+        run_max = new_max;
+    }
+
+    // Writes acc / sum to `dst[col]` for the head's d columns.
+    __device__ __forceinline__ void store(T* dst, int d) const {
+        const float inv = 1.0f / run_sum;
+#pragma unroll
+        for (int i = 0; i < COLS_PER_THREAD; ++i) {
+            const int col = part + TPR * i;
+            if (col < d) {
+                dst[col] = from_f32<T>(acc[i] * inv);
+            }
+        }
+    }
+};
+
 template <typename T, int DMAX>
 __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
                                                  const T* __restrict__ bias,
                                                  T* __restrict__ out, int n, int heads, int d,
                                                  int ws, int height, int width, int shifted) {
-    constexpr int TPR = DMAX / COLS_PER_THREAD;
-    static_assert(TPR * COLS_PER_THREAD == DMAX && (TPR & (TPR - 1)) == 0 && TPR <= 32,
-                  "a row group is a power of two of threads inside one warp");
+    constexpr int TPR = ScalarRow<T, DMAX>::TPR;
     const int rows = blockDim.x / TPR;
 
     // Layout (floats): k tile [KEY_TILE][DMAX], v tile [KEY_TILE][DMAX], bias tile
@@ -85,7 +164,6 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
     const T* base = qkv + win * n * row_stride;
     const int row0 = blockIdx.y * rows;
     const int local_row = threadIdx.x / TPR;
-    const int part = threadIdx.x % TPR;
     const int row = row0 + local_row;
     const bool active = row < n;
 
@@ -96,16 +174,8 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
     const int wx = w_img % nwx;
     const int my_label = shifted ? token_label(active ? row : 0, wy, wx, ws, shift, height, width) : 0;
 
-    float q[COLS_PER_THREAD];
-    float acc[COLS_PER_THREAD];
-#pragma unroll
-    for (int i = 0; i < COLS_PER_THREAD; ++i) {
-        const int col = part + TPR * i;
-        q[i] = active && col < d ? to_f32(base[row * row_stride + head * d + col]) : 0.0f;
-        acc[i] = 0.0f;
-    }
-    float run_max = -INFINITY;
-    float run_sum = 0.0f;
+    ScalarRow<T, DMAX> me;
+    me.start(base + (active ? row : 0) * row_stride + head * d, active, d);
 
     // Tiles only ever write columns < d, so the head-dim padding stays zero for the whole
     // launch and padded products add nothing. Key slots past n in a short last tile hold
@@ -147,19 +217,8 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
         float tile_max = -INFINITY;
 #pragma unroll
         for (int j = 0; j < KEY_TILE; ++j) {
-            float dot = 0.0f;
-#pragma unroll
-            for (int i = 0; i < COLS_PER_THREAD; ++i) {
-                dot = fmaf(q[i], s_k[j * DMAX + part + TPR * i], dot);
-            }
-            // A butterfly leaves the same sum, bit for bit, in every thread of the group, so
-            // the group agrees on the running max and sum without further exchange.
-#pragma unroll
-            for (int o = TPR / 2; o > 0; o /= 2) {
-                dot += __shfl_xor_sync(0xffffffffu, dot, o);
-            }
             // (q·k + bias) + mask: the reference's order of additions.
-            float score = dot + s_bias[local_row * (KEY_TILE + 1) + j];
+            float score = me.dot(s_k, j) + s_bias[local_row * (KEY_TILE + 1) + j];
             if (shifted && s_label[j] != my_label) {
                 score += MASK_VALUE;
             }
@@ -167,37 +226,11 @@ __device__ __forceinline__ void window_attention(const T* __restrict__ qkv,
             tile_max = fmaxf(tile_max, s[j]);
         }
 
-        // Every tile has at least one real key, so new_max is finite and the first tile's
-        // rescale is exp(-inf) = 0 on an empty accumulator.
-        const float new_max = fmaxf(run_max, tile_max);
-        const float rescale = expf(run_max - new_max);
-        run_sum *= rescale;
-#pragma unroll
-        for (int i = 0; i < COLS_PER_THREAD; ++i) {
-            acc[i] *= rescale;
-        }
-#pragma unroll
-        for (int j = 0; j < KEY_TILE; ++j) {
-            const float p = expf(s[j] - new_max);
-            run_sum += p;
-#pragma unroll
-            for (int i = 0; i < COLS_PER_THREAD; ++i) {
-                acc[i] = fmaf(p, s_v[j * DMAX + part + TPR * i], acc[i]);
-            }
-        }
-        run_max = new_max;
+        me.take(s, tile_max, s_v);
     }
 
     if (active) {
-        const float inv = 1.0f / run_sum;
-        T* dst = out + (win * n + row) * c + head * d;
-#pragma unroll
-        for (int i = 0; i < COLS_PER_THREAD; ++i) {
-            const int col = part + TPR * i;
-            if (col < d) {
-                dst[col] = from_f32<T>(acc[i] * inv);
-            }
-        }
+        me.store(out + (win * n + row) * c + head * d, d);
     }
 }
 
@@ -222,9 +255,7 @@ __device__ __forceinline__ void overlap_attention(const T* __restrict__ qkv,
                                                   const T* __restrict__ bias,
                                                   T* __restrict__ out, int heads, int d, int ws,
                                                   int ows, int height, int width) {
-    constexpr int TPR = DMAX / COLS_PER_THREAD;
-    static_assert(TPR * COLS_PER_THREAD == DMAX && (TPR & (TPR - 1)) == 0 && TPR <= 32,
-                  "a row group is a power of two of threads inside one warp");
+    constexpr int TPR = ScalarRow<T, DMAX>::TPR;
     const int rows = blockDim.x / TPR;
 
     // Layout (floats): k tile [KEY_TILE][DMAX], v tile [KEY_TILE][DMAX], bias tile
@@ -251,7 +282,6 @@ __device__ __forceinline__ void overlap_attention(const T* __restrict__ qkv,
     auto pixel = [&](int y, int x) { return image + static_cast<long long>(y) * width + x; };
     const int row0 = blockIdx.y * rows;
     const int local_row = threadIdx.x / TPR;
-    const int part = threadIdx.x % TPR;
     const int row = row0 + local_row;
     const bool active = row < n;
     // Rows past n (whose results are dropped) read the first row's query.
@@ -261,16 +291,8 @@ __device__ __forceinline__ void overlap_attention(const T* __restrict__ qkv,
     const int ky0 = wy * ws - margin;
     const int kx0 = wx * ws - margin;
 
-    float q[COLS_PER_THREAD];
-    float acc[COLS_PER_THREAD];
-#pragma unroll
-    for (int i = 0; i < COLS_PER_THREAD; ++i) {
-        const int col = part + TPR * i;
-        q[i] = active && col < d ? to_f32(qkv[q_pixel * row_stride + head * d + col]) : 0.0f;
-        acc[i] = 0.0f;
-    }
-    float run_max = -INFINITY;
-    float run_sum = 0.0f;
+    ScalarRow<T, DMAX> me;
+    me.start(qkv + q_pixel * row_stride + head * d, active, d);
 
     // As in window_attention: the head-dim padding of the tiles stays zero for the launch.
     for (int i = threadIdx.x; i < 2 * KEY_TILE * DMAX; i += blockDim.x) {
@@ -309,49 +331,16 @@ __device__ __forceinline__ void overlap_attention(const T* __restrict__ qkv,
         float tile_max = -INFINITY;
 #pragma unroll
         for (int j = 0; j < KEY_TILE; ++j) {
-            float dot = 0.0f;
-#pragma unroll
-            for (int i = 0; i < COLS_PER_THREAD; ++i) {
-                dot = fmaf(q[i], s_k[j * DMAX + part + TPR * i], dot);
-            }
-#pragma unroll
-            for (int o = TPR / 2; o > 0; o /= 2) {
-                dot += __shfl_xor_sync(0xffffffffu, dot, o);
-            }
-            const float score = dot + s_bias[local_row * (KEY_TILE + 1) + j];
+            const float score = me.dot(s_k, j) + s_bias[local_row * (KEY_TILE + 1) + j];
             s[j] = j < count ? score : -INFINITY;
             tile_max = fmaxf(tile_max, s[j]);
         }
 
-        const float new_max = fmaxf(run_max, tile_max);
-        const float rescale = expf(run_max - new_max);
-        run_sum *= rescale;
-#pragma unroll
-        for (int i = 0; i < COLS_PER_THREAD; ++i) {
-            acc[i] *= rescale;
-        }
-#pragma unroll
-        for (int j = 0; j < KEY_TILE; ++j) {
-            const float p = expf(s[j] - new_max);
-            run_sum += p;
-#pragma unroll
-            for (int i = 0; i < COLS_PER_THREAD; ++i) {
-                acc[i] = fmaf(p, s_v[j * DMAX + part + TPR * i], acc[i]);
-            }
-        }
-        run_max = new_max;
+        me.take(s, tile_max, s_v);
     }
 
     if (active) {
-        const float inv = 1.0f / run_sum;
-        T* dst = out + q_pixel * c + head * d;
-#pragma unroll
-        for (int i = 0; i < COLS_PER_THREAD; ++i) {
-            const int col = part + TPR * i;
-            if (col < d) {
-                dst[col] = from_f32<T>(acc[i] * inv);
-            }
-        }
+        me.store(out + q_pixel * c + head * d, d);
     }
 }
 
