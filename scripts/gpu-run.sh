@@ -10,9 +10,10 @@
 #   picks the fallback every later step runs with; precision parity; the speed switches
 #   (UPSCALE_PAD_CHANNELS 8, 16, 64 and UPSCALE_CUDA_GELU_EPILOGUE: each held to the CPU, then
 #   timed); the side by side with
-#   PyTorch, eager and torch.compile, and the matmul peak for utilisation; SwinIR-M and HAT-L
+#   PyTorch, eager and torch.compile, and the matmul peak for utilisation; a kernel-by-kernel
+#   profile with the channels padded to 8 and the GELU epilogue; SwinIR-M and HAT-L
 #   against the same; the same with cudarc's event tracking on; a round of before/after against the earlier builds in the
-#   pack, if any; DRCT-L at 1080p; a kernel-by-kernel profile; streams; the sanitizers; a folder run; the start-up cost of the
+#   pack, if any; DRCT-L at 1080p; the profile without the switches; streams; the sanitizers; a folder run; the start-up cost of the
 #   driver compiling PTX, with our SASS and without; rows of the precision x batch matrix), each step given at most
 #   what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a line
 #   saying so, when its least useful time is no longer left. Give the device call about 80 s
@@ -544,24 +545,31 @@ bench_part() {
 }
 
 # Where one DRCT-L forward's GPU time goes, kernel by kernel (scripts/gpu-profile.sh), with
-# its tables beside the results and its raw files in the logs.
+# its tables beside the results and its raw files in the logs: `profile STEP [VAR=VALUE...]`
+# profiles with those switches set (profile-STEP.md, attention-STEP.md; `profile profile`
+# writes profile.md and attention.md).
 profile() {
-  echo "== profile: DRCT-L bf16 256x256, every kernel"
+  local step=$1
+  shift
+  echo "== $step: DRCT-L bf16 256x256, every kernel${*:+, with $*}"
   if [ "$smoke" = 1 ] || ! command -v ncu >/dev/null; then
-    record profile "skipped: needs Nsight Compute on a GPU"
+    record "$step" "skipped: needs Nsight Compute on a GPU"
     return
   fi
-  fits profile 90 || return
+  fits "$step" 90 || return
+  local dir="$work/$step" suffix=""
+  [ "$step" = profile ] || suffix="-$step"
   # Two timed runs after a warm-up: kernel_profile.py counts the last, which repeats the one
   # before it, and leaves the model's load (a cast per weight) and the caches out.
-  run profile 240 scripts/gpu-profile.sh "$pack" "$work/prof" drct-l --precision bf16 \
+  run "$step" 240 env "$@" scripts/gpu-profile.sh "$pack" "$dir" drct-l --precision bf16 \
     --attention "$attn" --size 256x256 --tile 0 --warmup 1 --reps 2
   local f
-  for f in profile.md attention.md; do
-    [ -f "$work/prof/$f" ] && cp "$work/prof/$f" "$out/$f"
+  for f in profile attention; do
+    [ -f "$dir/$f.md" ] && cp "$dir/$f.md" "$out/$f$suffix.md"
   done
-  cp "$work/prof"/*.csv "$work/prof"/*.json "$logs/" 2>/dev/null
-  record profile "$(head -n 3 "$out/profile.md" 2>/dev/null | tail -n 1)"
+  mkdir -p "$logs/$step"
+  cp "$dir"/*.csv "$dir"/*.json "$logs/$step/" 2>/dev/null
+  record "$step" "$(head -n 3 "$out/profile$suffix.md" 2>/dev/null | tail -n 1)"
 }
 
 # What a user pays at start for the driver compiling PTX: the README command on the GPU with
@@ -597,12 +605,16 @@ proof_part() {
   # with the output canvas finished on the model thread or the finisher): short runs.
   folder_runs "1 1 0" "1 4 0" "1 4 1" "1 1 1"
   side_by_side 3
+  # Which GEMM kernels cuBLASLt takes once the rows are aligned (channels padded to 8, the
+  # GELU epilogue on), and what is left around them: what the next change must aim at, so
+  # before the Swin family's torch.compile rows can use up the budget.
+  profile profile_pad8 UPSCALE_PAD_CHANNELS=8 UPSCALE_CUDA_GELU_EPILOGUE=1
   swin_family 3
   event_tracking
   # Earlier builds in the pack (UPSCALE_BASES) against this one: one round of before/after.
   ab_part 1
   auto1080
-  profile
+  profile profile
   streams 1 2
   sanitizers 120 90
   folder_runs "2 4 0" "2 4 1"
