@@ -8,7 +8,7 @@
 //! | linear (and 1x1 convolution) | [`linear::Dense`] | `linear::cpu::linear` | `linear::cpu::linear_bf16` | `linear::cuda` (cuBLASLt) and `linear::rowwise` (its epilogues) | candle's `Linear` |
 //! | 3x3 convolution | [`conv::Conv3x3`] | `conv::cpu::conv3x3` | `conv::cpu::conv3x3_bf16` | `conv::cuda::patches3x3` + GEMM, `conv::cuda::conv3x3_narrow` | the same patch GEMM |
 //! | window attention | [`attention::Attend`] | `attention::cpu::window_attention` | the same, bf16 products | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
-//! | overlapping cross-attention (HAT) | [`attention::OverlapAttend`] | candle's graph | candle's graph | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
+//! | overlapping cross-attention (HAT) | [`attention::OverlapAttend`] | `attention::cpu::overlap_attention` | the same, bf16 products | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
 //! | layer norm | [`norm::Norm`] | `norm::cpu` | (f32) | `norm::cuda` | candle's `layer_norm` |
 //!
 //! Each operation's folder holds its type and reference (`mod.rs`), its CPU half (`cpu.rs`)

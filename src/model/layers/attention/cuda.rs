@@ -816,7 +816,7 @@ impl CustomOp2 for FusedOverlapAttention {
     }
 
     /// A plain scalar version of the definition (f32, two-pass softmax), for checking the
-    /// kernel against; the model's CPU path is candle's graph.
+    /// kernel against; the model's CPU path is [`super::cpu::overlap_attention`].
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,

@@ -3,8 +3,8 @@
 //! keys and values come from a larger window around each query window.
 //!
 //! [`Attend`], [`OverlapAttend`] and their reference (candle's graph) are here; the CPU's
-//! fused window attention (f32, and bf16 products) is in [`cpu`], the CUDA kernels' host code
-//! (kernels/window_attention.cu, with their scalar CPU twins) in [`cuda`].
+//! fused window and overlapping attention (f32, and bf16 products) are in [`cpu`], the CUDA
+//! kernels' host code (kernels/window_attention.cu, with their scalar CPU twins) in [`cuda`].
 
 pub(crate) mod cpu;
 pub mod cuda;
@@ -150,10 +150,11 @@ impl Attend {
 /// `overlap`-square window centred on it, zero outside the image, with a relative-position
 /// bias.
 ///
-/// On CUDA with a fused `--attention` choice, one kernel ([`FusedOverlapAttention`]) reads
-/// each neighbourhood straight from the token map, unless `UPSCALE_CUDA_OCA=0` turns it off
-/// (see [`overlap_kernel_enabled`]); elsewhere candle's graph runs
-/// ([`overlap_attention_graph`]).
+/// On the CPU our kernel runs it ([`cpu::overlap_attention`]); on CUDA with a fused
+/// `--attention` choice, one kernel ([`FusedOverlapAttention`]) reads each neighbourhood
+/// straight from the token map, unless `UPSCALE_CUDA_OCA=0` turns it off (see
+/// [`overlap_kernel_enabled`]); elsewhere (and for inputs a kernel does not take) candle's
+/// graph runs ([`overlap_attention_graph`]).
 pub struct OverlapAttend {
     /// `(heads, ws², ows²)`, gathered from the table at load.
     bias: Tensor,
@@ -161,6 +162,8 @@ pub struct OverlapAttend {
     window: usize,
     overlap: usize,
     attention: Attention,
+    /// bf16 products on the CPU, on these instructions.
+    bf16: Option<Isa>,
     backend: Backend,
 }
 
@@ -173,13 +176,15 @@ impl OverlapAttend {
         (window, overlap): (usize, usize),
         plan: &LoadPlan,
     ) -> Result<Self> {
+        let backend = Backend::of(table.device());
         Ok(Self {
             bias: overlap_bias(table, window, overlap)?,
             heads,
             window,
             overlap,
             attention: plan.attention,
-            backend: Backend::of(table.device()),
+            bf16: plan.bf16.filter(|_| backend == Backend::Cpu),
+            backend,
         })
     }
 
@@ -199,6 +204,14 @@ impl OverlapAttend {
                 tensor_cores: self.attention == Attention::TensorCore,
             };
             return op.apply(qkv, &self.bias);
+        }
+        if self.backend == Backend::Cpu {
+            let shape = (self.window, self.overlap);
+            if let Some(out) =
+                cpu::overlap_attention(qkv, &self.bias, self.heads, shape, self.bf16)?
+            {
+                return Ok(out);
+            }
         }
         overlap_attention_graph(qkv, &self.bias, self.heads, self.window, self.overlap)
     }
@@ -353,6 +366,95 @@ mod tests {
                     op.apply(&qkv.reshape((b, w, h, ()))?, &bias)?
                         .reshape((b, h, w, ()))?;
                 assert!(max_abs_diff(&moved, &graph)? > 1e-2, "{map:?} {shape:?}");
+            }
+        }
+        Ok(())
+    }
+
+    /// The shapes the overlap tests run: (batch, height, width) and (window, overlap window,
+    /// heads, head dim): HAT's window 16 in 24 on a map of 2x3 windows; margins of 1 and 2
+    /// with odd head dims and a batch of two; one window alone, every key of its margin
+    /// outside the map.
+    type OverlapCase = ((usize, usize, usize), (usize, usize, usize, usize));
+    const OVERLAP_CASES: [OverlapCase; 4] = [
+        ((1, 32, 48), (16, 24, 2, 30)),
+        ((2, 8, 12), (4, 6, 3, 7)),
+        ((1, 12, 8), (4, 8, 2, 5)),
+        ((1, 4, 4), (4, 6, 2, 16)),
+    ];
+
+    /// The CPU kernel's f32 products (the `gemm` crate, on one thread or split, and the
+    /// AVX-512 panels where the CPU has them) against candle's graph in f64.
+    #[test]
+    fn the_cpu_overlap_kernel_matches_the_graph() -> Result<()> {
+        let mut kinds = vec![
+            cpu::Products::F32(gemm::Parallelism::None),
+            cpu::Products::F32(gemm::Parallelism::Rayon(0)),
+        ];
+        if crate::model::ops::panels::available() {
+            kinds.push(cpu::Products::Panels);
+        } else {
+            eprintln!("overlap attention on panels not tested: this CPU has no AVX-512F");
+        }
+        for (map, shape) in OVERLAP_CASES {
+            let (ws, ows, heads, _) = shape;
+            let (qkv, bias) = inputs(map, shape)?;
+            let want = overlap_attention_graph(
+                &qkv.to_dtype(DType::F64)?,
+                &bias.to_dtype(DType::F64)?,
+                heads,
+                ws,
+                ows,
+            )?;
+            for &kind in &kinds {
+                let ours = cpu::overlap_attention_with(kind, &qkv, &bias, heads, (ws, ows))?;
+                assert_eq!(ours.dims(), want.dims());
+                let diff = max_abs_diff(&ours, &want)?;
+                assert!(diff < 1e-5, "{map:?} {shape:?}: max abs error {diff}");
+            }
+        }
+        // The kernel's entry point takes f32 only, and checks the shapes.
+        let (qkv, bias) = inputs((1, 8, 8), (4, 6, 2, 3))?;
+        let f16 = qkv.to_dtype(DType::F16)?;
+        assert!(cpu::overlap_attention(&f16, &bias, 2, (4, 6), None)?.is_none());
+        assert!(cpu::overlap_attention(&qkv, &bias, 2, (4, 6), None)?.is_some());
+        assert!(cpu::overlap_attention(&qkv, &bias, 3, (4, 6), None).is_err());
+        assert!(cpu::overlap_attention(&qkv, &bias, 2, (4, 8), None).is_err());
+        assert!(cpu::overlap_attention(&qkv.narrow(1, 0, 6)?, &bias, 2, (4, 6), None).is_err());
+        Ok(())
+    }
+
+    /// With bf16 products, against candle's graph in f64 on q, k and v rounded to bf16 as the
+    /// kernel rounds them. The kernel also rounds each probability to bf16, half a bf16 step
+    /// (2^-8 of it) at most; the probabilities of a row sum to 1, so the output moves by at
+    /// most 2^-8 max|v|, plus the f32 sums' own error.
+    #[test]
+    fn the_cpu_overlap_kernel_in_bf16_matches_the_rounded_graph() -> Result<()> {
+        let isas = crate::model::bf16::available_isas();
+        if isas.is_empty() {
+            eprintln!("bf16 overlap attention not tested: this CPU has no bf16 arithmetic");
+        }
+        for isa in isas {
+            for (map, shape) in OVERLAP_CASES {
+                let (ws, ows, heads, _) = shape;
+                let (qkv, bias) = inputs(map, shape)?;
+                let rounded = qkv.to_dtype(DType::BF16)?.to_dtype(DType::F64)?;
+                let want =
+                    overlap_attention_graph(&rounded, &bias.to_dtype(DType::F64)?, heads, ws, ows)?;
+                let ours = cpu::overlap_attention(&qkv, &bias, heads, (ws, ows), Some(isa))?
+                    .expect("the CPU kernel applies");
+                let c = qkv.dim(3)? / 3;
+                let v_max = qkv
+                    .narrow(3, 2 * c, c)?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f32>()? as f64;
+                let bound = 2f64.powi(-8) * v_max * (1.0 + 2f64.powi(-7)) + 1e-5;
+                let diff = max_abs_diff(&ours, &want)? as f64;
+                assert!(
+                    diff < bound,
+                    "{isa:?} {map:?} {shape:?}: {diff} (bound {bound})"
+                );
             }
         }
         Ok(())
