@@ -340,7 +340,7 @@ impl Cab {
         let z = self
             .conv2
             .forward(&super::ops::gelu_erf(&self.conv1.forward(x)?)?)?;
-        let pooled = z.mean_keepdim(1)?.mean_keepdim(2)?;
+        let pooled = super::ops::mean_hw(&z)?;
         let y = self.squeeze.forward(&pooled)?.relu()?;
         let y = (candle_nn::ops::sigmoid(&self.excite.forward(&y)?)? * CONV_SCALE)?;
         let (b, c) = (y.dim(0)?, y.dim(3)?);

@@ -177,3 +177,53 @@ pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
         x.gelu_erf()
     }
 }
+
+/// The mean over height and width of `(B, H, W, C)`, as `(B, 1, 1, C)`: HAT's channel
+/// attention pools every block's convolution output so. candle reduces a middle axis value
+/// by value through its strides; the kernel adds whole rows of `C` (in f64, so the order of
+/// the additions does not matter), in parallel over row blocks.
+pub fn mean_hw(x: &Tensor) -> Result<Tensor> {
+    if use_kernel(x) && x.rank() == 4 && x.elem_count() > 0 {
+        x.apply_op1_no_bwd(&MeanHw)
+    } else {
+        x.mean_keepdim(1)?.mean_keepdim(2)
+    }
+}
+
+struct MeanHw;
+
+impl CustomOp1 for MeanHw {
+    fn name(&self) -> &'static str {
+        "upscale-mean-hw"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let data = contiguous_f32(storage, layout)?;
+        let (b, h, w, c) = layout.shape().dims4()?;
+        let rows = h * w;
+        let mut out = Vec::with_capacity(b * c);
+        for image in data.chunks_exact(rows * c.max(1)).take(b) {
+            // Blocks of rows big enough to amortise a task, summed apart, then together.
+            let block = (CHUNK / c.max(1)).max(1);
+            let sums = image
+                .par_chunks(block * c)
+                .map(|rows| {
+                    let mut acc = vec![0f64; c];
+                    for row in rows.chunks_exact(c) {
+                        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v as f64);
+                    }
+                    acc
+                })
+                .reduce(
+                    || vec![0f64; c],
+                    |mut a, b| {
+                        a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                        a
+                    },
+                );
+            out.extend(sums.iter().map(|&s| (s / rows as f64) as f32));
+        }
+        out.resize(b * c, 0.0);
+        Ok((CpuStorage::F32(out), Shape::from((b, 1, 1, c))))
+    }
+}

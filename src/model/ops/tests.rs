@@ -510,3 +510,18 @@ fn swinir_layer_throughput() -> Result<()> {
     }
     Ok(())
 }
+
+/// The spatial mean against candle's in f64: odd sizes, and a map of more rows than one
+/// task sums (the blocks' partial sums added together), over a batch of two.
+#[test]
+fn mean_over_height_and_width_matches_candle() -> Result<()> {
+    for dims in [(2, 5, 7, 33), (2, 64, 64, 180), (1, 1, 1, 3)] {
+        let x = (Tensor::randn(0f32, 1.0, dims, &Device::Cpu)? + 0.5)?;
+        let ours = mean_hw(&x)?;
+        assert_eq!(ours.dims(), [dims.0, 1, 1, dims.3]);
+        let want = x.to_dtype(DType::F64)?.mean_keepdim(1)?.mean_keepdim(2)?;
+        let d = max_abs_diff(&ours, &want)?;
+        assert!(d < 1e-6, "{dims:?}: max abs error {d}");
+    }
+    Ok(())
+}
