@@ -129,3 +129,43 @@ fn window_attention_takes_bf16_products_from_its_plan() -> Result<()> {
     }
     Ok(())
 }
+
+/// HAT's overlapping cross-attention on the CPU is our kernel, not candle's graph: built
+/// without bf16 products its output is the kernel's to the bit (the graph sums in another
+/// order, so it would differ in the last bits), and built with them it computes them.
+#[test]
+fn overlap_attention_runs_our_kernel_on_the_cpu() -> Result<()> {
+    use super::attention::{cpu::overlap_attention, overlap_attention_graph, OverlapAttend};
+    let dev = Device::Cpu;
+    let (ws, ows, heads, d) = (4, 6, 2, 8);
+    let side = ws + ows - 1;
+    let table = Tensor::randn(0f32, 1.0, (side * side, heads), &dev)?;
+    let qkv = Tensor::randn(0f32, 0.5, (1, 2 * ws, 3 * ws, 3 * heads * d), &dev)?;
+    let f32 = LoadPlan::default();
+    let plain = OverlapAttend::new(&table, heads, (ws, ows), &f32)?.forward(&qkv)?;
+    let bias = super::attention::overlap_bias(&table, ws, ows)?;
+    let kernel = overlap_attention(&qkv, &bias, heads, (ws, ows), None)?.expect("f32 on the CPU");
+    let graph = overlap_attention_graph(&qkv, &bias, heads, ws, ows)?;
+    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+        Ok(t.flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|v| v.to_bits())
+            .collect())
+    };
+    assert_eq!(
+        bits(&plain)?,
+        bits(&kernel)?,
+        "the layer's output is not the kernel's"
+    );
+    assert_ne!(
+        bits(&graph)?,
+        bits(&kernel)?,
+        "the graph cannot tell the two apart here"
+    );
+    if let Some((_, bf16)) = plans() {
+        let packed = OverlapAttend::new(&table, heads, (ws, ows), &bf16)?.forward(&qkv)?;
+        assert_bf16_products(&plain, &packed, "overlap attention")?;
+    }
+    Ok(())
+}
