@@ -692,8 +692,11 @@ unsafe fn block_product(
     accumulate: bool,
 ) {
     let kp = b.pairs;
-    for p0 in (0..kp).step_by(KC) {
-        let kc = KC.min(kp - p0);
+    // The pairs past k are zero in both operands (padding for AMX's 16-pair tiles): this
+    // kernel skips them, which adds nothing but time (6% of the pairs at DRCT's K of 180).
+    let used = b.k.div_ceil(2);
+    for p0 in (0..used).step_by(KC) {
+        let kc = KC.min(used - p0);
         let load_c = accumulate || p0 > 0;
         for (panel, bp) in b.data.chunks_exact(kp * NR).enumerate() {
             let cols = (b.n - panel * NR).min(NR);
