@@ -8,10 +8,10 @@
 # proof: the one call for a session with a few minutes of device time. The issue's evidence in
 #   the order it is needed (the CUDA tests; a probe that, if our kernels fail on the GPU,
 #   picks the fallback every later step runs with; precision parity; the speed switches
-#   (UPSCALE_PAD_CHANNELS 8, 16, 64 and UPSCALE_CUDA_GELU_EPILOGUE: each held to the CPU, then
-#   timed); the side by side with
+#   (UPSCALE_PAD_CHANNELS 8, 16, 64, UPSCALE_CUDA_GELU_EPILOGUE, UPSCALE_CUDA_NORM_REGS and
+#   the three together: each held to the CPU, then timed); the side by side with
 #   PyTorch, eager and torch.compile, and the matmul peak for utilisation; a kernel-by-kernel
-#   profile with the channels padded to 8 and the GELU epilogue; SwinIR-M and HAT-L
+#   profile with the three switches on; SwinIR-M and HAT-L
 #   against the same; the same with cudarc's event tracking on; a round of before/after against the earlier builds in the
 #   pack, if any; DRCT-L at 1080p; the profile without the switches; streams; the sanitizers; a folder run; the start-up cost of the
 #   driver compiling PTX, with our SASS and without; rows of the precision x batch matrix), each step given at most
@@ -400,14 +400,19 @@ switch_rows() {
 # (src/model/pad_channels.rs: every linear and convolution's channels padded with zeros at
 # load, so that cuBLASLt can take its aligned kernels) at each multiple, and
 # UPSCALE_CUDA_GELU_EPILOGUE (src/model/layers/linear/cuda.rs: the MLP's first layer and its
-# GELU in one cuBLASLt call, with the tanh GELU).
+# GELU in one cuBLASLt call, with the tanh GELU), UPSCALE_CUDA_NORM_REGS
+# (src/model/layers/norm/cuda.rs: the norm kernels holding each row in registers), then all
+# three together.
 switches() {
   echo "== speed switches: parity with the CPU, then DRCT-L and DRCT bf16"
   local pad
   for pad in 8 16 64; do
     switch_rows pad UPSCALE_PAD_CHANNELS "$pad" || return
   done
-  switch_rows gelu UPSCALE_CUDA_GELU_EPILOGUE 1
+  switch_rows gelu UPSCALE_CUDA_GELU_EPILOGUE 1 || return
+  switch_rows normregs UPSCALE_CUDA_NORM_REGS 1 || return
+  UPSCALE_PAD_CHANNELS=8 UPSCALE_CUDA_GELU_EPILOGUE=1 switch_rows pad8-gelu-normregs \
+    UPSCALE_CUDA_NORM_REGS 1
 }
 
 # swin_family REPS: SwinIR-M and HAT-L x4 (random weights of the released shapes, the same
@@ -606,9 +611,10 @@ proof_part() {
   folder_runs "1 1 0" "1 4 0" "1 4 1" "1 1 1"
   side_by_side 3
   # Which GEMM kernels cuBLASLt takes once the rows are aligned (channels padded to 8, the
-  # GELU epilogue on), and what is left around them: what the next change must aim at, so
-  # before the Swin family's torch.compile rows can use up the budget.
-  profile profile_pad8 UPSCALE_PAD_CHANNELS=8 UPSCALE_CUDA_GELU_EPILOGUE=1
+  # GELU epilogue and the norms' register variants on), and what is left around them: what
+  # the next change must aim at, so before the Swin family's torch.compile rows can use up
+  # the budget.
+  profile profile_pad8 UPSCALE_PAD_CHANNELS=8 UPSCALE_CUDA_GELU_EPILOGUE=1 UPSCALE_CUDA_NORM_REGS=1
   swin_family 3
   event_tracking
   # Earlier builds in the pack (UPSCALE_BASES) against this one: one round of before/after.

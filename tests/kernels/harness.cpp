@@ -11,6 +11,7 @@
 #include "../../kernels/window_attention.cu"
 
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -665,23 +666,48 @@ void check_padding_zero(const std::string& name, const std::vector<T>& out,
     std::printf("%s %-40s %zu padded values not 0\n", bad ? "FAIL" : "ok  ", name.c_str(), bad);
 }
 
+// Counts a failure unless the register variant's output is the per-pass kernel's, byte for
+// byte: the two run the same arithmetic in the same order.
 template <typename T>
-void norm_cases(const char* suffix_in,
-                void (*gather)(const T*, const unsigned*, const T*, const T*, const T*, T*,
-                               unsigned, unsigned, unsigned, unsigned, unsigned, int, float),
-                void (*add_gather)(const T*, const T*, const unsigned*, const T*, const T*,
-                                   const T*, T*, T*, unsigned, unsigned, unsigned, unsigned,
-                                   unsigned, int, float),
-                void (*add_scaled)(const T*, const T*, const T*, const T*, const unsigned*,
-                                   const T*, const T*, const T*, T*, T*, unsigned, unsigned,
-                                   unsigned, unsigned, unsigned, int, float),
-                double u, bool padded) {
+void check_same_bytes(const std::string& name, const std::vector<T>& regs,
+                      const std::vector<T>& plain) {
+    size_t differ = 0;
+    for (size_t i = 0; i < regs.size(); ++i) {
+        differ += std::memcmp(&regs[i], &plain[i], sizeof(T)) != 0;
+    }
+    failures += differ ? 1 : 0;
+    std::printf("%s %-40s %zu values differ from the per-pass kernel\n", differ ? "FAIL" : "ok  ",
+                name.c_str(), differ);
+}
+
+// The three norm kernels of one type and variant.
+template <typename T>
+struct NormKernels {
+    void (*gather)(const T*, const unsigned*, const T*, const T*, const T*, T*, unsigned,
+                   unsigned, unsigned, unsigned, unsigned, int, float);
+    void (*add_gather)(const T*, const T*, const unsigned*, const T*, const T*, const T*, T*, T*,
+                       unsigned, unsigned, unsigned, unsigned, unsigned, int, float);
+    void (*add_scaled)(const T*, const T*, const T*, const T*, const unsigned*, const T*,
+                       const T*, const T*, T*, T*, unsigned, unsigned, unsigned, unsigned,
+                       unsigned, int, float);
+};
+
+// The norm kernels (per pass) against the references, and their register variants (`regs`)
+// against the same references and byte for byte against them. `wide` rows (330 channels)
+// exceed what the register variants hold, so they take their per-pass path.
+template <typename T>
+void norm_cases(const char* suffix_in, NormKernels<T> kernels, NormKernels<T> regs, double u,
+                bool padded, bool wide = false) {
+    const auto gather = kernels.gather;
+    const auto add_gather = kernels.add_gather;
+    const auto add_scaled = kernels.add_scaled;
     // Two maps; 70 channels (two warp strides and a remainder); an order that permutes and
     // drops tokens; inputs offset from zero, as residual streams are. Padded rows (as
     // UPSCALE_PAD_CHANNELS lays out a dense block's input): 80 channels holding parts of 45,
     // 13 and 13 real ones, each followed by zeros up to a multiple of 16, so that the mean
     // and the variance must skip zeros in the middle of the row.
-    const std::string suffix = std::string(suffix_in) + (padded ? " padded" : "");
+    const std::string suffix =
+        std::string(suffix_in) + (padded ? " padded" : "") + (wide ? " wide" : "");
     std::vector<bool> real;
     if (padded) {
         for (const auto& [n, width] : {std::pair{45u, 48u}, std::pair{13u, 16u}, std::pair{13u, 16u}}) {
@@ -689,7 +715,7 @@ void norm_cases(const char* suffix_in,
         }
     }
     const unsigned batch = 2, tokens_in = 13, tokens = 11;
-    const unsigned cols = padded ? real.size() : 70;
+    const unsigned cols = padded ? real.size() : wide ? 330 : 70;
     unsigned count = 0;
     for (unsigned i = 0; i < cols; ++i) count += real.empty() || real[i];
     const int masked = padded ? 1 : 0;
@@ -719,14 +745,20 @@ void norm_cases(const char* suffix_in,
         norm_ref(row.data(), gamma, beta, eps, &want[r * cols], real);
     }
     for (bool one_block : {false, true}) {
-        std::vector<T> out(rows * cols, convert<T>(NAN));
+        std::vector<T> out(rows * cols, convert<T>(NAN)), twin(rows * cols, convert<T>(NAN));
         emu::launch(rowwise_grid(rows, 8, one_block), dim3{256, 1, 1}, [&] {
             gather(x.data(), order.data(), g.data(), b.data(), mask_arg, out.data(), rows, tokens,
                    tokens_in, cols, count, masked, eps);
         });
-        const std::string name = "gather_norm_" + suffix + (one_block ? " one block" : "");
-        report(name, out, want, u, 1e-5);
-        check_padding_zero(name, out, real);
+        emu::launch(rowwise_grid(rows, 8, one_block), dim3{256, 1, 1}, [&] {
+            regs.gather(x.data(), order.data(), g.data(), b.data(), mask_arg, twin.data(), rows,
+                        tokens, tokens_in, cols, count, masked, eps);
+        });
+        const std::string at = suffix + (one_block ? " one block" : "");
+        report("gather_norm_" + at, out, want, u, 1e-5);
+        check_padding_zero("gather_norm_" + at, out, real);
+        report("gather_norm_regs_" + at, twin, want, u, 1e-5);
+        check_same_bytes("gather_norm_regs_" + at, twin, out);
     }
 
     // add_gather_norm: x (batch, tokens, cols) + y (batch, tokens_in, cols) gathered by back.
@@ -751,6 +783,15 @@ void norm_cases(const char* suffix_in,
     report("add_gather_norm_" + suffix + " sum", sum, want_sum, u, 1e-6);
     report("add_gather_norm_" + suffix + " normed", normed, want_norm, u, 1e-5);
     check_padding_zero("add_gather_norm_" + suffix + " normed", normed, real);
+    std::vector<T> sum_twin(rows * cols, convert<T>(NAN)), normed_twin(rows * cols, convert<T>(NAN));
+    emu::launch(rowwise_grid(rows, 8, false), dim3{256, 1, 1}, [&] {
+        regs.add_gather(xs.data(), x.data(), order.data(), g.data(), b.data(), mask_arg,
+                        sum_twin.data(), normed_twin.data(), rows, tokens, tokens_in, cols, count,
+                        masked, eps);
+    });
+    report("add_gather_norm_regs_" + suffix + " normed", normed_twin, want_norm, u, 1e-5);
+    check_same_bytes("add_gather_norm_regs_" + suffix + " sum", sum_twin, sum);
+    check_same_bytes("add_gather_norm_regs_" + suffix + " normed", normed_twin, normed);
 
     // add_scaled_gather_norm: the same step with HAT's channel-attention term z * s[b] added,
     // z (batch, tokens, cols) and s (batch, cols), against the exact sum in double. The kernel
@@ -791,6 +832,16 @@ void norm_cases(const char* suffix_in,
     report("add_scaled_gather_norm_" + suffix + " sum", sum, want_sum, u, noise);
     report("add_scaled_gather_norm_" + suffix + " normed", normed, want_norm, u, 1e-5);
     check_padding_zero("add_scaled_gather_norm_" + suffix + " normed", normed, real);
+    std::fill(sum_twin.begin(), sum_twin.end(), convert<T>(NAN));
+    std::fill(normed_twin.begin(), normed_twin.end(), convert<T>(NAN));
+    emu::launch(rowwise_grid(rows, 8, padded), dim3{256, 1, 1}, [&] {
+        regs.add_scaled(xs.data(), z.data(), sc.data(), x.data(), order.data(), g.data(),
+                        b.data(), mask_arg, sum_twin.data(), normed_twin.data(), rows, tokens,
+                        tokens_in, cols, count, masked, eps);
+    });
+    report("add_scaled_gather_norm_regs_" + suffix + " normed", normed_twin, want_norm, u, 1e-5);
+    check_same_bytes("add_scaled_gather_norm_regs_" + suffix + " sum", sum_twin, sum);
+    check_same_bytes("add_scaled_gather_norm_regs_" + suffix + " normed", normed_twin, normed);
 }
 
 }  // namespace
@@ -893,14 +944,22 @@ int main(int argc, char** argv) {
     bias_act_cases<float>("f32", bias_act_f32, cat_bias_act_f32, 0.0);
     bias_act_cases<__nv_bfloat16>("bf16", bias_act_bf16, cat_bias_act_bf16, 1.0 / 256);
     bias_act_cases<__half>("f16", bias_act_f16, cat_bias_act_f16, 1.0 / 2048);
+    const NormKernels<float> f32{gather_norm_f32, add_gather_norm_f32, add_scaled_gather_norm_f32};
+    const NormKernels<float> f32_regs{gather_norm_regs_f32, add_gather_norm_regs_f32,
+                                      add_scaled_gather_norm_regs_f32};
+    const NormKernels<__nv_bfloat16> bf16{gather_norm_bf16, add_gather_norm_bf16,
+                                          add_scaled_gather_norm_bf16};
+    const NormKernels<__nv_bfloat16> bf16_regs{gather_norm_regs_bf16, add_gather_norm_regs_bf16,
+                                               add_scaled_gather_norm_regs_bf16};
+    const NormKernels<__half> f16{gather_norm_f16, add_gather_norm_f16, add_scaled_gather_norm_f16};
+    const NormKernels<__half> f16_regs{gather_norm_regs_f16, add_gather_norm_regs_f16,
+                                       add_scaled_gather_norm_regs_f16};
     for (bool padded : {false, true}) {
-        norm_cases<float>("f32", gather_norm_f32, add_gather_norm_f32,
-                          add_scaled_gather_norm_f32, 0.0, padded);
-        norm_cases<__nv_bfloat16>("bf16", gather_norm_bf16, add_gather_norm_bf16,
-                                  add_scaled_gather_norm_bf16, 1.0 / 256, padded);
-        norm_cases<__half>("f16", gather_norm_f16, add_gather_norm_f16,
-                           add_scaled_gather_norm_f16, 1.0 / 2048, padded);
+        norm_cases<float>("f32", f32, f32_regs, 0.0, padded);
+        norm_cases<__nv_bfloat16>("bf16", bf16, bf16_regs, 1.0 / 256, padded);
+        norm_cases<__half>("f16", f16, f16_regs, 1.0 / 2048, padded);
     }
+    norm_cases<__nv_bfloat16>("bf16", bf16, bf16_regs, 1.0 / 256, false, true);
     patches_cases<float>("f32", patches3x3_f32);
     patches_cases<__nv_bfloat16>("bf16", patches3x3_bf16);
     patches_cases<__half>("f16", patches3x3_f16);

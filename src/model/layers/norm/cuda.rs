@@ -6,8 +6,53 @@
 //! composition of the same ops, which is also what the GPU tests hold the kernels to; the CPU
 //! runs its own kernels ([`super::cpu`]) first. The launch helpers are shared with the other
 //! row-wise kernels ([`crate::model::rowwise`]).
+//!
+//! With `UPSCALE_CUDA_NORM_REGS=1` ([`norm_regs`]) the kernels' `_regs` variants run: each
+//! lane holds its values of the row in registers, so the row is read once rather than once per
+//! pass, at more registers per thread. Same arithmetic and results; off until a GPU run has
+//! timed both.
 
 use candle_core::{Module, Result, Tensor};
+
+/// The switch for the norms' register variants.
+pub const NORM_REGS_VAR: &str = "UPSCALE_CUDA_NORM_REGS";
+
+thread_local! {
+    static REGS_OVERRIDE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether the norm kernels hold each row in registers: `UPSCALE_CUDA_NORM_REGS=1`, read once
+/// per process, or a test's override ([`with_norm_regs`]).
+pub fn norm_regs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    REGS_OVERRIDE.with(std::cell::Cell::get).unwrap_or_else(|| {
+        *ON.get_or_init(|| std::env::var_os(NORM_REGS_VAR).is_some_and(|v| v == "1"))
+    })
+}
+
+/// Runs `f` with [`norm_regs`] saying `on` on this thread (the GPU tests run both variants in
+/// one process), then restores what it said before.
+#[cfg(all(test, feature = "cuda"))]
+pub fn with_norm_regs<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            REGS_OVERRIDE.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(REGS_OVERRIDE.with(|o| o.replace(Some(on))));
+    f()
+}
+
+/// The kernel `name` runs as: its register variant where [`norm_regs`] says so.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn variant(name: &str) -> String {
+    if norm_regs() {
+        format!("{name}_regs")
+    } else {
+        name.to_string()
+    }
+}
 
 use super::Norm;
 #[cfg(feature = "cuda")]
@@ -164,7 +209,7 @@ mod launch {
             // Unpadded rows: the kernel never reads the mask argument.
             let mv = hm.as_ref().unwrap_or(&hg).view::<T>()?;
             let out = alloc::<T>(&dev, b * t * c)?;
-            let f = func::<T>(&dev, "gather_norm")?;
+            let f = func::<T>(&dev, &super::variant("gather_norm"))?;
             let stream = dev.cuda_stream();
             let mut bld = stream.launch_builder(&f);
             bld.arg(&xv).arg(&ov).arg(&gv).arg(&bv).arg(&mv).arg(&out);
@@ -221,7 +266,7 @@ mod launch {
                 None => None,
             };
             let name = if zs.is_some() { "add_scaled_gather_norm" } else { "add_gather_norm" };
-            let f = func::<T>(&dev, name)?;
+            let f = func::<T>(&dev, &super::variant(name))?;
             let stream = dev.cuda_stream();
             let mut bld = stream.launch_builder(&f);
             bld.arg(&xv);
