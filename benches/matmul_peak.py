@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """The GPU's measured dense matmul rate (TFLOP/s) in bf16, fp16 and fp32 with TF32, through
 PyTorch: the denominator of model FLOP utilisation, measured in the same run as the model.
+Also the copy rates between host and device (GB/s) for a buffer the size of a 1080p x4
+image's output canvas, from pageable memory (what `upscale` copies through today) and from
+page-locked memory: what pinned buffers for the canvas's download would gain.
 
-  python benches/matmul_peak.py [--size 8192] [--reps 10] [--json FILE]
+  python benches/matmul_peak.py [--size 8192] [--reps 10] [--copy-mib 512] [--json FILE]
 """
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -30,10 +34,31 @@ def rate(dtype, n, reps, tf32=False):
     return 2 * n**3 / times[len(times) // 2] / 1e12
 
 
+def copy_rate(mib, reps, pinned, to_host):
+    """GB/s of one host<->device copy of `mib` MiB of f32, median of `reps`."""
+    n = mib * (1 << 20) // 4
+    dev = torch.ones(n, device="cuda")
+    host = torch.ones(n, pin_memory=pinned)
+    times = []
+    for i in range(reps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        if to_host:
+            host.copy_(dev)
+        else:
+            dev.copy_(host)
+        torch.cuda.synchronize()
+        if i > 0:  # the first copy pays for faulting the pages in
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return n * 4 / times[len(times) // 2] / 1e9
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--copy-mib", type=int, default=512)
     ap.add_argument("--json")
     a = ap.parse_args()
     out = {
@@ -43,6 +68,11 @@ def main():
         "fp16_tflops": rate(torch.float16, a.size, a.reps),
         "tf32_tflops": rate(torch.float32, a.size, a.reps, tf32=True),
         "fp32_tflops": rate(torch.float32, a.size // 2, a.reps),
+        "copy_mib": a.copy_mib,
+        "dtoh_pageable_gbs": copy_rate(a.copy_mib, 5, pinned=False, to_host=True),
+        "dtoh_pinned_gbs": copy_rate(a.copy_mib, 5, pinned=True, to_host=True),
+        "htod_pageable_gbs": copy_rate(a.copy_mib, 5, pinned=False, to_host=False),
+        "htod_pinned_gbs": copy_rate(a.copy_mib, 5, pinned=True, to_host=False),
     }
     text = json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()})
     print(text)
