@@ -317,6 +317,10 @@ except Exception:
 auto1080() {
   echo "== DRCT-L bf16 1080p, automatic tile"
   fits auto1080 40 && bench auto1080 drct-l-bf16-auto "$drct_l" --precision bf16 --size "$s1080" --warmup 0 --reps 1
+  # Its 530 MB canvas back through page-locked staging buffers (src/tile/device.rs) instead of
+  # the driver's pageable copy: the lane stats' transfer seconds, before and after.
+  fits auto1080 40 && UPSCALE_CUDA_PINNED=1 bench auto1080 drct-l-bf16-auto-pinned "$drct_l" \
+    --precision bf16 --size "$s1080" --warmup 0 --reps 1
 }
 
 check() {

@@ -111,9 +111,96 @@ impl DeviceCanvas {
         self.canvas.inplace_op3(out, table, &op)
     }
 
-    /// The canvas on the host, (C + 1) planes of H*s x W*s.
+    /// The canvas on the host, (C + 1) planes of H*s x W*s. From a GPU with
+    /// `UPSCALE_CUDA_PINNED=1` ([`pinned_downloads`]) it comes through page-locked staging
+    /// buffers ([`staged::download`]); otherwise through the driver's copy to pageable memory.
     pub fn download(&self) -> candle_core::Result<Vec<f32>> {
+        #[cfg(feature = "cuda")]
+        if pinned_downloads() && self.canvas.device().is_cuda() {
+            return staged::download(&self.canvas);
+        }
         self.canvas.flatten_all()?.to_vec1::<f32>()
+    }
+}
+
+/// The switch for [`staged::download`].
+pub const PINNED_VAR: &str = "UPSCALE_CUDA_PINNED";
+
+/// Whether canvases come back from a GPU through page-locked staging buffers:
+/// `UPSCALE_CUDA_PINNED=1`, read once per process. A copy to pageable memory goes through the
+/// driver's own staging, often several times slower than the bus (a 1080p x4 canvas is
+/// 530 MB); off until a GPU run has timed both (`benches/matmul_peak.py` measures both rates).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn pinned_downloads() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os(PINNED_VAR).is_some_and(|v| v == "1"))
+}
+
+/// A device tensor brought back through two page-locked buffers per thread: while the host
+/// copies one chunk out of one buffer, the next chunk's copy from the device fills the other.
+#[cfg(feature = "cuda")]
+pub(crate) mod staged {
+    use std::cell::RefCell;
+    use std::sync::Arc;
+
+    use candle_core::cuda_backend::cudarc::driver::{CudaContext, PinnedHostSlice};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{Result, Tensor};
+
+    use crate::model::rowwise::cuda::held;
+
+    /// f32 values per staging buffer (16 MiB).
+    pub(crate) const CHUNK: usize = 4 << 20;
+
+    /// Two staging buffers and the context they are pinned for (dropped after them).
+    type Buffers = ([PinnedHostSlice<f32>; 2], Arc<CudaContext>);
+
+    thread_local! {
+        /// This thread's buffers, made on its first download.
+        static BUFFERS: RefCell<Option<Buffers>> = const { RefCell::new(None) };
+    }
+
+    /// `t` (contiguous f32 on a CUDA device), flattened, on the host.
+    pub(crate) fn download(t: &Tensor) -> Result<Vec<f32>> {
+        let h = held(t, "canvas")?;
+        let view = h.view::<f32>()?;
+        let dev = h.device()?;
+        let stream = dev.cuda_stream();
+        let ctx = stream.context().clone();
+        let n = view.len();
+        let chunks: Vec<(usize, usize)> = (0..n)
+            .step_by(CHUNK)
+            .map(|start| (start, CHUNK.min(n - start)))
+            .collect();
+        let mut out = Vec::with_capacity(n);
+        BUFFERS.with_borrow_mut(|slot| -> Result<()> {
+            if slot.as_ref().is_none_or(|(_, c)| !Arc::ptr_eq(c, &ctx)) {
+                // Cacheable page-locked memory (not write-combined: the host reads it).
+                // SAFETY: each buffer is written by a copy below before it is read.
+                let pin = || unsafe { ctx.alloc_pinned_with_flags::<f32>(CHUNK, 0) }.w();
+                *slot = Some(([pin()?, pin()?], ctx.clone()));
+            }
+            let Some((bufs, _)) = slot.as_mut() else {
+                unreachable!("filled above")
+            };
+            if let Some(&(start, len)) = chunks.first() {
+                stream
+                    .memcpy_dtoh(&view.slice(start..start + len), &mut bufs[0])
+                    .w()?;
+            }
+            for (i, &(_, len)) in chunks.iter().enumerate() {
+                // The next chunk's copy goes into the buffer the host finished with last.
+                if let Some(&(start, next)) = chunks.get(i + 1) {
+                    stream
+                        .memcpy_dtoh(&view.slice(start..start + next), &mut bufs[(i + 1) % 2])
+                        .w()?;
+                }
+                // Waits for this buffer's copy only.
+                out.extend_from_slice(&bufs[i % 2].as_slice().w()?[..len]);
+            }
+            Ok(())
+        })?;
+        Ok(out)
     }
 }
 
