@@ -15,7 +15,9 @@ use super::layers::linear::{pointwise_padded, Dense};
 use super::layers::norm::{layer_norm, Norm};
 use super::layers::LoadPlan;
 use super::pad_channels::{Channels, Pad};
-use super::swin::{load_norm, swin_frame, BlockShape, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE};
+use super::swin::{
+    load_norm, rgb_mean, shuffle_stages, swin_frame, BlockShape, SwinBlock, UPSAMPLE_SLOPE,
+};
 
 /// Slope of the LeakyReLU inside residual dense groups.
 const RDG_SLOPE: f64 = 0.2;
@@ -136,17 +138,8 @@ impl Drct {
                 Rdg::new(cfg, g, &windows, plan, vb)
             })
             .collect::<Result<Vec<_>>>()?;
-        let upsample = cfg
-            .upsample_stages()
-            .into_iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let vb = vb.pp(format!("upsample.{}", 2 * i));
-                Ok((Conv3x3::shuffled(&f, (cfg.num_feat, r), pad, plan, vb)?, r))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mean =
-            Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())?;
+        let upsample = shuffle_stages(cfg.upsample_stages(), (&f, cfg.num_feat), pad, plan, &vb)?;
+        let mean = rgb_mean(&vb)?;
         // The RGB input and output are never padded.
         let rgb = Pad::OFF.one(3);
         Ok(Self {

@@ -46,7 +46,8 @@ use super::layers::norm::{layer_norm, Norm};
 use super::layers::LoadPlan;
 use super::pad_channels::Pad;
 use super::swin::{
-    load_layer_norm, swin_frame, BlockShape, Mlp, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE,
+    load_layer_norm, rgb_mean, shuffle_stages, swin_frame, BlockShape, Mlp, SwinBlock,
+    UPSAMPLE_SLOPE,
 };
 use super::swinir::{
     check_shapes, isqrt, out_width, parameters, pixel_shuffle_scale, pixel_shuffle_stages,
@@ -478,20 +479,9 @@ impl Hat {
                 },
             });
         }
-        let mean =
-            Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())?;
-        let upsample = cfg
-            .upsample_stages()
-            .into_iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let vb = vb.pp(format!("upsample.{}", 2 * i));
-                Ok((
-                    Conv3x3::shuffled(&Pad::OFF.one(f), (f, r), Pad::OFF, plan, vb)?,
-                    r,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mean = rgb_mean(&vb)?;
+        let feat = Pad::OFF.one(f);
+        let upsample = shuffle_stages(cfg.upsample_stages(), (&feat, f), Pad::OFF, plan, &vb)?;
         Ok(Self {
             conv_first: Conv3x3::unpadded(3, e, plan, vb.pp("conv_first"))?,
             patch_norm: if cfg.patch_norm {

@@ -17,7 +17,33 @@ use super::layers::LoadPlan;
 use super::pad_channels::{Channels, Pad};
 
 /// The RGB mean the official models subtract (img_range 1.0); not stored in checkpoints.
-pub(crate) const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
+const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
+
+/// [`RGB_MEAN`] as the `(1, 1, 1, 3)` tensor the networks subtract and add back, in `vb`'s
+/// dtype and on its device.
+pub(crate) fn rgb_mean(vb: &VarBuilder) -> Result<Tensor> {
+    Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())
+}
+
+/// The pixel-shuffle upsampler's convolutions `upsample.0`, `upsample.2`, ... (each followed
+/// by a shuffle of its factor in `stages`), from `num_feat` channels laid out as `f`, their
+/// outputs padded as `pad` says; each with its factor.
+pub(crate) fn shuffle_stages(
+    stages: Vec<usize>,
+    (f, num_feat): (&Channels, usize),
+    pad: Pad,
+    plan: &LoadPlan,
+    vb: &VarBuilder,
+) -> Result<Vec<(Conv3x3, usize)>> {
+    stages
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let vb = vb.pp(format!("upsample.{}", 2 * i));
+            Ok((Conv3x3::shuffled(f, (num_feat, r), pad, plan, vb)?, r))
+        })
+        .collect()
+}
 /// LayerNorm epsilon of torch's default, which the official models use.
 const LN_EPS: f64 = 1e-5;
 /// `nn.LeakyReLU()`'s default slope, used after `conv_before_upsample`.

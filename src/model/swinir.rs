@@ -40,7 +40,9 @@ use super::layers::linear::{pointwise_with, Dense};
 use super::layers::norm::{layer_norm, Norm};
 use super::layers::{build_layers, LoadPlan};
 use super::pad_channels::Pad;
-use super::swin::{load_layer_norm, swin_frame, BlockShape, SwinBlock, RGB_MEAN, UPSAMPLE_SLOPE};
+use super::swin::{
+    load_layer_norm, rgb_mean, shuffle_stages, swin_frame, BlockShape, SwinBlock, UPSAMPLE_SLOPE,
+};
 
 /// Slope of the LeakyReLUs inside the 3conv residual connection and the nearest+conv
 /// upsampler.
@@ -680,25 +682,19 @@ impl SwinIr {
             })
         };
         let layers = build_layers(vb.device(), cfg.depths.len(), build)?;
-        let mean =
-            Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())?;
+        let mean = rgb_mean(&vb)?;
         let flat_mean = mean.flatten_all()?;
         // The RGB mean added back at the end is folded into the last convolution's bias.
         let tail = match cfg.upsampler {
             Upsampler::PixelShuffle => Tail::PixelShuffle {
                 before: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
-                stages: cfg
-                    .upsample_stages()
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, r)| {
-                        let vb = vb.pp(format!("upsample.{}", 2 * i));
-                        Ok((
-                            Conv3x3::shuffled(&Pad::OFF.one(f), (f, r), Pad::OFF, plan, vb)?,
-                            r,
-                        ))
-                    })
-                    .collect::<Result<Vec<_>>>()?,
+                stages: shuffle_stages(
+                    cfg.upsample_stages(),
+                    (&Pad::OFF.one(f), f),
+                    Pad::OFF,
+                    plan,
+                    &vb,
+                )?,
                 last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?.add_to_bias(&flat_mean)?,
             },
             Upsampler::PixelShuffleDirect => {
