@@ -115,14 +115,7 @@ pub fn current() -> Off {
 /// ways in one process).
 #[cfg(test)]
 pub fn with<R>(off: Off, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<Off>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            OVERRIDE.with(|o| o.set(self.0));
-        }
-    }
-    let _restore = Restore(OVERRIDE.with(|o| o.replace(Some(off))));
-    f()
+    super::env::with_override(&OVERRIDE, off, f)
 }
 
 #[cfg(test)]

@@ -1,5 +1,26 @@
 //! The error of the environment variables that switch parts of the model code
-//! (`UPSCALE_CUDA_OFF`, `UPSCALE_PAD_CHANNELS`).
+//! (`UPSCALE_CUDA_OFF`, `UPSCALE_PAD_CHANNELS`), and the per-thread override that lets a test
+//! run both settings of a switch in one process.
+
+/// Runs `f` with `value` in `slot` (a switch's thread-local override) on this thread, then
+/// puts back what was there, even if `f` panics. Setting the variable instead would race the
+/// other tests of the process.
+#[cfg(test)]
+pub(crate) fn with_override<T: Copy + 'static, R>(
+    slot: &'static std::thread::LocalKey<std::cell::Cell<Option<T>>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    type Slot<T> = std::thread::LocalKey<std::cell::Cell<Option<T>>>;
+    struct Restore<T: Copy + 'static>(&'static Slot<T>, Option<T>);
+    impl<T: Copy + 'static> Drop for Restore<T> {
+        fn drop(&mut self) {
+            self.0.with(|o| o.set(self.1));
+        }
+    }
+    let _restore = Restore(slot, slot.with(|o| o.replace(Some(value))));
+    f()
+}
 
 /// A value one of the variables does not take; the message names the variable.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -114,14 +114,7 @@ pub fn current() -> std::result::Result<Pad, EnvError> {
 /// padded and unpadded in one process; setting the variable would race other tests).
 #[cfg(test)]
 pub fn with<R>(pad: Pad, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<Pad>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            OVERRIDE.with(|o| o.set(self.0));
-        }
-    }
-    let _restore = Restore(OVERRIDE.with(|o| o.replace(Some(pad))));
-    f()
+    super::env::with_override(&OVERRIDE, pad, f)
 }
 
 /// Where the real channels of a padded axis lie: consecutive parts, each `(real, padded)`,

@@ -719,14 +719,7 @@ pub fn overlap_kernel_enabled() -> bool {
 /// GPU test runs HAT both ways in one process).
 #[cfg(test)]
 pub fn with_overlap_kernel<R>(on: bool, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<bool>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            OCA_OVERRIDE.with(|o| o.set(self.0));
-        }
-    }
-    let _restore = Restore(OCA_OVERRIDE.with(|o| o.replace(Some(on))));
-    f()
+    crate::model::env::with_override(&OCA_OVERRIDE, on, f)
 }
 
 /// HAT's overlapping cross-attention (its OCAB) in one op: the queries of every `window x

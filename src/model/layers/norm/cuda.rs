@@ -34,14 +34,7 @@ pub fn norm_regs() -> bool {
 /// one process), then restores what it said before.
 #[cfg(all(test, feature = "cuda"))]
 pub fn with_norm_regs<R>(on: bool, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<bool>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            REGS_OVERRIDE.with(|o| o.set(self.0));
-        }
-    }
-    let _restore = Restore(REGS_OVERRIDE.with(|o| o.replace(Some(on))));
-    f()
+    crate::model::env::with_override(&REGS_OVERRIDE, on, f)
 }
 
 /// The kernel `name` runs as: its register variant where [`norm_regs`] says so.
