@@ -67,6 +67,22 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     max_abs(&(f64_on_cpu(a) - f64_on_cpu(b)).unwrap())
 }
 
+/// The bits of every value of `t` (any device, any float dtype), as f32: what a test compares
+/// when two paths must agree to the bit.
+pub fn f32_bits(t: &Tensor) -> Vec<u32> {
+    t.to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 /// The largest magnitude in `t`, in f64, on its own device.
 pub fn max_abs(t: &Tensor) -> f64 {
     t.to_dtype(DType::F64)

@@ -146,13 +146,7 @@ fn overlap_attention_runs_our_kernel_on_the_cpu() -> Result<()> {
     let bias = super::attention::overlap_bias(&table, ws, ows)?;
     let kernel = overlap_attention(&qkv, &bias, heads, (ws, ows), None)?.expect("f32 on the CPU");
     let graph = overlap_attention_graph(&qkv, &bias, heads, ws, ows)?;
-    let bits = |t: &Tensor| -> Result<Vec<u32>> {
-        Ok(t.flatten_all()?
-            .to_vec1::<f32>()?
-            .iter()
-            .map(|v| v.to_bits())
-            .collect())
-    };
+    let bits = |t: &Tensor| -> Result<Vec<u32>> { Ok(crate::tests::fixtures::f32_bits(t)) };
     assert_eq!(
         bits(&plain)?,
         bits(&kernel)?,

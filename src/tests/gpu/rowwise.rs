@@ -11,6 +11,7 @@ use crate::model::layers::conv::cuda as conv_rw;
 use crate::model::layers::linear::rowwise::{self, Act};
 use crate::model::layers::norm::{cuda as norm_rw, Norm};
 use crate::model::pad_channels::{Channels, Pad};
+use crate::tests::fixtures::f32_bits;
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Unit roundoff of each dtype the kernels take.
@@ -259,15 +260,8 @@ fn norm_register_variants_match_the_per_pass_kernels() {
             .unwrap()
     };
     let differing = |a: &Tensor, b: &Tensor| {
-        let (a, b) = (
-            host(a).flatten_all().unwrap(),
-            host(b).flatten_all().unwrap(),
-        );
-        let (a, b) = (a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
-        a.iter()
-            .zip(&b)
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count()
+        let (a, b) = (f32_bits(a), f32_bits(b));
+        a.iter().zip(&b).filter(|(x, y)| x != y).count()
     };
     for ((b, ty, t, c), ch) in NORM_CASES
         .into_iter()

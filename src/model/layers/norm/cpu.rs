@@ -469,13 +469,7 @@ mod tests {
             let (sum, normed) = add_gather_norm(&ln, &x, Some((&z, &s)), &y, &back)?;
             let plus = (&x + z.broadcast_mul(&s.reshape((2, 1, c))?)?)?;
             let (want_sum, want_normed) = add_gather_norm(&ln, &plus, None, &y, &back)?;
-            let bits = |t: &Tensor| -> Result<Vec<u32>> {
-                Ok(t.flatten_all()?
-                    .to_vec1::<f32>()?
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect())
-            };
+            let bits = |t: &Tensor| -> Result<Vec<u32>> { Ok(crate::tests::fixtures::f32_bits(t)) };
             assert_eq!(bits(&sum)?, bits(&want_sum)?, "c {c}: sum");
             assert_eq!(bits(&normed)?, bits(&want_normed)?, "c {c}: normed");
             let f64_of = |t: &Tensor| t.to_dtype(DType::F64);
