@@ -1,6 +1,7 @@
 //! Element-wise math for the CPU kernels: a polynomial `exp` and `erf`, the softmax of the
 //! attention rows (with the shift mask from region labels and the bf16 rounding of the
-//! probabilities), and the exact GELU, each compiled for the widest vector unit.
+//! probabilities), and the exact GELU, each compiled for the widest vector unit; and the
+//! spatial mean of HAT's channel attention.
 
 use super::*;
 
@@ -180,8 +181,8 @@ pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
 
 /// The mean over height and width of `(B, H, W, C)`, as `(B, 1, 1, C)`: HAT's channel
 /// attention pools every block's convolution output so. candle reduces a middle axis value
-/// by value through its strides; the kernel adds whole rows of `C` (in f64, so the order of
-/// the additions does not matter), in parallel over row blocks.
+/// by value through its strides; the kernel adds whole rows of `C` in parallel over row blocks,
+/// in f64, so that the order of the additions moves the result far below f32's precision.
 pub fn mean_hw(x: &Tensor) -> Result<Tensor> {
     if use_kernel(x) && x.rank() == 4 && x.elem_count() > 0 {
         x.apply_op1_no_bwd(&MeanHw)
@@ -223,7 +224,6 @@ impl CustomOp1 for MeanHw {
                 );
             out.extend(sums.iter().map(|&s| (s / rows as f64) as f32));
         }
-        out.resize(b * c, 0.0);
         Ok((CpuStorage::F32(out), Shape::from((b, 1, 1, c))))
     }
 }
