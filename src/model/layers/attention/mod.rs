@@ -336,16 +336,10 @@ mod tests {
     }
 
     /// The fused op's CPU twin, which the GPU tests hold the CUDA kernel to, against the
-    /// model's graph: HAT's window 16 in 24 on a map of 2x3 windows; margins of 1 and 2 with
-    /// odd head dims; one window alone, every key of its margin outside the map.
+    /// model's graph ([`OVERLAP_CASES`]).
     #[test]
     fn the_fused_twin_matches_the_graph() -> Result<()> {
-        for (map, shape) in [
-            ((1, 32, 48), (16, 24, 2, 30)),
-            ((2, 8, 12), (4, 6, 3, 7)),
-            ((1, 12, 8), (4, 8, 2, 5)),
-            ((1, 4, 4), (4, 6, 2, 16)),
-        ] {
+        for (map, shape) in OVERLAP_CASES {
             let (ws, ows, heads, _) = shape;
             let (qkv, bias) = inputs(map, shape)?;
             let graph = overlap_attention_graph(&qkv, &bias, heads, ws, ows)?;
