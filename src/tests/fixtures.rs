@@ -67,9 +67,8 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     max_abs(&(f64_on_cpu(a) - f64_on_cpu(b)).unwrap())
 }
 
-/// The bits of every value of `t` (any device, any float dtype), as f32: what a test compares
-/// when two paths must agree to the bit.
-pub fn f32_bits(t: &Tensor) -> Vec<u32> {
+/// Every value of `t` (any device, any float dtype) as f32 on the host, flattened.
+pub fn f32_values(t: &Tensor) -> Vec<f32> {
     t.to_device(&Device::Cpu)
         .unwrap()
         .to_dtype(DType::F32)
@@ -78,9 +77,12 @@ pub fn f32_bits(t: &Tensor) -> Vec<u32> {
         .unwrap()
         .to_vec1::<f32>()
         .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
+}
+
+/// The bits of every value of `t` as f32 ([`f32_values`]): what a test compares when two
+/// paths must agree to the bit.
+pub fn f32_bits(t: &Tensor) -> Vec<u32> {
+    f32_values(t).iter().map(|v| v.to_bits()).collect()
 }
 
 /// The largest magnitude in `t`, in f64, on its own device.

@@ -204,12 +204,7 @@ fn shift_masks_are_cached_per_size() {
 }
 
 fn all_finite(t: &Tensor) -> bool {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
+    crate::tests::fixtures::f32_values(t)
         .iter()
         .all(|v| v.is_finite())
 }

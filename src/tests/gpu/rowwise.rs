@@ -11,7 +11,7 @@ use crate::model::layers::conv::cuda as conv_rw;
 use crate::model::layers::linear::rowwise::{self, Act};
 use crate::model::layers::norm::{cuda as norm_rw, Norm};
 use crate::model::pad_channels::{Channels, Pad};
-use crate::tests::fixtures::f32_bits;
+use crate::tests::fixtures::{f32_bits, f32_values};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Unit roundoff of each dtype the kernels take.
@@ -48,16 +48,7 @@ fn excess(what: &str, ours: &Tensor, want: &Tensor, u: f32) -> Option<String> {
 /// [`excess`] with `noise` for `NOISE`.
 fn excess_over(what: &str, ours: &Tensor, want: &Tensor, u: f32, noise: f32) -> Option<String> {
     assert_eq!(ours.dims(), want.dims(), "{what}");
-    let ours = ours
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (ours, want) = (f32_values(ours), f32_values(want));
     let worst = ours
         .iter()
         .zip(&want)
