@@ -166,6 +166,19 @@ mod launch {
         })
     }
 
+    /// The kernels' 32-bit sizes for `b` maps of `t` tokens read from maps of `t_from`
+    /// tokens of `c` channels: rows (`b * t`), `t`, `t_from` and `c`, once every element
+    /// index is known to fit.
+    fn sizes(b: usize, t: usize, t_from: usize, c: usize) -> Result<[u32; 4]> {
+        u32_of(b * t * c, "elements")?;
+        Ok([
+            u32_of(b * t, "rows")?,
+            u32_of(t, "tokens")?,
+            u32_of(t_from, "tokens")?,
+            u32_of(c, "columns")?,
+        ])
+    }
+
     /// The number of indices in `idx`, which must be a u32 vector. Their values are the
     /// caller's promise (the window partition builds them).
     fn index_count(idx: &Tensor, what: &str) -> Result<usize> {
@@ -189,13 +202,7 @@ mod launch {
         let hm = args.mask.as_ref().map(|m| held(m, "mask")).transpose()?;
         let masked = i32::from(hm.is_some());
         let dev = hx.device()?;
-        u32_of(b * t * c, "elements")?;
-        let rows = u32_of(b * t, "rows")?;
-        let (t32, t_in, c32) = (
-            u32_of(t, "tokens")?,
-            u32_of(t_in, "tokens")?,
-            u32_of(c, "columns")?,
-        );
+        let [rows, t32, t_in, c32] = sizes(b, t, t_in, c)?;
         with_type!(x.dtype(), T => {
             let (xv, ov) = (hx.view::<T>()?, ho.view::<u32>()?);
             let (gv, bv) = (hg.view::<T>()?, hb.view::<T>()?);
@@ -240,13 +247,7 @@ mod launch {
             })
             .transpose()?;
         let dev = hx.device()?;
-        u32_of(b * t * c, "elements")?;
-        let rows = u32_of(b * t, "rows")?;
-        let (t32, ty, c32) = (
-            u32_of(t, "tokens")?,
-            u32_of(ty, "tokens")?,
-            u32_of(c, "columns")?,
-        );
+        let [rows, t32, ty, c32] = sizes(b, t, ty, c)?;
         with_type!(x.dtype(), T => {
             let (xv, yv, iv) = (hx.view::<T>()?, hy.view::<T>()?, hi.view::<u32>()?);
             let (gv, bv) = (hg.view::<T>()?, hb.view::<T>()?);
