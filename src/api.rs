@@ -30,8 +30,8 @@ use crate::engine::{
     choose_dtype, open_device, read_checkpoint, DeviceChoice, EngineError, Precision,
 };
 use crate::io::{Decoded, EncodeOptions, Format, IoError, OutputError};
-use crate::model::Attention;
-use crate::model::ModelError;
+use crate::nets::Attention;
+use crate::nets::ModelError;
 use crate::planar::Planar;
 use crate::size::OutputSize;
 use crate::tile::auto::{TileChoice, TileSettings};
@@ -315,5 +315,5 @@ impl Pending {
 /// AVX512-BF16 on an AMD core, where it outruns f32); elsewhere it runs in fp32 with a
 /// warning. Fixed for a machine: the same command gives the same pixels on every run.
 pub fn cpu_computes_bf16() -> bool {
-    crate::model::bf16::supported()
+    crate::ops::cpu::bf16::supported()
 }

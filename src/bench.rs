@@ -12,7 +12,7 @@ use serde::Serialize;
 use crate::api::{Error, Upscaler};
 use crate::engine::lanes::{pool_peak, reset_pool_peaks};
 use crate::engine::probe::{pattern, peak_rss_bytes};
-use crate::model::bf16::Isa;
+use crate::ops::cpu::bf16::Isa;
 use crate::tile::lanes::merge_lane_stats;
 use crate::tile::LaneStats;
 
@@ -135,7 +135,7 @@ impl Upscaler {
             device: format!("{:?}", engine.device),
             dtype: format!("{:?}", engine.dtype),
             cpu_bf16_kernel: (engine.device.is_cpu() && engine.dtype == DType::BF16)
-                .then(crate::model::bf16::isa)
+                .then(crate::ops::cpu::bf16::isa)
                 .flatten()
                 .map(|isa| match isa {
                     Isa::Amx => "amx",

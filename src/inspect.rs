@@ -10,7 +10,7 @@ use serde_json::json;
 
 use crate::api::Error;
 use crate::engine::{read_checkpoint, Precision};
-use crate::model::{ArchConfig, Checkpoint, DrctConfig, HatConfig, Source, SwinIrConfig};
+use crate::nets::{ArchConfig, Checkpoint, DrctConfig, HatConfig, Source, SwinIrConfig};
 
 /// A checkpoint, validated: its architecture and configuration inferred from the tensors
 /// and every tensor checked against them.
@@ -201,7 +201,7 @@ fn describe_hat(c: &HatConfig) -> serde_json::Value {
         "overlap_ratio": c.overlap_ratio(),
         "compress_ratio": c.compress_ratio(),
         "squeeze_factor": c.squeeze_factor(),
-        "conv_scale": crate::model::hat::CONV_SCALE,
+        "conv_scale": crate::nets::hat::CONV_SCALE,
         "heads": uniform(&c.heads),
         "head_dims": uniform(&head_dims),
         "mlp_hidden": c.mlp_hidden,

@@ -29,15 +29,18 @@
 
 mod api;
 mod bench;
+mod checkpoint;
 mod engine;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod inspect;
 pub mod io;
 pub mod metrics;
-mod model;
+mod nets;
+mod ops;
 mod planar;
 mod size;
+mod switches;
 #[cfg(test)]
 mod tests;
 mod tile;
@@ -48,8 +51,8 @@ pub use engine::image::Upscaled;
 pub use engine::{DeviceChoice, DeviceError, EngineError, Precision};
 pub use inspect::ModelFile;
 pub use io::{Format, IoError, OutputError};
-pub use model::Attention;
-pub use model::{
+pub use nets::Attention;
+pub use nets::{
     BuildError, ConfigError, EnvError, ModelError, PthError, PthTensorError, TensorError,
 };
 pub use planar::Planar;

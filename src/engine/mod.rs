@@ -13,8 +13,9 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Module, Tensor};
 
-use crate::model::{cuda_off, Attention, Checkpoint, Model, ModelError, Source};
+use crate::nets::{Attention, Checkpoint, Model, ModelError, Source};
 use crate::planar::Planar;
+use crate::switches::cuda_off;
 
 /// How far the probe's measured cost per pixel may exceed the analytic one before
 /// [`Engine::bytes_per_pixel_bound`] stops being a bound (measured on the test models:
@@ -100,7 +101,7 @@ pub enum EngineError {
     Model(#[from] ModelError),
     /// `UPSCALE_CUDA_OFF` holds a value it does not take.
     #[error(transparent)]
-    Env(#[from] crate::model::EnvError),
+    Env(#[from] crate::nets::EnvError),
 }
 
 /// Open the requested device (the first one of a list: [`lanes::Lanes`] opens the rest).
@@ -202,7 +203,7 @@ fn built_for() -> Option<u32> {
 pub fn choose_dtype(p: Precision, device: &Device, warn: &mut dyn FnMut(String)) -> DType {
     match (p, device.is_cpu()) {
         (Precision::Fp32, _) | (Precision::Auto, true) => DType::F32,
-        (Precision::Bf16, true) if crate::model::bf16::supported() => DType::BF16,
+        (Precision::Bf16, true) if crate::ops::cpu::bf16::supported() => DType::BF16,
         (Precision::Bf16, true) => {
             warn(
                 "--precision bf16: this CPU has no fast bf16 arithmetic (AMX, or AVX512-BF16 \
@@ -401,7 +402,7 @@ impl Engine {
         let widest_head = self.model.config().widest_head_dim();
         let fused = !self.device.is_cpu()
             && self.attention.is_fused()
-            && widest_head <= crate::model::layers::attention::MAX_HEAD_DIM;
+            && widest_head <= crate::ops::attention::MAX_HEAD_DIM;
         !fused
     }
 
@@ -450,8 +451,8 @@ impl Engine {
         let n = (c.window() * c.window()) as f64;
         // A DRCT block's input is padded part by part: the group's input, then each growth.
         let d = match c {
-            crate::model::ArchConfig::Drct(dc) => {
-                let k = crate::model::config::BLOCKS_PER_GROUP - 1;
+            crate::nets::ArchConfig::Drct(dc) => {
+                let k = crate::nets::drct::config::BLOCKS_PER_GROUP - 1;
                 pad.width(dc.embed_dim) + k * pad.width(dc.growth)
             }
             _ => c.widest_block(),
@@ -584,7 +585,7 @@ mod tests {
     fn cpu_half_precision_is_bf16_where_the_cpu_has_it_else_fp32_with_a_warning() {
         let mut warnings = Vec::new();
         let d = choose_dtype(Precision::Bf16, &Device::Cpu, &mut |w| warnings.push(w));
-        if crate::model::bf16::supported() {
+        if crate::ops::cpu::bf16::supported() {
             assert_eq!(d, DType::BF16);
             assert!(warnings.is_empty());
         } else {

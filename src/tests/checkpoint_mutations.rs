@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::model::{Checkpoint, Model, Source};
+use crate::nets::{Checkpoint, Model, Source};
 use candle_core::{DType, Device, Module, Tensor};
 use safetensors::tensor::TensorView;
 
@@ -33,7 +33,7 @@ fn load_and_run(bytes: &[u8], case: &str) -> bool {
         let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu)?;
         let x = Tensor::zeros((1, 3, 8, 8), DType::F32, &Device::Cpu).expect("input");
         model.net.forward(&x).map_err(|e| e.to_string()).ok();
-        Ok::<_, crate::model::ModelError>(())
+        Ok::<_, crate::nets::ModelError>(())
     }));
     match result {
         Ok(r) => r.is_ok(),

@@ -2,8 +2,8 @@
 //! committed fixtures in tests/golden/. Each case's weights, input and unclamped reference
 //! output were written by tests/golden/make_golden.py; no torch is needed here.
 
-use crate::model::pad_channels::{self, Pad};
-use crate::model::{Checkpoint, Model};
+use crate::nets::{Checkpoint, Model};
+use crate::ops::pad::Pad;
 use candle_core::{DType, Device, Module, Tensor};
 
 use super::fixtures::*;
@@ -73,7 +73,7 @@ fn padded_outputs(dtype: DType) -> Vec<PaddedRun> {
             let ck = Checkpoint::load(&weights).unwrap();
             let (input, expected) = load_io(&io);
             let run = |pad: Pad| {
-                let model = pad_channels::with(pad, || {
+                let model = crate::ops::pad::with(pad, || {
                     Model::from_checkpoint(ck.clone(), dtype, &Device::Cpu)
                 })
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -140,7 +140,7 @@ const PADDED_F32_BOUND: f64 = 1.5e-6;
 #[test]
 fn padded_channels_keep_the_bf16_and_f16_outputs() {
     let mut failures = Vec::new();
-    let dtypes = if crate::model::bf16::supported() {
+    let dtypes = if crate::ops::cpu::bf16::supported() {
         vec![DType::BF16, DType::F16]
     } else {
         eprintln!("this CPU has no bf16 arithmetic: f16 only");
@@ -212,7 +212,7 @@ fn all_finite(t: &Tensor) -> bool {
 #[test]
 fn fp16_overflow_is_redone_in_fp32_for_that_tile_only() {
     use crate::engine::Engine;
-    use crate::model::Checkpoint;
+    use crate::nets::Checkpoint;
     // A batch of two tiles: the fixture's input, and the same input scaled past fp16's 65504
     // (far from f32's limit). In fp16 only the second tile's output becomes inf/NaN; the guard
     // must redo that tile, and only that one, in f32.
@@ -254,7 +254,7 @@ fn fp16_overflow_is_redone_in_fp32_for_that_tile_only() {
 #[test]
 fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
     use crate::engine::Engine;
-    use crate::model::Checkpoint;
+    use crate::nets::Checkpoint;
     use crate::tile::auto::{TileChoice, TileSettings};
     let case = &cases()[0];
     let engine = Engine::new(
@@ -349,7 +349,7 @@ fn self_ensemble_is_symmetric_and_close_to_the_plain_output() {
     let rgb = Planar::new(c, h, w, input.flatten_all().unwrap().to_vec1().unwrap());
     let weights = crate::tests::repo().join("models/default_x4.safetensors");
     let engine = Engine::new(
-        crate::model::Checkpoint::load(&weights).unwrap(),
+        crate::nets::Checkpoint::load(&weights).unwrap(),
         Device::Cpu,
         DType::F32,
     )

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Module};
 use super::fixtures::{
     assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
 };
-use crate::model::{ArchConfig, Checkpoint, Model};
+use crate::nets::{ArchConfig, Checkpoint, Model};
 
 fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/hat")
@@ -91,7 +91,7 @@ fn hat_tiles_blend_to_the_whole_image() {
 /// the parameter counts the HAT paper gives for x4 (HAT 20.8M, HAT-L 40.8M).
 #[test]
 fn released_hat_configurations_round_trip() {
-    use crate::model::HatConfig;
+    use crate::nets::HatConfig;
     let cfg = |e: usize, groups: usize, cab: usize, squeeze: usize| HatConfig {
         embed_dim: e,
         depths: vec![6; groups],

@@ -5,7 +5,7 @@ use candle_core::{DType, Device};
 
 use crate::engine::lanes::Lanes;
 use crate::engine::Engine;
-use crate::model::Checkpoint;
+use crate::nets::Checkpoint;
 use crate::planar::Planar;
 use crate::tile::tests::max_diff;
 use crate::tile::{run_lanes, BlendMode, Canvas, TileOptions};

@@ -1,8 +1,8 @@
 //! PyTorch `.pth` archives as torch.save writes them, read by our own reader
 //! (`model::pth`) rather than candle's.
 
-use crate::model::pth::{read_state_dict, PthArchive};
-use crate::model::{ArchConfig, Checkpoint};
+use crate::checkpoint::pth::{read_state_dict, PthArchive};
+use crate::nets::{ArchConfig, Checkpoint};
 
 /// Saved by torch.save under a 21-character name (tests/fixtures/pth/make_pth_fixture.py).
 fn fixture() -> std::path::PathBuf {

@@ -11,8 +11,8 @@ use super::fixtures::{
     assert_bf16_close, assert_shift_masks_cached, assert_tiles_blend_to_whole, load_io, manifest,
     max_abs_diff, TOLERANCE,
 };
-use crate::model::swinir::{ResiConnection, Upsampler};
-use crate::model::{ArchConfig, Checkpoint, Model, Source};
+use crate::nets::swinir::{ResiConnection, Upsampler};
+use crate::nets::{ArchConfig, Checkpoint, Model, Source};
 
 fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/swinir")
@@ -41,7 +41,7 @@ fn cases() -> Vec<Case> {
         .collect()
 }
 
-fn swinir(ck: &Checkpoint) -> &crate::model::SwinIrConfig {
+fn swinir(ck: &Checkpoint) -> &crate::nets::SwinIrConfig {
     match &ck.config {
         ArchConfig::SwinIr(c) => c,
         other => panic!("not read as SwinIR: {other:?}"),
@@ -245,7 +245,7 @@ fn foreign_architectures_get_one_line_naming_what_was_found() {
 /// aside).
 #[test]
 fn released_configurations_round_trip() {
-    use crate::model::SwinIrConfig;
+    use crate::nets::SwinIrConfig;
     use ResiConnection::{OneConv, ThreeConv};
     use Upsampler::{NearestConv, PixelShuffle, PixelShuffleDirect};
     let cfg = |e, n: usize, h, up, resi, feat, scale| SwinIrConfig {
@@ -304,7 +304,7 @@ fn released_configurations_round_trip() {
 /// keeps each one as its source: an unexplained tensor, heads that do not divide the width.
 #[test]
 fn swinir_refusals_are_typed_and_kept_as_the_source() {
-    use crate::model::config::ConfigError;
+    use crate::nets::drct::config::ConfigError;
     use std::error::Error as _;
     let base: std::collections::BTreeMap<String, Vec<usize>> =
         shapes(&dir().join("realworld_x4_3conv.safetensors"))
@@ -337,7 +337,7 @@ fn swinir_refusals_are_typed_and_kept_as_the_source() {
     let table = "layers.1.residual_group.blocks.0.attn.relative_position_bias_table";
     let mut s = base.clone();
     s.get_mut(table).unwrap()[1] += 1;
-    let e = crate::model::SwinIrConfig::infer(&s).unwrap_err();
+    let e = crate::nets::SwinIrConfig::infer(&s).unwrap_err();
     assert!(
         matches!(&e, ConfigError::Shape { name, .. } if name == table),
         "{e:?}"

@@ -8,7 +8,7 @@ use candle_core::{DType, Device};
 
 use crate::engine::Engine;
 use crate::metrics::{psnr, Measure};
-use crate::model::Checkpoint;
+use crate::nets::Checkpoint;
 use crate::tile::{run_tiled, BlendMode, TileOptions};
 
 #[test]

@@ -147,7 +147,7 @@ pub(crate) mod staged {
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{Result, Tensor};
 
-    use crate::model::rowwise::cuda::held;
+    use crate::ops::rowwise::cuda::held;
 
     /// f32 values per staging buffer (16 MiB).
     pub(crate) const CHUNK: usize = 4 << 20;

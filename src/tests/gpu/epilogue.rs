@@ -1,4 +1,4 @@
-//! The cuBLASLt linear layer with the bias in its epilogue (src/model/layers/linear/cuda.rs)
+//! The cuBLASLt linear layer with the bias in its epilogue (src/ops/linear/cuda.rs)
 //! against the same product on the CPU in f32, from the same rounded inputs.
 //!
 //! What cuBLASLt guarantees is the f32 accumulation of the product, not how many times the
@@ -11,7 +11,7 @@
 //! moves outputs by about their own size, far beyond it.
 
 use super::gpu;
-use crate::model::layers::linear::cuda::{accumulate_linear_bias, linear_bias, linear_bias_gelu};
+use crate::ops::linear::cuda::{accumulate_linear_bias, linear_bias, linear_bias_gelu};
 use candle_core::{DType, Device, Result, Tensor};
 
 fn randn(shape: &[usize], scale: f64) -> Result<Tensor> {

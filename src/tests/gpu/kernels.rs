@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::{gpu, max_abs, within};
-use crate::model::cache::{relative_position_bias, RelativeBias, WindowCache};
-use crate::model::layers::attention::cuda::FusedWindowAttention;
-use crate::model::{Attention, Model};
+use crate::nets::{Attention, Model};
+use crate::ops::attention::cuda::FusedWindowAttention;
+use crate::ops::attention::windows::{relative_position_bias, RelativeBias, WindowCache};
 use crate::tests::fixtures::max_abs_diff;
 use candle_core::{DType, Device, Module, Result, Tensor};
 
@@ -133,7 +133,7 @@ fn fused_kernel_matches_the_cpu_in_f32() {
                     .regions(c.height, c.width)
                     .unwrap()
             });
-            let stored = crate::model::layers::attention::cpu::window_attention(
+            let stored = crate::ops::attention::cpu::window_attention(
                 &qkv,
                 &table,
                 regions.as_deref(),
@@ -379,7 +379,7 @@ fn models_with_fused_attention_match_the_reference() {
         let io = candle_core::safetensors::load(&case.io, &Device::Cpu).expect("io fixture");
         let (input, expected) = (&io["input"], &io["output"]);
         let load = |dtype, device: &Device, attention| {
-            let ck = crate::model::Checkpoint::load(&case.weights)
+            let ck = crate::nets::Checkpoint::load(&case.weights)
                 .unwrap_or_else(|e| panic!("{}: {e}", case.name));
             Model::from_checkpoint_with(ck, dtype, device, attention).unwrap()
         };

@@ -4,7 +4,7 @@
 use super::gpu;
 use crate::engine::lanes::{pool_peak, Lanes};
 use crate::engine::{DeviceChoice, Engine};
-use crate::model::Checkpoint;
+use crate::nets::Checkpoint;
 use crate::tile::blend::Weights;
 use crate::tile::device::{weight_table, DeviceCanvas};
 use crate::tile::stitch::finish_canvases;
@@ -21,7 +21,7 @@ fn cuda_lanes(streams: usize) -> Lanes {
     let lanes = Lanes::open(
         checkpoint(),
         gpu(),
-        (DType::F32, crate::model::Attention::Fused),
+        (DType::F32, crate::nets::Attention::Fused),
         &DeviceChoice::Cuda(vec![0]),
         streams,
         &mut |w| warnings.push(w),

@@ -19,9 +19,9 @@ use crate::tests::fixtures::max_abs;
 /// candle's fallbacks to themselves and pass whatever our kernels do, so it must be unset.
 fn gpu() -> Device {
     assert!(
-        std::env::var_os(crate::model::cuda_off::VAR).is_none(),
+        std::env::var_os(crate::switches::cuda_off::VAR).is_none(),
         "unset {}: the GPU tests check our kernels",
-        crate::model::cuda_off::VAR
+        crate::switches::cuda_off::VAR
     );
     Device::new_cuda(0).expect("an NVIDIA GPU: these tests run on a GPU machine")
 }

@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::{gpu, max_abs, within};
-use crate::model::layers::attention::cuda::{with_overlap_kernel, FusedOverlapAttention};
-use crate::model::layers::attention::{overlap_attention_graph, overlap_bias};
-use crate::model::{Attention, Checkpoint, Model};
+use crate::nets::{Attention, Checkpoint, Model};
+use crate::ops::attention::cuda::{with_overlap_kernel, FusedOverlapAttention};
+use crate::ops::attention::{overlap_attention_graph, overlap_bias};
 use crate::tests::fixtures::{load_io, max_abs_diff, TOLERANCE};
 use candle_core::{DType, Device, Module, Result, Tensor};
 

@@ -7,10 +7,10 @@
 //! size, far beyond that.
 
 use super::gpu;
-use crate::model::layers::conv::cuda as conv_rw;
-use crate::model::layers::linear::rowwise::{self, Act};
-use crate::model::layers::norm::{cuda as norm_rw, Norm};
-use crate::model::pad_channels::{Channels, Pad};
+use crate::ops::conv::cuda as conv_rw;
+use crate::ops::linear::rowwise::{self, Act};
+use crate::ops::norm::{cuda as norm_rw, Norm};
+use crate::ops::pad::{Channels, Pad};
 use crate::tests::fixtures::{f32_bits, f32_values};
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -318,7 +318,7 @@ fn norm_register_variants_match_the_per_pass_kernels() {
 /// so the sum's bound grows by `u (|x| + 2 |z s|)`.
 #[test]
 fn add_gather_norm_with_a_scaled_term_matches_the_exact_sum() {
-    use crate::model::cuda_off::{self, Off};
+    use crate::switches::cuda_off::{self, Off};
     let dev = gpu();
     let seed = (randn(&[512]), randn(&[512]));
     let mut failures = Vec::new();

@@ -1,0 +1,330 @@
+//! The layers every Swin-family network here shares (DRCT, SwinIR, HAT): the transformer
+//! block with shifted-window attention, its MLP, and the frame around a network's body
+//! (window padding, mean, first convolution, crop). One struct per layer of the official
+//! models, each built from a VarBuilder whose path is the state-dict key. Features are kept
+//! channels-last, `(B, H, W, C)`, so every token-wise layer is one matmul over contiguous
+//! memory.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::ops::attention::windows::WindowCache;
+use crate::ops::attention::Attend;
+use crate::ops::conv::Conv3x3;
+use crate::ops::linear::{spread2, Dense};
+use crate::ops::norm::{add_gather_norm, layer_norm, norm_gather, Norm};
+use crate::ops::pad::{Channels, Pad};
+use crate::ops::LoadPlan;
+
+/// The RGB mean the official models subtract (img_range 1.0); not stored in checkpoints.
+const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
+
+/// [`RGB_MEAN`] as the `(1, 1, 1, 3)` tensor the networks subtract and add back, in `vb`'s
+/// dtype and on its device.
+pub(crate) fn rgb_mean(vb: &VarBuilder) -> Result<Tensor> {
+    Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())
+}
+
+/// The pixel-shuffle upsampler's convolutions `upsample.0`, `upsample.2`, ... (each followed
+/// by a shuffle of its factor in `stages`), from `num_feat` channels laid out as `f`, their
+/// outputs padded as `pad` says; each with its factor.
+pub(crate) fn shuffle_stages(
+    stages: Vec<usize>,
+    (f, num_feat): (&Channels, usize),
+    pad: Pad,
+    plan: &LoadPlan,
+    vb: &VarBuilder,
+) -> Result<Vec<(Conv3x3, usize)>> {
+    stages
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let vb = vb.pp(format!("upsample.{}", 2 * i));
+            Ok((Conv3x3::shuffled(f, (num_feat, r), pad, plan, vb)?, r))
+        })
+        .collect()
+}
+/// LayerNorm epsilon of torch's default, which the official models use.
+const LN_EPS: f64 = 1e-5;
+/// `nn.LeakyReLU()`'s default slope, used after `conv_before_upsample`.
+pub(crate) const UPSAMPLE_SLOPE: f64 = 0.01;
+
+/// A layer norm over `channels`, normalising the real ones only.
+pub(crate) fn load_norm(channels: &Channels, vb: VarBuilder) -> Result<Norm> {
+    Norm::load(channels, LN_EPS, vb)
+}
+
+/// A layer norm over `dim` unpadded channels (the other Swin-family networks' norms).
+pub(crate) fn load_layer_norm(dim: usize, vb: VarBuilder) -> Result<Norm> {
+    load_norm(&Pad::OFF.one(dim), vb)
+}
+
+/// The two-layer MLP of a transformer block, with the exact GELU between.
+pub struct Mlp {
+    pub(crate) fc1: Dense,
+    pub(crate) fc2: Dense,
+}
+
+impl Mlp {
+    pub fn new(dim: &Channels, hidden: &Channels, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            fc1: Dense::load(dim, hidden, plan, vb.pp("fc1"))?,
+            fc2: Dense::load(hidden, dim, plan, vb.pp("fc2"))?,
+        })
+    }
+
+    /// The MLP stored under `vb`, `dim` -> `hidden` -> `dim` channels, none padded.
+    pub(crate) fn unpadded(
+        dim: usize,
+        hidden: usize,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Self::new(&Pad::OFF.one(dim), &Pad::OFF.one(hidden), plan, vb)
+    }
+}
+
+impl Mlp {
+    /// `residual + mlp(x)`. Takes the residual by value: on CUDA in bf16 and f16 the second
+    /// layer adds onto its buffer in place.
+    pub(crate) fn forward_residual(&self, x: &Tensor, residual: Tensor) -> Result<Tensor> {
+        // The official model uses nn.GELU(): the exact erf form, not the tanh approximation.
+        let hidden = self.fc1.forward_gelu(x)?;
+        if let Some(y) = self.fc2.accumulate_onto(&hidden, residual.clone())? {
+            return Ok(y);
+        }
+        self.fc2.forward_residual(&hidden, &residual)
+    }
+}
+
+/// Window multi-head self-attention: qkv, the attention of each window
+/// ([`Attend`]), proj.
+pub struct WindowAttention {
+    pub(crate) qkv: Dense,
+    pub(crate) proj: Dense,
+    attend: Attend,
+}
+
+impl WindowAttention {
+    /// The attention of a block over `channels`, its heads' dims padded as `plan` says.
+    pub fn new(
+        channels: &Channels,
+        heads: usize,
+        ws: usize,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let pad = plan.pad;
+        let dim = channels.real();
+        let head_dim = dim / heads;
+        // Fold head_dim^-0.5 into the query rows of qkv: one multiply at load instead of a
+        // pass over q in every forward. The real head dim's: padded dims add zero products.
+        let scale = (head_dim as f64).powf(-0.5);
+        let w = vb.pp("qkv").get((3 * dim, dim), "weight")?;
+        let b = vb.pp("qkv").get(3 * dim, "bias")?;
+        let w = Tensor::cat(
+            &[(w.narrow(0, 0, dim)? * scale)?, w.narrow(0, dim, 2 * dim)?],
+            0,
+        )?;
+        let b = Tensor::cat(
+            &[(b.narrow(0, 0, dim)? * scale)?, b.narrow(0, dim, 2 * dim)?],
+            0,
+        )?;
+        // Every head of q, k and v padded on its own, with zero columns that add nothing to
+        // q·k and leave zeros in the output, which proj reads with zero weights.
+        let head_channels = pad.parts(heads, head_dim);
+        let qkv_channels = pad.parts(3 * heads, head_dim);
+        let w = spread2(&w, &qkv_channels, channels)?;
+        let b = qkv_channels.spread(&b, 0)?;
+        let table = vb.get(
+            ((2 * ws - 1) * (2 * ws - 1), heads),
+            "relative_position_bias_table",
+        )?;
+        Ok(Self {
+            qkv: Dense::new(w, b, plan)?,
+            proj: Dense::load(&head_channels, channels, plan, vb.pp("proj"))?,
+            attend: Attend::new(&table, heads, pad.width(head_dim), ws, plan)?,
+        })
+    }
+
+    /// `x`: windows `(B*nW, N, C)` of `(B, h, w)` maps, partitioned after a half-window shift
+    /// when `shifted` (then masked as `windows` says for that size).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        hw: (usize, usize),
+        shifted: bool,
+        windows: &WindowCache,
+    ) -> Result<Tensor> {
+        let out = self
+            .attend
+            .forward(&self.qkv.forward(x)?, hw, shifted, windows)?;
+        self.proj.forward(&out)
+    }
+
+    /// [`Self::forward`] through the fused op whatever the device: its CPU twin checks the
+    /// CUDA kernel's logic.
+    #[cfg(test)]
+    pub(crate) fn forward_fused(
+        &self,
+        x: &Tensor,
+        hw: (usize, usize),
+        shifted: bool,
+    ) -> Result<Tensor> {
+        let out = self.attend.fused(&self.qkv.forward(x)?, hw, shifted)?;
+        self.proj.forward(&out)
+    }
+}
+
+pub struct SwinBlock {
+    pub(crate) norm1: Norm,
+    pub(crate) attn: WindowAttention,
+    pub(crate) norm2: Norm,
+    pub(crate) mlp: Mlp,
+    window: usize,
+    shifted: bool,
+    windows: WindowCache,
+}
+
+impl SwinBlock {
+    /// The block of any Swin-family network: width, heads, MLP width, window and shift, its
+    /// channels unpadded whatever `plan` says.
+    pub(crate) fn with_shape(
+        s: BlockShape,
+        windows: &WindowCache,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let plan = LoadPlan {
+            pad: Pad::OFF,
+            ..*plan
+        };
+        Self::padded(s, &plan.pad.one(s.dim), windows, &plan, vb)
+    }
+
+    /// The block of shape `s` whose input channels are laid out as `dim`, each part padded
+    /// to the multiple `plan` says.
+    pub(crate) fn padded(
+        s: BlockShape,
+        dim: &Channels,
+        windows: &WindowCache,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Ok(Self {
+            norm1: load_norm(dim, vb.pp("norm1"))?,
+            attn: WindowAttention::new(dim, s.heads, s.window, plan, vb.pp("attn"))?,
+            norm2: load_norm(dim, vb.pp("norm2"))?,
+            mlp: Mlp::new(dim, &plan.pad.one(s.mlp_hidden), plan, vb.pp("mlp"))?,
+            window: s.window,
+            shifted: s.shifted,
+            windows: windows.clone(),
+        })
+    }
+}
+
+/// The shape of one Swin block (see [`SwinBlock::with_shape`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockShape {
+    pub dim: usize,
+    pub heads: usize,
+    pub mlp_hidden: usize,
+    pub window: usize,
+    pub shifted: bool,
+}
+
+impl Module for SwinBlock {
+    /// `x`: `(B, H, W, C)` with H and W multiples of the window.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_plus(x, None)
+    }
+}
+
+impl SwinBlock {
+    /// The block's first LayerNorm, for a branch that reads the same normalised input.
+    pub(crate) fn norm1(&self) -> &Norm {
+        &self.norm1
+    }
+
+    /// The block with `extra` `(z, s)` added to the attention's residual sum, before the MLP:
+    /// `z` `(B, H, W, C)` times `s` `(B, C)`, a scale per image and channel (HAT's convolution
+    /// branch), summed in the same pass as the residual and its norm.
+    pub(crate) fn forward_plus(
+        &self,
+        x: &Tensor,
+        extra: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor> {
+        let (b, h, w, c) = x.dims4()?;
+        let ws = self.window;
+        let (nh, nw) = (h / ws, w / ws);
+        // One gather each way stands for the cyclic shift and the window partition; each is
+        // fused with the layer norm next to it.
+        let (order, back) = self.windows.partition(h, w, self.shifted)?;
+        let x = x.reshape((b, h * w, c))?;
+        let windows = norm_gather(&self.norm1, &x, &order)?.reshape((b * nh * nw, ws * ws, c))?;
+        let y = self
+            .attn
+            .forward(&windows, (h, w), self.shifted, &self.windows)?;
+        let z = extra.map(|(z, _)| z.reshape((b, h * w, c))).transpose()?;
+        let scaled = z.as_ref().zip(extra.map(|(_, s)| s));
+        let y = y.reshape((b, h * w, c))?;
+        let (x, normed) = add_gather_norm(&self.norm2, &x, scaled, &y, &back)?;
+        self.mlp.forward_residual(&normed, x)?.reshape((b, h, w, c))
+    }
+}
+
+/// The frame every Swin-family network runs in: `x` `(B, 3, H, W)` reflect-padded
+/// bottom/right to a multiple of the window (as the official test pipelines do), in `dtype`,
+/// channels-last with the RGB `mean` subtracted, through `conv_first` (and the patch norm when
+/// the model has one); `deep` takes those shallow features and the normalised tokens and
+/// returns the model's `(B, sH', sW', 3)` output, whose padding this crops away before going
+/// back to channels-first.
+pub(crate) fn swin_frame(
+    x: &Tensor,
+    (dtype, window, scale): (DType, usize, usize),
+    (mean, conv_first, patch_norm): (&Tensor, &Conv3x3, Option<&Norm>),
+    deep: impl FnOnce(Tensor, Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (_, _, h, w) = x.dims4()?;
+    let x = reflect_pad_bottom_right(&x.to_dtype(dtype)?, window)?;
+    // Channels-last from here on: every layer is a matmul over the channel axis.
+    let x = x.permute((0, 2, 3, 1))?.broadcast_sub(mean)?;
+    let f0 = conv_first.forward(&x)?;
+    let t = match patch_norm {
+        Some(norm) => layer_norm(norm, &f0)?,
+        None => f0.clone(),
+    };
+    let y = deep(f0, t)?;
+    let y = y.narrow(1, 0, h * scale)?.narrow(2, 0, w * scale)?;
+    y.permute((0, 3, 1, 2))?.contiguous()
+}
+
+/// Reflect-101 indices (edge not repeated) for extending `size` samples to `padded`. Sizes
+/// smaller than the padding fold back and forth, so even a 1-pixel input gets a defined pad.
+pub fn reflect_indices(size: usize, padded: usize) -> Vec<u32> {
+    (0..padded)
+        .map(|i| {
+            if size == 1 {
+                return 0;
+            }
+            let period = 2 * (size - 1);
+            let m = i % period;
+            (if m < size { m } else { period - m }) as u32
+        })
+        .collect()
+}
+
+pub(crate) fn reflect_pad_bottom_right(x: &Tensor, ws: usize) -> Result<Tensor> {
+    let (_, _, h, w) = x.dims4()?;
+    let (hp, wp) = (h.div_ceil(ws) * ws, w.div_ceil(ws) * ws);
+    let mut x = x.clone();
+    if hp != h {
+        let idx = Tensor::from_vec(reflect_indices(h, hp), hp, x.device())?;
+        x = x.index_select(&idx, 2)?;
+    }
+    if wp != w {
+        let idx = Tensor::from_vec(reflect_indices(w, wp), wp, x.device())?;
+        x = x.index_select(&idx, 3)?;
+    }
+    Ok(x)
+}

@@ -1,0 +1,796 @@
+//! SwinIR (Liang et al., 2021), super-resolution variants, inference only.
+//!
+//! The network, as the paper and the official `network_swinir.py` define it:
+//!
+//! ```text
+//! x  = x - mean                                   (img_range 1, the DIV2K RGB mean)
+//! f0 = conv_first(x)                              3x3, 3 -> E
+//! t  = patch_embed.norm(tokens(f0))               when patch_norm
+//! for each RSTB i:  t = conv_i(swin_blocks_i(t)) + t
+//!                                                 blocks alternate plain / half-window shift;
+//!                                                 conv_i is one 3x3 ("1conv") or 3x3 E->E/4,
+//!                                                 lrelu 0.2, 1x1, lrelu 0.2, 3x3 E/4->E ("3conv")
+//! b  = conv_after_body(norm(t)) + f0              same 1conv / 3conv choice
+//! pixelshuffle:        conv_last(upsample(lrelu_0.01(conv_before_upsample(b))))
+//! pixelshuffledirect:  PixelShuffle(s)(upsample.0(b))           (the lightweight models)
+//! nearest+conv:        y = lrelu_0.01(conv_before_upsample(b));
+//!                      y = lrelu_0.2(conv_up1(nearest2(y))); [x4: the same with conv_up2]
+//!                      conv_last(lrelu_0.2(conv_hr(y)))         (the real-world models)
+//! y  = that + mean, cropped to (sH, sW)
+//! ```
+//!
+//! The Swin block is DRCT's ([`crate::nets::swin::SwinBlock`]): the same LayerNorms, window
+//! attention with relative position bias and shift mask, and erf-GELU MLP. The input is
+//! reflect-padded (edge not repeated) on the bottom and right to a window multiple, as the
+//! official network's own `check_image_size` does, and the output cropped.
+//!
+//! The configuration is read from the state dict alone and every tensor is checked against
+//! it before anything is built, as for DRCT.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+use serde::Serialize;
+
+use crate::nets::drct::config::ConfigError;
+use crate::nets::swin::{
+    load_layer_norm, rgb_mean, shuffle_stages, swin_frame, BlockShape, SwinBlock, UPSAMPLE_SLOPE,
+};
+use crate::ops::attention::windows::WindowCache;
+use crate::ops::conv::Conv3x3;
+use crate::ops::linear::{pointwise_with, Dense};
+use crate::ops::norm::{layer_norm, Norm};
+use crate::ops::pad::Pad;
+use crate::ops::{build_layers, LoadPlan};
+
+/// Slope of the LeakyReLUs inside the 3conv residual connection and the nearest+conv
+/// upsampler.
+const SLOPE: f64 = 0.2;
+
+/// The convolution closing each residual group and the body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum ResiConnection {
+    /// One 3x3 convolution (`conv.weight`).
+    #[serde(rename = "1conv")]
+    OneConv,
+    /// 3x3 to E/4, LeakyReLU, 1x1, LeakyReLU, 3x3 back to E (`conv.0`, `conv.2`, `conv.4`).
+    #[serde(rename = "3conv")]
+    ThreeConv,
+}
+
+/// The upsampler at the end of the network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Upsampler {
+    /// Classical SR: a 3x3 to `num_feat`, then pixel-shuffle stages, then `conv_last`.
+    #[serde(rename = "pixelshuffle")]
+    PixelShuffle,
+    /// Lightweight SR: one 3x3 straight to `3 * s * s` channels and one pixel shuffle.
+    #[serde(rename = "pixelshuffledirect")]
+    PixelShuffleDirect,
+    /// Real-world SR: nearest-neighbour x2 steps, each followed by a 3x3.
+    #[serde(rename = "nearest+conv")]
+    NearestConv,
+}
+
+impl Upsampler {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::PixelShuffle => "pixelshuffle",
+            Self::PixelShuffleDirect => "pixelshuffledirect",
+            Self::NearestConv => "nearest+conv",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SwinIrConfig {
+    pub embed_dim: usize,
+    /// Swin blocks of each residual group (RSTB).
+    pub depths: Vec<usize>,
+    /// Heads of each residual group (every block of a group has the same).
+    pub heads: Vec<usize>,
+    pub window: usize,
+    pub mlp_hidden: usize,
+    pub patch_norm: bool,
+    pub resi_connection: ResiConnection,
+    pub upsampler: Upsampler,
+    /// Channels of the upsampler (0 for pixelshuffledirect, which has none of its own).
+    pub num_feat: usize,
+    pub scale: usize,
+}
+
+impl SwinIrConfig {
+    /// The released family member these numbers match, else a plain "SwinIR".
+    pub fn variant(&self) -> &'static str {
+        let uniform = |d: usize, h: usize| {
+            self.depths.iter().all(|&x| x == d) && self.heads.iter().all(|&x| x == h)
+        };
+        match (self.embed_dim, self.depths.len(), self.upsampler) {
+            (60, 4, Upsampler::PixelShuffleDirect) if uniform(6, 6) => "SwinIR-S (lightweight)",
+            (180, 6, Upsampler::NearestConv) if uniform(6, 6) => "SwinIR-M (real-world)",
+            (240, 9, Upsampler::NearestConv) if uniform(6, 8) => "SwinIR-L (real-world)",
+            (180, 6, _) if uniform(6, 6) => "SwinIR-M (classical)",
+            _ => "SwinIR",
+        }
+    }
+
+    pub fn head_dim(&self, layer: usize) -> usize {
+        self.embed_dim / self.heads[layer]
+    }
+
+    /// The narrow width of the 3conv connection.
+    fn quarter(&self) -> usize {
+        self.embed_dim / 4
+    }
+
+    fn push_resi(&self, t: &mut Vec<(String, Vec<usize>)>, p: &str) {
+        let e = self.embed_dim;
+        let q = self.quarter();
+        let convs: Vec<(String, usize, usize, usize)> = match self.resi_connection {
+            ResiConnection::OneConv => vec![(p.to_string(), e, e, 3)],
+            ResiConnection::ThreeConv => vec![
+                (format!("{p}.0"), q, e, 3),
+                (format!("{p}.2"), q, q, 1),
+                (format!("{p}.4"), e, q, 3),
+            ],
+        };
+        for (name, cout, cin, k) in convs {
+            t.push((format!("{name}.weight"), vec![cout, cin, k, k]));
+            t.push((format!("{name}.bias"), vec![cout]));
+        }
+    }
+
+    /// Every tensor the network needs, with its shape: the single source of truth for
+    /// validation and the parameter count.
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let e = self.embed_dim;
+        let ws = self.window;
+        let f = self.num_feat;
+        let hid = self.mlp_hidden;
+        let mut t: Vec<(String, Vec<usize>)> = Vec::new();
+        let conv = |t: &mut Vec<(String, Vec<usize>)>, name: &str, cout, cin| {
+            t.push((format!("{name}.weight"), vec![cout, cin, 3, 3]));
+            t.push((format!("{name}.bias"), vec![cout]));
+        };
+        conv(&mut t, "conv_first", e, 3);
+        if self.patch_norm {
+            t.push(("patch_embed.norm.weight".into(), vec![e]));
+            t.push(("patch_embed.norm.bias".into(), vec![e]));
+        }
+        for (i, (&depth, &heads)) in self.depths.iter().zip(&self.heads).enumerate() {
+            for j in 0..depth {
+                let p = format!("layers.{i}.residual_group.blocks.{j}");
+                let mut push =
+                    |name: &str, shape: Vec<usize>| t.push((format!("{p}.{name}"), shape));
+                push("norm1.weight", vec![e]);
+                push("norm1.bias", vec![e]);
+                push(
+                    "attn.relative_position_bias_table",
+                    vec![(2 * ws - 1) * (2 * ws - 1), heads],
+                );
+                push("attn.qkv.weight", vec![3 * e, e]);
+                push("attn.qkv.bias", vec![3 * e]);
+                push("attn.proj.weight", vec![e, e]);
+                push("attn.proj.bias", vec![e]);
+                push("norm2.weight", vec![e]);
+                push("norm2.bias", vec![e]);
+                push("mlp.fc1.weight", vec![hid, e]);
+                push("mlp.fc1.bias", vec![hid]);
+                push("mlp.fc2.weight", vec![e, hid]);
+                push("mlp.fc2.bias", vec![e]);
+            }
+            self.push_resi(&mut t, &format!("layers.{i}.conv"));
+        }
+        t.push(("norm.weight".into(), vec![e]));
+        t.push(("norm.bias".into(), vec![e]));
+        self.push_resi(&mut t, "conv_after_body");
+        match self.upsampler {
+            Upsampler::PixelShuffle => {
+                conv(&mut t, "conv_before_upsample.0", f, e);
+                for (i, r) in self.upsample_stages().iter().enumerate() {
+                    conv(&mut t, &format!("upsample.{}", 2 * i), r * r * f, f);
+                }
+                conv(&mut t, "conv_last", 3, f);
+            }
+            Upsampler::PixelShuffleDirect => {
+                conv(&mut t, "upsample.0", 3 * self.scale * self.scale, e);
+            }
+            Upsampler::NearestConv => {
+                conv(&mut t, "conv_before_upsample.0", f, e);
+                conv(&mut t, "conv_up1", f, f);
+                if self.scale == 4 {
+                    conv(&mut t, "conv_up2", f, f);
+                }
+                conv(&mut t, "conv_hr", f, f);
+                conv(&mut t, "conv_last", 3, f);
+            }
+        }
+        t
+    }
+
+    /// Pixel-shuffle factor of each stage of the classical upsampler.
+    pub fn upsample_stages(&self) -> Vec<usize> {
+        pixel_shuffle_stages(self.scale)
+    }
+
+    pub fn parameter_count(&self) -> usize {
+        parameters(&self.expected_tensors())
+    }
+
+    /// The most values one intermediate tensor holds per padded input pixel (see
+    /// [`super::DrctConfig::largest_tensor_per_pixel`]).
+    pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool) -> usize {
+        let n = self.window * self.window;
+        let heads = self.heads.iter().copied().max().unwrap_or(1);
+        let scores = if scores_in_memory { heads * n } else { 0 };
+        let upsampler = self.num_feat.max(3) * self.scale * self.scale;
+        [scores, 3 * self.embed_dim, self.mlp_hidden, upsampler]
+            .into_iter()
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// Multiply-adds x2 of one forward pass over a padded `h x w` input (convolutions,
+    /// linear layers and both attention products).
+    pub fn flops(&self, h: usize, w: usize) -> f64 {
+        let per_pixel: f64 = self
+            .expected_tensors()
+            .iter()
+            .filter(|(name, s)| name.ends_with(".weight") && s.len() == 4)
+            .map(|(name, s)| {
+                // Convolutions run at the resolution their position implies.
+                let area = self.conv_area(name);
+                2.0 * area * s.iter().product::<usize>() as f64
+            })
+            .sum();
+        let l = (h * w) as f64;
+        let e = self.embed_dim as f64;
+        let n = (self.window * self.window) as f64;
+        let hid = self.mlp_hidden as f64;
+        let blocks: usize = self.depths.iter().sum();
+        let linear = 2.0 * (4.0 * e * e + 2.0 * e * hid) + 4.0 * n * e;
+        l * (per_pixel + blocks as f64 * linear)
+    }
+
+    /// Output pixels per input pixel of the convolution named `name`.
+    fn conv_area(&self, name: &str) -> f64 {
+        let s2 = (self.scale * self.scale) as f64;
+        if let Some(rest) = name.strip_prefix("upsample.") {
+            let stage: usize = rest
+                .split('.')
+                .next()
+                .and_then(|i| i.parse().ok())
+                .unwrap_or(0);
+            let stages = self.upsample_stages();
+            return stages[..(stage / 2).min(stages.len())]
+                .iter()
+                .map(|r| (r * r) as f64)
+                .product();
+        }
+        match name {
+            "conv_up1.weight" => 4.0,
+            "conv_up2.weight" => 16.0,
+            "conv_hr.weight" | "conv_last.weight" => s2,
+            _ => 1.0,
+        }
+    }
+
+    /// Infer the config from tensor names and shapes, then check every tensor against it.
+    pub fn infer(shapes: &Shapes) -> std::result::Result<Self, ConfigError> {
+        let name = "conv_first.weight";
+        let cf = tensor(shapes, name)?;
+        if cf.len() != 4 || cf[0] == 0 || cf[2] != 3 || cf[3] != 3 {
+            return Err(ConfigError::shape(
+                name,
+                cf,
+                "; a SwinIR model has [E, 3, 3, 3]",
+            ));
+        }
+        if cf[1] != 3 {
+            return Err(ConfigError::NotRgb {
+                arch: "SwinIR",
+                channels: cf[1],
+            });
+        }
+        let embed_dim = cf[0];
+        let SwinLayout {
+            depths,
+            window,
+            heads,
+        } = swin_layout(shapes, embed_dim)?;
+        let block0 = "layers.0.residual_group.blocks.0";
+        let width = |name: &str| out_width(shapes, name);
+        let mlp_hidden = width(&format!("{block0}.mlp.fc1.weight"))?;
+        let resi_connection = if shapes.contains_key("conv_after_body.0.weight") {
+            ResiConnection::ThreeConv
+        } else {
+            ResiConnection::OneConv
+        };
+        if resi_connection == ResiConnection::ThreeConv && (embed_dim < 4 || embed_dim % 4 != 0) {
+            return Err(ConfigError::ThreeConvWidth(embed_dim));
+        }
+        let (upsampler, num_feat, scale) = if shapes.contains_key("conv_up1.weight") {
+            let f = width("conv_before_upsample.0.weight")?;
+            let scale = if shapes.contains_key("conv_up2.weight") {
+                4
+            } else {
+                2
+            };
+            (Upsampler::NearestConv, f, scale)
+        } else if shapes.contains_key("conv_before_upsample.0.weight") {
+            let f = width("conv_before_upsample.0.weight")?;
+            (Upsampler::PixelShuffle, f, pixel_shuffle_scale(shapes, f)?)
+        } else if shapes.contains_key("upsample.0.weight") {
+            let out = width("upsample.0.weight")?;
+            let s = isqrt(out / 3);
+            if s < 2 || 3 * s * s != out {
+                return Err(ConfigError::DirectUpsampler(out));
+            }
+            (Upsampler::PixelShuffleDirect, 0, s)
+        } else {
+            return Err(ConfigError::NoUpsampler);
+        };
+        let cfg = SwinIrConfig {
+            embed_dim,
+            depths,
+            heads,
+            window,
+            mlp_hidden,
+            patch_norm: shapes.contains_key("patch_embed.norm.weight"),
+            resi_connection,
+            upsampler,
+            num_feat,
+            scale,
+        };
+        check_shapes(&cfg.expected_tensors(), shapes, UNEXPECTED_SWINIR)?;
+        Ok(cfg)
+    }
+}
+
+/// What SwinIR and HAT checkpoints share: blocks per residual group
+/// (`layers.i.residual_group.blocks.j`), the window (from the first block's relative position
+/// table) and each group's heads, which must divide the width `embed_dim`.
+pub(crate) struct SwinLayout {
+    pub depths: Vec<usize>,
+    pub window: usize,
+    pub heads: Vec<usize>,
+}
+
+/// [`SwinLayout`] read from the tensor shapes, or what is wrong with them.
+pub(crate) fn swin_layout(
+    shapes: &Shapes,
+    embed_dim: usize,
+) -> std::result::Result<SwinLayout, ConfigError> {
+    if shapes.contains_key("absolute_pos_embed") {
+        return Err(ConfigError::Unsupported(
+            "absolute position embedding (ape=True)",
+        ));
+    }
+    let mut depths: Vec<usize> = Vec::new();
+    for key in shapes.keys() {
+        let Some(rest) = key.strip_prefix("layers.") else {
+            continue;
+        };
+        let mut parts = rest.split('.');
+        let i: usize =
+            parts
+                .next()
+                .and_then(|i| i.parse().ok())
+                .ok_or_else(|| ConfigError::Unexpected {
+                    name: key.clone(),
+                    hint: "",
+                })?;
+        if depths.len() <= i {
+            depths.resize(i + 1, 0);
+        }
+        if parts.next() == Some("residual_group") && parts.next() == Some("blocks") {
+            let j: usize = parts.next().and_then(|j| j.parse().ok()).ok_or_else(|| {
+                ConfigError::Unexpected {
+                    name: key.clone(),
+                    hint: "",
+                }
+            })?;
+            depths[i] = depths[i].max(j + 1);
+        }
+    }
+    if let Some(i) = depths.iter().position(|&d| d == 0) {
+        return Err(ConfigError::EmptyGroup(i));
+    }
+    if depths.is_empty() {
+        return Err(ConfigError::NoSwinGroups);
+    }
+    let block0 = "layers.0.residual_group.blocks.0";
+    let table_name = format!("{block0}.attn.relative_position_bias_table");
+    let table = tensor(shapes, &table_name)?;
+    let side = if table.len() == 2 { isqrt(table[0]) } else { 0 };
+    if table.len() != 2 || side * side != table[0] || side % 2 == 0 {
+        return Err(ConfigError::shape(
+            &table_name,
+            table,
+            "; expected [(2*window-1)^2, heads]",
+        ));
+    }
+    let window = side.div_ceil(2);
+    let mut heads = Vec::with_capacity(depths.len());
+    for i in 0..depths.len() {
+        let name = format!("layers.{i}.residual_group.blocks.0.attn.relative_position_bias_table");
+        let t = tensor(shapes, &name)?;
+        let h = t.get(1).copied().unwrap_or(0);
+        if h == 0 || !embed_dim.is_multiple_of(h) {
+            return Err(ConfigError::shape(
+                &name,
+                t,
+                format!(": {h} heads do not divide the width {embed_dim}"),
+            ));
+        }
+        heads.push(h);
+    }
+    Ok(SwinLayout {
+        depths,
+        window,
+        heads,
+    })
+}
+
+/// The product of the classical upsampler's pixel-shuffle stages (`upsample.0`, `.2`, ...).
+pub(crate) fn pixel_shuffle_scale(
+    shapes: &Shapes,
+    f: usize,
+) -> std::result::Result<usize, ConfigError> {
+    let mut scale = 1;
+    let mut stage = 0;
+    while let Some(w) = shapes.get(&format!("upsample.{}.weight", 2 * stage)) {
+        let out = w.first().copied().unwrap_or(0);
+        let r = isqrt(out / f.max(1));
+        if w.len() != 4 || r * r * f != out || !(r == 2 || r == 3) {
+            return Err(ConfigError::shape(
+                &format!("upsample.{}.weight", 2 * stage),
+                w,
+                format!(": not a pixel-shuffle stage of 2 or 3 over {f} channels"),
+            ));
+        }
+        scale *= r;
+        stage += 1;
+    }
+    if stage == 0 {
+        return Err(ConfigError::missing("upsample.0.weight", ""));
+    }
+    if !(scale == 3 || (scale.is_power_of_two() && scale >= 2)) || (scale % 3 == 0 && stage > 1) {
+        return Err(ConfigError::Upsampler {
+            scale,
+            stages: stage,
+        });
+    }
+    Ok(scale)
+}
+
+/// Every expected tensor present with its exact shape, and nothing unexplained left over.
+pub(crate) fn check_shapes(
+    expected: &[(String, Vec<usize>)],
+    shapes: &Shapes,
+    unexpected: &'static str,
+) -> std::result::Result<(), ConfigError> {
+    for (name, shape) in expected {
+        let found = tensor(shapes, name)?;
+        if found != shape {
+            return Err(ConfigError::shape(
+                name,
+                found,
+                format!(" but the inferred config needs {shape:?}"),
+            ));
+        }
+    }
+    if expected.len() != shapes.len() {
+        let known: std::collections::HashSet<&str> =
+            expected.iter().map(|(n, _)| n.as_str()).collect();
+        if let Some(extra) = shapes.keys().find(|k| !known.contains(k.as_str())) {
+            return Err(ConfigError::Unexpected {
+                name: extra.clone(),
+                hint: unexpected,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The factors of a classical upsampler's pixel-shuffle stages for `scale`: one stage of 3,
+/// or stages of 2.
+pub(crate) fn pixel_shuffle_stages(scale: usize) -> Vec<usize> {
+    if scale == 3 {
+        vec![3]
+    } else {
+        vec![2; scale.trailing_zeros() as usize]
+    }
+}
+
+/// The parameters that tensors of these shapes hold.
+pub(crate) fn parameters(tensors: &[(String, Vec<usize>)]) -> usize {
+    tensors
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum()
+}
+
+/// Tensor names and shapes of a checkpoint.
+pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
+
+/// What [`check_shapes`] adds to an unexpected tensor's name.
+const UNEXPECTED_SWINIR: &str = " (an unsupported SwinIR variant or another architecture)";
+
+/// The shape of tensor `name`.
+pub(crate) fn tensor<'a>(
+    shapes: &'a Shapes,
+    name: &str,
+) -> std::result::Result<&'a [usize], ConfigError> {
+    shapes
+        .get(name)
+        .map(Vec::as_slice)
+        .ok_or_else(|| ConfigError::missing(name, ""))
+}
+
+/// The output width (first axis) of weight `name`.
+pub(crate) fn out_width(shapes: &Shapes, name: &str) -> std::result::Result<usize, ConfigError> {
+    let s = tensor(shapes, name)?;
+    match s.first() {
+        Some(&n) if n > 0 && s.len() >= 2 => Ok(n),
+        _ => Err(ConfigError::shape(name, s, "; expected a non-empty weight")),
+    }
+}
+
+pub(crate) fn isqrt(n: usize) -> usize {
+    let mut r = (n as f64).sqrt() as usize;
+    while r * r > n {
+        r -= 1;
+    }
+    while (r + 1) * (r + 1) <= n {
+        r += 1;
+    }
+    r
+}
+
+/// The convolution closing a residual group or the body, on channels-last features.
+enum Resi {
+    One(Conv3x3),
+    Three(Conv3x3, Dense, Conv3x3),
+}
+
+impl Resi {
+    fn new(cfg: &SwinIrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+        let e = cfg.embed_dim;
+        Ok(match cfg.resi_connection {
+            ResiConnection::OneConv => Self::One(Conv3x3::unpadded(e, e, plan, vb)?),
+            ResiConnection::ThreeConv => {
+                let q = cfg.quarter();
+                Self::Three(
+                    Conv3x3::unpadded(e, q, plan, vb.pp("0"))?,
+                    pointwise_with(q, q, plan, vb.pp("2"))?,
+                    Conv3x3::unpadded(q, e, plan, vb.pp("4"))?,
+                )
+            }
+        })
+    }
+}
+
+impl Module for Resi {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::One(c) => c.forward(x),
+            Self::Three(a, b, c) => {
+                let y = candle_nn::ops::leaky_relu(&a.forward(x)?, SLOPE)?;
+                let y = candle_nn::ops::leaky_relu(&b.forward(&y)?, SLOPE)?;
+                c.forward(&y)
+            }
+        }
+    }
+}
+
+/// Residual Swin Transformer block: Swin blocks, then the group's convolution, plus the input.
+struct Rstb {
+    blocks: Vec<SwinBlock>,
+    conv: Resi,
+}
+
+impl Module for Rstb {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut t = x.clone();
+        for b in &self.blocks {
+            t = b.forward(&t)?;
+        }
+        add(&self.conv.forward(&t)?, x)
+    }
+}
+
+/// `a + b`: the CPU kernel where it applies, else candle's op.
+fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match crate::ops::cpu::add(a, b)? {
+        Some(sum) => Ok(sum),
+        None => a + b,
+    }
+}
+
+enum Tail {
+    PixelShuffle {
+        before: Conv3x3,
+        stages: Vec<(Conv3x3, usize)>,
+        last: Conv3x3,
+    },
+    Direct {
+        conv: Conv3x3,
+        scale: usize,
+    },
+    NearestConv {
+        before: Conv3x3,
+        ups: Vec<Conv3x3>,
+        hr: Conv3x3,
+        last: Conv3x3,
+    },
+}
+
+/// `x` `(B, H, W, C)` repeated to `(B, 2H, 2W, C)` (nearest-neighbour upsampling by 2).
+fn nearest2(x: &Tensor) -> Result<Tensor> {
+    let (b, h, w, c) = x.dims4()?;
+    x.reshape((b, h, 1, w, 1, c))?
+        .broadcast_as((b, h, 2, w, 2, c))?
+        .contiguous()?
+        .reshape((b, 2 * h, 2 * w, c))
+}
+
+pub struct SwinIr {
+    conv_first: Conv3x3,
+    patch_norm: Option<Norm>,
+    layers: Vec<Rstb>,
+    norm: Norm,
+    conv_after_body: Resi,
+    tail: Tail,
+    mean: Tensor,
+    config: SwinIrConfig,
+    #[cfg_attr(not(test), allow(dead_code))]
+    windows: WindowCache,
+    dtype: DType,
+}
+
+impl SwinIr {
+    /// The network stored under `vb`, built as `plan` says (its channels never padded).
+    pub fn new(cfg: &SwinIrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+        let e = cfg.embed_dim;
+        let f = cfg.num_feat;
+        let windows = WindowCache::new(cfg.window, vb.dtype(), vb.device());
+        let build = |i: usize| -> Result<Rstb> {
+            let (depth, heads) = (cfg.depths[i], cfg.heads[i]);
+            let vb = vb.pp(format!("layers.{i}"));
+            let blocks = (0..depth)
+                .map(|j| {
+                    let shape = BlockShape {
+                        dim: e,
+                        heads,
+                        mlp_hidden: cfg.mlp_hidden,
+                        window: cfg.window,
+                        shifted: j % 2 == 1,
+                    };
+                    SwinBlock::with_shape(
+                        shape,
+                        &windows,
+                        plan,
+                        vb.pp(format!("residual_group.blocks.{j}")),
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Rstb {
+                blocks,
+                conv: Resi::new(cfg, plan, vb.pp("conv"))?,
+            })
+        };
+        let layers = build_layers(vb.device(), cfg.depths.len(), build)?;
+        let mean = rgb_mean(&vb)?;
+        let flat_mean = mean.flatten_all()?;
+        // The RGB mean added back at the end is folded into the last convolution's bias.
+        let tail = match cfg.upsampler {
+            Upsampler::PixelShuffle => Tail::PixelShuffle {
+                before: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
+                stages: shuffle_stages(
+                    cfg.upsample_stages(),
+                    (&Pad::OFF.one(f), f),
+                    Pad::OFF,
+                    plan,
+                    &vb,
+                )?,
+                last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?.add_to_bias(&flat_mean)?,
+            },
+            Upsampler::PixelShuffleDirect => {
+                let s = cfg.scale;
+                // After reordering, output channel (i*s + j)*3 + c is colour c of sub-pixel
+                // (i, j): the mean repeats once per sub-pixel.
+                let tiled = flat_mean.repeat(s * s)?;
+                let conv = Conv3x3::shuffled(
+                    &Pad::OFF.one(e),
+                    (3, s),
+                    Pad::OFF,
+                    plan,
+                    vb.pp("upsample.0"),
+                )?
+                .add_to_bias(&tiled)?;
+                Tail::Direct { conv, scale: s }
+            }
+            Upsampler::NearestConv => Tail::NearestConv {
+                before: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
+                ups: (1..=cfg.scale.trailing_zeros())
+                    .map(|k| Conv3x3::unpadded(f, f, plan, vb.pp(format!("conv_up{k}"))))
+                    .collect::<Result<Vec<_>>>()?,
+                hr: Conv3x3::unpadded(f, f, plan, vb.pp("conv_hr"))?,
+                last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?.add_to_bias(&flat_mean)?,
+            },
+        };
+        Ok(Self {
+            conv_first: Conv3x3::unpadded(3, e, plan, vb.pp("conv_first"))?,
+            patch_norm: if cfg.patch_norm {
+                Some(load_layer_norm(e, vb.pp("patch_embed.norm"))?)
+            } else {
+                None
+            },
+            layers,
+            norm: load_layer_norm(e, vb.pp("norm"))?,
+            conv_after_body: Resi::new(cfg, plan, vb.pp("conv_after_body"))?,
+            tail,
+            mean,
+            config: cfg.clone(),
+            windows,
+            dtype: vb.dtype(),
+        })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    #[cfg(test)]
+    pub fn cached_masks(&self) -> usize {
+        self.windows.len()
+    }
+}
+
+impl Module for SwinIr {
+    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)` in the model's
+    /// dtype, unclamped ([`swin_frame`]).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let shape = (self.dtype, self.config.window, self.config.scale);
+        let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
+        swin_frame(x, shape, head, |f0, mut t| {
+            for layer in &self.layers {
+                t = layer.forward(&t)?;
+            }
+            let body = add(
+                &self.conv_after_body.forward(&layer_norm(&self.norm, &t)?)?,
+                &f0,
+            )?;
+            let lrelu = candle_nn::ops::leaky_relu;
+            let y = match &self.tail {
+                Tail::PixelShuffle {
+                    before,
+                    stages,
+                    last,
+                } => {
+                    let mut y = lrelu(&before.forward(&body)?, UPSAMPLE_SLOPE)?;
+                    for (conv, r) in stages {
+                        y = conv.forward_shuffled(&y, *r)?;
+                    }
+                    last.forward(&y)?
+                }
+                Tail::Direct { conv, scale } => conv.forward_shuffled(&body, *scale)?,
+                Tail::NearestConv {
+                    before,
+                    ups,
+                    hr,
+                    last,
+                } => {
+                    let mut y = lrelu(&before.forward(&body)?, UPSAMPLE_SLOPE)?;
+                    for up in ups {
+                        y = lrelu(&up.forward(&nearest2(&y)?)?, SLOPE)?;
+                    }
+                    last.forward(&lrelu(&hr.forward(&y)?, SLOPE)?)?
+                }
+            };
+            Ok(y)
+        })
+    }
+}

@@ -1,0 +1,567 @@
+//! The CPU's fused window attention: per window and head, the two products on the GEMM with
+//! the position bias and the shift mask applied in the softmax, no score tensor in memory.
+
+use candle_core::{Result, Tensor};
+use rayon::prelude::*;
+
+use crate::ops::attention::windows::RelativeBias;
+use crate::ops::cpu::bf16::{Isa, PackedA, PackedB};
+use crate::ops::cpu::{attention_probs, cpu_slice, panels, product, use_kernel, Weights};
+
+/// Shifted-window multi-head attention on the CPU, fused per window: both matmuls go to the
+/// GEMM directly from strided views of the `qkv` projection, and the bias, the mask and the
+/// softmax are applied to a score matrix that stays in cache. The unfused graph writes and
+/// rereads the `(windows, heads, N, N)` scores four times and copies q, k, v and the output.
+///
+/// `qkv`: `(B*nW, N, 3C)` (q, k, v, then heads, then head dim, as the official reshape reads
+/// it), q already scaled; `bias`: the block's table; `regions`: for shifted windows, the
+/// `(nW, N)` region labels of one map's windows ([`crate::ops::attention::windows::shift_regions`]), tokens of
+/// different regions being masked as the official mask does. Returns `(B*nW, N, C)` with heads
+/// concatenated, or `None` where the kernel does not apply (another device or dtype), so the
+/// caller runs the generic graph. With `bf16`, both products take bf16 operands (f32 sums);
+/// the softmax stays f32.
+pub fn window_attention(
+    qkv: &Tensor,
+    bias: &RelativeBias,
+    regions: Option<&[u8]>,
+    bf16: Option<Isa>,
+) -> Result<Option<Tensor>> {
+    if !use_kernel(qkv) {
+        return Ok(None);
+    }
+    let (bw, n, c3) = qkv.dims3()?;
+    let heads = bias.heads();
+    let c = c3 / 3;
+    let d = c / heads.max(1);
+    let ws = bias.window();
+    if c3 != 3 * c || c != heads * d || n != ws * ws {
+        candle_core::bail!(
+            "window attention: qkv {:?} for {heads} heads and window {ws}",
+            qkv.dims()
+        );
+    }
+    let nw = match regions {
+        Some(r) if r.is_empty() || r.len() % n != 0 || bw % (r.len() / n) != 0 => {
+            candle_core::bail!(
+                "window attention: {} region labels for {bw} windows",
+                r.len()
+            )
+        }
+        Some(r) => r.len() / n,
+        None => 1,
+    };
+    let (qkv_guard, qkv_layout) = qkv.storage_and_layout();
+    let qkv_data = cpu_slice(&qkv_guard, qkv_layout)?;
+
+    // Windows are independent: one task each, with a private score matrix. With fewer
+    // windows than threads the GEMMs themselves are split instead.
+    let inner = if bw >= rayon::current_num_threads() {
+        gemm::Parallelism::None
+    } else {
+        gemm::Parallelism::Rayon(0)
+    };
+    let products = match bf16 {
+        Some(isa) => Products::Bf16(isa),
+        None if panels::available() => Products::Panels,
+        None => Products::F32(inner),
+    };
+    // On panels the scores start from the bias: gathered once per call where all heads'
+    // `n x n` matrices stay in L2 across windows (the 8x8 windows of SwinIR: 96 KiB for 6
+    // heads), else added row by row from the compact table as the softmax reads them.
+    let gathered = (matches!(products, Products::Panels) && heads * n * n <= GATHERED_BIAS)
+        .then(|| bias.gathered());
+    let shape = WindowShape {
+        n,
+        c,
+        heads,
+        products,
+        gathered: gathered.as_deref(),
+    };
+    // Left uninitialised: `attend_window` writes every element (each head its d columns of
+    // every row) without reading it.
+    let mut out: Vec<f32> = Vec::with_capacity(bw * n * c);
+    out.spare_capacity_mut()
+        .par_chunks_mut(n * c)
+        .enumerate()
+        .for_each_init(
+            || Scratch {
+                scores: vec![0f32; n * n],
+                ..Scratch::default()
+            },
+            |scratch, (win, out)| {
+                let qkv = &qkv_data[win * n * 3 * c..(win + 1) * n * 3 * c];
+                // A window inside one region (all but the last row and column of windows)
+                // masks nothing.
+                let labels = regions
+                    .map(|r| &r[(win % nw) * n..(win % nw + 1) * n])
+                    .filter(|l| l.iter().any(|&v| v != l[0]));
+                attend_window(&shape, qkv, bias, labels, scratch, out);
+            },
+        );
+    // SAFETY: `attend_window` wrote all bw * n * c elements.
+    unsafe { out.set_len(bw * n * c) };
+    drop(qkv_guard);
+    Ok(Some(Tensor::from_vec(out, (bw, n, c), qkv.device())?))
+}
+
+/// The most bias values (all heads' `n x n` matrices) gathered for scores to start from.
+const GATHERED_BIAS: usize = 32 << 10;
+
+/// The sizes one window's attention needs.
+pub(super) struct WindowShape<'a> {
+    /// Tokens per window.
+    n: usize,
+    /// Channels (all heads).
+    c: usize,
+    heads: usize,
+    products: Products,
+    /// The `(heads, n, n)` position bias, where the scores start from it (panels only).
+    gathered: Option<&'a [f32]>,
+}
+
+/// How a window's two products run: f32 on the `gemm` crate (split across threads or not),
+/// f32 on [`panels`], or bf16.
+#[derive(Clone, Copy)]
+pub(super) enum Products {
+    F32(gemm::Parallelism),
+    Panels,
+    Bf16(Isa),
+}
+
+/// One task's working memory: a window's score matrix, the bf16 operands kᵀ, v and the
+/// probabilities of one head, and for panels the window's kᵀ (all heads).
+#[derive(Default)]
+pub(super) struct Scratch {
+    scores: Vec<f32>,
+    kt: PackedB,
+    v: PackedB,
+    probs: PackedA,
+    keys_t: Vec<f32>,
+}
+
+/// Attention of one window: for each head, scores = q · kᵀ straight from the strided `qkv`
+/// rows (`n` rows of q | k | v), + bias (+ mask from the region `labels`), softmax in place,
+/// then the head's `d` output columns = probabilities · v. Writes every element of `out` (`n`
+/// rows of `c`).
+pub(super) fn attend_window(
+    s: &WindowShape,
+    qkv: &[f32],
+    bias: &RelativeBias,
+    labels: Option<&[u8]>,
+    scratch: &mut Scratch,
+    out: &mut [std::mem::MaybeUninit<f32>],
+) {
+    let (n, c) = (s.n, s.c);
+    let (c3, d) = (3 * c, c / s.heads);
+    let Scratch {
+        scores,
+        kt,
+        v,
+        probs,
+        keys_t,
+    } = scratch;
+    assert!(qkv.len() >= n * c3 && out.len() >= n * c && scores.len() >= n * n);
+    if let Products::Panels = s.products {
+        // kᵀ of every head at once: channel-major, n tokens per row. v is read in place.
+        keys_t.resize(c * n, 0.0);
+        // SAFETY: `Products::Panels` runs where the CPU has AVX-512F; qkv holds n rows of
+        // c3 (asserted above) and keys_t c x n values.
+        unsafe { panels::transpose_keys(qkv, (n, c), keys_t) };
+    }
+    for h in 0..s.heads {
+        let q = qkv[h * d..].as_ptr();
+        let keys = &qkv[c + h * d..];
+        let values = &qkv[2 * c + h * d..];
+        let head_out = out[h * d..].as_mut_ptr().cast::<f32>();
+        if let Products::Panels = s.products {
+            let bias_rows = s.gathered.map(|g| &g[h * n * n..(h + 1) * n * n]);
+            let scores = &mut scores[..n * n];
+            let start = panels::Start {
+                init: bias_rows.map(|b| (b.as_ptr(), n)),
+                bias: None,
+            };
+            let kt = panels::Rhs::Strided {
+                ptr: keys_t[h * d * n..(h + 1) * d * n].as_ptr(),
+                k: d,
+                n,
+                ld: n,
+            };
+            // v: n rows of the head's d values, c3 apart in `qkv`.
+            let v = panels::Rhs::Strided {
+                ptr: values.as_ptr(),
+                k: n,
+                n: d,
+                ld: c3,
+            };
+            // SAFETY: the CPU has AVX-512F (`Products::Panels`); q is n rows of d values c3
+            // apart inside `qkv`, kᵀ d rows of n in `keys_t`, the bias and the scores n x n;
+            // then the probabilities n x n against v (n rows of d inside `qkv`), into the
+            // head's d columns of `out`'s n rows of c, which no other task touches.
+            unsafe { panels::gemm(n, (q, c3), kt, (scores.as_mut_ptr(), n), start, false, None) };
+            let table = bias_rows.is_none().then_some((bias, h));
+            attention_probs(scores, table, labels, n, None);
+            // SAFETY: as above.
+            unsafe {
+                let zero = panels::Start::ZERO;
+                panels::gemm(n, (scores.as_ptr(), n), v, (head_out, c), zero, false, None)
+            };
+            continue;
+        }
+        // SAFETY (all products): every access stays inside `qkv` (n rows of c3 starting at
+        // the head's column), `scores` (n x n) and `out` (n rows of c), as asserted above; the
+        // pointers do not alias and no other task touches this window's `out`. kᵀ is k read
+        // through swapped strides.
+        unsafe {
+            head_product(
+                s.products,
+                (n, d, n),
+                (q, c3),
+                (keys, 1, c3),
+                kt,
+                (scores.as_mut_ptr(), n),
+            )
+        };
+        let scores = &mut scores[..n * n];
+        match s.products {
+            Products::Panels => unreachable!("handled above"),
+            Products::F32(_) => {
+                attention_probs(scores, Some((bias, h)), labels, n, None);
+                // SAFETY: as above.
+                unsafe {
+                    head_product(
+                        s.products,
+                        (n, n, d),
+                        (scores.as_ptr(), n),
+                        (values, c3, 1),
+                        v,
+                        (head_out, c),
+                    )
+                };
+            }
+            Products::Bf16(isa) => {
+                // The probabilities are rounded into the packed operand row by row as the
+                // softmax finishes them, instead of in a pass of their own.
+                v.repack(values, (n, d), (c3, 1));
+                probs.prepare(isa, n, v);
+                attention_probs(scores, Some((bias, h)), labels, n, Some(probs));
+                // SAFETY: as above; the caller chose an ISA this CPU has.
+                unsafe { crate::ops::cpu::bf16::gemm_packed(probs, v, head_out, c, false) };
+            }
+        }
+    }
+}
+
+/// HAT's overlapping cross-attention on the CPU, fused per query window: each window's
+/// `ows`-square neighbourhood of q | k | v rows is copied once (zero rows outside the map, as
+/// the official unfold pads), then per head the scores start from the `(heads, ws², ows²)`
+/// bias, take q · kᵀ on the GEMM, go through the softmax in cache, and times v give the
+/// head's output columns. candle's graph instead pads the whole map, gathers every
+/// neighbourhood, transposes q, k and v and writes the scores out per head, with a scalar
+/// `exp`.
+///
+/// `qkv`: `(B, H, W, 3C)`, q already scaled, H and W multiples of `ws`; `bias` f32. Returns
+/// `(B, H, W, C)`, or `None` where the kernel does not apply (another device or dtype).
+pub fn overlap_attention(
+    qkv: &Tensor,
+    bias: &Tensor,
+    heads: usize,
+    (ws, ows): (usize, usize),
+    bf16: Option<Isa>,
+) -> Result<Option<Tensor>> {
+    if !use_kernel(qkv) || !use_kernel(bias) {
+        return Ok(None);
+    }
+    let windows = qkv.dim(0)? * (qkv.dim(1)? / ws.max(1)) * (qkv.dim(2)? / ws.max(1));
+    let products = match bf16 {
+        Some(isa) => Products::Bf16(isa),
+        None if panels::available() => Products::Panels,
+        None if windows >= rayon::current_num_threads() => Products::F32(gemm::Parallelism::None),
+        None => Products::F32(gemm::Parallelism::Rayon(0)),
+    };
+    overlap_attention_with(products, qkv, bias, heads, (ws, ows)).map(Some)
+}
+
+/// [`overlap_attention`] with its products chosen by the caller (tests run each kind).
+pub(super) fn overlap_attention_with(
+    products: Products,
+    qkv: &Tensor,
+    bias: &Tensor,
+    heads: usize,
+    (ws, ows): (usize, usize),
+) -> Result<Tensor> {
+    let (b, h, w, c3) = qkv.dims4()?;
+    let c = c3 / 3;
+    let d = c / heads.max(1);
+    let (n, nk) = (ws * ws, ows * ows);
+    if ws == 0 || ows < ws || (ows - ws) % 2 != 0 || c3 != 3 * c || c != heads * d {
+        candle_core::bail!(
+            "overlap attention: qkv {:?} for {heads} heads, window {ws} in {ows}",
+            qkv.dims()
+        );
+    }
+    if h % ws != 0 || w % ws != 0 || bias.dims() != [heads, n, nk] {
+        candle_core::bail!(
+            "overlap attention: map {h}x{w} and bias {:?} for {heads} heads, window {ws} in {ows}",
+            bias.dims()
+        );
+    }
+    let (nwy, nwx) = (h / ws, w / ws);
+    let windows = b * nwy * nwx;
+    let (qkv_guard, qkv_layout) = qkv.storage_and_layout();
+    let qkv_data = cpu_slice(&qkv_guard, qkv_layout)?;
+    let (bias_guard, bias_layout) = bias.storage_and_layout();
+    let bias_data = cpu_slice(&bias_guard, bias_layout)?;
+    let geometry = Neighbourhood {
+        map: (h, w),
+        c3,
+        ws,
+        ows,
+    };
+    // Each window's n output rows, window after window; placed on the map below.
+    let mut by_window: Vec<f32> = vec![0f32; windows * n * c];
+    by_window.par_chunks_mut(n * c).enumerate().for_each_init(
+        OverlapScratch::default,
+        |scratch, (win, out)| {
+            let (bi, wy, wx) = (win / (nwy * nwx), (win / nwx) % nwy, win % nwx);
+            let image = &qkv_data[bi * h * w * c3..(bi + 1) * h * w * c3];
+            geometry.gather(image, (wy, wx), scratch);
+            attend_overlap(products, (n, nk, c, heads), bias_data, scratch, out);
+        },
+    );
+    drop((qkv_guard, bias_guard));
+    let mut out = vec![0f32; b * h * w * c];
+    out.par_chunks_mut(w * c).enumerate().for_each(|(r, row)| {
+        let (bi, y) = (r / h, r % h);
+        let (wy, iy) = (y / ws, y % ws);
+        for wx in 0..nwx {
+            let win = (bi * nwy + wy) * nwx + wx;
+            let src = &by_window[(win * n + iy * ws) * c..][..ws * c];
+            row[wx * ws * c..][..ws * c].copy_from_slice(src);
+        }
+    });
+    Tensor::from_vec(out, (b, h, w, c), qkv.device())
+}
+
+/// Where one query window's keys come from: the `ows`-square neighbourhood centred on it in
+/// an `H x W` map of `c3`-value rows.
+struct Neighbourhood {
+    map: (usize, usize),
+    c3: usize,
+    ws: usize,
+    ows: usize,
+}
+
+impl Neighbourhood {
+    /// Copies window `(wy, wx)`'s neighbourhood rows (q | k | v, zero outside the map) into
+    /// `scratch.rows` and its own queries into `scratch.q` (`ws²` rows of `c3 / 3`).
+    fn gather(&self, image: &[f32], (wy, wx): (usize, usize), scratch: &mut OverlapScratch) {
+        let (h, w) = self.map;
+        let (c3, ws, ows) = (self.c3, self.ws, self.ows);
+        let c = c3 / 3;
+        let margin = (ows - ws) / 2;
+        scratch.rows.resize(ows * ows * c3, 0.0);
+        scratch.q.resize(ws * ws * c, 0.0);
+        // Columns of the neighbourhood inside the map: [left, right) of the map, placed from
+        // column `skip` of each neighbourhood row.
+        let x0 = (wx * ws) as isize - margin as isize;
+        let left = x0.max(0) as usize;
+        let right = ((x0 + ows as isize) as usize).min(w);
+        let skip = (left as isize - x0) as usize;
+        for a in 0..ows {
+            let dst = &mut scratch.rows[a * ows * c3..(a + 1) * ows * c3];
+            let y = (wy * ws + a) as isize - margin as isize;
+            if y < 0 || y as usize >= h {
+                dst.fill(0.0);
+                continue;
+            }
+            let src = &image[(y as usize * w + left) * c3..(y as usize * w + right) * c3];
+            let (before, rest) = dst.split_at_mut(skip * c3);
+            let (inside, after) = rest.split_at_mut(src.len());
+            before.fill(0.0);
+            inside.copy_from_slice(src);
+            after.fill(0.0);
+        }
+        for iy in 0..ws {
+            for ix in 0..ws {
+                let j = (iy + margin) * ows + ix + margin;
+                scratch.q[(iy * ws + ix) * c..][..c].copy_from_slice(&scratch.rows[j * c3..][..c]);
+            }
+        }
+    }
+}
+
+/// One task's working memory for the overlapping cross-attention.
+#[derive(Default)]
+struct OverlapScratch {
+    /// The neighbourhood's `ows²` rows of q | k | v.
+    rows: Vec<f32>,
+    /// The window's `ws²` queries, `c` values each.
+    q: Vec<f32>,
+    scores: Vec<f32>,
+    /// kᵀ of every head (panels): channel-major, `ows²` keys per row.
+    keys_t: Vec<f32>,
+    kt: PackedB,
+    v: PackedB,
+    probs: PackedA,
+}
+
+/// The overlapping cross-attention of one gathered window (`n` queries, `nk` keys, `c`
+/// channels in `heads` heads) into `out` (`n` rows of `c`); `bias` is `(heads, n, nk)`.
+fn attend_overlap(
+    products: Products,
+    (n, nk, c, heads): (usize, usize, usize, usize),
+    bias: &[f32],
+    scratch: &mut OverlapScratch,
+    out: &mut [f32],
+) {
+    let (c3, d) = (3 * c, c / heads);
+    let OverlapScratch {
+        rows,
+        q,
+        scores,
+        keys_t,
+        kt,
+        v,
+        probs,
+    } = scratch;
+    assert!(rows.len() >= nk * c3 && q.len() >= n * c && out.len() >= n * c);
+    assert!(bias.len() >= heads * n * nk);
+    scores.resize(n * nk, 0.0);
+    if let Products::Panels = products {
+        keys_t.resize(c * nk, 0.0);
+        // SAFETY: `Products::Panels` runs where the CPU has AVX-512F; `rows` holds nk rows of
+        // c3 values (asserted above) and keys_t c x nk.
+        unsafe { panels::transpose_keys(rows, (nk, c), keys_t) };
+    }
+    for hd in 0..heads {
+        let q_head = q[hd * d..].as_ptr();
+        let keys = &rows[c + hd * d..];
+        let values = &rows[2 * c + hd * d..];
+        let bias = &bias[hd * n * nk..(hd + 1) * n * nk];
+        let head_out = out[hd * d..].as_mut_ptr();
+        match products {
+            Products::Panels => {
+                let kt = panels::Rhs::Strided {
+                    ptr: keys_t[hd * d * nk..(hd + 1) * d * nk].as_ptr(),
+                    k: d,
+                    n: nk,
+                    ld: nk,
+                };
+                let v = panels::Rhs::Strided {
+                    ptr: values.as_ptr(),
+                    k: nk,
+                    n: d,
+                    ld: c3,
+                };
+                let start = panels::Start {
+                    init: Some((bias.as_ptr(), nk)),
+                    bias: None,
+                };
+                // SAFETY: AVX-512F (`Products::Panels`); q is n rows of d values c apart in
+                // `q`, kᵀ d rows of nk in `keys_t`, the bias and the scores n x nk; then the
+                // probabilities against v (nk rows of d, c3 apart in `rows`) into the head's
+                // d columns of `out`'s n rows of c. Nothing overlaps.
+                unsafe {
+                    panels::gemm(
+                        n,
+                        (q_head, c),
+                        kt,
+                        (scores.as_mut_ptr(), nk),
+                        start,
+                        false,
+                        None,
+                    );
+                    attention_probs(scores, None, None, nk, None);
+                    let zero = panels::Start::ZERO;
+                    panels::gemm(
+                        n,
+                        (scores.as_ptr(), nk),
+                        v,
+                        (head_out, c),
+                        zero,
+                        false,
+                        None,
+                    );
+                }
+            }
+            Products::F32(_) | Products::Bf16(_) => {
+                // SAFETY: q is n rows of d values c apart, kᵀ the view of nk key rows c3 apart
+                // with unit channel stride, the scores n x nk; nothing overlaps.
+                unsafe {
+                    head_product(
+                        products,
+                        (n, d, nk),
+                        (q_head, c),
+                        (keys, 1, c3),
+                        kt,
+                        (scores.as_mut_ptr(), nk),
+                    )
+                };
+                // The graph's order: q·kᵀ, then + bias.
+                scores.iter_mut().zip(bias).for_each(|(s, b)| *s += b);
+                if let Products::Bf16(isa) = products {
+                    v.repack(values, (nk, d), (c3, 1));
+                    probs.prepare(isa, n, v);
+                    attention_probs(scores, None, None, nk, Some(probs));
+                    // SAFETY: the caller chose an ISA this CPU has; `out` holds n rows of c.
+                    unsafe { crate::ops::cpu::bf16::gemm_packed(probs, v, head_out, c, false) };
+                } else {
+                    attention_probs(scores, None, None, nk, None);
+                    // SAFETY: the probabilities n x nk against v (nk rows of d, c3 apart)
+                    // into the head's columns of `out`.
+                    unsafe {
+                        head_product(
+                            products,
+                            (n, nk, d),
+                            (scores.as_ptr(), nk),
+                            (values, c3, 1),
+                            v,
+                            (head_out, c),
+                        )
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// `dst = lhs · rhs` for one head: `lhs` is `m x k` (rows `lda` apart), `rhs` the `k x cols`
+/// view `src[r * rs + c * cs]`, `dst` rows `ldc` apart. In f32 the GEMM reads `rhs` through its
+/// strides; in bf16 it is packed into `packed` first.
+///
+/// # Safety
+/// `lhs` and `dst` must hold those rows, `dst` overlapping neither input; with bf16 the CPU
+/// must have the instructions.
+pub(super) unsafe fn head_product(
+    products: Products,
+    (m, k, cols): (usize, usize, usize),
+    (lhs, lda): (*const f32, usize),
+    (src, rs, cs): (&[f32], usize, usize),
+    packed: &mut PackedB,
+    (dst, ldc): (*mut f32, usize),
+) {
+    let (rhs, parallel) = match products {
+        Products::F32(inner) => (
+            Weights::F32(src),
+            matches!(inner, gemm::Parallelism::Rayon(_)),
+        ),
+        Products::Panels => unreachable!("panel products are run by `attend_window`"),
+        Products::Bf16(isa) => {
+            packed.repack(src, (k, cols), (rs, cs));
+            (Weights::Bf16(isa, packed), false)
+        }
+    };
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        product(
+            (m, cols, k),
+            (dst, ldc),
+            false,
+            (lhs, lda),
+            rhs,
+            (rs, cs),
+            parallel,
+            None,
+        )
+    }
+}

@@ -1,0 +1,224 @@
+//! 3x3 convolutions (stride 1, zero padding 1) on channels-last features, plain or followed
+//! by PixelShuffle.
+//!
+//! [`Conv3x3`] and its reference (the patch GEMM) are here, its CPU half (f32, and bf16
+//! products) in [`cpu`], its CUDA half (the row-wise kernels for the patch matrix and the
+//! narrow RGB output, kernels/rowwise.cu) in [`cuda`]; on CUDA it runs the patch GEMM with
+//! those and Dense's bias epilogue ([`super::linear::rowwise`]).
+
+pub(crate) mod cpu;
+pub(crate) mod cuda;
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use super::linear::pack_bf16;
+use super::linear::rowwise::{bias_act, Act};
+use super::{Backend, LoadPlan};
+use crate::ops::cpu as kernels;
+use crate::ops::cpu::bf16::{Isa, PackedB};
+use crate::ops::pad::{Channels, Pad};
+use crate::ops::rowwise::ours;
+
+/// Upper bound on the patch matrix of one convolution chunk, in elements (64 MiB in f32):
+/// large enough for full-speed matmuls, small enough that a high-resolution upsampler
+/// convolution never materialises gigabytes.
+const CONV_CHUNK_ELEMS: usize = 16 << 20;
+
+/// The same bound on a GPU (256 MiB in bf16): each chunk costs a dozen kernel launches, so
+/// larger chunks keep a batch's upsampler to tens of launches instead of hundreds, and the
+/// bound stays far below the 2³¹ elements that candle's CUDA kernels can index.
+const CONV_CHUNK_ELEMS_GPU: usize = 128 << 20;
+
+/// The `(9 * cin, cout)` weight, rows ordered (dy, dx, cin) to match the patch matrix, and the
+/// bias of the convolution stored under `vb`, its inputs spread as `cin` says.
+fn read(cin: &Channels, cout: usize, vb: VarBuilder) -> Result<(Tensor, Tensor)> {
+    let w = cin.spread(&vb.get((cout, cin.real(), 3, 3), "weight")?, 1)?;
+    let weight = w
+        .permute((2, 3, 1, 0))?
+        .reshape((9 * cin.padded(), cout))?
+        .contiguous()?;
+    Ok((weight, vb.get(cout, "bias")?))
+}
+
+/// A 3x3 convolution (stride 1, zero padding 1) on channels-last features.
+///
+/// On the CPU the kernels of [`cpu`] run it. Elsewhere the patch matrix of each chunk of
+/// rows ([`cuda::patches3x3`]: one kernel pass on CUDA) is fed to one matmul, with memory
+/// bounded by `CONV_CHUNK_ELEMS` (`CONV_CHUNK_ELEMS_GPU` on a GPU) however large the feature
+/// map; on CUDA the RGB output layer skips the patch matrix ([`cuda::conv3x3_narrow`]).
+pub struct Conv3x3 {
+    /// `(9 * cin, cout)`, rows ordered (dy, dx, cin) to match the patch matrix.
+    weight: Tensor,
+    bias: Tensor,
+    cin: usize,
+    /// The weight in bf16, for bf16 products on the CPU.
+    bf16: Option<(Isa, PackedB)>,
+    backend: Backend,
+}
+
+impl Conv3x3 {
+    /// The convolution stored under `vb`, reading `cin` and writing `cout` channels, both
+    /// spread to their padded widths.
+    pub fn new(cin: &Channels, cout: &Channels, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+        let (weight, bias) = read(cin, cout.real(), vb)?;
+        Self::prepared(
+            cout.spread(&weight, 1)?.contiguous()?,
+            cout.spread(&bias, 0)?,
+            cin.padded(),
+            plan,
+        )
+    }
+
+    /// The convolution stored under `vb` from `cin` to `cout` channels, none padded.
+    pub(crate) fn unpadded(
+        cin: usize,
+        cout: usize,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Self::new(&Pad::OFF.one(cin), &Pad::OFF.one(cout), plan, vb)
+    }
+
+    /// The convolution stored under `vb` that PixelShuffle by `r` follows, from `cin` to
+    /// `r * r * c_out` channels, for [`Self::forward_shuffled`]: its outputs are put in
+    /// (i, j, c) order ([`shuffle_order`]), then each of the `r * r` groups of `c_out`
+    /// channels that PixelShuffle moves to one pixel is padded on its own as `pad` says.
+    pub(crate) fn shuffled(
+        cin: &Channels,
+        (c_out, r): (usize, usize),
+        pad: Pad,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let (weight, bias) = read(cin, r * r * c_out, vb)?;
+        let idx = Tensor::from_vec(shuffle_order(c_out, r), r * r * c_out, bias.device())?;
+        let (weight, bias) = (weight.index_select(&idx, 1)?, bias.index_select(&idx, 0)?);
+        let cout = pad.parts(r * r, c_out);
+        Self::prepared(
+            cout.spread(&weight, 1)?.contiguous()?,
+            cout.spread(&bias, 0)?,
+            cin.padded(),
+            plan,
+        )
+    }
+
+    /// The layer of `weight` `(9 * cin, cout)` and `bias`, in the form `plan` asks for: on
+    /// the CPU with bf16 products, the weight packed now and the f32 one dropped. Narrow
+    /// convolutions (the RGB output) keep f32: they are computed directly, not as a GEMM.
+    fn prepared(weight: Tensor, bias: Tensor, cin: usize, plan: &LoadPlan) -> Result<Self> {
+        let backend = Backend::of(weight.device());
+        let (k, cout) = weight.dims2()?;
+        let (weight, bf16) = match plan.bf16 {
+            Some(isa) if backend == Backend::Cpu && cout > cpu::NARROW_CONV => {
+                let packed = pack_bf16(&weight, (k, cout), (cout, 1))?;
+                let none = Tensor::zeros(0, DType::F32, weight.device())?;
+                (none, Some((isa, packed)))
+            }
+            _ => (weight, None),
+        };
+        Ok(Self {
+            weight,
+            bias,
+            cin,
+            bf16,
+            backend,
+        })
+    }
+
+    /// This convolution followed by PixelShuffle by `r`, its outputs being in (i, j, c)
+    /// order ([`Self::shuffled`]). On the CPU the products are
+    /// written into the shuffled layout directly.
+    pub(crate) fn forward_shuffled(&self, x: &Tensor, r: usize) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let fused = match &self.bf16 {
+            Some((isa, w)) => {
+                cpu::conv3x3_shuffled_bf16(&x, *isa, w, &self.bias, r, CONV_CHUNK_ELEMS)?
+            }
+            None => cpu::conv3x3_shuffled(&x, &self.weight, &self.bias, r, CONV_CHUNK_ELEMS)?,
+        };
+        match fused {
+            Some(y) => Ok(y),
+            None => pixel_shuffle_nhwc_reordered(&self.forward(&x)?, r),
+        }
+    }
+
+    /// The same convolution with `shift` added to its bias.
+    pub(crate) fn add_to_bias(self, shift: &Tensor) -> Result<Self> {
+        Ok(Self {
+            bias: (&self.bias + shift)?,
+            ..self
+        })
+    }
+
+    /// The convolution as patch matrices of chunks of rows, each fed to one matmul.
+    fn patch_gemm(&self, x: &Tensor, chunk: usize) -> Result<Tensor> {
+        let (b, h, w, c) = x.dims4()?;
+        debug_assert_eq!(c, self.cin);
+        let rows = (chunk / (b * w * 9 * c).max(1)).clamp(1, h);
+        let mut outs = Vec::with_capacity(h.div_ceil(rows));
+        let mut y = 0;
+        while y < h {
+            let n = rows.min(h - y);
+            let out = cuda::patches3x3(x, y, n)?.matmul(&self.weight)?;
+            let out = bias_act(&out, &self.bias, None, Act::None)?;
+            outs.push(out.reshape((b, n, w, ()))?);
+            y += n;
+        }
+        if outs.len() == 1 {
+            Ok(outs.remove(0))
+        } else {
+            Tensor::cat(&outs, 1)
+        }
+    }
+}
+
+impl Module for Conv3x3 {
+    /// `x`: `(B, H, W, cin)`; returns `(B, H, W, cout)`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = &x.contiguous()?;
+        match (&self.bf16, self.backend) {
+            (Some((isa, w)), _) => cpu::conv3x3_bf16(x, *isa, w, &self.bias, CONV_CHUNK_ELEMS),
+            (None, Backend::Cpu) => {
+                match cpu::conv3x3(x, &self.weight, &self.bias, CONV_CHUNK_ELEMS)? {
+                    Some(y) => Ok(y),
+                    None => self.patch_gemm(x, CONV_CHUNK_ELEMS),
+                }
+            }
+            (None, Backend::Cuda) => {
+                if ours(x) && self.bias.dim(0)? <= cuda::NARROW_CONV_MAX {
+                    return cuda::conv3x3_narrow(x, &self.weight, &self.bias);
+                }
+                self.patch_gemm(x, CONV_CHUNK_ELEMS_GPU)
+            }
+            (None, Backend::Other) => self.patch_gemm(x, CONV_CHUNK_ELEMS),
+        }
+    }
+}
+
+/// PyTorch's PixelShuffle moves channel `c*r*r + i*r + j` of pixel (y, x) to pixel
+/// (y*r + i, x*r + j), channel c. Feeding it a convolution whose output channels were put in
+/// (i, j, c) order instead ([`shuffle_order`]) makes every moved run of channels contiguous,
+/// so the shuffle copies blocks of `r * c` values rather than single elements.
+fn pixel_shuffle_nhwc_reordered(x: &Tensor, r: usize) -> Result<Tensor> {
+    if let Some(y) = kernels::pixel_shuffle_reordered(x, r)? {
+        return Ok(y);
+    }
+    let (b, h, w, c) = x.dims4()?;
+    let c_out = c / (r * r);
+    x.reshape((b, h, w, r, r, c_out))?
+        .permute((0, 1, 3, 2, 4, 5))?
+        .reshape((b, h * r, w * r, c_out))
+}
+
+/// For output channel `(i*r + j)*c_out + c` of the reordered convolution, the official
+/// channel `c*r*r + i*r + j` it takes its weights from.
+pub(crate) fn shuffle_order(c_out: usize, r: usize) -> Vec<u32> {
+    let mut order = Vec::with_capacity(c_out * r * r);
+    for ij in 0..r * r {
+        for c in 0..c_out {
+            order.push((c * r * r + ij) as u32);
+        }
+    }
+    order
+}

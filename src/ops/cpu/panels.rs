@@ -1,0 +1,733 @@
+//! f32 products for CPUs with AVX-512: the right-hand side (a layer's weights) packed into
+//! column panels of up to [`PANEL`] values, the left-hand side read where it lies.
+//!
+//! The `gemm` crate packs both operands on every call, and its microkernel tiles the 180
+//! output channels of SwinIR and HAT in 64-column strips (2 x 64 + 52). Here each output tile
+//! is [`MR`] rows by one panel: up to three 16-lane vectors, 24 accumulators, the lhs values
+//! broadcast straight from the rows they sit in (given as row pointers, so a 3x3 convolution
+//! reads its taps from the image itself instead of from a patch matrix 9x its size), and the
+//! bias, a residual or earlier partial sums loaded into the accumulators before the first
+//! product instead of being written out first. Attention's small operands are read in place
+//! (v) or transposed once (kᵀ) rather than packed.
+
+use super::*;
+use crate::ops::conv::cpu::tap_source;
+
+/// Columns per packed panel and per output tile: three 16-lane vectors.
+pub(crate) const PANEL: usize = 48;
+/// Rows per output tile: 8 x 3 accumulators, 3 rhs vectors and a broadcast value leave 4 of
+/// the 32 vector registers free.
+pub(crate) const MR: usize = 8;
+/// Rows per parallel task: a 64 x 180 block of the lhs (46 KiB) stays in L2 while every
+/// panel runs over it, and a 64x64 input still gives 64 tasks to balance.
+const MC: usize = 64;
+
+/// Whether this CPU runs the panel kernels (else callers keep the `gemm` crate).
+/// `UPSCALE_CPU_GEMM=crate` keeps the crate everywhere, to measure one against the other in
+/// the same binary.
+pub(crate) fn available() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        if std::env::var("UPSCALE_CPU_GEMM").as_deref() == Ok("crate") {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// A `k x n` right-hand side in f32, packed in panels of [`PANEL`] columns (the last one
+/// narrower, rounded up to whole vectors), each `k` rows of its width, so that a tile reads
+/// its operand front to back; lanes past `n` are zero.
+#[derive(Clone, Default)]
+pub(crate) struct Panels {
+    k: usize,
+    n: usize,
+    data: Vec<f32>,
+}
+
+impl Panels {
+    /// Packs `b[r][c] = src[r * rs + c * cs]` for `r < k`, `c < n`, a panel per task.
+    pub(crate) fn new(src: &[f32], (k, n): (usize, usize), (rs, cs): (usize, usize)) -> Self {
+        if k > 0 && n > 0 {
+            assert!(
+                (k - 1) * rs + (n - 1) * cs < src.len(),
+                "operand out of bounds"
+            );
+        }
+        let len = k * ((n / PANEL) * PANEL + (n % PANEL).next_multiple_of(16));
+        let mut data: Vec<f32> = vec![0.0; len];
+        if k > 0 {
+            data.par_chunks_mut(k * PANEL)
+                .enumerate()
+                .for_each(|(p, out)| {
+                    let width = out.len() / k;
+                    let c0 = p * PANEL;
+                    let cols = (n - c0).min(width);
+                    if cs == 1 {
+                        // Rows of the source are rows of the panel.
+                        for (r, row) in out.chunks_exact_mut(width).enumerate() {
+                            row[..cols].copy_from_slice(&src[r * rs + c0..][..cols]);
+                        }
+                    } else {
+                        // Column by column (a linear layer's weight rows, `rs == 1`): the
+                        // source is read front to back, the panel (in L1) written across.
+                        for j in 0..cols {
+                            let column = (c0 + j) * cs;
+                            for (r, row) in out.chunks_exact_mut(width).enumerate() {
+                                row[j] = src[column + r * rs];
+                            }
+                        }
+                    }
+                });
+        }
+        Self { k, n, data }
+    }
+
+    /// The product operand these panels are.
+    pub(crate) fn rhs(&self) -> Rhs<'_> {
+        Rhs::Panels(self)
+    }
+}
+
+/// The right-hand side of a product: packed panels, or a `k x n` view whose row `r` is `n`
+/// values at `ptr + r * ld` (attention's v in place, its kᵀ transposed into a buffer).
+#[derive(Clone, Copy)]
+pub(crate) enum Rhs<'a> {
+    Panels(&'a Panels),
+    Strided {
+        ptr: *const f32,
+        k: usize,
+        n: usize,
+        ld: usize,
+    },
+}
+
+impl Rhs<'_> {
+    fn k(&self) -> usize {
+        match self {
+            Self::Panels(p) => p.k,
+            Self::Strided { k, .. } => *k,
+        }
+    }
+
+    fn n(&self) -> usize {
+        match self {
+            Self::Panels(p) => p.n,
+            Self::Strided { n, .. } => *n,
+        }
+    }
+
+    /// Column block `p` ([`PANEL`] wide, the last narrower): its first column, its columns,
+    /// and where its row 0 is and how far apart its rows are.
+    fn block(&self, p: usize) -> (usize, usize, *const f32, usize) {
+        let c0 = p * PANEL;
+        let cols = (self.n() - c0).min(PANEL);
+        match self {
+            Self::Panels(b) => (
+                c0,
+                cols,
+                b.data[c0 * b.k..].as_ptr(),
+                cols.next_multiple_of(16),
+            ),
+            Self::Strided { ptr, ld, .. } => (c0, cols, ptr.wrapping_add(c0), *ld),
+        }
+    }
+
+    fn blocks(&self) -> usize {
+        self.n().div_ceil(PANEL)
+    }
+}
+
+/// Where a tile's accumulators start before its products are added: each row of `init`
+/// (rows `ld` apart: earlier partial sums, or a residual) plus the `bias` row, either
+/// optional; both absent, zero.
+#[derive(Clone, Copy)]
+pub(crate) struct Start {
+    pub init: Option<(*const f32, usize)>,
+    pub bias: Option<*const f32>,
+}
+
+impl Start {
+    pub(crate) const ZERO: Self = Self {
+        init: None,
+        bias: None,
+    };
+}
+
+/// `c = start + a · b` for one tile: `rows` (at most [`MR`]) rows of `a` (row `i` at `a[i]`,
+/// `k` values each) against `k` rows of `cols` (at most [`PANEL`]) values `ldb` apart.
+///
+/// # Safety
+/// The CPU has AVX-512F; `a[i]` holds `k` values for every `i < MR` (rows past `rows` may
+/// repeat a real one), `b` `k` rows of `cols` values; `c` holds `rows` rows of `cols`
+/// values `ldc` apart, as do `start`'s rows, and its bias `cols` values.
+unsafe fn tile(
+    k: usize,
+    a: &[*const f32; MR],
+    (b, ldb): (*const f32, usize),
+    (c, ldc): (*mut f32, usize),
+    (rows, cols): (usize, usize),
+    start: Start,
+) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        match cols.div_ceil(16) {
+            1 => avx512::tile::<1>(k, a, (b, ldb), (c, ldc), (rows, cols), start),
+            2 => avx512::tile::<2>(k, a, (b, ldb), (c, ldc), (rows, cols), start),
+            3 => avx512::tile::<3>(k, a, (b, ldb), (c, ldc), (rows, cols), start),
+            v => unreachable!("a tile of {v} vectors"),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Start, MR};
+    use std::arch::x86_64::*;
+
+    /// The lanes of vector `v` of a tile that hold columns below `cols`.
+    #[inline(always)]
+    fn lanes(v: usize, cols: usize) -> __mmask16 {
+        match cols.saturating_sub(16 * v) {
+            0 => 0,
+            l if l >= 16 => 0xffff,
+            l => (1u16 << l) - 1,
+        }
+    }
+
+    /// [`super::transpose_keys`], in blocks of 16 keys by 16 channels: 16 loads, 64
+    /// two-source permutes (four stages, each swapping the off-diagonal blocks of every
+    /// 2d x 2d block for d = 8, 4, 2, 1), 16 stores.
+    ///
+    /// # Safety
+    /// As [`super::transpose_keys`], whose asserts the bounds are.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn transpose_keys(qkv: &[f32], (n, c): (usize, usize), out: &mut [f32]) {
+        let c3 = 3 * c;
+        let stage = |d: usize| -> (__m512i, __m512i) {
+            let idx = |f: &dyn Fn(usize) -> usize| {
+                let v: [i32; 16] = std::array::from_fn(|l| f(l) as i32);
+                // SAFETY: 16 lanes read from a 16-lane array.
+                unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
+            };
+            (
+                idx(&|l| if l & d == 0 { l } else { 16 + l - d }),
+                idx(&|l| if l & d == 0 { l + d } else { 16 + l }),
+            )
+        };
+        let stages = [stage(8), stage(4), stage(2), stage(1)];
+        for j0 in (0..n).step_by(16) {
+            let keys = (n - j0).min(16);
+            let store = lanes(0, keys);
+            for ch0 in (0..c).step_by(16) {
+                let chans = (c - ch0).min(16);
+                let load = lanes(0, chans);
+                // Register j: channels ch0.. of key j0 + j (zero past the last key).
+                let mut r: [__m512; 16] = std::array::from_fn(|j| {
+                    if j < keys {
+                        // SAFETY: key j0 + j < n, its channels ch0.. below c, in `qkv`.
+                        unsafe {
+                            let src = qkv.as_ptr().add((j0 + j) * c3 + c + ch0);
+                            _mm512_maskz_loadu_ps(load, src)
+                        }
+                    } else {
+                        _mm512_setzero_ps()
+                    }
+                });
+                for (d, &(lo, hi)) in [8, 4, 2, 1].iter().zip(&stages) {
+                    for i in 0..16 {
+                        if i & d == 0 {
+                            let (a, b) = (r[i], r[i + d]);
+                            r[i] = _mm512_permutex2var_ps(a, lo, b);
+                            r[i + d] = _mm512_permutex2var_ps(a, hi, b);
+                        }
+                    }
+                }
+                for (l, row) in r.iter().enumerate().take(chans) {
+                    // SAFETY: row ch0 + l < c of `out`, keys j0.. below n.
+                    unsafe {
+                        let dst = out.as_mut_ptr().add((ch0 + l) * n + j0);
+                        _mm512_mask_storeu_ps(dst, store, *row)
+                    };
+                }
+            }
+        }
+    }
+
+    /// [`super::tile`] for a tile of `V` vectors. Every access to `b` and `c` is masked to
+    /// the tile's columns, so an operand read in place is never read past its last column.
+    ///
+    /// # Safety
+    /// As [`super::tile`].
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn tile<const V: usize>(
+        k: usize,
+        a: &[*const f32; MR],
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        (rows, cols): (usize, usize),
+        start: Start,
+    ) {
+        let masks: [__mmask16; V] = std::array::from_fn(|v| lanes(v, cols));
+        let mut acc = [[_mm512_setzero_ps(); V]; MR];
+        // SAFETY (all blocks): the caller's bounds: `start`'s rows and `b`'s hold `cols`
+        // values (the masks cover no others), `a[i]` holds k values.
+        if let Some(bias) = start.bias {
+            let bias: [__m512; V] = std::array::from_fn(|v| unsafe {
+                _mm512_maskz_loadu_ps(masks[v], bias.add(16 * v))
+            });
+            for acc in acc.iter_mut() {
+                *acc = bias;
+            }
+        }
+        if let Some((init, ld)) = start.init {
+            for (i, acc) in acc.iter_mut().enumerate().take(rows) {
+                for (v, acc) in acc.iter_mut().enumerate() {
+                    let row = unsafe { init.add(i * ld + 16 * v) };
+                    let x = unsafe { _mm512_maskz_loadu_ps(masks[v], row) };
+                    *acc = _mm512_add_ps(*acc, x);
+                }
+            }
+        }
+        let a = *a;
+        for p in 0..k {
+            let bv: [__m512; V] = std::array::from_fn(|v| unsafe {
+                _mm512_maskz_loadu_ps(masks[v], b.add(p * ldb + 16 * v))
+            });
+            for (row, acc) in a.iter().zip(acc.iter_mut()) {
+                let x = _mm512_set1_ps(unsafe { *row.add(p) });
+                for v in 0..V {
+                    acc[v] = _mm512_fmadd_ps(x, bv[v], acc[v]);
+                }
+            }
+        }
+        for (i, acc) in acc.iter().enumerate().take(rows) {
+            for (v, acc) in acc.iter().enumerate() {
+                // SAFETY: row i < rows of the tile, masked to its columns.
+                unsafe { _mm512_mask_storeu_ps(c.add(i * ldc + 16 * v), masks[v], *acc) };
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod avx512 {
+    use super::{Start, MR};
+
+    pub(super) unsafe fn transpose_keys(_: &[f32], _: (usize, usize), _: &mut [f32]) {
+        unreachable!("the panel kernels are only offered where `available()` is true")
+    }
+
+    pub(super) unsafe fn tile<const V: usize>(
+        _: usize,
+        _: &[*const f32; MR],
+        _: (*const f32, usize),
+        _: (*mut f32, usize),
+        _: (usize, usize),
+        _: Start,
+    ) {
+        unreachable!("the panel kernels are only offered where `available()` is true")
+    }
+}
+
+/// Rows `r0..r0 + rows` of `dst = start + lhs · b` for every column block, `row(i)` giving
+/// lhs row `i`'s pointer, and each output row at `dst + i * ldc`.
+///
+/// # Safety
+/// As [`tile`] for every tile: `row(i)` holds `b.k()` values for `r0 <= i < r0 + rows`,
+/// dst (and `start.init`, whose row `i` is at `init + i * ld`) hold those rows of `b.n()`
+/// values.
+unsafe fn row_block(
+    b: Rhs,
+    row: &dyn Fn(usize) -> *const f32,
+    (r0, rows): (usize, usize),
+    (dst, ldc): (*mut f32, usize),
+    start: Start,
+) {
+    for p in 0..b.blocks() {
+        let (c0, cols, bp, ldb) = b.block(p);
+        for g in (0..rows).step_by(MR) {
+            let i0 = r0 + g;
+            let n = MR.min(rows - g);
+            let a: [*const f32; MR] = std::array::from_fn(|i| row(i0 + i.min(n - 1)));
+            let start = Start {
+                init: start.init.map(|(s, ld)| (s.wrapping_add(i0 * ld + c0), ld)),
+                bias: start.bias.map(|s| s.wrapping_add(c0)),
+            };
+            // SAFETY: forwarded to the caller; the tile is rows i0..i0 + n, columns
+            // c0..c0 + cols.
+            unsafe {
+                tile(
+                    b.k(),
+                    &a,
+                    (bp, ldb),
+                    (dst.add(i0 * ldc + c0), ldc),
+                    (n, cols),
+                    start,
+                )
+            };
+        }
+    }
+}
+
+/// The operands of a product, shared by its tasks; each writes only its own rows.
+#[derive(Clone, Copy)]
+struct Shared<'a> {
+    a: *const f32,
+    b: Rhs<'a>,
+    dst: *mut f32,
+    start: Start,
+}
+// SAFETY: the tasks read the shared operands and write disjoint rows of dst.
+unsafe impl Send for Shared<'_> {}
+unsafe impl Sync for Shared<'_> {}
+
+impl<'a> Shared<'a> {
+    /// Through a method, so that closures capture the whole (Sync) struct, not its fields.
+    fn get(&self) -> Self {
+        *self
+    }
+}
+
+/// `dst = start + a · b` for a row-major `m x k` `a` (rows `lda` apart) into `m x n` `dst`
+/// (rows `ldc` apart), row blocks in parallel when `parallel`, each finished by `then` (which
+/// needs `ldc == n`) while in cache.
+///
+/// # Safety
+/// The CPU has AVX-512F ([`available`]); `a` holds `m` rows of `b`'s `k` values, `b` its
+/// `k` rows, dst and `start.init` `m` rows of `n` values (`start.init` may be dst itself:
+/// each value is read before it is written), `start.bias` `n` values; dst overlaps nothing
+/// else.
+pub(crate) unsafe fn gemm(
+    m: usize,
+    (a, lda): (*const f32, usize),
+    b: Rhs,
+    (dst, ldc): (*mut f32, usize),
+    start: Start,
+    parallel: bool,
+    then: Option<&Epilogue>,
+) {
+    assert!(
+        then.is_none() || ldc == b.n(),
+        "an epilogue needs contiguous output rows"
+    );
+    let shared = Shared { a, b, dst, start };
+    let block = |t: usize| {
+        let s = shared.get();
+        let r0 = t * MC;
+        let rows = MC.min(m - r0);
+        let row = |i: usize| s.a.wrapping_add(i * lda);
+        // SAFETY: rows r0..r0 + rows, inside the caller's bounds, written by this task only.
+        unsafe {
+            row_block(s.b, &row, (r0, rows), (s.dst, ldc), s.start);
+            if let Some(then) = then {
+                then(std::slice::from_raw_parts_mut(
+                    s.dst.add(r0 * ldc),
+                    rows * ldc,
+                ));
+            }
+        }
+    };
+    let tasks = m.div_ceil(MC);
+    if parallel && tasks > 1 {
+        (0..tasks).into_par_iter().for_each(block);
+    } else {
+        (0..tasks).for_each(block);
+    }
+}
+
+/// Output pixels `p0..p0 + rows` of one image (row-major, all in the image) of a 3x3
+/// convolution (stride 1, zero padding 1): the rhs is `9 cin x cout` with rows ordered
+/// (dy, dx, cin), each tap's `cin` rows a product of their own onto the sums of the taps
+/// before it, reading the input pixel under the tap (or `zeros` outside the image) where it
+/// lies. The first tap starts from `bias`; output pixel `i` is written at `dst + (i - p0) *
+/// ldc`.
+///
+/// # Safety
+/// The CPU has AVX-512F; `image` is `h x wd x cin`, `zeros` `cin` zeros, `b` `9 cin` rows;
+/// dst holds `rows` rows of `b`'s `n` values `ldc` apart, `bias` `n` values.
+pub(crate) unsafe fn conv3x3_pixels(
+    image: &[f32],
+    (h, wd, cin): (usize, usize, usize),
+    zeros: &[f32],
+    b: &Panels,
+    (p0, rows): (usize, usize),
+    (dst, ldc): (*mut f32, usize),
+    bias: &[f32],
+) {
+    assert!(b.k == 9 * cin && zeros.len() >= cin && bias.len() >= b.n);
+    assert!(image.len() >= h * wd * cin && p0 + rows <= h * wd);
+    let b = b.rhs();
+    for p in 0..b.blocks() {
+        let (c0, cols, bp, ldb) = b.block(p);
+        for g in (0..rows).step_by(MR) {
+            let n = MR.min(rows - g);
+            let c = dst.wrapping_add(g * ldc + c0);
+            for tap in 0..9 {
+                let a: [*const f32; MR] = std::array::from_fn(|i| {
+                    let pixel = p0 + g + i.min(n - 1);
+                    let (y, x) = (pixel / wd, pixel % wd);
+                    tap_source(image, (h, wd, cin), (y, x), tap)
+                        .unwrap_or(zeros)
+                        .as_ptr()
+                });
+                let start = if tap == 0 {
+                    Start {
+                        init: None,
+                        bias: Some(bias[c0..].as_ptr()),
+                    }
+                } else {
+                    Start {
+                        init: Some((c, ldc)),
+                        bias: None,
+                    }
+                };
+                // SAFETY: each row pointer holds cin values (an input pixel or `zeros`), the
+                // tap's rows of the block start at tap * cin; the tile is rows g..g + n of
+                // dst, columns c0..c0 + cols, read (after the first tap) before written.
+                unsafe {
+                    tile(
+                        cin,
+                        &a,
+                        (bp.add(tap * cin * ldb), ldb),
+                        (c, ldc),
+                        (n, cols),
+                        start,
+                    )
+                };
+            }
+        }
+    }
+}
+
+/// The keys of one window transposed: `out[ch * n + j]` is channel `ch` of key `j`, for the
+/// `n` rows of q | k | v (`3c` values each) in `qkv`. In registers, 16 x 16 at a time:
+/// writing each key's values down a column of the result (a store every 4n bytes) took a
+/// sixth of the attention's time, and a gather per channel a tenth.
+///
+/// # Safety
+/// The CPU has AVX-512F; `qkv` holds `n` rows of `3c` values and `out` `c * n`.
+pub(crate) unsafe fn transpose_keys(qkv: &[f32], (n, c): (usize, usize), out: &mut [f32]) {
+    assert!(qkv.len() >= n * 3 * c && out.len() >= n * c);
+    // SAFETY: forwarded to the caller.
+    unsafe { avx512::transpose_keys(qkv, (n, c), out) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-1, 1), distinct per seed.
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// The layout both packings must produce: panel p holds columns 48p.., `k` rows of its
+    /// width (the last panel's width rounded up to whole vectors), zeros past `n`.
+    #[test]
+    fn strided_and_contiguous_sources_pack_alike_with_zero_padding() {
+        let (k, n) = (5, 53);
+        let b = values(k * n, 1);
+        let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+        let direct = Panels::new(&b, (k, n), (n, 1));
+        let strided = Panels::new(&bt, (k, n), (1, k));
+        assert_eq!(direct.data, strided.data);
+        assert_eq!(direct.data.len(), k * (48 + 16));
+        // Row 3 of column 50: panel 1 (16 wide), lane 2.
+        assert_eq!(direct.data[k * 48 + 3 * 16 + 2], b[3 * n + 50]);
+        // Column 53 of the padded last vector is zero.
+        assert_eq!(direct.data[k * 48 + 3 * 16 + 5], 0.0);
+        // Row 4 of column 47: the first panel's last lane.
+        assert_eq!(direct.data[4 * 48 + 47], b[4 * n + 47]);
+    }
+
+    /// `start + a · b` in f64 for row-major operands.
+    fn reference(
+        (m, k, n): (usize, usize, usize),
+        a: &[f32],
+        b: &[f32],
+        init: Option<&[f32]>,
+        bias: Option<&[f32]>,
+    ) -> Vec<f64> {
+        let mut c = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = init.map_or(0.0, |r| r[i * n + j] as f64);
+                s += bias.map_or(0.0, |b| b[j] as f64);
+                for p in 0..k {
+                    s += a[i * k + p] as f64 * b[p * n + j] as f64;
+                }
+                c[i * n + j] = s;
+            }
+        }
+        c
+    }
+
+    /// Every panel width (1, 2, 3 vectors, partial or not), row counts around the tile and
+    /// the task, and each way of starting: zero, bias, rows (a residual), both, and the
+    /// output's own earlier contents.
+    #[test]
+    fn products_match_float64_for_every_start_and_edge() {
+        if !available() {
+            eprintln!("panel products not tested: this CPU has no AVX-512");
+            return;
+        }
+        for (m, k, n) in [
+            (1, 1, 1),
+            (7, 30, 16),
+            (9, 3, 17),
+            (8, 64, 30),
+            (65, 180, 180),
+            (130, 19, 95),
+            (64, 7, 49),
+        ] {
+            let a = values(m * k, 2);
+            let b = values(k * n, 3);
+            let r = values(m * n, 4);
+            let bias = values(n, 5);
+            let packed = Panels::new(&b, (k, n), (n, 1));
+            for case in 0..5 {
+                let mut out = if case == 4 {
+                    r.clone()
+                } else {
+                    vec![f32::NAN; m * n]
+                };
+                let init = match case {
+                    2 | 3 => Some((r.as_ptr(), n)),
+                    4 => Some((out.as_ptr(), n)),
+                    _ => None,
+                };
+                let start = Start {
+                    init,
+                    bias: (case == 1 || case == 3).then_some(bias.as_ptr()),
+                };
+                // SAFETY: AVX-512F checked above; a is m x k, out and r m x n, bias n.
+                unsafe {
+                    gemm(
+                        m,
+                        (a.as_ptr(), k),
+                        packed.rhs(),
+                        (out.as_mut_ptr(), n),
+                        start,
+                        true,
+                        None,
+                    )
+                };
+                let want = reference(
+                    (m, k, n),
+                    &a,
+                    &b,
+                    (case >= 2).then_some(&r[..]),
+                    (case == 1 || case == 3).then_some(&bias[..]),
+                );
+                for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
+                    assert!(
+                        (o as f64 - w).abs() < 1e-5 * (k as f64 + 1.0),
+                        "{m}x{k}x{n} start {case}: element {i} is {o}, want {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// kᵀ of windows whose key and channel counts leave partial 16 x 16 blocks.
+    #[test]
+    fn keys_transpose_exactly() {
+        if !available() {
+            eprintln!("key transpose not tested: this CPU has no AVX-512");
+            return;
+        }
+        for (n, c) in [(64, 180), (49, 20), (16, 16), (1, 3), (256, 33)] {
+            let qkv = values(n * 3 * c, 9);
+            let mut out = vec![f32::NAN; c * n];
+            // SAFETY: AVX-512F checked above; the sizes are the function's.
+            unsafe { transpose_keys(&qkv, (n, c), &mut out) };
+            for ch in 0..c {
+                for j in 0..n {
+                    assert_eq!(
+                        out[ch * n + j],
+                        qkv[j * 3 * c + c + ch],
+                        "{n}x{c}: ({ch}, {j})"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The implicit-patch convolution against the direct sum over taps, zero padding at
+    /// every edge, on pixel ranges that start mid-row and end in partial tiles.
+    #[test]
+    fn conv_pixels_match_the_direct_convolution() {
+        if !available() {
+            eprintln!("panel convolution not tested: this CPU has no AVX-512");
+            return;
+        }
+        for (h, wd, cin, cout, p0, rows) in [
+            (3, 5, 4, 6, 0, 15),
+            (4, 9, 3, 50, 7, 21),
+            (1, 1, 2, 1, 0, 1),
+            (6, 4, 17, 97, 5, 13),
+        ] {
+            let image = values(h * wd * cin, 6);
+            let w = values(9 * cin * cout, 7);
+            let bias = values(cout, 8);
+            let packed = Panels::new(&w, (9 * cin, cout), (cout, 1));
+            let zeros = vec![0f32; cin];
+            let ldc = cout + 3;
+            let mut out = vec![f32::NAN; rows * ldc];
+            // SAFETY: AVX-512F checked above; out holds `rows` rows of cout values ldc apart.
+            unsafe {
+                conv3x3_pixels(
+                    &image,
+                    (h, wd, cin),
+                    &zeros,
+                    &packed,
+                    (p0, rows),
+                    (out.as_mut_ptr(), ldc),
+                    &bias,
+                )
+            };
+            for i in 0..rows {
+                let (y, x) = ((p0 + i) / wd, (p0 + i) % wd);
+                for o in 0..cout {
+                    let mut s = bias[o] as f64;
+                    for tap in 0..9 {
+                        let (sy, sx) = (y + tap / 3, x + tap % 3);
+                        if sy < 1 || sx < 1 || sy > h || sx > wd {
+                            continue;
+                        }
+                        for ci in 0..cin {
+                            let v = image[((sy - 1) * wd + sx - 1) * cin + ci] as f64;
+                            s += v * w[(tap * cin + ci) * cout + o] as f64;
+                        }
+                    }
+                    let got = out[i * ldc + o] as f64;
+                    assert!(
+                        (got - s).abs() < 1e-5 * (9 * cin) as f64,
+                        "{h}x{wd}x{cin}->{cout} pixel {}: channel {o} is {got}, want {s}",
+                        p0 + i
+                    );
+                }
+                // The gap between rows is left alone.
+                assert!(out[i * ldc + cout..(i + 1) * ldc]
+                    .iter()
+                    .all(|v| v.is_nan()));
+            }
+        }
+    }
+}

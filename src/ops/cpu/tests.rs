@@ -1,0 +1,529 @@
+use super::*;
+use crate::ops::attention::cpu::window_attention;
+use crate::ops::conv::cpu::{conv3x3, conv3x3_bf16, conv3x3_shuffled, conv3x3_shuffled_bf16};
+use crate::ops::linear::cpu::{linear, linear_bf16, After};
+use candle_core::Device;
+
+/// Largest absolute difference, in f64, between a result and its reference.
+fn max_abs_diff(ours: &Tensor, want: &Tensor) -> Result<f64> {
+    (ours.to_dtype(DType::F64)? - want.to_dtype(DType::F64)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f64>()
+}
+
+/// No probability leaves the softmax subnormal: a full window of equal scores plus one
+/// 86 below them would give e^-86 / 257 ≈ 1.6e-40 without the cutoff.
+#[test]
+fn softmax_never_outputs_subnormals() {
+    for offset in [-79.0f32, -80.5, -84.0, -86.0, -90.0, -100.0] {
+        let mut row = vec![0f32; 257];
+        row[100] = offset;
+        softmax_rows_body(&mut row, 257);
+        for &p in &row {
+            assert!(p == 0.0 || p.is_normal(), "offset {offset}: {p:e}");
+        }
+        assert_eq!(row[100] == 0.0, offset < SOFTMAX_CUTOFF, "offset {offset}");
+        let sum: f32 = row.iter().sum();
+        assert!((sum - 1.0).abs() < 1e-5, "{sum}");
+    }
+}
+
+#[test]
+fn exp_is_accurate_over_the_softmax_range() {
+    let mut worst = 0f64;
+    for i in 0..=200_000 {
+        let x = -(i as f32) * 87.0 / 200_000.0;
+        let want = (x as f64).exp();
+        worst = worst.max(((exp_nonpositive(x) as f64 - want) / want).abs());
+    }
+    assert!(worst < 5e-7, "relative error {worst}");
+    assert_eq!(exp_nonpositive(-1000.0), 0.0);
+    assert_eq!(exp_nonpositive(0.0), 1.0);
+}
+
+#[test]
+fn gelu_matches_exact_gelu_and_not_tanh() -> Result<()> {
+    let xs: Vec<f32> = (-4000..4000).map(|i| i as f32 / 400.0).collect();
+    let x = Tensor::new(xs.as_slice(), &Device::Cpu)?;
+    let ours = gelu_erf(&x)?;
+    let exact = x.to_dtype(DType::F64)?.gelu_erf()?;
+    let d = max_abs_diff(&ours, &exact)?;
+    assert!(d < 1e-6, "max abs error {d}");
+    let gap = (ours - x.gelu()?)?.abs()?.max(0)?.to_scalar::<f32>()?;
+    assert!(gap > 1e-4, "indistinguishable from tanh GELU: {gap}");
+    Ok(())
+}
+
+#[test]
+fn softmax_rows_match_candle_with_masked_entries() -> Result<()> {
+    // Rows of 70: four full lanes of 16 and a remainder of 6.
+    let x = Tensor::randn(0f32, 3.0, (5, 7, 70), &Device::Cpu)?;
+    let masked = (x.narrow(2, 0, 32)? - 100.0)?;
+    let x = Tensor::cat(&[&masked, &x.narrow(2, 32, 38)?], 2)?;
+    let mut ours = x.flatten_all()?.to_vec1::<f32>()?;
+    softmax_rows_body(&mut ours, 70);
+    let ours = Tensor::from_vec(ours, (5, 7, 70), &Device::Cpu)?;
+    let want = candle_nn::ops::softmax_last_dim(&x.to_dtype(DType::F64)?)?;
+    let d = max_abs_diff(&ours, &want)?;
+    assert!(d < 1e-6, "max abs error {d}");
+    Ok(())
+}
+
+/// The unfused graph, in f64: scores, bias, mask, softmax, weighted sum, heads concatenated.
+/// With `bf16`, q, k, v and the probabilities are first rounded to bf16, as the bf16
+/// products take them.
+fn attention_reference(
+    qkv: &Tensor,
+    bias: &Tensor,
+    mask: Option<&Tensor>,
+    heads: usize,
+    bf16: bool,
+) -> Result<Tensor> {
+    let round = |t: Tensor| -> Result<Tensor> {
+        if bf16 {
+            t.to_dtype(DType::BF16)?.to_dtype(DType::F64)
+        } else {
+            Ok(t)
+        }
+    };
+    let (bw, n, c3) = qkv.dims3()?;
+    let d = c3 / 3 / heads;
+    let qkv = round(qkv.to_dtype(DType::F64)?)?
+        .reshape((bw, n, 3, heads, d))?
+        .permute((2, 0, 3, 1, 4))?;
+    let (q, k, v) = (
+        qkv.get(0)?.contiguous()?,
+        qkv.get(1)?.contiguous()?,
+        qkv.get(2)?.contiguous()?,
+    );
+    let mut attn = q
+        .matmul(&k.t()?)?
+        .broadcast_add(&bias.to_dtype(DType::F64)?)?;
+    if let Some(mask) = mask {
+        let nw = mask.dim(0)?;
+        attn = attn
+            .reshape((bw / nw, nw, heads, n, n))?
+            .broadcast_add(&mask.to_dtype(DType::F64)?.unsqueeze(1)?)?
+            .reshape((bw, heads, n, n))?;
+    }
+    round(candle_nn::ops::softmax_last_dim(&attn)?)?
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .reshape((bw, n, heads * d))
+}
+
+/// Random attention inputs for `bw` windows of `ws x ws` tokens: qkv, a bias table, and
+/// for shifted windows (`nw > 0`) the region labels of a `ws x nw*ws` map (whose windows
+/// all straddle regions). Also the gathered bias and the stored mask the reference takes.
+#[allow(clippy::type_complexity)]
+fn attention_inputs(
+    (bw, ws, heads, d, nw): (usize, usize, usize, usize, usize),
+) -> Result<(
+    Tensor,
+    RelativeBias,
+    Option<Vec<u8>>,
+    Tensor,
+    Option<Tensor>,
+)> {
+    let dev = Device::Cpu;
+    let n = ws * ws;
+    let qkv = Tensor::randn(0f32, 1.0, (bw, n, 3 * heads * d), &dev)?;
+    let side = 2 * ws - 1;
+    let table = Tensor::randn(0f32, 1.0, (side * side, heads), &dev)?;
+    let (regions, mask) = if nw > 0 {
+        let mask = crate::ops::attention::windows::shift_mask(ws, nw * ws, ws);
+        (
+            Some(crate::ops::attention::windows::shift_regions(
+                ws,
+                nw * ws,
+                ws,
+            )),
+            Some(Tensor::from_vec(mask, (nw, n, n), &dev)?),
+        )
+    } else {
+        (None, None)
+    };
+    Ok((
+        qkv,
+        RelativeBias::new(&table, ws)?,
+        regions,
+        crate::ops::attention::windows::relative_position_bias(&table, ws)?,
+        mask,
+    ))
+}
+
+#[test]
+fn bf16_window_attention_matches_the_rounded_graph() -> Result<()> {
+    let isas = crate::ops::cpu::bf16::available_isas();
+    if isas.is_empty() {
+        eprintln!("bf16 attention not tested: this CPU has no bf16 arithmetic");
+    }
+    for isa in isas {
+        // (windows, window, heads, head dim, mask windows). Windows whose token count
+        // leaves partial row groups, tiles and panels (49), pads the probabilities' pairs
+        // (16, 49), odd head dims, and the official window.
+        for shape in [
+            (4, 4, 3, 5, 2),
+            (2, 7, 2, 7, 0),
+            (3, 8, 2, 6, 1),
+            (2, 16, 2, 6, 2),
+        ] {
+            let (qkv, bias, regions, gathered, mask) = attention_inputs(shape)?;
+            let ours = window_attention(&qkv, &bias, regions.as_deref(), Some(isa))?
+                .expect("the CPU kernel applies");
+            let want = attention_reference(&qkv, &gathered, mask.as_ref(), shape.2, true)?;
+            // Only a probability whose f32 and f64 values round to different bf16
+            // neighbours differs, by one bf16 step of it (at most 2^-7 p) times a value;
+            // the probabilities of a row sum to 1, so the output moves by at most
+            // 2^-7 max|v|. The inputs are random each run: a fixed bound failed
+            // on rare draws with large values.
+            let (_, _, c3) = qkv.dims3()?;
+            let v_max = qkv
+                .narrow(2, 2 * c3 / 3, c3 / 3)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()? as f64;
+            let bound = 2f64.powi(-7) * v_max * (1.0 + 2f64.powi(-8)) + 1e-5;
+            let diff = max_abs_diff(&ours, &want)?;
+            assert!(
+                diff < bound,
+                "{isa:?} {shape:?}: max abs error {diff} (bound {bound})"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn fused_window_attention_matches_the_graph() -> Result<()> {
+    // (windows, window, heads, head dim, mask windows): a batch of two images with a
+    // shift mask, odd head dims, a single window (the GEMMs split across threads), and
+    // the official window with a mask.
+    for shape in [
+        (8, 4, 3, 5, 4),
+        (3, 8, 2, 7, 0),
+        (1, 8, 4, 6, 1),
+        (4, 16, 2, 5, 2),
+    ] {
+        let (qkv, bias, regions, gathered, mask) = attention_inputs(shape)?;
+        let ours = window_attention(&qkv, &bias, regions.as_deref(), None)?
+            .expect("the CPU f32 kernel applies");
+        let want = attention_reference(&qkv, &gathered, mask.as_ref(), shape.2, false)?;
+        let diff = max_abs_diff(&ours, &want)?;
+        assert!(diff < 1e-5, "{shape:?}: max abs error {diff}");
+    }
+    Ok(())
+}
+
+#[test]
+fn window_attention_declines_other_dtypes_and_checks_shapes() -> Result<()> {
+    let dev = Device::Cpu;
+    let table = Tensor::zeros((9, 1), DType::F32, &dev)?;
+    let bias = RelativeBias::new(&table, 2)?;
+    let qkv = Tensor::zeros((2, 4, 6), DType::F16, &dev)?;
+    assert!(window_attention(&qkv, &bias, None, None)?.is_none());
+    let qkv = qkv.to_dtype(DType::F32)?;
+    assert!(window_attention(&qkv, &bias, None, None)?.is_some());
+    // Tokens that are not the window's, labels for 3 windows of a batch of 2.
+    let wrong = Tensor::zeros((2, 9, 6), DType::F32, &dev)?;
+    assert!(window_attention(&wrong, &bias, None, None).is_err());
+    assert!(window_attention(&qkv, &bias, Some(&[0; 12]), None).is_err());
+    Ok(())
+}
+
+#[test]
+fn linear_matches_matmul_plus_bias() -> Result<()> {
+    let dev = Device::Cpu;
+    for dims in [vec![2usize, 3, 5, 7], vec![4, 7], vec![1, 7]] {
+        let x = Tensor::randn(0f32, 1.0, dims.as_slice(), &dev)?;
+        let w = Tensor::randn(0f32, 1.0, (11, 7), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, 11, &dev)?;
+        let want = x
+            .to_dtype(DType::F64)?
+            .broadcast_matmul(&w.to_dtype(DType::F64)?.t()?)?;
+        let mut out_dims = dims.clone();
+        *out_dims.last_mut().expect("non-empty") = 11;
+        let r = Tensor::randn(0f32, 1.0, out_dims.as_slice(), &dev)?;
+        for (bias, residual) in [
+            (None, None),
+            (Some(&b), None),
+            (None, Some(&r)),
+            (Some(&b), Some(&r)),
+        ] {
+            let ours = linear(
+                &x,
+                &w,
+                bias,
+                residual.map_or(After::Nothing, After::Residual),
+            )?
+            .expect("the CPU f32 kernel applies");
+            let mut want = want.clone();
+            if let Some(b) = bias {
+                want = want.broadcast_add(&b.to_dtype(DType::F64)?)?;
+            }
+            if let Some(r) = residual {
+                want = (want + r.to_dtype(DType::F64)?)?;
+            }
+            assert_eq!(ours.dims(), want.dims());
+            let diff = max_abs_diff(&ours, &want)?;
+            let case = (bias.is_some(), residual.is_some());
+            assert!(diff < 1e-5, "{dims:?} (bias, residual) {case:?}: {diff}");
+        }
+        let wrong = Tensor::zeros(3, DType::F32, &dev)?;
+        assert!(linear(&x, &w, Some(&b), After::Residual(&wrong)).is_err());
+    }
+    Ok(())
+}
+
+/// The GELU epilogue equals the GELU of the plain product (float64 GELU), in f32 and on
+/// every bf16 ISA this CPU has, over several row blocks and a partial one.
+#[test]
+fn linear_gelu_epilogue_matches_gelu_of_the_product() -> Result<()> {
+    let dev = Device::Cpu;
+    let (m, k, n) = (2 * EPILOGUE_ROWS + 45, 40, 37);
+    let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+    let w = Tensor::randn(0f32, 0.3, (n, k), &dev)?;
+    let b = Tensor::randn(0f32, 1.0, n, &dev)?;
+    let check = |ours: &Tensor, plain: &Tensor, what: &str| -> Result<()> {
+        let want = plain.to_dtype(DType::F64)?.gelu_erf()?;
+        let diff = max_abs_diff(ours, &want)?;
+        assert!(diff < 1e-6, "{what}: {diff}");
+        Ok(())
+    };
+    let gelu = linear(&x, &w, Some(&b), After::Gelu)?.expect("the CPU f32 kernel applies");
+    let plain = linear(&x, &w, Some(&b), After::Nothing)?.expect("as above");
+    check(&gelu, &plain, "f32")?;
+    let wt = w.t()?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    let packed = PackedB::new(&wt, (k, n), (n, 1));
+    let isas = crate::ops::cpu::bf16::available_isas();
+    if isas.is_empty() {
+        eprintln!("bf16 epilogue not tested: this CPU has no bf16 arithmetic");
+    }
+    for isa in isas {
+        let gelu = linear_bf16(&x, isa, &packed, &b, After::Gelu)?;
+        let plain = linear_bf16(&x, isa, &packed, &b, After::Nothing)?;
+        check(&gelu, &plain, &format!("{isa:?}"))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn conv3x3_matches_candle_conv2d() -> Result<()> {
+    let dev = Device::Cpu;
+    for (b, h, w, cin, cout, chunk) in [
+        (2, 5, 7, 4, 6, 1 << 20),
+        (1, 9, 4, 3, 5, 40),
+        (1, 1, 1, 2, 3, 1),
+        (2, 6, 5, 37, 3, 1 << 20),
+        // The narrow kernel with every channel count, image widths around its pixel
+        // groups, and 64 channels as the models' last convolution has.
+        (1, 3, 9, 64, 3, 1 << 20),
+        (1, 4, 4, 16, 1, 1 << 20),
+        (2, 2, 11, 33, 2, 1 << 20),
+        (1, 5, 3, 64, 4, 1 << 20),
+    ] {
+        let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
+        let weight = Tensor::randn(0f32, 1.0, (cout, cin, 3, 3), &dev)?;
+        let bias = Tensor::randn(0f32, 1.0, cout, &dev)?;
+        let w9 = weight
+            .permute((2, 3, 1, 0))?
+            .reshape((9 * cin, cout))?
+            .contiguous()?;
+        let ours = conv3x3(&x, &w9, &bias, chunk)?.expect("the CPU f32 kernel applies");
+        let want = x
+            .to_dtype(DType::F64)?
+            .permute((0, 3, 1, 2))?
+            .conv2d(&weight.to_dtype(DType::F64)?, 1, 1, 1, 1)?
+            .broadcast_add(&bias.to_dtype(DType::F64)?.reshape((1, cout, 1, 1))?)?
+            .permute((0, 2, 3, 1))?;
+        // f32 sums of 9 * cin unit-variance products: the rounding error grows with the
+        // number of terms (1.1e-5 seen at 333 terms), a misplaced tap costs O(1).
+        let diff = max_abs_diff(&ours, &want)?;
+        let tolerance = 1e-6 * (9 * cin) as f64;
+        assert!(diff < tolerance, "{b}x{h}x{w}x{cin} chunk {chunk}: {diff}");
+    }
+    Ok(())
+}
+
+/// The bf16 convolution against a float64 convolution of the bf16-rounded input and
+/// weights, on every bf16 kernel this CPU has: patches packed straight from the image
+/// (even `cin`, rows wider than a block of pixels, several images) and through the f32
+/// patch matrix (odd `cin`).
+#[test]
+fn bf16_conv_matches_the_rounded_convolution() -> Result<()> {
+    let dev = Device::Cpu;
+    let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F64);
+    for isa in crate::ops::cpu::bf16::available_isas() {
+        for (b, h, w, cin, cout) in [
+            (2, 5, 7, 6, 40),
+            (1, 3, 100, 8, 33),
+            (1, 4, 5, 5, 32),
+            (1, 2, 3, 64, 64),
+        ] {
+            let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
+            let weight = Tensor::randn(0f32, 1.0, (cout, cin, 3, 3), &dev)?;
+            let bias = Tensor::randn(0f32, 1.0, cout, &dev)?;
+            let w9 = weight.permute((2, 3, 1, 0))?.reshape((9 * cin, cout))?;
+            let ws = w9.flatten_all()?.to_vec1::<f32>()?;
+            let packed = PackedB::new(&ws, (9 * cin, cout), (cout, 1));
+            let ours = conv3x3_bf16(&x, isa, &packed, &bias, 1 << 20)?;
+            let want = round(&x)?
+                .permute((0, 3, 1, 2))?
+                .conv2d(&round(&weight)?, 1, 1, 1, 1)?
+                .broadcast_add(&bias.to_dtype(DType::F64)?.reshape((1, cout, 1, 1))?)?
+                .permute((0, 2, 3, 1))?;
+            let diff = max_abs_diff(&ours, &want)?;
+            let tolerance = 1e-6 * (9 * cin) as f64;
+            assert!(
+                diff < tolerance,
+                "{isa:?} {b}x{h}x{w}x{cin} -> {cout}: {diff}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The shuffled convolution against the convolution followed by the shuffle, in f32 and
+/// (where the CPU has it) bf16, for both factors and bands of one and several rows.
+#[test]
+fn shuffled_conv_matches_conv_then_shuffle() -> Result<()> {
+    let dev = Device::Cpu;
+    for (b, h, w, cin, c, r, chunk) in [
+        (2, 5, 7, 6, 16, 2, 1 << 20),
+        (1, 4, 3, 5, 32, 3, 1),
+        (1, 3, 9, 8, 16, 2, 200),
+        // A row wider than one packed block of pixels.
+        (1, 2, 100, 8, 16, 2, 1 << 20),
+    ] {
+        let cout = r * r * c;
+        let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
+        let w9 = Tensor::randn(0f32, 0.3, (9 * cin, cout), &dev)?;
+        let bias = Tensor::randn(0f32, 1.0, cout, &dev)?;
+        let plain = conv3x3(&x, &w9, &bias, chunk)?.expect("f32 kernel");
+        let want = pixel_shuffle_reordered(&plain, r)?.expect("f32 kernel");
+        let ours = conv3x3_shuffled(&x, &w9, &bias, r, chunk)?.expect("f32 kernel");
+        assert_eq!(ours.dims(), [b, h * r, w * r, c]);
+        let diff = max_abs_diff(&ours, &want)?;
+        assert!(diff < 1e-5, "f32 {b}x{h}x{w}x{cin} r {r}: {diff}");
+        if let Some(isa) = crate::ops::cpu::bf16::isa() {
+            let ws = w9.flatten_all()?.to_vec1::<f32>()?;
+            let packed = PackedB::new(&ws, (9 * cin, cout), (cout, 1));
+            let plain = conv3x3_bf16(&x, isa, &packed, &bias, chunk)?;
+            let want = pixel_shuffle_reordered(&plain, r)?.expect("f32 kernel");
+            let ours = conv3x3_shuffled_bf16(&x, isa, &packed, &bias, r, chunk)?
+                .expect("blocks of 32 and 96 columns start panels");
+            let diff = max_abs_diff(&ours, &want)?;
+            assert!(diff < 1e-5, "bf16 {b}x{h}x{w}x{cin} r {r}: {diff}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn dense_concatenation_and_shuffle_match_candle() -> Result<()> {
+    let dev = Device::Cpu;
+    // Channel counts off the vector width, and a negative zero and exact zeros in y.
+    let x = Tensor::randn(0f32, 1.0, (2, 3, 37), &dev)?;
+    let y = Tensor::randn(0f32, 1.0, (2, 3, 19), &dev)?;
+    let y = y.slice_assign(
+        &[0..1, 0..1, 0..2],
+        &Tensor::new(&[[[-0.0f32, 0.0]]], &dev)?,
+    )?;
+    let ours = cat_leaky(&x, &y, 0.2)?.expect("the CPU f32 kernel applies");
+    let want = Tensor::cat(&[&x, &candle_nn::ops::leaky_relu(&y, 0.2)?], 2)?;
+    assert_eq!(ours.dims(), want.dims());
+    assert_eq!(
+        ours.flatten_all()?.to_vec1::<f32>()?,
+        want.flatten_all()?.to_vec1::<f32>()?
+    );
+    assert!(cat_leaky(&x, &y.narrow(1, 0, 2)?.contiguous()?, 0.2).is_err());
+
+    for r in [2, 3] {
+        let (b, h, w, c) = (2, 3, 4, 5);
+        let x = Tensor::randn(0f32, 1.0, (b, h, w, r * r * c), &dev)?;
+        let ours = pixel_shuffle_reordered(&x, r)?.expect("the CPU f32 kernel applies");
+        let want = x
+            .reshape((b, h, w, r, r, c))?
+            .permute((0, 1, 3, 2, 4, 5))?
+            .reshape((b, h * r, w * r, c))?;
+        assert_eq!(
+            ours.flatten_all()?.to_vec1::<f32>()?,
+            want.flatten_all()?.to_vec1::<f32>()?,
+            "r {r}"
+        );
+    }
+    Ok(())
+}
+
+/// The sum over several parallel chunks and a partial one, and the refusals.
+#[test]
+fn add_matches_candle_and_checks_shapes() -> Result<()> {
+    let dev = Device::Cpu;
+    let a = Tensor::randn(0f32, 1.0, (3, CHUNK + 77), &dev)?;
+    let b = Tensor::randn(0f32, 1.0, (3, CHUNK + 77), &dev)?;
+    let ours = add(&a, &b)?.expect("f32 on the CPU");
+    assert_eq!(max_abs_diff(&ours, &(&a + &b)?)?, 0.0);
+    assert!(add(&a, &b.narrow(1, 0, 5)?.contiguous()?).is_err());
+    assert!(add(&a.to_dtype(DType::F64)?, &b.to_dtype(DType::F64)?)?.is_none());
+    Ok(())
+}
+
+/// GFLOP/s of the f32 linear layers of a SwinIR-M block at 64x64 (qkv, proj, fc1 with its
+/// GELU, fc2 onto its residual) and of its 3x3 convolution, with the bias, on all threads.
+/// Run with `UPSCALE_CPU_GEMM=crate` to time the `gemm` crate instead of the panels:
+/// `cargo test --release --lib swinir_layer_throughput -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn swinir_layer_throughput() -> Result<()> {
+    let dev = Device::Cpu;
+    let m = 4096;
+    let reps = 20;
+    let time = |run: &dyn Fn() -> Result<Tensor>, flops: f64| -> Result<f64> {
+        run()?;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            std::hint::black_box(run()?);
+        }
+        Ok(flops * reps as f64 / t.elapsed().as_secs_f64() / 1e9)
+    };
+    for (k, n, after) in [(180, 540, 0), (180, 180, 0), (180, 360, 1), (360, 180, 2)] {
+        let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+        let w = Tensor::randn(0f32, 0.1, (n, k), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, n, &dev)?;
+        let r = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
+        let after = match after {
+            0 => After::Nothing,
+            1 => After::Gelu,
+            _ => After::Residual(&r),
+        };
+        let run = || Ok(linear(&x, &w, Some(&b), after)?.expect("f32 on the CPU"));
+        let g = time(&run, 2.0 * (m * k * n) as f64)?;
+        eprintln!("linear {m}x{k}x{n}: {g:.0} GFLOP/s");
+    }
+    for (side, cin, cout) in [(64, 180, 180), (64, 180, 64), (128, 64, 256)] {
+        let x = Tensor::randn(0f32, 1.0, (1, side, side, cin), &dev)?;
+        let w = Tensor::randn(0f32, 0.1, (9 * cin, cout), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, cout, &dev)?;
+        let run = || Ok(conv3x3(&x, &w, &b, 16 << 20)?.expect("f32 on the CPU"));
+        let g = time(&run, 2.0 * (side * side * 9 * cin * cout) as f64)?;
+        eprintln!("conv3x3 {side}x{side} {cin}->{cout}: {g:.0} GFLOP/s");
+    }
+    Ok(())
+}
+
+/// The spatial mean against candle's in f64: odd sizes, and a map of more rows than one
+/// task sums (the blocks' partial sums added together), over a batch of two.
+#[test]
+fn mean_over_height_and_width_matches_candle() -> Result<()> {
+    for dims in [(2, 5, 7, 33), (2, 64, 64, 180), (1, 1, 1, 3)] {
+        let x = (Tensor::randn(0f32, 1.0, dims, &Device::Cpu)? + 0.5)?;
+        let ours = mean_hw(&x)?;
+        assert_eq!(ours.dims(), [dims.0, 1, 1, dims.3]);
+        let want = x.to_dtype(DType::F64)?.mean_keepdim(1)?.mean_keepdim(2)?;
+        let d = max_abs_diff(&ours, &want)?;
+        assert!(d < 1e-6, "{dims:?}: max abs error {d}");
+    }
+    Ok(())
+}

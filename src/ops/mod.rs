@@ -1,0 +1,88 @@
+//! The operations the Swin-family networks are built from, one type each. A layer is built
+//! from the weights where they will run and the network's [`LoadPlan`], and picks its
+//! implementation and prepares its weights then (bf16 panels on the CPU): the network code
+//! above only says what to compute, never where, and nothing changes a layer after it is built.
+//!
+//! | operation | type | CPU, f32 | CPU, bf16 products | CUDA | reference |
+//! |---|---|---|---|---|---|
+//! | linear (and 1x1 convolution) | [`linear::Dense`] | `linear::cpu::linear` | `linear::cpu::linear_bf16` | `linear::cuda` (cuBLASLt) and `linear::rowwise` (its epilogues) | candle's `Linear` |
+//! | 3x3 convolution | [`conv::Conv3x3`] | `conv::cpu::conv3x3` | `conv::cpu::conv3x3_bf16` | `conv::cuda::patches3x3` + GEMM, `conv::cuda::conv3x3_narrow` | the same patch GEMM |
+//! | window attention | [`attention::Attend`] | `attention::cpu::window_attention` | the same, bf16 products | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
+//! | overlapping cross-attention (HAT) | [`attention::OverlapAttend`] | `attention::cpu::overlap_attention` | the same, bf16 products | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
+//! | layer norm | [`norm::Norm`] | `norm::cpu` | (f32) | `norm::cuda` | candle's `layer_norm` |
+//!
+//! Each operation's folder holds its type and reference (`mod.rs`), its CPU half (`cpu.rs`)
+//! and, where it has kernels of its own, its CUDA half (`cuda.rs`; Dense's row-wise
+//! epilogues in `linear/rowwise.rs`, beside its cuBLASLt GEMMs). What several operations
+//! share stays apart: the GEMM driver and f32 panel microkernels in [`crate::ops::cpu`], the bf16
+//! packing and microkernels in [`crate::ops::cpu::bf16`], the row-wise CUDA kernels' switch and launch
+//! helpers in [`crate::ops::rowwise`] (the kernels are one CUDA module, kernels/rowwise.cu). Each
+//! has a test against the reference column.
+
+pub mod attention;
+pub mod conv;
+pub mod cpu;
+pub mod linear;
+pub mod norm;
+pub mod pad;
+pub mod rowwise;
+
+use candle_core::{Device, Result};
+use rayon::prelude::*;
+
+use crate::ops::cpu::bf16::Isa;
+use crate::ops::pad::Pad;
+use attention::Attention;
+
+/// The choices a network is built with, made once at load and handed to each layer that
+/// depends on them, so that every layer is in its final form when it is constructed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadPlan {
+    /// How window attention runs on CUDA devices.
+    pub attention: Attention,
+    /// How DRCT's channels are padded ([`crate::ops::pad`]); the other networks read
+    /// their layers unpadded whatever it says.
+    pub pad: Pad,
+    /// bf16 products with f32 sums on the CPU, on these instructions: the layers on the CPU
+    /// pack their weights for them at construction. Layers elsewhere ignore it.
+    pub bf16: Option<Isa>,
+}
+
+/// Where a layer's weights live, which decides its implementation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Backend {
+    /// Our CPU kernels (f32; candle's ops for other dtypes).
+    Cpu,
+    /// Our CUDA kernels and cuBLASLt epilogues, candle's CUDA ops between.
+    Cuda,
+    /// Any other device: candle's ops alone.
+    Other,
+}
+
+impl Backend {
+    pub(crate) fn of(device: &Device) -> Self {
+        match device {
+            Device::Cpu => Self::Cpu,
+            Device::Cuda(_) => Self::Cuda,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// `build(i)` for `i` in `0..n`, in parallel when the weights go to the CPU: each layer
+/// rearranges its weights at load (scaled queries, convolution weights in patch order), and
+/// one layer at a time took a tenth of a small image's whole run. Elsewhere one after another,
+/// so the uploads to a GPU's stream keep one order.
+pub(crate) fn build_layers<T: Send>(
+    device: &Device,
+    n: usize,
+    build: impl Fn(usize) -> Result<T> + Sync + Send,
+) -> Result<Vec<T>> {
+    match Backend::of(device) {
+        Backend::Cpu => (0..n).into_par_iter().map(build).collect(),
+        Backend::Cuda | Backend::Other => (0..n).map(build).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests;
