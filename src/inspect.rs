@@ -10,7 +10,7 @@ use serde_json::json;
 
 use crate::api::Error;
 use crate::engine::{read_checkpoint, Precision};
-use crate::nets::{ArchConfig, Checkpoint, DrctConfig, HatConfig, Source, SwinIrConfig};
+use crate::nets::{Checkpoint, Source};
 
 /// A checkpoint, validated: its architecture and configuration inferred from the tensors
 /// and every tensor checked against them.
@@ -29,7 +29,7 @@ impl ModelFile {
 
     /// The variant's name, e.g. `DRCT-L`, `SwinIR-M` or `HAT-S`.
     pub fn variant(&self) -> &'static str {
-        self.ck.config.name()
+        self.ck.config.variant()
     }
 
     /// The model's upscaling factor.
@@ -48,11 +48,7 @@ impl ModelFile {
     /// window, heads, ...). A value that is the same for every group or block is given once.
     pub fn describe(&self) -> serde_json::Value {
         let ck = &self.ck;
-        match &ck.config {
-            ArchConfig::Drct(c) => with_common(ck, describe_drct(c)),
-            ArchConfig::SwinIr(c) => with_common(ck, describe_swinir(c)),
-            ArchConfig::Hat(c) => with_common(ck, describe_hat(c)),
-        }
+        with_common(ck, ck.config.describe())
     }
 
     /// Writes the validated weights in `precision` to `output` (`Auto` is fp32, what every
@@ -88,15 +84,9 @@ impl ModelFile {
         }
         let mut meta = HashMap::new();
         meta.insert("format".to_string(), "pt".to_string());
-        let arch = match &ck.config {
-            ArchConfig::Drct(_) => "DRCT",
-            ArchConfig::SwinIr(_) => "SwinIR",
-            ArchConfig::Hat(_) => "HAT",
-        };
+        let arch = ck.config.family();
         meta.insert("architecture".to_string(), arch.to_string());
-        let config = serde_json::to_string(&ck.config)
-            .map_err(|e| failed(output.display().to_string(), "cannot write", e))?;
-        meta.insert("upscale.config".to_string(), config);
+        meta.insert("upscale.config".to_string(), ck.config.to_json());
         meta.insert(
             "upscale.source".to_string(),
             match &ck.source {
@@ -128,7 +118,7 @@ fn with_common(ck: &Checkpoint, fields: serde_json::Value) -> serde_json::Value 
     let mut v = json!({
         "model": ck.source.to_string(),
         "name": ck.metadata.get("upscale.name"),
-        "architecture": ck.config.name(),
+        "architecture": ck.config.variant(),
         "parameters": ck.config.parameter_count(),
         "state_dict_key": ck.wrapper,
     });
@@ -136,76 +126,4 @@ fn with_common(ck: &Checkpoint, fields: serde_json::Value) -> serde_json::Value 
         all.extend(more);
     }
     v
-}
-
-/// One value where every entry agrees (the released models), else the list.
-fn uniform(v: &[usize]) -> serde_json::Value {
-    match v.first() {
-        Some(first) if v.iter().all(|x| x == first) => json!(first),
-        _ => json!(v),
-    }
-}
-
-fn describe_drct(c: &DrctConfig) -> serde_json::Value {
-    let head_dims: Vec<Vec<usize>> = (0..c.groups)
-        .map(|g| (0..c.heads[g].len()).map(|k| c.head_dim(g, k)).collect())
-        .collect();
-    // One row per group is noise for the released models, where all groups agree.
-    let (heads, head_dims) = if c.heads.iter().all(|h| *h == c.heads[0]) {
-        (json!(c.heads[0]), json!(head_dims[0]))
-    } else {
-        (json!(c.heads), json!(head_dims))
-    };
-    json!({
-        "scale": c.scale,
-        "groups": c.groups,
-        "embed_dim": c.embed_dim,
-        "window": c.window,
-        "heads": heads,
-        "head_dims": head_dims,
-        "growth": c.growth,
-        "mlp_hidden": c.mlp_hidden,
-        "num_feat": c.num_feat,
-        "patch_norm": c.patch_norm,
-        "conv_after_body": c.conv_after_body,
-    })
-}
-
-fn describe_swinir(c: &SwinIrConfig) -> serde_json::Value {
-    let head_dims: Vec<usize> = (0..c.heads.len()).map(|i| c.head_dim(i)).collect();
-    json!({
-        "scale": c.scale,
-        "upsampler": c.upsampler.name(),
-        "resi_connection": c.resi_connection,
-        "groups": c.depths.len(),
-        "depths": uniform(&c.depths),
-        "embed_dim": c.embed_dim,
-        "window": c.window,
-        "heads": uniform(&c.heads),
-        "head_dims": uniform(&head_dims),
-        "mlp_hidden": c.mlp_hidden,
-        "num_feat": (c.num_feat > 0).then_some(c.num_feat),
-        "patch_norm": c.patch_norm,
-    })
-}
-
-fn describe_hat(c: &HatConfig) -> serde_json::Value {
-    let head_dims: Vec<usize> = (0..c.heads.len()).map(|i| c.head_dim(i)).collect();
-    json!({
-        "scale": c.scale,
-        "groups": c.depths.len(),
-        "depths": uniform(&c.depths),
-        "embed_dim": c.embed_dim,
-        "window": c.window,
-        "overlap_window": c.overlap_window,
-        "overlap_ratio": c.overlap_ratio(),
-        "compress_ratio": c.compress_ratio(),
-        "squeeze_factor": c.squeeze_factor(),
-        "conv_scale": crate::nets::hat::CONV_SCALE,
-        "heads": uniform(&c.heads),
-        "head_dims": uniform(&head_dims),
-        "mlp_hidden": c.mlp_hidden,
-        "num_feat": c.num_feat,
-        "patch_norm": c.patch_norm,
-    })
 }

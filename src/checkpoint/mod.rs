@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::checkpoint::pth::{read_state_dict, PthArchive};
-use crate::nets::registry::ArchConfig;
+use crate::nets::ArchConfig;
 use crate::nets::{ModelError, TensorError};
 
 /// Where the weights came from, for messages and `upscale info`.
@@ -165,7 +165,7 @@ impl Checkpoint {
             .iter()
             .map(|(k, v)| (k.clone(), v.dims().to_vec()))
             .collect();
-        let config = ArchConfig::infer(&shapes).map_err(|e| ModelError::Config {
+        let config = crate::nets::registry::infer(&shapes).map_err(|e| ModelError::Config {
             origin: source.to_string(),
             source: e,
         })?;

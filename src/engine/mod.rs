@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::nets::{Attention, Checkpoint, Model, ModelError, Source};
 use crate::planar::Planar;
@@ -440,35 +440,14 @@ impl Engine {
         PROBE_BOUND_FACTOR * self.analytic_bytes_per_pixel()
     }
 
-    /// The largest live set of one Swin block, per token: the attention scores and their
-    /// softmax (heads x N each, unless the fused kernel keeps them out of memory; HAT's
-    /// cross-attention scores always), the dense concatenation, qkv and the MLP hidden
-    /// layer, plus the upsampler's high-resolution maps, at the engine's dtype; at the padded
-    /// widths when the model's channels are padded (`UPSCALE_PAD_CHANNELS`).
+    /// The activations at the peak of a forward pass per input pixel, from the network's
+    /// shapes alone ([`crate::nets::NetConfig::activations_per_pixel`]), at the engine's dtype.
     fn analytic_bytes_per_pixel(&self) -> f64 {
-        let c = self.model.config();
-        let pad = self.model.net.padding();
-        let n = (c.window() * c.window()) as f64;
-        // A DRCT block's input is padded part by part: the group's input, then each growth.
-        let d = match c {
-            crate::nets::ArchConfig::Drct(dc) => {
-                let k = crate::nets::drct::config::BLOCKS_PER_GROUP - 1;
-                pad.width(dc.embed_dim) + k * pad.width(dc.growth)
-            }
-            _ => c.widest_block(),
-        } as f64;
-        let heads = c.max_heads() as f64;
-        let window_scores = if self.scores_in_memory() {
-            heads * n
-        } else {
-            0.0
-        };
-        // Window and cross-attention scores live in different blocks, never together.
-        let scores = 3.0 * window_scores.max(c.unfused_scores_per_token() as f64);
-        let tokens = scores + 6.0 * d + pad.width(c.max_mlp_hidden()) as f64;
-        let s2 = (c.scale() * c.scale()) as f64;
-        let upsampler = 3.0 * pad.width(c.upsampler_channels()) as f64 * s2;
-        (tokens + upsampler) * self.model.net.dtype().size_in_bytes() as f64
+        let values = self
+            .model
+            .config()
+            .activations_per_pixel(self.scores_in_memory(), self.model.net.padding());
+        values * self.model.net.dtype().size_in_bytes() as f64
     }
 
     pub(crate) fn measure_bytes_per_pixel(&self) -> Option<f64> {

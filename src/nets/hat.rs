@@ -36,16 +36,17 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
+use serde_json::json;
 
 use crate::nets::drct::config::ConfigError;
-use crate::nets::swin::{
-    load_layer_norm, rgb_mean, shuffle_stages, swin_frame, BlockShape, Mlp, SwinBlock,
-    UPSAMPLE_SLOPE,
-};
+use crate::nets::frame::{AfterBody, Frame, Tail};
+use crate::nets::registry::{swin_family, Architecture};
+use crate::nets::swin::{load_layer_norm, BlockShape, Mlp, SwinBlock, SwinCost};
 use crate::nets::swinir::{
     check_shapes, isqrt, out_width, parameters, pixel_shuffle_scale, pixel_shuffle_stages,
     swin_layout, tensor, Shapes, SwinLayout,
 };
+use crate::nets::{uniform, ArchConfig, Net, NetConfig};
 use crate::ops::attention::windows::WindowCache;
 use crate::ops::attention::OverlapAttend;
 use crate::ops::conv::Conv3x3;
@@ -428,19 +429,10 @@ impl Module for Rhag {
 }
 
 pub struct Hat {
-    conv_first: Conv3x3,
-    patch_norm: Option<Norm>,
+    frame: Frame,
     layers: Vec<Rhag>,
-    norm: Norm,
-    conv_after_body: Option<Conv3x3>,
-    conv_before_upsample: Conv3x3,
-    upsample: Vec<(Conv3x3, usize)>,
-    conv_last: Conv3x3,
-    mean: Tensor,
-    config: HatConfig,
     #[cfg_attr(not(test), allow(dead_code))]
     windows: WindowCache,
-    dtype: DType,
 }
 
 impl Hat {
@@ -479,67 +471,166 @@ impl Hat {
                 },
             });
         }
-        let mean = rgb_mean(&vb)?;
-        let feat = Pad::OFF.one(f);
-        let upsample = shuffle_stages(cfg.upsample_stages(), (&feat, f), Pad::OFF, plan, &vb)?;
+        let e = Pad::OFF.one(e);
+        let after_body = if cfg.group_conv {
+            AfterBody::One(Conv3x3::new(&e, &e, plan, vb.pp("conv_after_body"))?)
+        } else {
+            AfterBody::Identity
+        };
+        let stages = cfg.upsample_stages();
+        let tail = Tail::pixel_shuffle((&e, &Pad::OFF.one(f), f), stages, Pad::OFF, plan, &vb)?;
+        let frame = Frame::new(
+            (&e, cfg.patch_norm),
+            (after_body, tail),
+            (cfg.window, cfg.scale),
+            plan,
+            &vb,
+        )?;
         Ok(Self {
-            conv_first: Conv3x3::unpadded(3, e, plan, vb.pp("conv_first"))?,
-            patch_norm: if cfg.patch_norm {
-                Some(load_layer_norm(e, vb.pp("patch_embed.norm"))?)
-            } else {
-                None
-            },
+            frame,
             layers,
-            norm: load_layer_norm(e, vb.pp("norm"))?,
-            conv_after_body: if cfg.group_conv {
-                Some(Conv3x3::unpadded(e, e, plan, vb.pp("conv_after_body"))?)
-            } else {
-                None
-            },
-            conv_before_upsample: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
-            upsample,
-            conv_last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?
-                .add_to_bias(&mean.flatten_all()?)?,
-            mean,
-            config: cfg.clone(),
             windows,
-            dtype: vb.dtype(),
         })
     }
+}
 
-    pub fn dtype(&self) -> DType {
-        self.dtype
+impl Net for Hat {
+    fn dtype(&self) -> DType {
+        self.frame.dtype()
     }
 
     #[cfg(test)]
-    pub fn cached_masks(&self) -> usize {
+    fn cached_masks(&self) -> usize {
         self.windows.len()
     }
 }
 
 impl Module for Hat {
-    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)`, unclamped
-    /// ([`swin_frame`]).
+    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W; see [`Frame::forward`].
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let shape = (self.dtype, self.config.window, self.config.scale);
-        let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
-        swin_frame(x, shape, head, |f0, mut t| {
+        self.frame.forward(x, |mut t| {
             for layer in &self.layers {
                 t = layer.forward(&t)?;
             }
-            let body = layer_norm(&self.norm, &t)?;
-            let body = match &self.conv_after_body {
-                Some(conv) => (conv.forward(&body)? + f0)?,
-                None => (body + f0)?,
-            };
-            let mut y = candle_nn::ops::leaky_relu(
-                &self.conv_before_upsample.forward(&body)?,
-                UPSAMPLE_SLOPE,
-            )?;
-            for (conv, r) in &self.upsample {
-                y = conv.forward_shuffled(&y, *r)?;
-            }
-            self.conv_last.forward(&y)
+            Ok(t)
         })
+    }
+}
+
+/// HAT's registry entry.
+pub(crate) struct Arch;
+
+/// Whether the keys have HAT's blocks: a convolution block beside each Swin block, or the
+/// overlapping cross-attention closing each group.
+pub(crate) fn has_hat_blocks(shapes: &Shapes) -> bool {
+    shapes
+        .keys()
+        .any(|k| k.contains(".conv_block.") || k.contains(".overlap_attn."))
+}
+
+impl Architecture for Arch {
+    fn name(&self) -> &'static str {
+        "HAT"
+    }
+
+    fn loads(&self) -> &'static str {
+        "HAT-S, HAT, HAT-L, Real_HAT_GAN"
+    }
+
+    fn detect(&self, shapes: &Shapes) -> bool {
+        swin_family(shapes) && has_hat_blocks(shapes)
+    }
+
+    fn infer(&self, shapes: &Shapes) -> std::result::Result<ArchConfig, ConfigError> {
+        match HatConfig::infer(shapes) {
+            Ok(c) => Ok(std::sync::Arc::new(c)),
+            Err(e) => Err(ConfigError::Hat(Box::new(e))),
+        }
+    }
+}
+
+impl NetConfig for HatConfig {
+    fn family(&self) -> &'static str {
+        "HAT"
+    }
+
+    fn variant(&self) -> &'static str {
+        HatConfig::variant(self)
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let c = self;
+        let head_dims: Vec<usize> = (0..c.heads.len()).map(|i| c.head_dim(i)).collect();
+        json!({
+            "scale": c.scale,
+            "groups": c.depths.len(),
+            "depths": uniform(&c.depths),
+            "embed_dim": c.embed_dim,
+            "window": c.window,
+            "overlap_window": c.overlap_window,
+            "overlap_ratio": c.overlap_ratio(),
+            "compress_ratio": c.compress_ratio(),
+            "squeeze_factor": c.squeeze_factor(),
+            "conv_scale": CONV_SCALE,
+            "heads": uniform(&c.heads),
+            "head_dims": uniform(&head_dims),
+            "mlp_hidden": c.mlp_hidden,
+            "num_feat": c.num_feat,
+            "patch_norm": c.patch_norm,
+        })
+    }
+
+    fn activations_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> f64 {
+        let heads = self.heads.iter().copied().max().unwrap_or(1);
+        SwinCost {
+            window: self.window,
+            block: self.embed_dim,
+            heads,
+            unfused_scores: heads * self.overlap_window * self.overlap_window,
+            mlp_hidden: self.mlp_hidden.max(self.ocab_mlp_hidden),
+            upsampler: self.num_feat,
+            scale: self.scale,
+        }
+        .activations_per_pixel(scores_in_memory, pad)
+    }
+
+    fn scale(&self) -> usize {
+        self.scale
+    }
+
+    fn window(&self) -> usize {
+        self.window
+    }
+
+    fn parameter_count(&self) -> usize {
+        HatConfig::parameter_count(self)
+    }
+
+    fn flops(&self, h: usize, w: usize) -> f64 {
+        HatConfig::flops(self, h, w)
+    }
+
+    fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    fn widest_head_dim(&self) -> usize {
+        (0..self.heads.len())
+            .map(|i| self.head_dim(i))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn largest_tensor_per_pixel(&self, scores_in_memory: bool, _: Pad) -> usize {
+        HatConfig::largest_tensor_per_pixel(self, scores_in_memory)
+    }
+
+    fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {
+        Ok(Box::new(Hat::new(self, plan, vb)?))
+    }
+
+    #[cfg(test)]
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

@@ -4,29 +4,23 @@
 //! [`crate::ops`] do that when they are built.
 
 pub mod drct;
+mod frame;
 pub mod hat;
 pub mod registry;
 pub mod swin;
 pub mod swinir;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module};
 use candle_nn::VarBuilder;
 
 pub use crate::checkpoint::pth::{PthError, PthTensorError};
 pub use crate::checkpoint::{Checkpoint, Source};
 pub use crate::ops::attention::Attention;
 use crate::ops::cpu::bf16;
-use crate::ops::pad as pad_channels;
+use crate::ops::pad::{self as pad_channels, Pad};
 use crate::ops::LoadPlan;
 pub use crate::switches::EnvError;
 pub use drct::config::ConfigError;
-pub use drct::config::DrctConfig;
-pub use drct::Drct;
-pub use hat::Hat;
-pub use hat::HatConfig;
-pub use registry::ArchConfig;
-pub use swinir::SwinIr;
-pub use swinir::SwinIrConfig;
 
 /// Why a checkpoint could not become a network. Every variant names the file (or the
 /// embedded model) it came from; the cause, where there is one, is both quoted in the message
@@ -151,58 +145,92 @@ impl ModelError {
     }
 }
 
-/// One of the supported networks, built.
-// A model holds one network, built once and never moved in a loop: boxing the larger
-// variants would buy nothing.
-#[allow(clippy::large_enum_variant)]
-pub enum Network {
-    Drct(Drct),
-    SwinIr(SwinIr),
-    Hat(Hat),
-}
+/// A network, built: the forward pass and what the engine asks of it.
+pub(crate) trait Net: Module + Send + Sync {
+    /// The dtype it computes in.
+    fn dtype(&self) -> DType;
 
-impl Network {
-    pub fn dtype(&self) -> DType {
-        match self {
-            Self::Drct(n) => n.dtype(),
-            Self::SwinIr(n) => n.dtype(),
-            Self::Hat(n) => n.dtype(),
-        }
+    /// How its channels were padded at load (only DRCT's layers pad).
+    fn padding(&self) -> Pad {
+        Pad::OFF
     }
 
-    /// How the channels were padded at load (DRCT only; the others never are).
-    pub fn padding(&self) -> pad_channels::Pad {
-        match self {
-            Self::Drct(n) => n.padding(),
-            Self::SwinIr(_) | Self::Hat(_) => pad_channels::Pad::OFF,
-        }
-    }
-
-    #[cfg(test)]
     /// Number of distinct padded sizes whose shift mask (or region labels) is cached.
-    pub fn cached_masks(&self) -> usize {
-        match self {
-            Self::Drct(n) => n.cached_masks(),
-            Self::SwinIr(n) => n.cached_masks(),
-            Self::Hat(n) => n.cached_masks(),
-        }
+    #[cfg(test)]
+    fn cached_masks(&self) -> usize;
+}
+
+/// What an architecture's configuration, read from its weights, tells the rest of the
+/// crate: names for `info`, sizes for the tile planner, and how to build the network.
+pub(crate) trait NetConfig: std::fmt::Debug + Send + Sync {
+    /// The architecture, as its registry entry names it (`"DRCT"`).
+    fn family(&self) -> &'static str;
+
+    /// The variant's name (`"DRCT-L"`, `"SwinIR-M"`, `"HAT-S"`).
+    fn variant(&self) -> &'static str;
+
+    /// The upscaling factor.
+    fn scale(&self) -> usize;
+
+    /// The multiple the network pads its input to (its attention window; 1 for none).
+    fn window(&self) -> usize;
+
+    /// Learned parameters.
+    fn parameter_count(&self) -> usize;
+
+    /// Multiply-adds x2 of one forward pass over a padded `h x w` input.
+    fn flops(&self, h: usize, w: usize) -> f64;
+
+    /// The configuration as `info --json` shows it (beside the fields every model has).
+    fn describe(&self) -> serde_json::Value;
+
+    /// The configuration serialised, for a converted file's metadata.
+    fn to_json(&self) -> String;
+
+    /// The widest attention head of any block (0 without attention).
+    fn widest_head_dim(&self) -> usize;
+
+    /// The most values any one intermediate tensor holds per padded input pixel (the bound
+    /// candle's 32-bit CUDA indexing puts on a forward pass).
+    fn largest_tensor_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> usize;
+
+    /// Values live at once per input pixel at the peak of a forward pass, from the shapes
+    /// alone (the tile planner's analytic cost).
+    fn activations_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> f64;
+
+    /// Whether the network's layers can pad their channels (`UPSCALE_PAD_CHANNELS`).
+    fn pads_channels(&self) -> bool {
+        false
+    }
+
+    /// The network stored under `vb`, built as `plan` says.
+    fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> candle_core::Result<Box<dyn Net>>;
+
+    /// For tests that compare one architecture's configuration.
+    #[cfg(test)]
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// One value where every entry agrees (the released models), else the list.
+pub(crate) fn uniform(v: &[usize]) -> serde_json::Value {
+    match v.first() {
+        Some(first) if v.iter().all(|x| x == first) => serde_json::json!(first),
+        _ => serde_json::json!(v),
     }
 }
 
-impl Module for Network {
-    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)`, unclamped.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match self {
-            Self::Drct(n) => n.forward(x),
-            Self::SwinIr(n) => n.forward(x),
-            Self::Hat(n) => n.forward(x),
-        }
-    }
+/// A configuration of any registered architecture.
+pub(crate) type ArchConfig = std::sync::Arc<dyn NetConfig>;
+
+/// `c` as architecture `T`'s configuration, if it is one.
+#[cfg(test)]
+pub(crate) fn config_of<T: 'static>(c: &ArchConfig) -> Option<&T> {
+    c.as_any().downcast_ref()
 }
 
 /// A network ready to run.
 pub struct Model {
-    pub net: Network,
+    pub net: Box<dyn Net>,
     config: ArchConfig,
 }
 
@@ -240,13 +268,13 @@ impl Model {
         };
         let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
         let mut pad = pad_channels::current().map_err(|e| build_error(e.into()))?;
-        if !matches!(ck.config, ArchConfig::Drct(_)) && pad != pad_channels::Pad::OFF {
+        if !ck.config.pads_channels() && pad != Pad::OFF {
             // Only DRCT's layers know how to pad; the others run as they are.
             log::warn!(
                 "{}: applies to DRCT models; this one runs unpadded",
                 pad_channels::VAR
             );
-            pad = pad_channels::Pad::OFF;
+            pad = Pad::OFF;
         }
         let plan = LoadPlan {
             attention,
@@ -254,12 +282,10 @@ impl Model {
             bf16: isa,
         };
         let vb = VarBuilder::from_tensors(ck.tensors, vb_dtype, device);
-        let net = match &ck.config {
-            ArchConfig::Drct(c) => Drct::new(c, &plan, vb).map(Network::Drct),
-            ArchConfig::SwinIr(c) => SwinIr::new(c, &plan, vb).map(Network::SwinIr),
-            ArchConfig::Hat(c) => Hat::new(c, &plan, vb).map(Network::Hat),
-        }
-        .map_err(|e| build_error(e.into()))?;
+        let net = ck
+            .config
+            .build(&plan, vb)
+            .map_err(|e| build_error(e.into()))?;
         Ok(Self {
             net,
             config: ck.config,

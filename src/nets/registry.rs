@@ -1,194 +1,155 @@
-//! Which network a state dict holds, told from its key names, and the configuration of each
-//! supported one.
+//! The architectures this build loads, one entry each: how its tensor names are told apart
+//! from the others', and its configuration read from the names and shapes. Adding an
+//! architecture is its own module under `nets/` and one line in [`REGISTRY`].
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use super::{drct, hat, swinir, ArchConfig, ConfigError};
 
-use crate::nets::drct::config::{ConfigError, DrctConfig, BLOCKS_PER_GROUP};
-use crate::nets::hat::HatConfig;
-use crate::nets::swinir::SwinIrConfig;
-use crate::ops::pad::Pad;
+/// A state dict's tensor names and shapes.
+pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
 
-/// The architectures this build runs, for messages.
-pub const SUPPORTED: &str =
-    "DRCT, SwinIR (classical, lightweight and real-world x2/x3/x4) and HAT (HAT-S, HAT, HAT-L, Real_HAT_GAN)";
+/// One architecture the registry holds.
+pub(crate) trait Architecture: Sync {
+    /// Its name (`"DRCT"`).
+    fn name(&self) -> &'static str;
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(untagged)]
-pub enum ArchConfig {
-    Drct(DrctConfig),
-    SwinIr(SwinIrConfig),
-    Hat(HatConfig),
+    /// What of it loads, for the line that lists the registry (`"x2/x3/x4"`, or the
+    /// variants); empty when the name says enough.
+    fn loads(&self) -> &'static str;
+
+    /// Whether the tensor names are this architecture's. At most one entry may answer yes
+    /// for any state dict.
+    fn detect(&self, shapes: &Shapes) -> bool;
+
+    /// Its configuration, read from the tensors, with every tensor checked against it.
+    fn infer(&self, shapes: &Shapes) -> Result<ArchConfig, ConfigError>;
 }
 
-impl ArchConfig {
-    /// Tell the architecture from the key names, infer its config and check every tensor.
-    pub fn infer(shapes: &BTreeMap<String, Vec<usize>>) -> Result<Self, ConfigError> {
-        let any = |f: &dyn Fn(&str) -> bool| shapes.keys().any(|k| f(k));
-        let swin_family =
-            any(&|k| k.starts_with("layers.") && k.contains(".residual_group.blocks."));
-        if swin_family && any(&|k| k.contains(".conv_block.") || k.contains(".overlap_attn.")) {
-            return HatConfig::infer(shapes)
-                .map(Self::Hat)
-                .map_err(|e| ConfigError::Hat(Box::new(e)));
-        }
-        if swin_family && any(&|k| k.ends_with(".logit_scale") || k.contains(".cpb_mlp.")) {
-            return Err(unsupported(
-                "a Swin2SR checkpoint (SwinV2 blocks: logit_scale, cpb_mlp)",
-            ));
-        }
-        if swin_family {
-            return SwinIrConfig::infer(shapes)
-                .map(Self::SwinIr)
-                .map_err(|e| ConfigError::SwinIr(Box::new(e)));
-        }
-        let drct_like = any(&|k| {
-            k.strip_prefix("layers.")
-                .and_then(|r| r.split('.').nth(1))
-                .is_some_and(|p| p.starts_with("swin") || p.starts_with("adjust"))
-        });
-        if !drct_like {
-            if let Some(found) = other_architecture(shapes) {
-                return Err(unsupported(found));
-            }
-            if !shapes.contains_key("conv_first.weight") {
-                let sample: Vec<&str> = shapes.keys().take(3).map(String::as_str).collect();
-                return Err(unsupported(format!(
-                    "an unrecognised architecture (keys {})",
-                    sample.join(", ")
-                )));
-            }
-        }
-        DrctConfig::infer(shapes).map(Self::Drct)
-    }
+/// Every architecture this build loads, in the order messages list them.
+pub(crate) const REGISTRY: &[&dyn Architecture] = &[&drct::Arch, &swinir::Arch, &hat::Arch];
 
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Drct(c) if c.groups >= 12 => "DRCT-L",
-            Self::Drct(_) => "DRCT",
-            Self::SwinIr(c) => c.variant(),
-            Self::Hat(c) => c.variant(),
-        }
-    }
+/// The architecture whose configuration inference explains a state dict none recognises
+/// but that has a `conv_first`: DRCT's, whose errors name the first missing tensor (a
+/// truncated or renamed DRCT file is the likeliest such file).
+const FALLBACK: &dyn Architecture = &drct::Arch;
 
-    pub fn window(&self) -> usize {
-        match self {
-            Self::Drct(c) => c.window,
-            Self::SwinIr(c) => c.window,
-            Self::Hat(c) => c.window,
-        }
+/// The architecture of a state dict and its configuration, every tensor checked.
+pub(crate) fn infer(shapes: &Shapes) -> Result<ArchConfig, ConfigError> {
+    if let Some(arch) = REGISTRY.iter().find(|a| a.detect(shapes)) {
+        return arch.infer(shapes);
     }
-
-    pub fn scale(&self) -> usize {
-        match self {
-            Self::Drct(c) => c.scale,
-            Self::SwinIr(c) => c.scale,
-            Self::Hat(c) => c.scale,
-        }
+    if let Some(found) = other_architecture(shapes) {
+        return Err(unsupported(found));
     }
-
-    pub fn parameter_count(&self) -> usize {
-        match self {
-            Self::Drct(c) => c.parameter_count(),
-            Self::SwinIr(c) => c.parameter_count(),
-            Self::Hat(c) => c.parameter_count(),
-        }
+    if !shapes.contains_key("conv_first.weight") {
+        let sample: Vec<&str> = shapes.keys().take(3).map(String::as_str).collect();
+        return Err(unsupported(format!(
+            "an unrecognised architecture (keys {})",
+            sample.join(", ")
+        )));
     }
+    FALLBACK.infer(shapes)
+}
 
-    pub fn flops(&self, h: usize, w: usize) -> f64 {
-        match self {
-            Self::Drct(c) => c.flops(h, w),
-            Self::SwinIr(c) => c.flops(h, w),
-            Self::Hat(c) => c.flops(h, w),
-        }
-    }
-
-    pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> usize {
-        match self {
-            Self::Drct(c) => c.largest_tensor_per_pixel(scores_in_memory, pad),
-            Self::SwinIr(c) => c.largest_tensor_per_pixel(scores_in_memory),
-            Self::Hat(c) => c.largest_tensor_per_pixel(scores_in_memory),
-        }
-    }
-
-    /// The widest attention head of any block.
-    pub fn widest_head_dim(&self) -> usize {
-        match self {
-            Self::Drct(c) => (0..c.groups)
-                .flat_map(|g| (0..BLOCKS_PER_GROUP).map(move |k| (g, k)))
-                .map(|(g, k)| c.head_dim(g, k))
-                .max()
-                .unwrap_or(0),
-            Self::SwinIr(c) => (0..c.heads.len()).map(|i| c.head_dim(i)).max().unwrap_or(0),
-            Self::Hat(c) => (0..c.heads.len()).map(|i| c.head_dim(i)).max().unwrap_or(0),
-        }
-    }
-
-    /// The most heads of any block.
-    pub fn max_heads(&self) -> usize {
-        match self {
-            Self::Drct(c) => c.heads.iter().flatten().copied().max().unwrap_or(1),
-            Self::SwinIr(c) => c.heads.iter().copied().max().unwrap_or(1),
-            Self::Hat(c) => c.heads.iter().copied().max().unwrap_or(1),
-        }
-    }
-
-    /// Attention scores per token that no fused kernel keeps out of memory: HAT's
-    /// overlapping cross-attention (heads x overlap window²), run as plain products.
-    pub fn unfused_scores_per_token(&self) -> usize {
-        match self {
-            Self::Hat(c) => {
-                c.heads.iter().copied().max().unwrap_or(1) * c.overlap_window * c.overlap_window
-            }
-            _ => 0,
-        }
-    }
-
-    /// The widest input of any Swin block.
-    pub fn widest_block(&self) -> usize {
-        match self {
-            Self::Drct(c) => c.block_dim(BLOCKS_PER_GROUP - 1),
-            Self::SwinIr(c) => c.embed_dim,
-            Self::Hat(c) => c.embed_dim,
-        }
-    }
-
-    /// The widest MLP hidden layer.
-    pub fn max_mlp_hidden(&self) -> usize {
-        match self {
-            Self::Drct(c) => c.mlp_hidden.iter().copied().max().unwrap_or(0),
-            Self::SwinIr(c) => c.mlp_hidden,
-            Self::Hat(c) => c.mlp_hidden.max(c.ocab_mlp_hidden),
-        }
-    }
-
-    /// Channels of the upsampler's feature maps (at least the 3 of the output).
-    pub fn upsampler_channels(&self) -> usize {
-        match self {
-            Self::Drct(c) => c.num_feat,
-            Self::SwinIr(c) => c.num_feat.max(3),
-            Self::Hat(c) => c.num_feat,
-        }
+/// The architectures this build loads, as one line: `DRCT, SwinIR (...) and HAT (...)`.
+pub fn supported() -> String {
+    let names: Vec<String> = REGISTRY
+        .iter()
+        .map(|a| match a.loads() {
+            "" => a.name().to_string(),
+            loads => format!("{} ({loads})", a.name()),
+        })
+        .collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.concat(),
     }
 }
 
 fn unsupported(found: impl Into<String>) -> ConfigError {
     ConfigError::OtherArchitecture {
         found: found.into(),
-        supported: SUPPORTED,
+        supported: supported(),
     }
 }
 
+/// Whether the keys are those of a Swin-family network with residual groups of Swin
+/// blocks (SwinIR, HAT, Swin2SR).
+pub(crate) fn swin_family(shapes: &Shapes) -> bool {
+    shapes
+        .keys()
+        .any(|k| k.starts_with("layers.") && k.contains(".residual_group.blocks."))
+}
+
+/// Whether the keys have SwinV2 blocks (Swin2SR): scaled cosine attention.
+pub(crate) fn swin_v2(shapes: &Shapes) -> bool {
+    shapes
+        .keys()
+        .any(|k| k.ends_with(".logit_scale") || k.contains(".cpb_mlp."))
+}
+
 /// Other well-known super-resolution networks, named from their keys.
-fn other_architecture(shapes: &BTreeMap<String, Vec<usize>>) -> Option<&'static str> {
+fn other_architecture(shapes: &Shapes) -> Option<&'static str> {
     let has = |k: &str| shapes.contains_key(k);
     let prefix = |p: &str| shapes.keys().any(|k| k.starts_with(p));
-    if prefix("body.0.rdb1.") || prefix("RRDB_trunk.") || prefix("model.1.sub.0.RDB1.") {
+    if swin_family(shapes) && swin_v2(shapes) {
+        Some("a Swin2SR checkpoint (SwinV2 blocks: logit_scale, cpb_mlp)")
+    } else if prefix("body.0.rdb1.") || prefix("RRDB_trunk.") || prefix("model.1.sub.0.RDB1.") {
         Some("an ESRGAN / Real-ESRGAN (RRDBNet) checkpoint")
     } else if has("body.0.weight") && !has("conv_first.weight") {
         Some("a Real-ESRGAN compact (SRVGGNetCompact) checkpoint")
     } else {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shapes(keys: &[&str]) -> Shapes {
+        keys.iter().map(|k| (k.to_string(), vec![1])).collect()
+    }
+
+    #[test]
+    fn the_supported_line_names_every_entry() {
+        let line = supported();
+        for arch in REGISTRY {
+            assert!(line.contains(arch.name()), "{line}");
+        }
+        assert!(line.contains(" and "), "{line}");
+    }
+
+    #[test]
+    fn at_most_one_entry_claims_each_kind_of_file() {
+        let files = [
+            shapes(&["conv_first.weight", "layers.0.swin1.norm1.weight"]),
+            shapes(&[
+                "conv_first.weight",
+                "layers.0.residual_group.blocks.0.norm1.weight",
+            ]),
+            shapes(&[
+                "conv_first.weight",
+                "layers.0.residual_group.blocks.0.conv_block.cab.0.weight",
+            ]),
+            shapes(&[
+                "conv_first.weight",
+                "layers.0.residual_group.blocks.0.attn.logit_scale",
+            ]),
+        ];
+        let claims: Vec<usize> = files
+            .iter()
+            .map(|f| REGISTRY.iter().filter(|a| a.detect(f)).count())
+            .collect();
+        assert_eq!(claims, [1, 1, 1, 0]);
+    }
+
+    #[test]
+    fn other_architectures_are_named_with_the_registry() {
+        let e = infer(&shapes(&["body.0.rdb1.conv1.weight"])).unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("ESRGAN"), "{text}");
+        assert!(text.contains(&supported()), "{text}");
     }
 }

@@ -1,53 +1,62 @@
 //! The layers every Swin-family network here shares (DRCT, SwinIR, HAT): the transformer
-//! block with shifted-window attention, its MLP, and the frame around a network's body
-//! (window padding, mean, first convolution, crop). One struct per layer of the official
+//! block with shifted-window attention, its MLP, and the window padding of the input (the
+//! frame around a network's body is [`super::frame`]). One struct per layer of the official
 //! models, each built from a VarBuilder whose path is the state-dict key. Features are kept
 //! channels-last, `(B, H, W, C)`, so every token-wise layer is one matmul over contiguous
 //! memory.
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::ops::attention::windows::WindowCache;
 use crate::ops::attention::Attend;
-use crate::ops::conv::Conv3x3;
 use crate::ops::linear::{spread2, Dense};
-use crate::ops::norm::{add_gather_norm, layer_norm, norm_gather, Norm};
+use crate::ops::norm::{add_gather_norm, norm_gather, Norm};
 use crate::ops::pad::{Channels, Pad};
 use crate::ops::LoadPlan;
 
-/// The RGB mean the official models subtract (img_range 1.0); not stored in checkpoints.
-const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
-
-/// [`RGB_MEAN`] as the `(1, 1, 1, 3)` tensor the networks subtract and add back, in `vb`'s
-/// dtype and on its device.
-pub(crate) fn rgb_mean(vb: &VarBuilder) -> Result<Tensor> {
-    Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())
+/// The shapes behind a Swin-family network's analytic memory cost.
+pub(crate) struct SwinCost {
+    /// Window side.
+    pub window: usize,
+    /// The widest block input, at its padded width.
+    pub block: usize,
+    /// The most heads of any block.
+    pub heads: usize,
+    /// Attention scores per token that no fused kernel keeps out of memory (HAT's
+    /// overlapping cross-attention: heads x overlap window²).
+    pub unfused_scores: usize,
+    /// The widest MLP hidden layer.
+    pub mlp_hidden: usize,
+    /// Channels of the upsampler's feature maps.
+    pub upsampler: usize,
+    /// The upscaling factor.
+    pub scale: usize,
 }
 
-/// The pixel-shuffle upsampler's convolutions `upsample.0`, `upsample.2`, ... (each followed
-/// by a shuffle of its factor in `stages`), from `num_feat` channels laid out as `f`, their
-/// outputs padded as `pad` says; each with its factor.
-pub(crate) fn shuffle_stages(
-    stages: Vec<usize>,
-    (f, num_feat): (&Channels, usize),
-    pad: Pad,
-    plan: &LoadPlan,
-    vb: &VarBuilder,
-) -> Result<Vec<(Conv3x3, usize)>> {
-    stages
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let vb = vb.pp(format!("upsample.{}", 2 * i));
-            Ok((Conv3x3::shuffled(f, (num_feat, r), pad, plan, vb)?, r))
-        })
-        .collect()
+impl SwinCost {
+    /// The largest live set of one Swin block, per token: the attention scores and their
+    /// softmax (heads x N each, unless the fused kernel keeps them out of memory; HAT's
+    /// cross-attention scores always), the dense concatenation, qkv and the MLP hidden
+    /// layer, plus the upsampler's high-resolution maps; widths padded as `pad` says.
+    pub(crate) fn activations_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> f64 {
+        let n = (self.window * self.window) as f64;
+        let window_scores = if scores_in_memory {
+            self.heads as f64 * n
+        } else {
+            0.0
+        };
+        // Window and cross-attention scores live in different blocks, never together.
+        let scores = 3.0 * window_scores.max(self.unfused_scores as f64);
+        let tokens = scores + 6.0 * self.block as f64 + pad.width(self.mlp_hidden) as f64;
+        let s2 = (self.scale * self.scale) as f64;
+        let upsampler = 3.0 * pad.width(self.upsampler) as f64 * s2;
+        tokens + upsampler
+    }
 }
+
 /// LayerNorm epsilon of torch's default, which the official models use.
 const LN_EPS: f64 = 1e-5;
-/// `nn.LeakyReLU()`'s default slope, used after `conv_before_upsample`.
-pub(crate) const UPSAMPLE_SLOPE: f64 = 0.01;
 
 /// A layer norm over `channels`, normalising the real ones only.
 pub(crate) fn load_norm(channels: &Channels, vb: VarBuilder) -> Result<Norm> {
@@ -271,32 +280,6 @@ impl SwinBlock {
         let (x, normed) = add_gather_norm(&self.norm2, &x, scaled, &y, &back)?;
         self.mlp.forward_residual(&normed, x)?.reshape((b, h, w, c))
     }
-}
-
-/// The frame every Swin-family network runs in: `x` `(B, 3, H, W)` reflect-padded
-/// bottom/right to a multiple of the window (as the official test pipelines do), in `dtype`,
-/// channels-last with the RGB `mean` subtracted, through `conv_first` (and the patch norm when
-/// the model has one); `deep` takes those shallow features and the normalised tokens and
-/// returns the model's `(B, sH', sW', 3)` output, whose padding this crops away before going
-/// back to channels-first.
-pub(crate) fn swin_frame(
-    x: &Tensor,
-    (dtype, window, scale): (DType, usize, usize),
-    (mean, conv_first, patch_norm): (&Tensor, &Conv3x3, Option<&Norm>),
-    deep: impl FnOnce(Tensor, Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
-    let (_, _, h, w) = x.dims4()?;
-    let x = reflect_pad_bottom_right(&x.to_dtype(dtype)?, window)?;
-    // Channels-last from here on: every layer is a matmul over the channel axis.
-    let x = x.permute((0, 2, 3, 1))?.broadcast_sub(mean)?;
-    let f0 = conv_first.forward(&x)?;
-    let t = match patch_norm {
-        Some(norm) => layer_norm(norm, &f0)?,
-        None => f0.clone(),
-    };
-    let y = deep(f0, t)?;
-    let y = y.narrow(1, 0, h * scale)?.narrow(2, 0, w * scale)?;
-    y.permute((0, 3, 1, 2))?.contiguous()
 }
 
 /// Reflect-101 indices (edge not repeated) for extending `size` samples to `padded`. Sizes

@@ -27,26 +27,21 @@
 //! The configuration is read from the state dict alone and every tensor is checked against
 //! it before anything is built, as for DRCT.
 
-use std::collections::BTreeMap;
-
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
+use serde_json::json;
 
 use crate::nets::drct::config::ConfigError;
-use crate::nets::swin::{
-    load_layer_norm, rgb_mean, shuffle_stages, swin_frame, BlockShape, SwinBlock, UPSAMPLE_SLOPE,
-};
+use crate::nets::frame::{add, AfterBody, Frame, Tail};
+use crate::nets::hat;
+use crate::nets::registry::{swin_family, swin_v2, Architecture};
+use crate::nets::swin::{BlockShape, SwinBlock, SwinCost};
+use crate::nets::{uniform, ArchConfig, Net, NetConfig};
 use crate::ops::attention::windows::WindowCache;
 use crate::ops::conv::Conv3x3;
-use crate::ops::linear::{pointwise_with, Dense};
-use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
 use crate::ops::{build_layers, LoadPlan};
-
-/// Slope of the LeakyReLUs inside the 3conv residual connection and the nearest+conv
-/// upsampler.
-const SLOPE: f64 = 0.2;
 
 /// The convolution closing each residual group and the body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -513,7 +508,7 @@ pub(crate) fn parameters(tensors: &[(String, Vec<usize>)]) -> usize {
 }
 
 /// Tensor names and shapes of a checkpoint.
-pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
+pub(crate) use crate::nets::registry::Shapes;
 
 /// What [`check_shapes`] adds to an unexpected tensor's name.
 const UNEXPECTED_SWINIR: &str = " (an unsupported SwinIR variant or another architecture)";
@@ -549,46 +544,19 @@ pub(crate) fn isqrt(n: usize) -> usize {
     r
 }
 
-/// The convolution closing a residual group or the body, on channels-last features.
-enum Resi {
-    One(Conv3x3),
-    Three(Conv3x3, Dense, Conv3x3),
-}
-
-impl Resi {
-    fn new(cfg: &SwinIrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
-        let e = cfg.embed_dim;
-        Ok(match cfg.resi_connection {
-            ResiConnection::OneConv => Self::One(Conv3x3::unpadded(e, e, plan, vb)?),
-            ResiConnection::ThreeConv => {
-                let q = cfg.quarter();
-                Self::Three(
-                    Conv3x3::unpadded(e, q, plan, vb.pp("0"))?,
-                    pointwise_with(q, q, plan, vb.pp("2"))?,
-                    Conv3x3::unpadded(q, e, plan, vb.pp("4"))?,
-                )
-            }
-        })
-    }
-}
-
-impl Module for Resi {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Self::One(c) => c.forward(x),
-            Self::Three(a, b, c) => {
-                let y = candle_nn::ops::leaky_relu(&a.forward(x)?, SLOPE)?;
-                let y = candle_nn::ops::leaky_relu(&b.forward(&y)?, SLOPE)?;
-                c.forward(&y)
-            }
-        }
-    }
+/// The convolution closing a residual group or the body: one 3x3 or the 3conv stack.
+fn resi(cfg: &SwinIrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<AfterBody> {
+    let e = cfg.embed_dim;
+    Ok(match cfg.resi_connection {
+        ResiConnection::OneConv => AfterBody::One(Conv3x3::unpadded(e, e, plan, vb)?),
+        ResiConnection::ThreeConv => AfterBody::three(e, plan, vb)?,
+    })
 }
 
 /// Residual Swin Transformer block: Swin blocks, then the group's convolution, plus the input.
 struct Rstb {
     blocks: Vec<SwinBlock>,
-    conv: Resi,
+    conv: AfterBody,
 }
 
 impl Module for Rstb {
@@ -601,53 +569,11 @@ impl Module for Rstb {
     }
 }
 
-/// `a + b`: the CPU kernel where it applies, else candle's op.
-fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    match crate::ops::cpu::add(a, b)? {
-        Some(sum) => Ok(sum),
-        None => a + b,
-    }
-}
-
-enum Tail {
-    PixelShuffle {
-        before: Conv3x3,
-        stages: Vec<(Conv3x3, usize)>,
-        last: Conv3x3,
-    },
-    Direct {
-        conv: Conv3x3,
-        scale: usize,
-    },
-    NearestConv {
-        before: Conv3x3,
-        ups: Vec<Conv3x3>,
-        hr: Conv3x3,
-        last: Conv3x3,
-    },
-}
-
-/// `x` `(B, H, W, C)` repeated to `(B, 2H, 2W, C)` (nearest-neighbour upsampling by 2).
-fn nearest2(x: &Tensor) -> Result<Tensor> {
-    let (b, h, w, c) = x.dims4()?;
-    x.reshape((b, h, 1, w, 1, c))?
-        .broadcast_as((b, h, 2, w, 2, c))?
-        .contiguous()?
-        .reshape((b, 2 * h, 2 * w, c))
-}
-
 pub struct SwinIr {
-    conv_first: Conv3x3,
-    patch_norm: Option<Norm>,
+    frame: Frame,
     layers: Vec<Rstb>,
-    norm: Norm,
-    conv_after_body: Resi,
-    tail: Tail,
-    mean: Tensor,
-    config: SwinIrConfig,
     #[cfg_attr(not(test), allow(dead_code))]
     windows: WindowCache,
-    dtype: DType,
 }
 
 impl SwinIr {
@@ -678,119 +604,162 @@ impl SwinIr {
                 .collect::<Result<Vec<_>>>()?;
             Ok(Rstb {
                 blocks,
-                conv: Resi::new(cfg, plan, vb.pp("conv"))?,
+                conv: resi(cfg, plan, vb.pp("conv"))?,
             })
         };
         let layers = build_layers(vb.device(), cfg.depths.len(), build)?;
-        let mean = rgb_mean(&vb)?;
-        let flat_mean = mean.flatten_all()?;
-        // The RGB mean added back at the end is folded into the last convolution's bias.
         let tail = match cfg.upsampler {
-            Upsampler::PixelShuffle => Tail::PixelShuffle {
-                before: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
-                stages: shuffle_stages(
-                    cfg.upsample_stages(),
-                    (&Pad::OFF.one(f), f),
-                    Pad::OFF,
-                    plan,
-                    &vb,
-                )?,
-                last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?.add_to_bias(&flat_mean)?,
-            },
-            Upsampler::PixelShuffleDirect => {
-                let s = cfg.scale;
-                // After reordering, output channel (i*s + j)*3 + c is colour c of sub-pixel
-                // (i, j): the mean repeats once per sub-pixel.
-                let tiled = flat_mean.repeat(s * s)?;
-                let conv = Conv3x3::shuffled(
-                    &Pad::OFF.one(e),
-                    (3, s),
-                    Pad::OFF,
-                    plan,
-                    vb.pp("upsample.0"),
-                )?
-                .add_to_bias(&tiled)?;
-                Tail::Direct { conv, scale: s }
+            Upsampler::PixelShuffle => {
+                let (e, f) = (Pad::OFF.one(e), Pad::OFF.one(f));
+                let stages = cfg.upsample_stages();
+                Tail::pixel_shuffle((&e, &f, cfg.num_feat), stages, Pad::OFF, plan, &vb)?
             }
-            Upsampler::NearestConv => Tail::NearestConv {
-                before: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
-                ups: (1..=cfg.scale.trailing_zeros())
-                    .map(|k| Conv3x3::unpadded(f, f, plan, vb.pp(format!("conv_up{k}"))))
-                    .collect::<Result<Vec<_>>>()?,
-                hr: Conv3x3::unpadded(f, f, plan, vb.pp("conv_hr"))?,
-                last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?.add_to_bias(&flat_mean)?,
-            },
+            Upsampler::PixelShuffleDirect => Tail::direct(e, cfg.scale, plan, &vb)?,
+            Upsampler::NearestConv => Tail::nearest_conv((e, f), cfg.scale, plan, &vb)?,
         };
+        let after_body = resi(cfg, plan, vb.pp("conv_after_body"))?;
+        let frame = Frame::new(
+            (&Pad::OFF.one(e), cfg.patch_norm),
+            (after_body, tail),
+            (cfg.window, cfg.scale),
+            plan,
+            &vb,
+        )?;
         Ok(Self {
-            conv_first: Conv3x3::unpadded(3, e, plan, vb.pp("conv_first"))?,
-            patch_norm: if cfg.patch_norm {
-                Some(load_layer_norm(e, vb.pp("patch_embed.norm"))?)
-            } else {
-                None
-            },
+            frame,
             layers,
-            norm: load_layer_norm(e, vb.pp("norm"))?,
-            conv_after_body: Resi::new(cfg, plan, vb.pp("conv_after_body"))?,
-            tail,
-            mean,
-            config: cfg.clone(),
             windows,
-            dtype: vb.dtype(),
         })
     }
+}
 
-    pub fn dtype(&self) -> DType {
-        self.dtype
+impl Net for SwinIr {
+    fn dtype(&self) -> DType {
+        self.frame.dtype()
     }
 
     #[cfg(test)]
-    pub fn cached_masks(&self) -> usize {
+    fn cached_masks(&self) -> usize {
         self.windows.len()
     }
 }
 
 impl Module for SwinIr {
-    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)` in the model's
-    /// dtype, unclamped ([`swin_frame`]).
+    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W; see [`Frame::forward`].
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let shape = (self.dtype, self.config.window, self.config.scale);
-        let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
-        swin_frame(x, shape, head, |f0, mut t| {
+        self.frame.forward(x, |mut t| {
             for layer in &self.layers {
                 t = layer.forward(&t)?;
             }
-            let body = add(
-                &self.conv_after_body.forward(&layer_norm(&self.norm, &t)?)?,
-                &f0,
-            )?;
-            let lrelu = candle_nn::ops::leaky_relu;
-            let y = match &self.tail {
-                Tail::PixelShuffle {
-                    before,
-                    stages,
-                    last,
-                } => {
-                    let mut y = lrelu(&before.forward(&body)?, UPSAMPLE_SLOPE)?;
-                    for (conv, r) in stages {
-                        y = conv.forward_shuffled(&y, *r)?;
-                    }
-                    last.forward(&y)?
-                }
-                Tail::Direct { conv, scale } => conv.forward_shuffled(&body, *scale)?,
-                Tail::NearestConv {
-                    before,
-                    ups,
-                    hr,
-                    last,
-                } => {
-                    let mut y = lrelu(&before.forward(&body)?, UPSAMPLE_SLOPE)?;
-                    for up in ups {
-                        y = lrelu(&up.forward(&nearest2(&y)?)?, SLOPE)?;
-                    }
-                    last.forward(&lrelu(&hr.forward(&y)?, SLOPE)?)?
-                }
-            };
-            Ok(y)
+            Ok(t)
         })
+    }
+}
+
+/// SwinIR's registry entry.
+pub(crate) struct Arch;
+
+impl Architecture for Arch {
+    fn name(&self) -> &'static str {
+        "SwinIR"
+    }
+
+    fn loads(&self) -> &'static str {
+        "classical, lightweight and real-world x2/x3/x4"
+    }
+
+    /// Residual groups of Swin blocks, without HAT's convolution and cross-attention blocks
+    /// and without Swin2SR's SwinV2 attention.
+    fn detect(&self, shapes: &Shapes) -> bool {
+        swin_family(shapes) && !hat::has_hat_blocks(shapes) && !swin_v2(shapes)
+    }
+
+    fn infer(&self, shapes: &Shapes) -> std::result::Result<ArchConfig, ConfigError> {
+        match SwinIrConfig::infer(shapes) {
+            Ok(c) => Ok(std::sync::Arc::new(c)),
+            Err(e) => Err(ConfigError::SwinIr(Box::new(e))),
+        }
+    }
+}
+
+impl NetConfig for SwinIrConfig {
+    fn family(&self) -> &'static str {
+        "SwinIR"
+    }
+
+    fn variant(&self) -> &'static str {
+        SwinIrConfig::variant(self)
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let c = self;
+        let head_dims: Vec<usize> = (0..c.heads.len()).map(|i| c.head_dim(i)).collect();
+        json!({
+            "scale": c.scale,
+            "upsampler": c.upsampler.name(),
+            "resi_connection": c.resi_connection,
+            "groups": c.depths.len(),
+            "depths": uniform(&c.depths),
+            "embed_dim": c.embed_dim,
+            "window": c.window,
+            "heads": uniform(&c.heads),
+            "head_dims": uniform(&head_dims),
+            "mlp_hidden": c.mlp_hidden,
+            "num_feat": (c.num_feat > 0).then_some(c.num_feat),
+            "patch_norm": c.patch_norm,
+        })
+    }
+
+    fn activations_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> f64 {
+        SwinCost {
+            window: self.window,
+            block: self.embed_dim,
+            heads: self.heads.iter().copied().max().unwrap_or(1),
+            unfused_scores: 0,
+            mlp_hidden: self.mlp_hidden,
+            upsampler: self.num_feat.max(3),
+            scale: self.scale,
+        }
+        .activations_per_pixel(scores_in_memory, pad)
+    }
+
+    fn scale(&self) -> usize {
+        self.scale
+    }
+
+    fn window(&self) -> usize {
+        self.window
+    }
+
+    fn parameter_count(&self) -> usize {
+        SwinIrConfig::parameter_count(self)
+    }
+
+    fn flops(&self, h: usize, w: usize) -> f64 {
+        SwinIrConfig::flops(self, h, w)
+    }
+
+    fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    fn widest_head_dim(&self) -> usize {
+        (0..self.heads.len())
+            .map(|i| self.head_dim(i))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn largest_tensor_per_pixel(&self, scores_in_memory: bool, _: Pad) -> usize {
+        SwinIrConfig::largest_tensor_per_pixel(self, scores_in_memory)
+    }
+
+    fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {
+        Ok(Box::new(SwinIr::new(self, plan, vb)?))
+    }
+
+    #[cfg(test)]
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

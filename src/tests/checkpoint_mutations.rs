@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::nets::{Checkpoint, Model, Source};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::TensorView;
 
 /// A small deterministic generator, so a failure names a reproducible case.

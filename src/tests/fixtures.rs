@@ -105,7 +105,7 @@ pub fn max_abs(t: &Tensor) -> f64 {
 pub fn assert_bf16_products(name: &str, weights: &Path, input: &Tensor, out: &Tensor) {
     let f32 = crate::nets::Model::load(weights, DType::F32, &Device::Cpu)
         .unwrap_or_else(|e| panic!("{name}: {e}"));
-    let want = candle_core::Module::forward(&f32.net, input).unwrap();
+    let want = candle_core::Module::forward(&*f32.net, input).unwrap();
     let d = max_abs_diff(out, &want);
     assert!(d > 0.0, "{name}: bf16 gave the f32 output");
 }
@@ -141,7 +141,7 @@ pub fn assert_bf16_close(cases: &[(String, PathBuf, PathBuf)], max_abs: f64, min
         let model = crate::nets::Model::load(weights, DType::BF16, &Device::Cpu)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let (input, expected) = load_io(io);
-        let out = candle_core::Module::forward(&model.net, &input).unwrap();
+        let out = candle_core::Module::forward(&*model.net, &input).unwrap();
         assert_eq!(out.dtype(), DType::F32, "{name}: activations stay f32");
         assert_bf16_products(name, weights, &input, &out);
         let d = max_abs_diff(&out, &expected);
@@ -212,7 +212,6 @@ pub fn assert_tiles_blend_to_whole(
 /// The model in `weights` builds its shift masks once per input size: a second forward pass
 /// on `io`'s input reuses them and gives the same output.
 pub fn assert_shift_masks_cached(weights: &Path, io: &Path) {
-    use candle_core::Module;
     let model = crate::nets::Model::load(weights, DType::F32, &Device::Cpu).unwrap();
     let (input, _) = load_io(io);
     let a = model.net.forward(&input).unwrap();

@@ -4,7 +4,7 @@
 
 use crate::nets::{Checkpoint, Model};
 use crate::ops::pad::Pad;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::fixtures::*;
 

@@ -4,12 +4,13 @@
 
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Module};
+use candle_core::{DType, Device};
 
 use super::fixtures::{
     assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
 };
-use crate::nets::{ArchConfig, Checkpoint, Model};
+use crate::nets::hat::HatConfig;
+use crate::nets::{config_of, Checkpoint, Model};
 
 fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/hat")
@@ -32,7 +33,7 @@ fn hat_f32_matches_float64_reference_on_every_fixture() {
     let mut seen = std::collections::BTreeSet::new();
     for (name, weights, io, scale, window) in cases() {
         let ck = Checkpoint::load(&weights).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let ArchConfig::Hat(cfg) = &ck.config else {
+        let Some(cfg) = config_of::<HatConfig>(&ck.config) else {
             panic!("{name}: not read as HAT: {:?}", ck.config);
         };
         assert_eq!((cfg.scale, cfg.window), (scale, window), "{name}");
@@ -57,12 +58,12 @@ fn hat_f32_matches_float64_reference_on_every_fixture() {
 fn hat_params_ema_is_read_and_described() {
     let ck = Checkpoint::load(&dir().join("hat_x4_ema.pth")).unwrap();
     assert_eq!(ck.wrapper.as_deref(), Some("params_ema"));
-    let ArchConfig::Hat(c) = &ck.config else {
+    let Some(c) = config_of::<HatConfig>(&ck.config) else {
         panic!("not HAT")
     };
     assert_eq!((c.compress_ratio(), c.squeeze_factor()), (2.0, 4.0));
     assert_eq!(c.overlap_ratio(), 0.5);
-    assert_eq!(ck.config.name(), "HAT");
+    assert_eq!(ck.config.variant(), "HAT");
 }
 
 /// bf16 on the CPU against the float64 reference, with the DRCT bounds, and not the f32
@@ -91,7 +92,7 @@ fn hat_tiles_blend_to_the_whole_image() {
 /// the parameter counts the HAT paper gives for x4 (HAT 20.8M, HAT-L 40.8M).
 #[test]
 fn released_hat_configurations_round_trip() {
-    use crate::nets::HatConfig;
+    use crate::nets::hat::HatConfig;
     let cfg = |e: usize, groups: usize, cab: usize, squeeze: usize| HatConfig {
         embed_dim: e,
         depths: vec![6; groups],
@@ -113,9 +114,9 @@ fn released_hat_configurations_round_trip() {
         (cfg(180, 12, 60, 6), "HAT-L", Some(40.8)),
     ] {
         let shapes = c.expected_tensors().into_iter().collect();
-        let back = ArchConfig::infer(&shapes).unwrap();
-        assert_eq!(back, ArchConfig::Hat(c.clone()));
-        assert_eq!(back.name(), name);
+        let back = crate::nets::registry::infer(&shapes).unwrap();
+        assert_eq!(config_of::<HatConfig>(&back), Some(&c.clone()));
+        assert_eq!(back.variant(), name);
         eprintln!("{name}: {} parameters", c.parameter_count());
         if let Some(m) = params {
             let got = c.parameter_count() as f64 / 1e6;

@@ -5,14 +5,15 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::fixtures::{
     assert_bf16_close, assert_shift_masks_cached, assert_tiles_blend_to_whole, load_io, manifest,
     max_abs_diff, TOLERANCE,
 };
+use crate::nets::swinir::SwinIrConfig;
 use crate::nets::swinir::{ResiConnection, Upsampler};
-use crate::nets::{ArchConfig, Checkpoint, Model, Source};
+use crate::nets::{config_of, Checkpoint, Model, Source};
 
 fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/swinir")
@@ -41,10 +42,10 @@ fn cases() -> Vec<Case> {
         .collect()
 }
 
-fn swinir(ck: &Checkpoint) -> &crate::nets::SwinIrConfig {
-    match &ck.config {
-        ArchConfig::SwinIr(c) => c,
-        other => panic!("not read as SwinIR: {other:?}"),
+fn swinir(ck: &Checkpoint) -> &crate::nets::swinir::SwinIrConfig {
+    match config_of::<SwinIrConfig>(&ck.config) {
+        Some(c) => c,
+        None => panic!("not read as SwinIR: {:?}", ck.config),
     }
 }
 
@@ -245,7 +246,7 @@ fn foreign_architectures_get_one_line_naming_what_was_found() {
 /// aside).
 #[test]
 fn released_configurations_round_trip() {
-    use crate::nets::SwinIrConfig;
+    use crate::nets::swinir::SwinIrConfig;
     use ResiConnection::{OneConv, ThreeConv};
     use Upsampler::{NearestConv, PixelShuffle, PixelShuffleDirect};
     let cfg = |e, n: usize, h, up, resi, feat, scale| SwinIrConfig {
@@ -284,9 +285,9 @@ fn released_configurations_round_trip() {
     ];
     for (c, name) in cases {
         let shapes = c.expected_tensors().into_iter().collect();
-        let back = ArchConfig::infer(&shapes).unwrap();
-        assert_eq!(back, ArchConfig::SwinIr(c.clone()));
-        assert_eq!(back.name(), name);
+        let back = crate::nets::registry::infer(&shapes).unwrap();
+        assert_eq!(config_of::<SwinIrConfig>(&back), Some(&c.clone()));
+        assert_eq!(back.variant(), name);
     }
     // The paper's counts leave out the relative position bias tables (24 x 225 x 6).
     for (scale, params) in [(2, 878), (3, 886), (4, 897)] {
@@ -311,14 +312,14 @@ fn swinir_refusals_are_typed_and_kept_as_the_source() {
             .into_iter()
             .map(|(k, v)| (k, v.dims().to_vec()))
             .collect();
-    assert!(ArchConfig::infer(&base).is_ok());
+    assert!(crate::nets::registry::infer(&base).is_ok());
 
     let mut s = base.clone();
     s.insert(
         "layers.0.residual_group.blocks.0.attn.extra".into(),
         vec![3],
     );
-    let e = ArchConfig::infer(&s).unwrap_err();
+    let e = crate::nets::registry::infer(&s).unwrap_err();
     let ConfigError::SwinIr(inner) = &e else {
         panic!("{e:?}")
     };
@@ -337,7 +338,7 @@ fn swinir_refusals_are_typed_and_kept_as_the_source() {
     let table = "layers.1.residual_group.blocks.0.attn.relative_position_bias_table";
     let mut s = base.clone();
     s.get_mut(table).unwrap()[1] += 1;
-    let e = crate::nets::SwinIrConfig::infer(&s).unwrap_err();
+    let e = crate::nets::swinir::SwinIrConfig::infer(&s).unwrap_err();
     assert!(
         matches!(&e, ConfigError::Shape { name, .. } if name == table),
         "{e:?}"

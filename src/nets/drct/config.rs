@@ -79,7 +79,7 @@ pub enum ConfigError {
         /// What the keys look like (`a Swin2SR checkpoint (...)`).
         found: String,
         /// The architectures this build loads.
-        supported: &'static str,
+        supported: String,
     },
     /// A SwinIR or HAT model whose input is not RGB.
     #[error("a {arch} model with {channels} input channels: only RGB models (3) are supported")]

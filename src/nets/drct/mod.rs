@@ -9,17 +9,144 @@ pub mod config;
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
+use serde_json::json;
 
 use crate::nets::drct::config::{DrctConfig, BLOCKS_PER_GROUP};
-use crate::nets::swin::{
-    load_norm, rgb_mean, shuffle_stages, swin_frame, BlockShape, SwinBlock, UPSAMPLE_SLOPE,
-};
+use crate::nets::frame::{AfterBody, Frame, Tail};
+use crate::nets::registry::{swin_family, Architecture, Shapes};
+use crate::nets::swin::{BlockShape, SwinBlock, SwinCost};
+use crate::nets::{ArchConfig, ConfigError, Net, NetConfig};
 use crate::ops::attention::windows::WindowCache;
 use crate::ops::conv::Conv3x3;
 use crate::ops::linear::{pointwise_padded, Dense};
-use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::{Channels, Pad};
 use crate::ops::LoadPlan;
+
+/// DRCT's registry entry.
+pub(crate) struct Arch;
+
+impl Architecture for Arch {
+    fn name(&self) -> &'static str {
+        "DRCT"
+    }
+
+    fn loads(&self) -> &'static str {
+        ""
+    }
+
+    /// Residual dense groups of `swinK` blocks and `adjustK` convolutions.
+    fn detect(&self, shapes: &Shapes) -> bool {
+        !swin_family(shapes)
+            && shapes.keys().any(|k| {
+                k.strip_prefix("layers.")
+                    .and_then(|r| r.split('.').nth(1))
+                    .is_some_and(|p| p.starts_with("swin") || p.starts_with("adjust"))
+            })
+    }
+
+    fn infer(&self, shapes: &Shapes) -> std::result::Result<ArchConfig, ConfigError> {
+        Ok(std::sync::Arc::new(DrctConfig::infer(shapes)?))
+    }
+}
+
+impl NetConfig for DrctConfig {
+    fn family(&self) -> &'static str {
+        "DRCT"
+    }
+
+    fn variant(&self) -> &'static str {
+        if self.groups >= 12 {
+            "DRCT-L"
+        } else {
+            "DRCT"
+        }
+    }
+
+    fn scale(&self) -> usize {
+        self.scale
+    }
+
+    fn window(&self) -> usize {
+        self.window
+    }
+
+    fn parameter_count(&self) -> usize {
+        DrctConfig::parameter_count(self)
+    }
+
+    fn flops(&self, h: usize, w: usize) -> f64 {
+        DrctConfig::flops(self, h, w)
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let c = self;
+        let head_dims: Vec<Vec<usize>> = (0..c.groups)
+            .map(|g| (0..c.heads[g].len()).map(|k| c.head_dim(g, k)).collect())
+            .collect();
+        // One row per group is noise for the released models, where all groups agree.
+        let (heads, head_dims) = if c.heads.iter().all(|h| *h == c.heads[0]) {
+            (json!(c.heads[0]), json!(head_dims[0]))
+        } else {
+            (json!(c.heads), json!(head_dims))
+        };
+        json!({
+            "scale": c.scale,
+            "groups": c.groups,
+            "embed_dim": c.embed_dim,
+            "window": c.window,
+            "heads": heads,
+            "head_dims": head_dims,
+            "growth": c.growth,
+            "mlp_hidden": c.mlp_hidden,
+            "num_feat": c.num_feat,
+            "patch_norm": c.patch_norm,
+            "conv_after_body": c.conv_after_body,
+        })
+    }
+
+    fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    fn widest_head_dim(&self) -> usize {
+        (0..self.groups)
+            .flat_map(|g| (0..BLOCKS_PER_GROUP).map(move |k| (g, k)))
+            .map(|(g, k)| self.head_dim(g, k))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn largest_tensor_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> usize {
+        DrctConfig::largest_tensor_per_pixel(self, scores_in_memory, pad)
+    }
+
+    fn activations_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> f64 {
+        SwinCost {
+            window: self.window,
+            // A block's input is padded part by part: the group's input, then each growth.
+            block: pad.width(self.embed_dim) + (BLOCKS_PER_GROUP - 1) * pad.width(self.growth),
+            heads: self.heads.iter().flatten().copied().max().unwrap_or(1),
+            unfused_scores: 0,
+            mlp_hidden: self.mlp_hidden.iter().copied().max().unwrap_or(0),
+            upsampler: self.num_feat,
+            scale: self.scale,
+        }
+        .activations_per_pixel(scores_in_memory, pad)
+    }
+
+    fn pads_channels(&self) -> bool {
+        true
+    }
+
+    fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {
+        Ok(Box::new(Drct::new(self, plan, vb)?))
+    }
+
+    #[cfg(test)]
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
 
 /// Slope of the LeakyReLU inside residual dense groups.
 const RDG_SLOPE: f64 = 0.2;
@@ -109,20 +236,11 @@ impl Module for Rdg {
 }
 
 pub struct Drct {
-    conv_first: Conv3x3,
-    patch_norm: Option<Norm>,
+    frame: Frame,
     layers: Vec<Rdg>,
-    norm: Norm,
-    conv_after_body: Option<Conv3x3>,
-    conv_before_upsample: Conv3x3,
-    upsample: Vec<(Conv3x3, usize)>,
-    conv_last: Conv3x3,
-    mean: Tensor,
-    config: DrctConfig,
     /// Shared with every block; kept here to report its size.
     #[cfg_attr(not(test), allow(dead_code))]
     windows: WindowCache,
-    dtype: DType,
     pad: Pad,
 }
 
@@ -140,78 +258,52 @@ impl Drct {
                 Rdg::new(cfg, g, &windows, plan, vb)
             })
             .collect::<Result<Vec<_>>>()?;
-        let upsample = shuffle_stages(cfg.upsample_stages(), (&f, cfg.num_feat), pad, plan, &vb)?;
-        let mean = rgb_mean(&vb)?;
-        // The RGB input and output are never padded.
-        let rgb = Pad::OFF.one(3);
+        let after_body = if cfg.conv_after_body {
+            AfterBody::One(Conv3x3::new(&e, &e, plan, vb.pp("conv_after_body"))?)
+        } else {
+            AfterBody::Identity
+        };
+        let stages = cfg.upsample_stages();
+        let tail = Tail::pixel_shuffle((&e, &f, cfg.num_feat), stages, pad, plan, &vb)?;
+        let frame = Frame::new(
+            (&e, cfg.patch_norm),
+            (after_body, tail),
+            (cfg.window, cfg.scale),
+            plan,
+            &vb,
+        )?;
         Ok(Self {
-            conv_first: Conv3x3::new(&rgb, &e, plan, vb.pp("conv_first"))?,
-            patch_norm: if cfg.patch_norm {
-                Some(load_norm(&e, vb.pp("patch_embed.norm"))?)
-            } else {
-                None
-            },
+            frame,
             layers,
-            norm: load_norm(&e, vb.pp("norm"))?,
-            conv_after_body: if cfg.conv_after_body {
-                Some(Conv3x3::new(&e, &e, plan, vb.pp("conv_after_body"))?)
-            } else {
-                None
-            },
-            conv_before_upsample: Conv3x3::new(&e, &f, plan, vb.pp("conv_before_upsample.0"))?,
-            upsample,
-            conv_last: Conv3x3::new(&f, &rgb, plan, vb.pp("conv_last"))?
-                .add_to_bias(&mean.flatten_all()?)?,
-            mean,
-            config: cfg.clone(),
             windows,
-            dtype: vb.dtype(),
             pad,
         })
     }
+}
 
-    /// How the channels were padded at load.
-    pub fn padding(&self) -> Pad {
+impl Net for Drct {
+    fn dtype(&self) -> DType {
+        self.frame.dtype()
+    }
+
+    fn padding(&self) -> Pad {
         self.pad
     }
 
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
     #[cfg(test)]
-    /// Number of distinct padded sizes whose shift mask (or, on the CPU, region labels) is
-    /// cached.
-    pub fn cached_masks(&self) -> usize {
+    fn cached_masks(&self) -> usize {
         self.windows.len()
     }
 }
 
 impl Module for Drct {
-    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W. Returns `(B, 3, sH, sW)` in the model's
-    /// dtype, unclamped. Pads bottom/right to a window multiple as the official test pipeline
-    /// does, and crops the padding's output away ([`swin_frame`]).
+    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W; see [`Frame::forward`].
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let shape = (self.dtype, self.config.window, self.config.scale);
-        let head = (&self.mean, &self.conv_first, self.patch_norm.as_ref());
-        swin_frame(x, shape, head, |f0, mut t| {
+        self.frame.forward(x, |mut t| {
             for layer in &self.layers {
                 t = layer.forward(&t)?;
             }
-            let body = layer_norm(&self.norm, &t)?;
-            let body = match &self.conv_after_body {
-                Some(conv) => conv.forward(&body)?,
-                None => body,
-            };
-            let mut y = candle_nn::ops::leaky_relu(
-                &self.conv_before_upsample.forward(&(body + f0)?)?,
-                UPSAMPLE_SLOPE,
-            )?;
-            for (conv, r) in &self.upsample {
-                y = conv.forward_shuffled(&y, *r)?;
-            }
-            // conv_last's bias already includes the RGB mean the model adds back.
-            self.conv_last.forward(&y)
+            Ok(t)
         })
     }
 }
@@ -220,21 +312,24 @@ impl Module for Drct {
 mod tests {
     use super::*;
     use crate::nets::swin::{reflect_indices, reflect_pad_bottom_right};
-    use crate::nets::{Checkpoint, Model};
+    use crate::nets::Checkpoint;
+    use crate::ops::norm::layer_norm;
     use crate::tests::fixtures::{cases, load_io, max_abs_diff};
     use candle_core::{Device, D};
 
-    /// A golden fixture's network in f32 on the CPU, its channels padded as `pad` says.
-    fn fixture(name: &str, pad: Pad) -> Drct {
+    /// A golden fixture's network in f32 on the CPU, its channels padded as `pad` says, and
+    /// its configuration.
+    fn fixture(name: &str, pad: Pad) -> (Drct, DrctConfig) {
         let case = cases().into_iter().find(|c| c.name == name).expect(name);
         let ck = Checkpoint::load(&case.weights).unwrap();
-        match crate::ops::pad::with(pad, || Model::from_checkpoint(ck, DType::F32, &Device::Cpu))
-            .unwrap()
-            .net
-        {
-            super::super::Network::Drct(net) => net,
-            _ => panic!("{name} is a DRCT fixture"),
-        }
+        let cfg = ck.config.as_any().downcast_ref::<DrctConfig>();
+        let cfg = cfg.expect("a DRCT fixture").clone();
+        let plan = LoadPlan {
+            pad,
+            ..LoadPlan::default()
+        };
+        let vb = VarBuilder::from_tensors(ck.tensors, DType::F32, &Device::Cpu);
+        (Drct::new(&cfg, &plan, vb).unwrap(), cfg)
     }
 
     /// The largest magnitude on the channels of `t`'s last axis that `ch` marks as padding.
@@ -284,12 +379,11 @@ mod tests {
         let (input, _) = load_io(&case.io);
         for m in [8, 16, 64] {
             let pad = Pad::to(m).unwrap();
-            let net = fixture(&case.name, pad);
+            let (net, cfg) = fixture(&case.name, pad);
             assert_eq!(net.padding(), pad);
             for (name, k, n) in body_gemms(&net) {
                 assert!(k % m == 0 && n % m == 0, "pad {m}: {name} is {k} x {n}");
             }
-            let cfg = net.config.clone();
             let (e, f) = (pad.one(cfg.embed_dim), pad.one(cfg.num_feat));
             let zero = |t: &Tensor, ch: &Channels, what: &str| {
                 let v = padding_max(t, ch);
@@ -299,11 +393,11 @@ mod tests {
             let x = x
                 .permute((0, 2, 3, 1))
                 .unwrap()
-                .broadcast_sub(&net.mean)
+                .broadcast_sub(&net.frame.mean)
                 .unwrap();
-            let f0 = net.conv_first.forward(&x).unwrap();
+            let f0 = net.frame.conv_first.forward(&x).unwrap();
             zero(&f0, &e, "conv_first");
-            let mut t = match &net.patch_norm {
+            let mut t = match &net.frame.patch_norm {
                 Some(norm) => layer_norm(norm, &f0).unwrap(),
                 None => f0.clone(),
             };
@@ -327,20 +421,27 @@ mod tests {
                     }
                 }
             }
-            let mut body = layer_norm(&net.norm, &t).unwrap();
+            let mut body = layer_norm(&net.frame.norm, &t).unwrap();
             zero(&body, &e, "norm");
-            if let Some(conv) = &net.conv_after_body {
+            if let AfterBody::One(conv) = &net.frame.after_body {
                 body = conv.forward(&body).unwrap();
                 zero(&body, &e, "conv_after_body");
             }
-            let before = net.conv_before_upsample.forward(&(body + f0).unwrap());
-            let mut y = before.unwrap();
+            let Tail::PixelShuffle {
+                before,
+                stages,
+                last,
+            } = &net.frame.tail
+            else {
+                panic!("DRCT's tail is a pixel shuffle")
+            };
+            let mut y = before.forward(&(body + f0).unwrap()).unwrap();
             zero(&y, &f, "conv_before_upsample");
-            for (conv, r) in &net.upsample {
+            for (conv, r) in stages {
                 y = conv.forward_shuffled(&y, *r).unwrap();
                 zero(&y, &f, "upsample");
             }
-            assert_eq!(net.conv_last.forward(&y).unwrap().dim(3).unwrap(), 3);
+            assert_eq!(last.forward(&y).unwrap().dim(3).unwrap(), 3);
         }
     }
 
@@ -352,13 +453,12 @@ mod tests {
     #[test]
     fn padded_heads_attend_as_the_real_ones() {
         let name = "x4_w8_g2";
-        let plain = fixture(name, Pad::OFF);
-        let cfg = plain.config.clone();
+        let (plain, cfg) = fixture(name, Pad::OFF);
         let ws = cfg.window;
         let (h, w) = (2 * ws, 2 * ws);
         for m in [8, 16, 64] {
             let pad = Pad::to(m).unwrap();
-            let net = fixture(name, pad);
+            let (net, _) = fixture(name, pad);
             for (g, (a, b)) in plain.layers.iter().zip(&net.layers).enumerate() {
                 for k in 0..BLOCKS_PER_GROUP {
                     let ch = block_channels(&cfg, pad, k);

@@ -1,0 +1,274 @@
+//! The frame DRCT, SwinIR and HAT share around their bodies, written once:
+//!
+//! ```text
+//! x  = reflect-pad(x) to a window multiple, channels-last, minus the RGB mean
+//! f0 = conv_first(x)                       3x3, 3 -> E
+//! t  = patch_embed.norm(f0)                when the model has a patch norm
+//! t  = body(t)                             the architecture's own groups
+//! b  = conv_after_body(norm(t)) + f0       identity, one 3x3, or SwinIR's 3conv
+//! y  = tail(b) + mean                      pixel shuffle, one-step shuffle or nearest+conv
+//! ```
+//!
+//! then cropped to `(sH, sW)` and back to channels-first. A network builds its [`Frame`]
+//! from its configuration and supplies only the body.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::nets::swin::{load_norm, reflect_pad_bottom_right};
+use crate::ops::conv::Conv3x3;
+use crate::ops::linear::{pointwise_with, Dense};
+use crate::ops::norm::{layer_norm, Norm};
+use crate::ops::pad::{Channels, Pad};
+use crate::ops::LoadPlan;
+
+/// The RGB mean the official models subtract (img_range 1.0); not stored in checkpoints.
+const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
+/// `nn.LeakyReLU()`'s default slope, used after `conv_before_upsample`.
+const UPSAMPLE_SLOPE: f64 = 0.01;
+/// Slope of the LeakyReLUs inside SwinIR's 3conv connection and nearest+conv upsampler.
+pub(crate) const SLOPE: f64 = 0.2;
+
+/// `a + b`: the CPU kernel where it applies, else candle's op (the same sum either way).
+pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match crate::ops::cpu::add(a, b)? {
+        Some(sum) => Ok(sum),
+        None => a + b,
+    }
+}
+
+/// The convolution after the body's norm (and, in SwinIR, after each residual group).
+pub(crate) enum AfterBody {
+    /// No convolution: the norm's output goes straight to the residual sum.
+    Identity,
+    /// One 3x3 convolution ("1conv").
+    One(Conv3x3),
+    /// 3x3 to E/4, LeakyReLU, 1x1, LeakyReLU, 3x3 back to E ("3conv": `0`, `2`, `4`).
+    Three(Conv3x3, Dense, Conv3x3),
+}
+
+impl AfterBody {
+    /// SwinIR's 3conv connection on `e` channels, a quarter of them inside.
+    pub(crate) fn three(e: usize, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+        let q = e / 4;
+        Ok(Self::Three(
+            Conv3x3::unpadded(e, q, plan, vb.pp("0"))?,
+            pointwise_with(q, q, plan, vb.pp("2"))?,
+            Conv3x3::unpadded(q, e, plan, vb.pp("4"))?,
+        ))
+    }
+}
+
+impl Module for AfterBody {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Identity => Ok(x.clone()),
+            Self::One(c) => c.forward(x),
+            Self::Three(a, b, c) => {
+                let y = candle_nn::ops::leaky_relu(&a.forward(x)?, SLOPE)?;
+                let y = candle_nn::ops::leaky_relu(&b.forward(&y)?, SLOPE)?;
+                c.forward(&y)
+            }
+        }
+    }
+}
+
+/// The upsampler after the body, the RGB mean folded into its last convolution's bias.
+pub(crate) enum Tail {
+    /// A 3x3 to the features, LeakyReLU, pixel-shuffle stages, `conv_last`.
+    PixelShuffle {
+        before: Conv3x3,
+        stages: Vec<(Conv3x3, usize)>,
+        last: Conv3x3,
+    },
+    /// One 3x3 straight to `3 * s * s` channels and one pixel shuffle (`upsample.0`).
+    Direct { conv: Conv3x3, scale: usize },
+    /// Nearest-neighbour x2 steps, each followed by a 3x3 (`conv_up1`, `conv_up2`), then
+    /// `conv_hr` and `conv_last`.
+    NearestConv {
+        before: Conv3x3,
+        ups: Vec<Conv3x3>,
+        hr: Conv3x3,
+        last: Conv3x3,
+    },
+}
+
+impl Tail {
+    /// `conv_before_upsample.0` from the body's `e` channels to `f` (`num_feat` real ones),
+    /// the stages `upsample.0`, `upsample.2`, ... of the factors in `stages`, their outputs
+    /// padded as `pad` says, and `conv_last` back to RGB.
+    pub(crate) fn pixel_shuffle(
+        (e, f, num_feat): (&Channels, &Channels, usize),
+        stages: Vec<usize>,
+        pad: Pad,
+        plan: &LoadPlan,
+        vb: &VarBuilder,
+    ) -> Result<Self> {
+        let stages = stages
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let vb = vb.pp(format!("upsample.{}", 2 * i));
+                Ok((Conv3x3::shuffled(f, (num_feat, r), pad, plan, vb)?, r))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self::PixelShuffle {
+            before: Conv3x3::new(e, f, plan, vb.pp("conv_before_upsample.0"))?,
+            stages,
+            last: Conv3x3::new(f, &Pad::OFF.one(3), plan, vb.pp("conv_last"))?
+                .add_to_bias(&mean(vb)?.flatten_all()?)?,
+        })
+    }
+
+    /// `upsample.0` from `e` channels straight to `3 * scale²`, one shuffle.
+    pub(crate) fn direct(e: usize, scale: usize, plan: &LoadPlan, vb: &VarBuilder) -> Result<Self> {
+        // After reordering, output channel (i*s + j)*3 + c is colour c of sub-pixel (i, j):
+        // the mean repeats once per sub-pixel.
+        let tiled = mean(vb)?.flatten_all()?.repeat(scale * scale)?;
+        let e = Pad::OFF.one(e);
+        let conv = Conv3x3::shuffled(&e, (3, scale), Pad::OFF, plan, vb.pp("upsample.0"))?
+            .add_to_bias(&tiled)?;
+        Ok(Self::Direct { conv, scale })
+    }
+
+    /// `conv_before_upsample.0` from `e` to `f` channels, `conv_upK` for each doubling of
+    /// `scale`, `conv_hr` and `conv_last`.
+    pub(crate) fn nearest_conv(
+        (e, f): (usize, usize),
+        scale: usize,
+        plan: &LoadPlan,
+        vb: &VarBuilder,
+    ) -> Result<Self> {
+        Ok(Self::NearestConv {
+            before: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
+            ups: (1..=scale.trailing_zeros())
+                .map(|k| Conv3x3::unpadded(f, f, plan, vb.pp(format!("conv_up{k}"))))
+                .collect::<Result<Vec<_>>>()?,
+            hr: Conv3x3::unpadded(f, f, plan, vb.pp("conv_hr"))?,
+            last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?
+                .add_to_bias(&mean(vb)?.flatten_all()?)?,
+        })
+    }
+}
+
+impl Module for Tail {
+    fn forward(&self, b: &Tensor) -> Result<Tensor> {
+        let lrelu = candle_nn::ops::leaky_relu;
+        match self {
+            Self::PixelShuffle {
+                before,
+                stages,
+                last,
+            } => {
+                let mut y = lrelu(&before.forward(b)?, UPSAMPLE_SLOPE)?;
+                for (conv, r) in stages {
+                    y = conv.forward_shuffled(&y, *r)?;
+                }
+                last.forward(&y)
+            }
+            Self::Direct { conv, scale } => conv.forward_shuffled(b, *scale),
+            Self::NearestConv {
+                before,
+                ups,
+                hr,
+                last,
+            } => {
+                let mut y = lrelu(&before.forward(b)?, UPSAMPLE_SLOPE)?;
+                for up in ups {
+                    y = lrelu(&up.forward(&nearest2(&y)?)?, SLOPE)?;
+                }
+                last.forward(&lrelu(&hr.forward(&y)?, SLOPE)?)
+            }
+        }
+    }
+}
+
+/// `x` `(B, H, W, C)` repeated to `(B, 2H, 2W, C)` (nearest-neighbour upsampling by 2).
+fn nearest2(x: &Tensor) -> Result<Tensor> {
+    let (b, h, w, c) = x.dims4()?;
+    x.reshape((b, h, 1, w, 1, c))?
+        .broadcast_as((b, h, 2, w, 2, c))?
+        .contiguous()?
+        .reshape((b, 2 * h, 2 * w, c))
+}
+
+/// [`RGB_MEAN`] as the `(1, 1, 1, 3)` tensor the networks subtract and add back, in `vb`'s
+/// dtype and on its device.
+fn mean(vb: &VarBuilder) -> Result<Tensor> {
+    Tensor::from_vec(RGB_MEAN.to_vec(), (1, 1, 1, 3), vb.device())?.to_dtype(vb.dtype())
+}
+
+/// Everything around a network's body; see the module's documentation.
+pub(crate) struct Frame {
+    pub(super) mean: Tensor,
+    pub(super) conv_first: Conv3x3,
+    pub(super) patch_norm: Option<Norm>,
+    pub(super) norm: Norm,
+    pub(super) after_body: AfterBody,
+    pub(super) tail: Tail,
+    pub(super) dtype: DType,
+    pub(super) window: usize,
+    pub(super) scale: usize,
+}
+
+impl Frame {
+    /// The frame stored under `vb`: `conv_first` to the `e` channels, `patch_embed.norm`
+    /// when `patch_norm`, the body's `norm`, and the given convolution after it and tail;
+    /// inputs padded to multiples of `window`, outputs `scale` times larger.
+    pub(crate) fn new(
+        (e, patch_norm): (&Channels, bool),
+        (after_body, tail): (AfterBody, Tail),
+        (window, scale): (usize, usize),
+        plan: &LoadPlan,
+        vb: &VarBuilder,
+    ) -> Result<Self> {
+        Ok(Self {
+            mean: mean(vb)?,
+            // The RGB input is never padded.
+            conv_first: Conv3x3::new(&Pad::OFF.one(3), e, plan, vb.pp("conv_first"))?,
+            patch_norm: if patch_norm {
+                Some(load_norm(e, vb.pp("patch_embed.norm"))?)
+            } else {
+                None
+            },
+            norm: load_norm(e, vb.pp("norm"))?,
+            after_body,
+            tail,
+            dtype: vb.dtype(),
+            window,
+            scale,
+        })
+    }
+
+    /// The dtype the network computes in.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// `x` `(B, 3, H, W)` RGB in [0, 1], any H and W, through the frame with `body` between
+    /// the shallow features and the norm; returns `(B, 3, sH, sW)` in the network's dtype,
+    /// unclamped. The bottom/right reflect padding to a window multiple is the official test
+    /// pipelines'; its output is cropped away.
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        body: impl FnOnce(Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let (_, _, h, w) = x.dims4()?;
+        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, self.window)?;
+        // Channels-last from here on: every layer is a matmul over the channel axis.
+        let x = x.permute((0, 2, 3, 1))?.broadcast_sub(&self.mean)?;
+        let f0 = self.conv_first.forward(&x)?;
+        let t = match &self.patch_norm {
+            Some(norm) => layer_norm(norm, &f0)?,
+            None => f0.clone(),
+        };
+        let t = body(t)?;
+        let b = add(&self.after_body.forward(&layer_norm(&self.norm, &t)?)?, &f0)?;
+        let y = self.tail.forward(&b)?;
+        let y = y
+            .narrow(1, 0, h * self.scale)?
+            .narrow(2, 0, w * self.scale)?;
+        y.permute((0, 3, 1, 2))?.contiguous()
+    }
+}
