@@ -225,7 +225,7 @@ pub fn keep_pool_memory(device: &Device, warn: &mut dyn FnMut(String)) {
 pub fn skip_event_tracking(device: &Device) {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
-        if std::env::var_os("UPSCALE_CUDA_EVENT_TRACKING").is_some_and(|v| v == "1") {
+        if crate::switches::current().event_tracking {
             return;
         }
         // SAFETY: nothing allocated on this device so far, and no buffer of it is used on

@@ -147,7 +147,7 @@ pub fn open_device(
 /// checked (a misspelt part stops the run here) and, when it leaves anything out, said.
 fn cuda_opened(d: Device, warn: &mut dyn FnMut(String)) -> Result<Device, EngineError> {
     lanes::skip_event_tracking(&d);
-    let off = cuda_off::from_env()?;
+    let off = crate::switches::checked()?.cuda_off;
     if off != cuda_off::Off::default() {
         warn(format!(
             "{}={}: {}",

@@ -26,7 +26,7 @@ pub mod kernels {
 /// Kernel `name` of `file` on `dev`'s context. `UPSCALE_CUDA_OFF=sass` loads the PTX instead of
 /// the fatbin, so the driver compiles it as it would for a GPU newer than the build's.
 pub fn function(dev: &CudaDevice, file: &Kernels, name: &str) -> Result<CudaFunction> {
-    let sass = !crate::switches::cuda_off::current().sass;
+    let sass = !crate::switches::current().cuda_off.sass;
     module(dev.cuda_stream().context(), file, sass)?
         .load_function(name)
         .map_err(|e| Error::Msg(format!("{}: kernel {name}: {e}", file.file)))

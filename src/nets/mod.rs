@@ -17,7 +17,7 @@ pub use crate::checkpoint::pth::{PthError, PthTensorError};
 pub use crate::checkpoint::{Checkpoint, Source};
 pub use crate::ops::attention::Attention;
 use crate::ops::cpu::bf16;
-use crate::ops::pad::{self as pad_channels, Pad};
+use crate::ops::pad::Pad;
 use crate::ops::LoadPlan;
 pub use crate::switches::EnvError;
 pub use drct::config::ConfigError;
@@ -267,12 +267,13 @@ impl Model {
             (true, None) => return Err(build_error(BuildError::NoCpuBf16)),
         };
         let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
-        let mut pad = pad_channels::current().map_err(|e| build_error(e.into()))?;
+        let switches = crate::switches::checked().map_err(|e| build_error(e.into()))?;
+        let mut pad = Pad::from_switch(switches.pad_channels).map_err(|e| build_error(e.into()))?;
         if !ck.config.pads_channels() && pad != Pad::OFF {
             // Only DRCT's layers know how to pad; the others run as they are.
             log::warn!(
                 "{}: applies to DRCT models; this one runs unpadded",
-                pad_channels::VAR
+                crate::switches::PAD_VAR
             );
             pad = Pad::OFF;
         }

@@ -1,4 +1,4 @@
-//! `UPSCALE_PAD_CHANNELS`: zero-padding every channel width of the network to a multiple of
+//! Channel padding (`UPSCALE_PAD_CHANNELS`, [`crate::switches`]): zero-padding every channel width of the network to a multiple of
 //! 8, 16 or 64 at load time, so that every activation row is 16-byte aligned and every
 //! linear layer's and convolution's K and N are multiples of 8. cuBLASLt then picks Hopper's
 //! kernels instead of Ampere's 2-element-aligned ones for DRCT's widths (180 + 32k).
@@ -7,18 +7,9 @@
 //! activation stay exactly zero, and the layer norms count only the real channels. Off by
 //! default until a GPU run has measured it; on the CPU it only adds work.
 
-use std::cell::Cell;
-use std::sync::OnceLock;
-
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::switches::EnvError;
-
-/// The environment variable: `0` (or unset) for off, else the multiple.
-pub const VAR: &str = "UPSCALE_PAD_CHANNELS";
-
-/// The multiples a run may ask for.
-const MULTIPLES: [usize; 3] = [8, 16, 64];
+use crate::switches::{EnvError, PAD_MULTIPLES, PAD_VAR};
 
 /// The multiple every channel width is rounded up to; 1 when off.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,26 +26,21 @@ impl Pad {
 
     /// Padding to `multiple`, one of 8, 16 and 64.
     pub fn to(multiple: usize) -> std::result::Result<Pad, EnvError> {
-        if MULTIPLES.contains(&multiple) {
+        if PAD_MULTIPLES.contains(&multiple) {
             Ok(Pad(multiple))
         } else {
             Err(EnvError::NotAMultiple {
-                var: VAR,
+                var: PAD_VAR,
                 value: multiple,
             })
         }
     }
 
-    pub fn parse(spec: &str) -> std::result::Result<Pad, EnvError> {
-        match spec.trim() {
-            "" | "0" => Ok(Pad::OFF),
-            s => match s.parse::<usize>() {
-                Ok(m) => Pad::to(m),
-                Err(_) => Err(EnvError::NotANumber {
-                    var: VAR,
-                    value: s.to_string(),
-                }),
-            },
+    /// The padding the switch's multiple asks for (0: none).
+    pub fn from_switch(multiple: usize) -> std::result::Result<Pad, EnvError> {
+        match multiple {
+            0 => Ok(Pad::OFF),
+            m => Pad::to(m),
         }
     }
 
@@ -85,36 +71,6 @@ impl Pad {
     pub fn parts(self, count: usize, n: usize) -> Channels {
         Channels(vec![(n, self.width(n)); count])
     }
-}
-
-/// The variable's value, read once per process; an error names the variable and the value.
-pub fn from_env() -> std::result::Result<Pad, EnvError> {
-    static PAD: OnceLock<std::result::Result<Pad, EnvError>> = OnceLock::new();
-    PAD.get_or_init(|| match std::env::var(VAR) {
-        Ok(v) => Pad::parse(&v),
-        Err(std::env::VarError::NotPresent) => Ok(Pad::OFF),
-        Err(std::env::VarError::NotUnicode(_)) => Err(EnvError::NotUnicode { var: VAR }),
-    })
-    .clone()
-}
-
-thread_local! {
-    static OVERRIDE: Cell<Option<Pad>> = const { Cell::new(None) };
-}
-
-/// The padding a model loaded on this thread gets: the variable's, or a test's override.
-pub fn current() -> std::result::Result<Pad, EnvError> {
-    match OVERRIDE.with(Cell::get) {
-        Some(pad) => Ok(pad),
-        None => from_env(),
-    }
-}
-
-/// Runs `f` with `pad` in place of the variable on this thread (tests load the same model
-/// padded and unpadded in one process; setting the variable would race other tests).
-#[cfg(test)]
-pub fn with<R>(pad: Pad, f: impl FnOnce() -> R) -> R {
-    crate::switches::with_override(&OVERRIDE, pad, f)
 }
 
 /// Where the real channels of a padded axis lie: consecutive parts, each `(real, padded)`,
@@ -179,31 +135,28 @@ impl Channels {
 mod tests {
     use super::*;
 
-    #[test]
-    fn parses_the_multiples_and_refuses_the_rest_by_name() {
-        assert_eq!(Pad::parse(""), Ok(Pad::OFF));
-        assert_eq!(Pad::parse("0"), Ok(Pad::OFF));
-        assert_eq!(Pad::parse(" 16 ").map(Pad::multiple), Ok(16));
-        for m in [8, 64] {
-            assert_eq!(Pad::parse(&m.to_string()).map(Pad::multiple), Ok(m));
-        }
-        for bad in ["4", "32", "eight", "-8", "8,16"] {
-            let e = Pad::parse(bad).unwrap_err().to_string();
-            assert!(e.contains(VAR) && e.contains(bad.trim()), "{e}");
-        }
-        assert_eq!(Pad::OFF.width(180), 180);
-        assert_eq!(Pad::parse("8").unwrap().width(180), 184);
-        assert_eq!(Pad::parse("64").unwrap().width(180), 192);
-        assert_eq!(Pad::parse("8").unwrap().width(32), 32);
+    /// `spec` as the switch reads it.
+    fn parse(spec: &str) -> std::result::Result<Pad, EnvError> {
+        let on = |n| (n == PAD_VAR).then(|| Ok(spec.to_string()));
+        Pad::from_switch(crate::switches::Switches::parse(on)?.pad_channels)
     }
 
     #[test]
-    fn an_override_holds_inside_and_is_undone_after() {
-        let before = current();
-        let eight = Pad::to(8).unwrap();
-        let inside = with(eight, || (current(), with(Pad::OFF, current)));
-        assert_eq!(inside, (Ok(eight), Ok(Pad::OFF)));
-        assert_eq!(current(), before);
+    fn parses_the_multiples_and_refuses_the_rest_by_name() {
+        assert_eq!(parse(""), Ok(Pad::OFF));
+        assert_eq!(parse("0"), Ok(Pad::OFF));
+        assert_eq!(parse(" 16 ").map(Pad::multiple), Ok(16));
+        for m in [8, 64] {
+            assert_eq!(parse(&m.to_string()).map(Pad::multiple), Ok(m));
+        }
+        for bad in ["4", "32", "eight", "-8", "8,16"] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains(PAD_VAR) && e.contains(bad.trim()), "{e}");
+        }
+        assert_eq!(Pad::OFF.width(180), 180);
+        assert_eq!(parse("8").unwrap().width(180), 184);
+        assert_eq!(parse("64").unwrap().width(180), 192);
+        assert_eq!(parse("8").unwrap().width(32), 32);
     }
 
     #[test]

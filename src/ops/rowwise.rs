@@ -13,7 +13,7 @@ use candle_core::{Result, Tensor};
 
 /// Whether `t`'s op runs our kernel: on CUDA, unless `UPSCALE_CUDA_OFF` names `rowwise`.
 pub fn ours(t: &Tensor) -> bool {
-    t.device().is_cuda() && !crate::switches::cuda_off::current().rowwise
+    t.device().is_cuda() && !crate::switches::current().cuda_off.rowwise
 }
 
 /// Threads per block of the CUDA kernels: whole warps; the norms give each row one warp.

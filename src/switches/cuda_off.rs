@@ -5,9 +5,6 @@
 //! `sass` keeps our kernels but loads them from PTX, for a GPU whose driver refuses the
 //! built SASS, and to measure what the SASS saves at start.
 
-use std::cell::Cell;
-use std::sync::OnceLock;
-
 use crate::switches::EnvError;
 
 /// The environment variable: a comma-separated list of the parts below, `all` or `none`.
@@ -87,37 +84,6 @@ impl Off {
     }
 }
 
-/// The variable's value, read once per process; an error names the variable and the part it
-/// does not know. Opening a CUDA device checks it, so a run with a misspelt value stops there.
-pub fn from_env() -> Result<Off, EnvError> {
-    static OFF: OnceLock<Result<Off, EnvError>> = OnceLock::new();
-    OFF.get_or_init(|| match std::env::var(VAR) {
-        Ok(v) => Off::parse(&v),
-        Err(std::env::VarError::NotPresent) => Ok(Off::default()),
-        Err(std::env::VarError::NotUnicode(_)) => Err(EnvError::NotUnicode { var: VAR }),
-    })
-    .clone()
-}
-
-thread_local! {
-    static OVERRIDE: Cell<Option<Off>> = const { Cell::new(None) };
-}
-
-/// What the model code on this thread leaves out: the variable's parts (none if its value
-/// was refused), or a test's override.
-pub fn current() -> Off {
-    OVERRIDE
-        .with(Cell::get)
-        .unwrap_or_else(|| from_env().unwrap_or_default())
-}
-
-/// Runs `f` with `off` in place of the variable on this thread (a GPU test runs the model both
-/// ways in one process).
-#[cfg(test)]
-pub fn with<R>(off: Off, f: impl FnOnce() -> R) -> R {
-    crate::switches::with_override(&OVERRIDE, off, f)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,16 +117,5 @@ mod tests {
         let e = Off::parse("rowwise,attention").unwrap_err();
         let e = e.to_string();
         assert!(e.contains(VAR) && e.contains("'attention'"), "{e}");
-    }
-
-    #[test]
-    fn an_override_holds_inside_and_is_undone_after() {
-        let before = current();
-        let inside = with(Off::ALL, || {
-            let nested = with(Off::default(), current);
-            (current(), nested)
-        });
-        assert_eq!(inside, (Off::ALL, Off::default()));
-        assert_eq!(current(), before);
     }
 }

@@ -1,26 +1,179 @@
-//! The error of the environment variables that switch parts of the model code
-//! (`UPSCALE_CUDA_OFF`, `UPSCALE_PAD_CHANNELS`), and the per-thread override that lets a test
-//! run both settings of a switch in one process.
+//! The tuning switches: the `UPSCALE_*` environment variables that choose between
+//! implementations of the same result, so that one binary can A/B them (on a GPU session
+//! especially) and a user can step around one that fails. [`from_env`] is the only place
+//! they are read, once per process, into one [`Switches`]; the model code asks
+//! [`current`], which tests override per thread to run both settings in one process.
+//!
+//! | variable | field | values |
+//! |---|---|---|
+//! | `UPSCALE_CUDA_OFF` | [`Switches::cuda_off`] | parts of our CUDA path to leave out ([`cuda_off`]) |
+//! | `UPSCALE_PAD_CHANNELS` | [`Switches::pad_channels`] | `0`, `8`, `16`, `64`: DRCT's channels padded to that multiple |
+//! | `UPSCALE_CUDA_OCA` | [`Switches::overlap_kernel`] | `0`/`off`/`false`: HAT's cross-attention on candle's graph |
+//! | `UPSCALE_CUDA_NORM_REGS` | [`Switches::norm_regs`] | `1`: layer-norm kernels hold rows in registers |
+//! | `UPSCALE_CUDA_GELU_EPILOGUE` | [`Switches::gelu_epilogue`] | `1`: the MLP's GELU in cuBLASLt's epilogue |
+//! | `UPSCALE_CUDA_PINNED` | [`Switches::pinned_downloads`] | `1`: canvases come back through page-locked buffers |
+//! | `UPSCALE_CUDA_EVENT_TRACKING` | [`Switches::event_tracking`] | `1`: keep cudarc's event tracking |
+//! | `UPSCALE_CPU_GEMM` | [`Switches::gemm_crate`] | `crate`: f32 products on the `gemm` crate, not our panels |
+//! | `UPSCALE_BF16_ISA` | [`Switches::bf16_vector`] | `avx512`: CPU bf16 on the vector kernel even where AMX is |
 
 pub mod cuda_off;
 
-/// Runs `f` with `value` in `slot` (a switch's thread-local override) on this thread, then
-/// puts back what was there, even if `f` panics. Setting the variable instead would race the
-/// other tests of the process.
-#[cfg(test)]
-pub(crate) fn with_override<T: Copy + 'static, R>(
-    slot: &'static std::thread::LocalKey<std::cell::Cell<Option<T>>>,
-    value: T,
-    f: impl FnOnce() -> R,
-) -> R {
-    type Slot<T> = std::thread::LocalKey<std::cell::Cell<Option<T>>>;
-    struct Restore<T: Copy + 'static>(&'static Slot<T>, Option<T>);
-    impl<T: Copy + 'static> Drop for Restore<T> {
-        fn drop(&mut self) {
-            self.0.with(|o| o.set(self.1));
+use std::cell::Cell;
+use std::sync::OnceLock;
+
+use cuda_off::Off;
+
+/// `UPSCALE_PAD_CHANNELS`.
+pub const PAD_VAR: &str = "UPSCALE_PAD_CHANNELS";
+/// The channel multiples [`PAD_VAR`] takes (besides 0, off).
+pub const PAD_MULTIPLES: [usize; 3] = [8, 16, 64];
+
+/// Every switch, as the environment set it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Switches {
+    /// Parts of our CUDA path left out, each falling back to candle's ops.
+    pub cuda_off: Off,
+    /// The multiple DRCT's channel widths are padded to; 0 for none.
+    pub pad_channels: usize,
+    /// HAT's overlapping cross-attention may take our CUDA kernel (on unless turned off).
+    pub overlap_kernel: bool,
+    /// The CUDA layer-norm kernels keep each row in registers.
+    pub norm_regs: bool,
+    /// The MLP's first layer takes cuBLASLt's GELU epilogue.
+    pub gelu_epilogue: bool,
+    /// Canvases come back from a GPU through page-locked staging buffers.
+    pub pinned_downloads: bool,
+    /// cudarc's per-buffer event tracking stays on.
+    pub event_tracking: bool,
+    /// f32 products on the CPU run on the `gemm` crate instead of our panel kernels.
+    pub gemm_crate: bool,
+    /// bf16 products on the CPU take the AVX512-BF16 kernel even where AMX is.
+    pub bf16_vector: bool,
+}
+
+impl Default for Switches {
+    /// What a run without any of the variables gets.
+    fn default() -> Self {
+        Self {
+            cuda_off: Off::default(),
+            pad_channels: 0,
+            overlap_kernel: true,
+            norm_regs: false,
+            gelu_epilogue: false,
+            pinned_downloads: false,
+            event_tracking: false,
+            gemm_crate: false,
+            bf16_vector: false,
         }
     }
-    let _restore = Restore(slot, slot.with(|o| o.replace(Some(value))));
+}
+
+impl Switches {
+    /// The switches `var` gives (`var(name)` is the variable's value, `None` when unset).
+    pub fn parse(
+        var: impl Fn(&'static str) -> Option<Result<String, EnvError>>,
+    ) -> Result<Self, EnvError> {
+        let mut s = Self::default();
+        let on = |v: &str| v.trim() == "1";
+        if let Some(v) = var(cuda_off::VAR) {
+            s.cuda_off = Off::parse(&v?)?;
+        }
+        if let Some(v) = var(PAD_VAR) {
+            s.pad_channels = parse_pad(&v?)?;
+        }
+        if let Some(v) = var("UPSCALE_CUDA_OCA") {
+            let v = v?.trim().to_ascii_lowercase();
+            s.overlap_kernel = !matches!(v.as_str(), "0" | "off" | "false");
+        }
+        if let Some(v) = var("UPSCALE_CUDA_NORM_REGS") {
+            s.norm_regs = on(&v?);
+        }
+        if let Some(v) = var("UPSCALE_CUDA_GELU_EPILOGUE") {
+            s.gelu_epilogue = on(&v?);
+        }
+        if let Some(v) = var("UPSCALE_CUDA_PINNED") {
+            s.pinned_downloads = on(&v?);
+        }
+        if let Some(v) = var("UPSCALE_CUDA_EVENT_TRACKING") {
+            s.event_tracking = on(&v?);
+        }
+        if let Some(v) = var("UPSCALE_CPU_GEMM") {
+            s.gemm_crate = v?.trim() == "crate";
+        }
+        if let Some(v) = var("UPSCALE_BF16_ISA") {
+            s.bf16_vector = v?.trim() == "avx512";
+        }
+        Ok(s)
+    }
+}
+
+/// `UPSCALE_PAD_CHANNELS`'s value as a multiple, 0 for off.
+fn parse_pad(spec: &str) -> Result<usize, EnvError> {
+    match spec.trim() {
+        "" | "0" => Ok(0),
+        s => match s.parse::<usize>() {
+            Ok(m) if PAD_MULTIPLES.contains(&m) => Ok(m),
+            Ok(m) => Err(EnvError::NotAMultiple {
+                var: PAD_VAR,
+                value: m,
+            }),
+            Err(_) => Err(EnvError::NotANumber {
+                var: PAD_VAR,
+                value: s.to_string(),
+            }),
+        },
+    }
+}
+
+/// The process's switches, read from the environment once: the only place the crate reads
+/// an `UPSCALE_*` variable. An error names the variable and what it does not take.
+pub fn from_env() -> Result<Switches, EnvError> {
+    static READ: OnceLock<Result<Switches, EnvError>> = OnceLock::new();
+    READ.get_or_init(|| {
+        Switches::parse(|name| match std::env::var(name) {
+            Ok(v) => Some(Ok(v)),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(_)) => Some(Err(EnvError::NotUnicode { var: name })),
+        })
+    })
+    .clone()
+}
+
+thread_local! {
+    static OVERRIDE: Cell<Option<Switches>> = const { Cell::new(None) };
+}
+
+/// The switches the code on this thread runs with: a test's override, else the
+/// environment's (the defaults where a value was refused: loading a model or opening a GPU
+/// checks [`checked`] first, so a run with a refused value stops before any of this).
+pub fn current() -> Switches {
+    OVERRIDE
+        .with(Cell::get)
+        .unwrap_or_else(|| from_env().unwrap_or_default())
+}
+
+/// [`current`], or the environment's error.
+pub fn checked() -> Result<Switches, EnvError> {
+    match OVERRIDE.with(Cell::get) {
+        Some(s) => Ok(s),
+        None => from_env(),
+    }
+}
+
+/// Runs `f` on this thread with the switches `change` makes of the current ones, then puts
+/// back what was there, even if `f` panics. Setting a variable instead would race the other
+/// tests of the process.
+#[cfg(test)]
+pub fn with<R>(change: impl FnOnce(&mut Switches), f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Switches>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            OVERRIDE.with(|o| o.set(self.0));
+        }
+    }
+    let mut s = current();
+    change(&mut s);
+    let _restore = Restore(OVERRIDE.with(|o| o.replace(Some(s))));
     f()
 }
 
@@ -59,4 +212,77 @@ pub enum EnvError {
         /// The value, trimmed.
         value: String,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> Result<Switches, EnvError> {
+        Switches::parse(|name| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| Ok(v.to_string()))
+        })
+    }
+
+    #[test]
+    fn every_variable_reaches_its_field() {
+        assert_eq!(vars(&[]), Ok(Switches::default()));
+        let all = vars(&[
+            ("UPSCALE_CUDA_OFF", "rowwise"),
+            ("UPSCALE_PAD_CHANNELS", "16"),
+            ("UPSCALE_CUDA_OCA", "Off"),
+            ("UPSCALE_CUDA_NORM_REGS", "1"),
+            ("UPSCALE_CUDA_GELU_EPILOGUE", "1"),
+            ("UPSCALE_CUDA_PINNED", "1"),
+            ("UPSCALE_CUDA_EVENT_TRACKING", "1"),
+            ("UPSCALE_CPU_GEMM", "crate"),
+            ("UPSCALE_BF16_ISA", "avx512"),
+        ])
+        .unwrap();
+        let d = Switches::default();
+        assert!(all.cuda_off.rowwise && !d.cuda_off.rowwise);
+        assert_eq!((all.pad_channels, d.pad_channels), (16, 0));
+        assert!(!all.overlap_kernel && d.overlap_kernel);
+        for (on, off) in [
+            (all.norm_regs, d.norm_regs),
+            (all.gelu_epilogue, d.gelu_epilogue),
+            (all.pinned_downloads, d.pinned_downloads),
+            (all.event_tracking, d.event_tracking),
+            (all.gemm_crate, d.gemm_crate),
+            (all.bf16_vector, d.bf16_vector),
+        ] {
+            assert!(on && !off, "{all:?}");
+        }
+        assert!(vars(&[("UPSCALE_CUDA_NORM_REGS", "0")]).unwrap() == d);
+    }
+
+    #[test]
+    fn a_refused_value_names_its_variable() {
+        let e = vars(&[("UPSCALE_PAD_CHANNELS", "12")]).unwrap_err();
+        assert!(e.to_string().contains("UPSCALE_PAD_CHANNELS: 12"), "{e}");
+        let e = vars(&[("UPSCALE_PAD_CHANNELS", "wide")]).unwrap_err();
+        assert!(e.to_string().contains("'wide'"), "{e}");
+        let e = vars(&[("UPSCALE_CUDA_OFF", "attention")]).unwrap_err();
+        assert!(e.to_string().contains("UPSCALE_CUDA_OFF"), "{e}");
+    }
+
+    #[test]
+    fn an_override_holds_inside_and_is_undone_after() {
+        let before = current();
+        let inside = with(
+            |s| s.pad_channels = 8,
+            || {
+                (
+                    current().pad_channels,
+                    with(|s| s.norm_regs = true, current),
+                )
+            },
+        );
+        assert_eq!(inside.0, 8);
+        assert!(inside.1.norm_regs && inside.1.pad_channels == 8);
+        assert_eq!(current(), before);
+    }
 }

@@ -73,9 +73,10 @@ fn padded_outputs(dtype: DType) -> Vec<PaddedRun> {
             let ck = Checkpoint::load(&weights).unwrap();
             let (input, expected) = load_io(&io);
             let run = |pad: Pad| {
-                let model = crate::ops::pad::with(pad, || {
-                    Model::from_checkpoint(ck.clone(), dtype, &Device::Cpu)
-                })
+                let model = crate::switches::with(
+                    |s| s.pad_channels = pad.multiple(),
+                    || Model::from_checkpoint(ck.clone(), dtype, &Device::Cpu),
+                )
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
                 assert_eq!(model.net.padding(), pad);
                 model.net.forward(&input).unwrap()

@@ -123,17 +123,13 @@ impl DeviceCanvas {
     }
 }
 
-/// The switch for [`staged::download`].
-pub const PINNED_VAR: &str = "UPSCALE_CUDA_PINNED";
-
 /// Whether canvases come back from a GPU through page-locked staging buffers:
-/// `UPSCALE_CUDA_PINNED=1`, read once per process. A copy to pageable memory goes through the
+/// `UPSCALE_CUDA_PINNED=1` ([`crate::switches`]). A copy to pageable memory goes through the
 /// driver's own staging, often several times slower than the bus (a 1080p x4 canvas is
 /// 530 MB); off until a GPU run has timed both (`benches/matmul_peak.py` measures both rates).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn pinned_downloads() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os(PINNED_VAR).is_some_and(|v| v == "1"))
+    crate::switches::current().pinned_downloads
 }
 
 /// A device tensor brought back through two page-locked buffers per thread: while the host

@@ -695,37 +695,19 @@ impl FusedWindowAttention {
     }
 }
 
-/// The switch for [`FusedOverlapAttention`] in HAT's overlapping cross-attention on CUDA:
-/// `UPSCALE_CUDA_OCA=0` (or `off`, `false`) runs candle's graph there instead (pad, gather,
-/// matmul, bias, softmax, matmul), to measure one against the other in a single GPU session,
-/// or on a GPU where the kernel fails. `--attention reference` runs the graph too.
-pub const OCA_VAR: &str = "UPSCALE_CUDA_OCA";
-
-thread_local! {
-    static OCA_OVERRIDE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-}
-
 /// Whether HAT's overlapping cross-attention may take [`FusedOverlapAttention`] on CUDA:
-/// unless [`OCA_VAR`] turns it off (read once per process), or a test's override.
+/// unless `UPSCALE_CUDA_OCA=0` ([`crate::switches`]) sends it to candle's graph (pad,
+/// gather, matmul, bias, softmax, matmul), to measure one against the other in a single GPU
+/// session, or on a GPU where the kernel fails. `--attention reference` runs the graph too.
 pub fn overlap_kernel_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    OCA_OVERRIDE.with(std::cell::Cell::get).unwrap_or_else(|| {
-        *ON.get_or_init(|| {
-            std::env::var(OCA_VAR).map_or(true, |v| {
-                !matches!(
-                    v.trim().to_ascii_lowercase().as_str(),
-                    "0" | "off" | "false"
-                )
-            })
-        })
-    })
+    crate::switches::current().overlap_kernel
 }
 
-/// Runs `f` with the overlap kernel on or off on this thread, whatever [`OCA_VAR`] says (a
+/// Runs `f` with the overlap kernel on or off on this thread, whatever the switch says (a
 /// GPU test runs HAT both ways in one process).
 #[cfg(test)]
 pub fn with_overlap_kernel<R>(on: bool, f: impl FnOnce() -> R) -> R {
-    crate::switches::with_override(&OCA_OVERRIDE, on, f)
+    crate::switches::with(|s| s.overlap_kernel = on, f)
 }
 
 /// HAT's overlapping cross-attention (its OCAB) in one op: the queries of every `window x

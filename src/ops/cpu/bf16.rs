@@ -43,8 +43,8 @@ pub fn isa() -> Option<Isa> {
     static ISA: OnceLock<Option<Isa>> = OnceLock::new();
     *ISA.get_or_init(|| {
         let avx512 = avx512_bf16();
-        let forced = std::env::var("UPSCALE_BF16_ISA").ok();
-        if forced.as_deref() == Some("avx512") && avx512 {
+        let forced = crate::switches::from_env().unwrap_or_default().bf16_vector;
+        if forced && avx512 {
             return Some(Isa::Avx512);
         }
         if amx_bf16() {

@@ -28,7 +28,7 @@ const MC: usize = 64;
 pub(crate) fn available() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        if std::env::var("UPSCALE_CPU_GEMM").as_deref() == Ok("crate") {
+        if crate::switches::from_env().unwrap_or_default().gemm_crate {
             return false;
         }
         #[cfg(target_arch = "x86_64")]

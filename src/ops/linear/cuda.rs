@@ -13,14 +13,10 @@
 //! trained with, far below a bf16 rounding at the outputs' sizes), so the network takes it only
 //! with `UPSCALE_CUDA_GELU_EPILOGUE=1` ([`gelu_epilogue`]) until a GPU run has measured both.
 
-/// The switch for [`linear_bias_gelu`] in the network.
-pub const GELU_VAR: &str = "UPSCALE_CUDA_GELU_EPILOGUE";
-
-/// Whether the network's MLPs take [`linear_bias_gelu`] on CUDA: `UPSCALE_CUDA_GELU_EPILOGUE=1`,
-/// read once per process.
+/// Whether the network's MLPs take [`linear_bias_gelu`] on CUDA:
+/// `UPSCALE_CUDA_GELU_EPILOGUE=1` ([`crate::switches`]).
 pub fn gelu_epilogue() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os(GELU_VAR).is_some_and(|v| v == "1"))
+    crate::switches::current().gelu_epilogue
 }
 
 use candle_core::{Result, Tensor};
@@ -46,7 +42,7 @@ fn check(x: &Tensor, w: &Tensor, b: &Tensor, what: &str) -> Result<(usize, usize
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     check(x, w, b, "linear_bias")?;
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && !crate::switches::cuda_off::current().cublaslt {
+    if x.device().is_cuda() && !crate::switches::current().cuda_off.cublaslt {
         return cublaslt::linear_bias(x, w, b, false);
     }
     Ok(None)
@@ -57,7 +53,7 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>>
 pub fn linear_bias_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     check(x, w, b, "linear_bias_gelu")?;
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && !crate::switches::cuda_off::current().cublaslt {
+    if x.device().is_cuda() && !crate::switches::current().cuda_off.cublaslt {
         return cublaslt::linear_bias(x, w, b, true);
     }
     Ok(None)
@@ -75,7 +71,7 @@ pub fn accumulate_linear_bias(acc: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) 
         );
     }
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && !crate::switches::cuda_off::current().cublaslt {
+    if x.device().is_cuda() && !crate::switches::current().cuda_off.cublaslt {
         return cublaslt::accumulate_linear_bias(acc, x, w, b);
     }
     Ok(false)

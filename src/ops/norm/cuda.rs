@@ -14,27 +14,17 @@
 
 use candle_core::{Module, Result, Tensor};
 
-/// The switch for the norms' register variants.
-pub const NORM_REGS_VAR: &str = "UPSCALE_CUDA_NORM_REGS";
-
-thread_local! {
-    static REGS_OVERRIDE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-}
-
-/// Whether the norm kernels hold each row in registers: `UPSCALE_CUDA_NORM_REGS=1`, read once
-/// per process, or a test's override ([`with_norm_regs`]).
+/// Whether the norm kernels hold each row in registers: `UPSCALE_CUDA_NORM_REGS=1`
+/// ([`crate::switches`]), or a test's override ([`with_norm_regs`]).
 pub fn norm_regs() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    REGS_OVERRIDE.with(std::cell::Cell::get).unwrap_or_else(|| {
-        *ON.get_or_init(|| std::env::var_os(NORM_REGS_VAR).is_some_and(|v| v == "1"))
-    })
+    crate::switches::current().norm_regs
 }
 
 /// Runs `f` with [`norm_regs`] saying `on` on this thread (the GPU tests run both variants in
 /// one process), then restores what it said before.
 #[cfg(all(test, feature = "cuda"))]
 pub fn with_norm_regs<R>(on: bool, f: impl FnOnce() -> R) -> R {
-    crate::switches::with_override(&REGS_OVERRIDE, on, f)
+    crate::switches::with(|s| s.norm_regs = on, f)
 }
 
 /// The kernel `name` runs as: its register variant where [`norm_regs`] says so.
@@ -76,7 +66,7 @@ pub fn add_gather_norm(
     #[cfg(feature = "cuda")]
     if ours(x) {
         let (y, back) = (y.contiguous()?, back.contiguous()?);
-        if let Some((z, s)) = scaled.filter(|_| !crate::switches::cuda_off::current().cab) {
+        if let Some((z, s)) = scaled.filter(|_| !crate::switches::current().cuda_off.cab) {
             let (z, s) = (z.contiguous()?, s.contiguous()?);
             return launch::add_gather_norm(norm, &x.contiguous()?, Some((&z, &s)), &y, &back);
         }

@@ -84,7 +84,8 @@ fn cuda_with_our_paths_off_still_matches_the_reference() {
         for off in parts {
             let run = |dtype: DType| {
                 let model = Model::load(&case.weights, dtype, &gpu).unwrap();
-                let out = cuda_off::with(off, || model.net.forward(&x)).unwrap();
+                let out =
+                    crate::switches::with(|s| s.cuda_off = off, || model.net.forward(&x)).unwrap();
                 out.to_device(&Device::Cpu).unwrap()
             };
             let d32 = max_abs_diff(&run(DType::F32), &expected);
@@ -133,7 +134,8 @@ fn cuda_padded_channels_match_the_reference() {
             let model = pad_channels::with(pad, || Model::load(&case.weights, dtype, &gpu));
             let model = model.unwrap();
             assert_eq!(model.net.padding(), pad);
-            let out = cuda_off::with(off, || model.net.forward(&x)).unwrap();
+            let out =
+                crate::switches::with(|s| s.cuda_off = off, || model.net.forward(&x)).unwrap();
             out.to_device(&Device::Cpu).unwrap()
         };
         let plain = run(Pad::OFF, DType::F32, Off::default());

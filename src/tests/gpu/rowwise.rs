@@ -357,9 +357,10 @@ fn add_gather_norm_with_a_scaled_term_matches_the_exact_sum() {
                     cab: cab_off,
                     ..Off::default()
                 };
-                let (ours_sum, ours) = cuda_off::with(off, || {
-                    norm_rw::add_gather_norm(&ln, &xg, Some((&zg, &sg)), &yg, &back_gpu)
-                })
+                let (ours_sum, ours) = crate::switches::with(
+                    |s| s.cuda_off = off,
+                    || norm_rw::add_gather_norm(&ln, &xg, Some((&zg, &sg)), &yg, &back_gpu),
+                )
                 .unwrap();
                 assert!(ours.device().is_cuda() && ours.dtype() == dtype);
                 let stored = ours_sum
