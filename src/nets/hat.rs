@@ -38,14 +38,14 @@ use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::nets::drct::config::ConfigError;
 use crate::nets::frame::{AfterBody, Frame, Tail};
-use crate::nets::registry::{swin_family, Architecture};
-use crate::nets::swin::{load_layer_norm, BlockShape, Mlp, SwinBlock, SwinCost};
-use crate::nets::swinir::{
+use crate::nets::infer::ConfigError;
+use crate::nets::infer::{
     check_shapes, isqrt, out_width, parameters, pixel_shuffle_scale, pixel_shuffle_stages,
     swin_layout, tensor, Shapes, SwinLayout,
 };
+use crate::nets::registry::{swin_family, Architecture};
+use crate::nets::swin::{load_layer_norm, BlockShape, Mlp, SwinBlock, SwinCost};
 use crate::nets::{uniform, ArchConfig, Net, NetConfig};
 use crate::ops::attention::windows::WindowCache;
 use crate::ops::attention::OverlapAttend;

@@ -6,6 +6,7 @@
 pub mod drct;
 mod frame;
 pub mod hat;
+pub mod infer;
 pub mod registry;
 pub mod swin;
 pub mod swinir;
@@ -20,7 +21,7 @@ use crate::ops::cpu::bf16;
 use crate::ops::pad::Pad;
 use crate::ops::LoadPlan;
 pub use crate::switches::EnvError;
-pub use drct::config::ConfigError;
+pub use infer::ConfigError;
 
 /// Why a checkpoint could not become a network. Every variant names the file (or the
 /// embedded model) it came from; the cause, where there is one, is both quoted in the message

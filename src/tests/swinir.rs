@@ -305,7 +305,7 @@ fn released_configurations_round_trip() {
 /// keeps each one as its source: an unexplained tensor, heads that do not divide the width.
 #[test]
 fn swinir_refusals_are_typed_and_kept_as_the_source() {
-    use crate::nets::drct::config::ConfigError;
+    use crate::nets::ConfigError;
     use std::error::Error as _;
     let base: std::collections::BTreeMap<String, Vec<usize>> =
         shapes(&dir().join("realworld_x4_3conv.safetensors"))

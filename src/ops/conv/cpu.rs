@@ -6,6 +6,8 @@ use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
 use crate::ops::cpu::bf16::{round_pairs, Isa, PackedA, PackedB};
+use crate::ops::cpu::shared::Shared;
+use crate::ops::cpu::taps::tap_source;
 use crate::ops::cpu::{
     cpu_slice, panels, par_rows, product, use_kernel, widest_simd, Weights, LANES,
 };
@@ -93,7 +95,8 @@ pub(super) fn conv3x3_with(
         let packed = panels::Panels::new(ws, (k, cout), (cout, 1));
         let zeros = vec![0f32; cin];
         let mut out: Vec<f32> = Vec::with_capacity(pixels * cout);
-        let dst = OutRows(out.as_mut_ptr());
+        // SAFETY: each task writes only its own output rows of `out`, which outlives the tasks.
+        let dst = unsafe { Shared::new(out.as_mut_ptr()) };
         let blocks = (h * wd).div_ceil(CONV_PIXELS);
         (0..batch * blocks).into_par_iter().for_each(|task| {
             let (bi, p0) = (task / blocks, task % blocks * CONV_PIXELS);
@@ -102,7 +105,7 @@ pub(super) fn conv3x3_with(
             // SAFETY: the CPU has AVX-512F; output pixels p0..p0 + rows of image bi (cout
             // values each) lie in `out` and are written by this task only.
             unsafe {
-                let dst = (dst.at((bi * h * wd + p0) * cout), cout);
+                let dst = (dst.get().wrapping_add((bi * h * wd + p0) * cout), cout);
                 panels::conv3x3_pixels(image, (h, wd, cin), &zeros, &packed, (p0, rows), dst, bs)
             };
         });
@@ -114,7 +117,8 @@ pub(super) fn conv3x3_with(
     let mut out = par_rows(pixels, cout, |_, w| w.write_row(bs));
 
     if let (Weights::Bf16(isa, w), true) = (w, cin.is_multiple_of(2)) {
-        let dst = OutRows(out.as_mut_ptr());
+        // SAFETY: each task writes only its own output rows of `out`, which outlives the tasks.
+        let dst = unsafe { Shared::new(out.as_mut_ptr()) };
         let blocks = (h * wd).div_ceil(PATCH_ROWS);
         (0..batch * blocks)
             .into_par_iter()
@@ -126,7 +130,7 @@ pub(super) fn conv3x3_with(
                 // SAFETY: output rows p0..p0 + rows of image bi, cout values each, lie in
                 // `out` and are written by this task only; `pack` holds their patches.
                 unsafe {
-                    let dst = dst.at((bi * h * wd + p0) * cout);
+                    let dst = dst.get().wrapping_add((bi * h * wd + p0) * cout);
                     crate::ops::cpu::bf16::gemm_packed(pack, w, dst, cout, true)
                 };
             });
@@ -185,19 +189,6 @@ pub(super) fn gather_patches(
                 }
             }
         });
-}
-
-/// The `cin` input values under 3x3 tap `tap` (ordered (dy, dx)) of output pixel `(y, x)`,
-/// or `None` where the tap falls outside the image (zero padding).
-#[inline(always)]
-pub(crate) fn tap_source(
-    image: &[f32],
-    (h, wd, cin): (usize, usize, usize),
-    (y, x): (usize, usize),
-    tap: usize,
-) -> Option<&[f32]> {
-    let (sy, sx) = ((y + tap / 3).wrapping_sub(1), (x + tap % 3).wrapping_sub(1));
-    (sy < h && sx < wd).then(|| &image[(sy * wd + sx) * cin..][..cin])
 }
 
 /// Pixels per task of the f32 convolutions on panels: a whole 64-pixel image row.
@@ -282,19 +273,6 @@ pub fn conv3x3_shuffled_bf16(
     conv3x3_shuffled_with(x, &blocks, (k, cout), (0, 0), b, r, chunk_elems).map(Some)
 }
 
-/// `dst` rows shared by the parallel row tasks of [`conv3x3_shuffled_with`].
-#[derive(Clone, Copy)]
-pub(super) struct OutRows(*mut f32);
-// SAFETY: each task writes only the output rows of its own input row.
-unsafe impl Send for OutRows {}
-unsafe impl Sync for OutRows {}
-
-impl OutRows {
-    fn at(&self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
-
 /// The body of both shuffled convolutions; `blocks[i]` is the weights' column block i
 /// (`k x r*c`), for f32 read through `f32_strides`.
 pub(super) fn conv3x3_shuffled_with(
@@ -335,7 +313,8 @@ pub(super) fn conv3x3_shuffled_with(
             .collect();
         let zeros = vec![0f32; cin];
         let mut out: Vec<f32> = Vec::with_capacity(batch * h * r * out_row);
-        let dst = OutRows(out.as_mut_ptr());
+        // SAFETY: each task writes only its own output rows of `out`, which outlives the tasks.
+        let dst = unsafe { Shared::new(out.as_mut_ptr()) };
         (0..batch * h).into_par_iter().for_each(|image_row| {
             let (bi, y) = (image_row / h, image_row % h);
             let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
@@ -346,7 +325,7 @@ pub(super) fn conv3x3_shuffled_with(
                 // values, each pixel's values contiguous) lies in `out` and is written by
                 // this task only; the block's weights are k x block.
                 unsafe {
-                    let dst = (dst.at(row * out_row), block);
+                    let dst = (dst.get().wrapping_add(row * out_row), block);
                     panels::conv3x3_pixels(image, (h, wd, cin), &zeros, w, (y * wd, wd), dst, bias)
                 };
             }
@@ -362,7 +341,8 @@ pub(super) fn conv3x3_shuffled_with(
             w.write_row(&bs[i * block..(i + 1) * block]);
         }
     });
-    let dst = OutRows(out.as_mut_ptr());
+    // SAFETY: each task writes only its own output rows of `out`, which outlives the tasks.
+    let dst = unsafe { Shared::new(out.as_mut_ptr()) };
     let packed: Option<Vec<(Isa, &PackedB)>> = blocks
         .iter()
         .map(|w| match w {
@@ -387,7 +367,7 @@ pub(super) fn conv3x3_shuffled_with(
                     // each) lie in `out` and are written by this task only; `pack` holds
                     // their patches, packed for this k.
                     unsafe {
-                        let dst = dst.at(row * out_row + x0 * block);
+                        let dst = dst.get().wrapping_add(row * out_row + x0 * block);
                         crate::ops::cpu::bf16::gemm_packed(pack, w, dst, block, true)
                     };
                 }
@@ -415,7 +395,7 @@ pub(super) fn conv3x3_shuffled_with(
                     unsafe {
                         product(
                             (wd, block, k),
-                            (dst.at(row * out_row), block),
+                            (dst.get().wrapping_add(row * out_row), block),
                             true,
                             (cols[yy * wd * k..].as_ptr(), k),
                             *w,

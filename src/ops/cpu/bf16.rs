@@ -16,6 +16,8 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::shared::Shared;
+
 /// Columns per packed panel: two 16-lane vectors, or two AMX tiles side by side.
 pub const NR: usize = 32;
 /// Row pairs are padded to a multiple of this: one AMX tile holds 16 pairs (32 bf16) per row.
@@ -414,23 +416,6 @@ impl PackedB {
     }
 }
 
-/// The operands' raw pointers, shared by parallel tasks; each reads and writes only its own
-/// rows.
-#[derive(Clone, Copy)]
-struct Rows {
-    a: *const f32,
-    dst: *mut f32,
-}
-// SAFETY: tasks touch disjoint rows (see `gemm`).
-unsafe impl Send for Rows {}
-unsafe impl Sync for Rows {}
-
-impl Rows {
-    fn get(&self) -> (*const f32, *mut f32) {
-        (self.a, self.dst)
-    }
-}
-
 thread_local! {
     /// The left-hand side of one task, packed: reused across calls on each thread.
     static A_PACK: RefCell<PackedA> = RefCell::new(PackedA::default());
@@ -535,7 +520,9 @@ pub unsafe fn gemm(
         then.is_none() || ldc == b.n,
         "an epilogue needs contiguous output rows"
     );
-    let ptrs = Rows { a, dst };
+    // SAFETY: each row block reads its own rows of `a` and writes its own rows of dst (see
+    // above), both alive until the blocks are done.
+    let ptrs = unsafe { Shared::new((a, dst)) };
     let block = |i0: usize| {
         let (a, dst) = ptrs.get();
         let rows = MC.min(m - i0);

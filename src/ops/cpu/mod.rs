@@ -168,7 +168,9 @@ pub(super) unsafe fn product(
                 };
                 // Row blocks as tasks of their own, each finished by `then` while in cache.
                 assert_eq!(ldc, n, "an epilogue needs contiguous output rows");
-                let ptrs = SendPtrs { dst, lhs, rhs };
+                // SAFETY: the blocks write disjoint row blocks of dst and only read lhs and
+                // rhs, all of which outlive the parallel loop below.
+                let ptrs = shared::Shared::new((dst, lhs, rhs));
                 let block = |b: usize| {
                     let (dst, lhs, rhs) = ptrs.get();
                     let i0 = b * EPILOGUE_ROWS;
@@ -208,26 +210,6 @@ pub(super) unsafe fn product(
 /// Rows per task of an f32 product with an epilogue: the block's output (up to 128 x 360
 /// values for DRCT's fc1) stays in L2 until the epilogue has run over it.
 const EPILOGUE_ROWS: usize = 128;
-
-/// The operands of a product, shared by its row-block tasks.
-#[derive(Clone, Copy)]
-struct SendPtrs {
-    dst: *mut f32,
-    lhs: *const f32,
-    rhs: Strided<*const f32>,
-}
-
-impl SendPtrs {
-    /// Through a method, so that closures capture the whole (Sync) struct, not its fields.
-    fn get(&self) -> (*mut f32, *const f32, Strided<*const f32>) {
-        (self.dst, self.lhs, self.rhs)
-    }
-}
-
-// SAFETY: the tasks that share these pointers write disjoint row blocks of dst and only
-// read lhs and rhs (see `product`).
-unsafe impl Send for SendPtrs {}
-unsafe impl Sync for SendPtrs {}
 
 /// A new buffer of `rows` rows of `row_len` values, each row produced in parallel by `fill`
 /// from its index. `fill` hands every row to [`write_row`] pieces that cover it exactly, which
@@ -323,6 +305,8 @@ pub mod bf16;
 mod copy;
 mod math;
 pub(crate) mod panels;
+pub(crate) mod shared;
+pub(crate) mod taps;
 #[cfg(test)]
 mod tests;
 

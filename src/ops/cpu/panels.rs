@@ -10,8 +10,8 @@
 //! product instead of being written out first. Attention's small operands are read in place
 //! (v) or transposed once (kᵀ) rather than packed.
 
+use super::taps::tap_source;
 use super::*;
-use crate::ops::conv::cpu::tap_source;
 
 /// Columns per packed panel and per output tile: three 16-lane vectors.
 pub(crate) const PANEL: usize = 48;
