@@ -7,7 +7,7 @@ and the memory traffic of the forward pass as `upscale` runs it.
   python benches/gemm_shapes.py --device cpu --tokens 256 --square 256 --copy-mib 8  (checks part 2)
 
 Part 1, a calculation (stdlib only): FLOPs and bytes moved per tile by the Swin blocks, pass by
-pass, counted from the order `src/model/drct.rs` and `src/model/swin.rs` run them on CUDA in bf16 (the ops in `src/model/layers/`) (qkv, proj and fc2
+pass, counted from the order `src/nets/drct/mod.rs` and `src/nets/swin.rs` run them on CUDA in bf16 (the ops in `src/ops/`) (qkv, proj and fc2
 with the bias in cuBLASLt's epilogue, fc2 onto its residual in place; fc1 and adjust as a GEMM
 and then a pass for the bias with the GELU, or the LeakyReLU and the concatenation), and for the same graph with all of those done inside
 the GEMM's epilogue. Dividing by a bandwidth gives the least time

@@ -28,7 +28,7 @@
 
 // cp.async and mma.m16n8k16 on 16-bit inputs need sm_80. A build for an older GPU
 // (CUDA_COMPUTE_CAP=75: a T4) leaves the tensor-core kernels out, so that the module still
-// loads there, and the host runs the scalar kernels (src/model/layers/attention/cuda.rs reads
+// loads there, and the host runs the scalar kernels (src/ops/attention/cuda.rs reads
 // the same build setting).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define TENSOR_CORE_KERNELS 1
@@ -378,7 +378,7 @@ __device__ __forceinline__ void overlap_attention(const T* __restrict__ qkv,
 // whole 256-token window in one block. Wider heads hold more registers per thread and take
 // fewer warps, and a shorter tile keeps both double-buffered tiles under 48 KiB. The host
 // computes the same launch: keep in step with `mma_plan` in
-// src/model/layers/attention/cuda.rs.
+// src/ops/attention/cuda.rs.
 __host__ __device__ constexpr int mma_warps(int dp) { return dp <= 32 ? 16 : (dp <= 64 ? 8 : 4); }
 __host__ __device__ constexpr int mma_keys(int dp) { return dp <= 64 ? 64 : 32; }
 

@@ -257,7 +257,7 @@ parity() { # ATTENTION...: bf16 and fp16 against fp32 on tests/photos with each 
   done
 }
 
-# The attention kernel and the UPSCALE_CUDA_OFF parts (src/model/cuda_off.rs) every later
+# The attention kernel and the UPSCALE_CUDA_OFF parts (src/switches/cuda_off.rs) every later
 # step runs with: ours, unless the first real runs show one of them broken. Then the first
 # fallback that works is taken and exported, so that a short call still measures the rest;
 # the CUDA tests' log says which kernel failed.
@@ -401,11 +401,11 @@ switch_rows() {
 }
 
 # The speed switches that are off by default until a GPU has measured them: UPSCALE_PAD_CHANNELS
-# (src/model/pad_channels.rs: every linear and convolution's channels padded with zeros at
+# (src/ops/pad.rs: every linear and convolution's channels padded with zeros at
 # load, so that cuBLASLt can take its aligned kernels) at each multiple, and
-# UPSCALE_CUDA_GELU_EPILOGUE (src/model/layers/linear/cuda.rs: the MLP's first layer and its
+# UPSCALE_CUDA_GELU_EPILOGUE (src/ops/linear/cuda.rs: the MLP's first layer and its
 # GELU in one cuBLASLt call, with the tanh GELU), UPSCALE_CUDA_NORM_REGS
-# (src/model/layers/norm/cuda.rs: the norm kernels holding each row in registers), then all
+# (src/ops/norm/cuda.rs: the norm kernels holding each row in registers), then all
 # three together.
 switches() {
   echo "== speed switches: parity with the CPU, then DRCT-L and DRCT bf16"
@@ -438,14 +438,14 @@ swin_family() {
     bench swin "$preset-bf16-ours-$attn" "$weights" --precision bf16 --size "$s540" --tile "$t256" \
       --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
     # HAT's overlapping cross-attention through candle's graph instead of our kernel
-    # (UPSCALE_CUDA_OCA=0, src/model/layers/attention/cuda.rs): the before of that kernel, on
+    # (UPSCALE_CUDA_OCA=0, src/ops/attention/cuda.rs): the before of that kernel, on
     # the same shapes.
     if [ "$preset" = hat-l ] && fits swin 20 "\"label\":\"$preset-oca-off\""; then
       UPSCALE_CUDA_OCA=0 bench swin "$preset-bf16-ours-$attn-oca-off" "$weights" --precision bf16 \
         --size "$s540" --tile "$t256" --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
     fi
     # HAT's channel attention multiplied and added by candle before the residual norm
-    # (UPSCALE_CUDA_OFF=cab, src/model/cuda_off.rs): the before of folding it into that norm's
+    # (UPSCALE_CUDA_OFF=cab, src/switches/cuda_off.rs): the before of folding it into that norm's
     # kernel, on the same shapes; whatever the probe left off stays off.
     if [ "$preset" = hat-l ] && fits swin 20 "\"label\":\"$preset-cab-off\""; then
       UPSCALE_CUDA_OFF="${UPSCALE_CUDA_OFF:+$UPSCALE_CUDA_OFF,}cab" bench swin "$preset-bf16-ours-$attn-cab-off" \

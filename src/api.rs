@@ -87,6 +87,7 @@ impl Default for Options {
 
 /// What can go wrong opening a model or upscaling an image.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The weights could not be read or do not describe a DRCT model.
     #[error(transparent)]

@@ -26,6 +26,7 @@ use zip::ZipArchive;
 
 /// Why a `.pth` archive or its pickle could not be read.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PthError {
     /// The file could not be opened.
     #[error(transparent)]
@@ -43,6 +44,7 @@ pub enum PthError {
 
 /// Why one tensor of a `.pth` could not be read.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PthTensorError {
     /// Its description in the pickle is not one candle reads (e.g. an integer storage other
     /// than int64).

@@ -166,7 +166,7 @@ pub struct InferArgs {
     #[arg(long)]
     pub tile: Option<usize>,
     /// Overlap between neighbouring tiles, in input pixels.
-    #[arg(long = "tile_overlap", alias = "tile-overlap", default_value_t = 32)]
+    #[arg(long = "tile_overlap", alias = "tile-overlap", default_value_t = upscale::Options::default().overlap)]
     pub tile_overlap: usize,
     /// Choose tile size and batch from free memory (the default when --tile is not given).
     #[arg(long = "tile_auto", alias = "tile-auto")]
@@ -178,7 +178,7 @@ pub struct InferArgs {
     /// the tiles of every image. Ignored on the CPU. A second lane costs a copy of the weights
     /// and its own activations, and so far has made one GPU slower (an H200 ran DRCT-L 1.2x
     /// slower with 2): keep 1 unless you measure a gain.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    #[arg(long, default_value_t = upscale::Options::default().streams as u32, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub streams: u32,
     /// How overlapping tiles are merged.
     #[arg(long, ignore_case = true, default_value = "hann",

@@ -55,6 +55,7 @@ pub(crate) fn first_line(e: &candle_core::Error) -> String {
 
 /// Why a device could not be used.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DeviceError {
     /// A GPU was asked for and this binary has no CUDA.
     #[error(
@@ -92,6 +93,7 @@ pub enum DeviceError {
 
 /// Why a model could not be placed on its device(s).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EngineError {
     /// The device could not be opened, or this build lacks it.
     #[error(transparent)]

@@ -10,6 +10,7 @@ use super::Format;
 /// check's own words.
 #[allow(missing_docs)] // the fields are the same few everywhere, described above
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum IoError {
     /// The file or folder does not exist.
     #[error("{}: no such file or folder", .path.display())]
@@ -133,6 +134,7 @@ pub(crate) fn innermost_message(err: &(dyn std::error::Error + 'static)) -> Stri
 /// Why upscaled planes could not become an image of the size and format asked for. No file
 /// is named: [`IoError::Encode`] names it when there is one.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum OutputError {
     /// 16-bit samples asked of a format that holds only 8.
     #[error("{0} is 8-bit only; write PNG or TIFF for 16-bit")]

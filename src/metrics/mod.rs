@@ -29,6 +29,7 @@ use crate::planar::Planar;
 
 /// Why a metric could not be computed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum MetricsError {
     /// The two images are not the same size and channel count.
     #[error("images differ in shape: {a:?} vs {b:?} (channels, height, width)")]

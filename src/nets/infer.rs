@@ -7,6 +7,7 @@ pub(crate) use crate::nets::registry::Shapes;
 /// Why a state dict's tensors do not make a model this build runs: found by config inference,
 /// before any layer is built. The messages name the tensor where there is one.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// A tensor the architecture needs is not in the file.
     #[error("missing tensor {name}{hint}")]

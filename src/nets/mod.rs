@@ -27,6 +27,7 @@ pub use infer::ConfigError;
 /// embedded model) it came from; the cause, where there is one, is both quoted in the message
 /// and kept as the error's `source()`.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ModelError {
     /// The file could not be read.
     #[error("{path}: {source}")]
@@ -98,6 +99,7 @@ pub enum ModelError {
 
 /// Why one tensor of a checkpoint could not be used.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TensorError {
     /// It could not be read from a `.pth` archive.
     #[error(transparent)]
@@ -117,6 +119,7 @@ pub enum TensorError {
 
 /// Why a network could not be built from consistent tensors.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BuildError {
     /// bf16 on the CPU was asked for on a CPU without the instructions it runs on.
     #[error("bf16 on the CPU needs AMX, or AVX512-BF16 on an AMD core; this CPU has neither")]

@@ -179,6 +179,7 @@ pub fn with<R>(change: impl FnOnce(&mut Switches), f: impl FnOnce() -> R) -> R {
 
 /// A value one of the variables does not take; the message names the variable.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum EnvError {
     /// The value is not UTF-8.
     #[error("{var} is not valid UTF-8")]

@@ -91,6 +91,7 @@ pub fn is_out_of_memory(err: &candle_core::Error) -> bool {
 /// Why an image could not be upscaled.
 /// Why an image could not be upscaled.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TileError {
     /// The image cannot be cut into tiles as asked.
     #[error(transparent)]

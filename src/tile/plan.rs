@@ -5,6 +5,7 @@ use thiserror::Error;
 
 /// Why an image cannot be cut into tiles.
 #[derive(Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PlanError {
     /// The image has no pixels.
     #[error("cannot tile an empty image ({height}x{width})")]

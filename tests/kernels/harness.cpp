@@ -101,7 +101,7 @@ struct Launch {
     unsigned grid_y, threads, shared_bytes;
 };
 
-// The launch shape the host uses (src/model/layers/attention/cuda.rs, `plan` and `mma_plan`).
+// The launch shape the host uses (src/ops/attention/cuda.rs, `plan` and `mma_plan`).
 Launch scalar_launch(int n, int dmax) {
     const int per_row = dmax / COLS_PER_THREAD;
     const int threads = std::min((n * per_row + 31) / 32 * 32, MAX_THREADS);
@@ -282,7 +282,7 @@ std::vector<double> overlap_reference(const OverlapShape& s, const std::vector<f
     return out;
 }
 
-// The launch the host makes (src/model/layers/attention/cuda.rs, `overlap_plan`): the scalar
+// The launch the host makes (src/ops/attention/cuda.rs, `overlap_plan`): the scalar
 // window kernel's, without the key labels.
 Launch overlap_scalar_launch(int n, int dmax) {
     const int per_row = dmax / COLS_PER_THREAD;
@@ -294,7 +294,7 @@ Launch overlap_scalar_launch(int n, int dmax) {
 }
 
 #ifdef TENSOR_CORE_KERNELS
-// The tensor-core overlap kernel's launch (src/model/layers/attention/cuda.rs,
+// The tensor-core overlap kernel's launch (src/ops/attention/cuda.rs,
 // `overlap_mma_plan`): rows and tiles of window_attention_mma, the bias table (ws + ows - 1)^2
 // floats, one int per key.
 Launch overlap_mma_launch(const OverlapShape& s, int dp) {
@@ -454,7 +454,7 @@ double activate_ref(double v, int act, double slope) {
     return v;
 }
 
-// The launch the host makes (src/model/rowwise.rs): 256 threads, one element (one warp per
+// The launch the host makes (src/ops/rowwise.rs): 256 threads, one element (one warp per
 // row for the norms) per thread; `one_block` instead runs the grid-stride loops over one block.
 dim3 rowwise_grid(size_t units, unsigned per_block, bool one_block) {
     return dim3{one_block ? 1u : static_cast<unsigned>((units + per_block - 1) / per_block), 1, 1};
