@@ -208,7 +208,7 @@ impl Upscaler {
 
     /// The model's upscaling factor.
     pub fn scale(&self) -> usize {
-        self.lanes.scale()
+        self.lanes.primary().scale()
     }
 
     /// What opening the model fell back from (a GPU that did not answer, a precision the

@@ -92,9 +92,10 @@ impl Upscaler {
         reps: usize,
         tile_cost: bool,
     ) -> Result<BenchReport, Error> {
-        let engine = self.lanes();
+        let pool = self.lanes();
+        let engine = pool.primary();
         let image = pattern(height, width);
-        let opts = engine.tile_options(self.settings(), height, width);
+        let opts = pool.tile_options(self.settings(), height, width);
         // Before the warm-up: the probe's reading starts from a reset peak and must see the
         // allocator as a fresh process does. Only on request: the probe's memory stays with
         // the process and would raise the reported peak of a small input.
@@ -102,9 +103,9 @@ impl Upscaler {
             .then(|| engine.measure_bytes_per_pixel())
             .flatten();
         for _ in 0..warmup {
-            engine.run(&image, &opts)?;
+            pool.run(&image, &opts)?;
         }
-        let devices = engine.devices();
+        let devices = pool.devices();
         for d in &devices {
             reset_pool_peaks(d);
         }
@@ -113,7 +114,7 @@ impl Upscaler {
         let mut lanes = Vec::new();
         for _ in 0..reps.max(1) {
             let t = Instant::now();
-            let (_, s, l) = engine.run(&image, &opts)?;
+            let (_, s, l) = pool.run(&image, &opts)?;
             seconds.push(t.elapsed().as_secs_f64());
             stats = Some(s);
             merge_lane_stats(&mut lanes, &l);
@@ -158,7 +159,7 @@ impl Upscaler {
             peak_rss_bytes: peak_rss_bytes(),
             peak_device_bytes: peak_device,
             device_pools: pools,
-            lanes: engine.count(),
+            lanes: pool.count(),
             lane_stats: lanes,
             tile_cost_bytes_per_pixel: tile_cost.then(|| TileCost {
                 bound: engine.bytes_per_pixel_bound(),

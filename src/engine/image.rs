@@ -153,7 +153,7 @@ impl Lanes {
         lanes: &mut Vec<LaneStats>,
         defer_download: bool,
     ) -> Result<Part, TileError> {
-        let s = self.scale();
+        let s = self.primary().scale();
         let (h, w) = (a.height * s, a.width * s);
         let first = a.data.first().copied().unwrap_or(1.0);
         if a.data.iter().all(|&v| v == first) {

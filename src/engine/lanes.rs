@@ -9,7 +9,6 @@
 //! one download per image and lane, unless the output canvases would crowd the model out of
 //! device memory: then one lane blends on the host, as the CPU does.
 
-use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Device};
@@ -29,6 +28,12 @@ pub struct Lanes {
 }
 
 impl Lanes {
+    /// The first lane's engine, which answers every question about the model (scale,
+    /// configuration, memory cost): every lane holds the same model.
+    pub fn primary(&self) -> &Engine {
+        &self.engines[0]
+    }
+
     pub fn single(engine: Engine) -> Self {
         Self {
             engines: vec![engine],
@@ -163,9 +168,9 @@ impl Lanes {
     /// Whether every lane's output canvas fits in half of its device's free memory, leaving
     /// the rest for the model.
     fn canvases_fit(&self, image: &Planar) -> bool {
-        let s = self.scale() as u64;
+        let s = self.primary().scale() as u64;
         let canvas = (image.channels as u64 + 1) * (image.height * image.width) as u64 * s * s * 4;
-        canvas.saturating_mul(self.per_device() as u64) <= self.free_memory() / 2
+        canvas.saturating_mul(self.per_device() as u64) <= self.primary().free_memory() / 2
     }
 
     /// The distinct devices under the lanes, one handle each.
@@ -180,14 +185,6 @@ impl Lanes {
             }
         }
         out
-    }
-}
-
-impl Deref for Lanes {
-    type Target = Engine;
-
-    fn deref(&self) -> &Engine {
-        &self.engines[0]
     }
 }
 

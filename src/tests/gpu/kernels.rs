@@ -10,7 +10,7 @@ use crate::nets::{Attention, Model};
 use crate::ops::attention::cuda::FusedWindowAttention;
 use crate::ops::attention::windows::{relative_position_bias, RelativeBias, WindowCache};
 use crate::tests::fixtures::max_abs_diff;
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 /// A window-attention problem: `batch` maps of `height x width`, `window`, `heads` heads of
 /// `head_dim` columns.

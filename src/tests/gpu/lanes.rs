@@ -132,7 +132,7 @@ fn a_batch_larger_than_free_memory_backs_off_and_completes() {
     // Room for twice what the batch-1 run needed at its peak (the weights, the image, the
     // canvas and one tile's activations): a batch of all 361 tiles cannot fit.
     let room = 2 * one_batch.max(32 << 20);
-    let spare = lanes.free_memory() + pool_idle_bytes(&dev);
+    let spare = lanes.primary().free_memory() + pool_idle_bytes(&dev);
     let mut ballast = Vec::new();
     let mut held = 0u64;
     while held + room < spare {

@@ -11,7 +11,7 @@ use crate::nets::{Attention, Checkpoint, Model};
 use crate::ops::attention::cuda::{with_overlap_kernel, FusedOverlapAttention};
 use crate::ops::attention::{overlap_attention_graph, overlap_bias};
 use crate::tests::fixtures::{load_io, max_abs_diff, TOLERANCE};
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 /// `batch` maps of `height x width`, queries from `window` windows, keys and values from the
 /// `overlap` windows around them, `heads` heads of `head_dim`.

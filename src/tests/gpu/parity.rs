@@ -1,7 +1,7 @@
 //! The whole network on the GPU against the float64 reference and the CPU path.
 
 use crate::nets::Model;
-use candle_core::{DType, Device, Module};
+use candle_core::{DType, Device};
 
 use crate::tests::fixtures::*;
 
@@ -61,7 +61,7 @@ fn cuda_f32_and_bf16_match_the_reference() {
 /// bf16 (the paths a user on a GPU where one of ours fails is told to take).
 #[test]
 fn cuda_with_our_paths_off_still_matches_the_reference() {
-    use crate::switches::cuda_off::{self, Off};
+    use crate::switches::cuda_off::Off;
     let gpu = super::gpu();
     let parts = [
         Off {
@@ -124,14 +124,17 @@ fn rms_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
 /// order of the sums changes), bf16 as close as unpadded.
 #[test]
 fn cuda_padded_channels_match_the_reference() {
-    use crate::ops::pad::{self, Pad};
-    use crate::switches::cuda_off::{self, Off};
+    use crate::ops::pad::Pad;
+    use crate::switches::cuda_off::Off;
     let gpu = super::gpu();
     for case in cases() {
         let (input, expected) = load_io(&case.io);
         let x = input.to_device(&gpu).unwrap();
         let run = |pad: Pad, dtype: DType, off: Off| {
-            let model = pad_channels::with(pad, || Model::load(&case.weights, dtype, &gpu));
+            let model = crate::switches::with(
+                |s| s.pad_channels = pad.multiple(),
+                || Model::load(&case.weights, dtype, &gpu),
+            );
             let model = model.unwrap();
             assert_eq!(model.net.padding(), pad);
             let out =

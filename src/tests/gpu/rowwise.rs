@@ -318,7 +318,7 @@ fn norm_register_variants_match_the_per_pass_kernels() {
 /// so the sum's bound grows by `u (|x| + 2 |z s|)`.
 #[test]
 fn add_gather_norm_with_a_scaled_term_matches_the_exact_sum() {
-    use crate::switches::cuda_off::{self, Off};
+    use crate::switches::cuda_off::Off;
     let dev = gpu();
     let seed = (randn(&[512]), randn(&[512]));
     let mut failures = Vec::new();
