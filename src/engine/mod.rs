@@ -501,7 +501,7 @@ fn cuda_free_memory(_device: &Device) -> Option<u64> {
     None
 }
 
-impl crate::tile::auto::TileCost for Engine {
+impl crate::tile::auto::MemoryModel for Engine {
     fn scale(&self) -> usize {
         self.scale()
     }

@@ -20,7 +20,7 @@ use crate::ops::conv::Conv3x3;
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::{Channels, Pad};
-use crate::ops::LoadPlan;
+use crate::ops::{add, LoadPlan};
 
 /// The RGB mean the official models subtract (img_range 1.0); not stored in checkpoints.
 const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
@@ -28,14 +28,6 @@ const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
 const UPSAMPLE_SLOPE: f64 = 0.01;
 /// Slope of the LeakyReLUs inside SwinIR's 3conv connection and nearest+conv upsampler.
 pub(crate) const SLOPE: f64 = 0.2;
-
-/// `a + b`: the CPU kernel where it applies, else candle's op (the same sum either way).
-pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    match crate::ops::cpu::add(a, b)? {
-        Some(sum) => Ok(sum),
-        None => a + b,
-    }
-}
 
 /// The convolution after the body's norm (and, in SwinIR, after each residual group).
 pub(crate) enum AfterBody {

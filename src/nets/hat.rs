@@ -341,8 +341,8 @@ impl Cab {
     fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let z = self
             .conv2
-            .forward(&crate::ops::cpu::gelu_erf(&self.conv1.forward(x)?)?)?;
-        let pooled = crate::ops::cpu::mean_hw(&z)?;
+            .forward(&crate::ops::gelu_erf(&self.conv1.forward(x)?)?)?;
+        let pooled = crate::ops::mean_hw(&z)?;
         let y = self.squeeze.forward(&pooled)?.relu()?;
         let y = (candle_nn::ops::sigmoid(&self.excite.forward(&y)?)? * CONV_SCALE)?;
         let (b, c) = (y.dim(0)?, y.dim(3)?);

@@ -32,7 +32,7 @@ use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::nets::frame::{add, AfterBody, Frame, Tail};
+use crate::nets::frame::{AfterBody, Frame, Tail};
 use crate::nets::hat;
 use crate::nets::infer::{
     check_shapes, isqrt, out_width, parameters, pixel_shuffle_scale, pixel_shuffle_stages,
@@ -44,7 +44,7 @@ use crate::nets::{uniform, ArchConfig, Net, NetConfig};
 use crate::ops::attention::windows::WindowCache;
 use crate::ops::conv::Conv3x3;
 use crate::ops::pad::Pad;
-use crate::ops::{build_layers, LoadPlan};
+use crate::ops::{add, build_layers, LoadPlan};
 
 /// The convolution closing each residual group and the body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

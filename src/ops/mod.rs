@@ -27,12 +27,24 @@ pub mod norm;
 pub mod pad;
 pub mod rowwise;
 
-use candle_core::{Device, Result};
+use candle_core::{Device, Result, Tensor};
 use rayon::prelude::*;
 
 use crate::ops::cpu::bf16::Isa;
 use crate::ops::pad::Pad;
 use attention::Attention;
+
+/// Element-wise operations the networks call directly; each picks its implementation from
+/// its input (our CPU kernel for contiguous f32 on the CPU, candle's op elsewhere).
+pub(crate) use cpu::{gelu_erf, mean_hw};
+
+/// `a + b`: the CPU kernel where it applies, else candle's op (the same sum either way).
+pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match cpu::add(a, b)? {
+        Some(sum) => Ok(sum),
+        None => a + b,
+    }
+}
 
 /// The choices a network is built with, made once at load and handed to each layer that
 /// depends on them, so that every layer is in its final form when it is constructed.

@@ -1,6 +1,6 @@
 //! The tile-size policy: picks tile and batch sizes for each image, fixed or from the memory
 //! that is free. What it needs of the model (its window, its cost per pixel, the free memory
-//! of its device) comes through [`TileCost`], which the engine implements; this module only
+//! of its device) comes through [`MemoryModel`], which the engine implements; this module only
 //! does the budgeting.
 
 /// Share of free memory the plan may use. The rest absorbs allocator slack, other users of
@@ -42,7 +42,7 @@ pub struct TileSettings {
 const CPU_TILE_BUDGET: u64 = 4 << 30;
 
 /// What the tile policy needs to know of a model on its device.
-pub trait TileCost {
+pub trait MemoryModel {
     /// The model's upscaling factor.
     fn scale(&self) -> usize;
     /// The model's attention window: tiles are padded to a multiple of it.
@@ -53,7 +53,7 @@ pub trait TileCost {
     fn max_pass_pixels(&self) -> usize;
     /// Memory free for activations on the model's device.
     fn free_memory(&self) -> u64;
-    /// An upper bound on [`TileCost::bytes_per_pixel`] known without running the model.
+    /// An upper bound on [`MemoryModel::bytes_per_pixel`] known without running the model.
     fn bytes_per_pixel_bound(&self) -> f64;
     /// Peak activation bytes per input pixel of one forward pass (may run a probe pass).
     fn bytes_per_pixel(&self) -> f64;
@@ -61,9 +61,9 @@ pub trait TileCost {
 
 /// Concrete tile options for an `h x w` image when `share` lanes split the model's device
 /// memory, each with its own output canvas. However they were chosen, no forward pass
-/// exceeds [`TileCost::max_pass_pixels`].
+/// exceeds [`MemoryModel::max_pass_pixels`].
 pub fn tile_options(
-    model: &impl TileCost,
+    model: &impl MemoryModel,
     settings: &TileSettings,
     h: usize,
     w: usize,
