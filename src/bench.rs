@@ -13,7 +13,6 @@ use crate::api::{Error, Upscaler};
 use crate::engine::lanes::{pool_peak, reset_pool_peaks};
 use crate::engine::probe::{pattern, peak_rss_bytes};
 use crate::ops::cpu::bf16::Isa;
-use crate::tile::lanes::merge_lane_stats;
 use crate::tile::LaneStats;
 
 pub use crate::engine::lanes::PoolPeak as DevicePool;
@@ -117,7 +116,7 @@ impl Upscaler {
             let (_, s, l) = pool.run(&image, &opts)?;
             seconds.push(t.elapsed().as_secs_f64());
             stats = Some(s);
-            merge_lane_stats(&mut lanes, &l);
+            LaneStats::merge(&mut lanes, &l);
         }
         let pools: Vec<_> = devices.iter().filter_map(|d| pool_peak(d)).collect();
         let peak_device =

@@ -57,5 +57,4 @@ pub use nets::{
 };
 pub use planar::Planar;
 pub use size::OutputSize;
-pub use tile::lanes::merge_lane_stats;
 pub use tile::{BlendMode, LaneStats, PlanError, TileError, TileStats};

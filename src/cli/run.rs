@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::json;
 
 use upscale::io::{self, DecodeLimits};
-use upscale::{merge_lane_stats, Format, OutputSize};
+use upscale::{Format, LaneStats, OutputSize};
 
 use super::naming::{self, is_dash, Job};
 use super::pipeline::{self, EncodeChoice, FileStages, Written};
@@ -134,7 +134,7 @@ fn summarize(
         let mut lanes = Vec::new();
         for (_, result) in outcomes {
             if let Ok(d) = result {
-                merge_lane_stats(&mut lanes, &d.lanes);
+                LaneStats::merge(&mut lanes, &d.lanes);
             }
         }
         println!(

@@ -3,7 +3,7 @@
 use crate::io::Decoded;
 use crate::planar::{Planar, SYMMETRIES};
 use crate::tile::auto::TileSettings;
-use crate::tile::lanes::{merge_lane_stats, Unfinished};
+use crate::tile::lanes::Unfinished;
 use crate::tile::{LaneStats, TileError, TileOptions, TileStats};
 
 use super::lanes::Lanes;
@@ -126,7 +126,7 @@ impl Lanes {
             let opts = self.tile_options(settings, t.height, t.width);
             let (out, s, l) = self.run(&t, &opts)?;
             let out = out.untransformed(k);
-            merge_lane_stats(&mut lanes, &l);
+            LaneStats::merge(&mut lanes, &l);
             stats.tiles += s.tiles;
             stats.batches += s.batches;
             stats.oom_retries += s.oom_retries;
@@ -164,7 +164,7 @@ impl Lanes {
         rgb.extend_from_slice(&a.data);
         let gray = Planar::new(3, a.height, a.width, rgb);
         let (out, _, more) = self.run_unfinished(&gray, opts, defer_download)?;
-        merge_lane_stats(lanes, &more);
+        LaneStats::merge(lanes, &more);
         Ok(Part::Alpha(out))
     }
 }

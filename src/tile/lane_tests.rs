@@ -8,7 +8,6 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 use proptest::prelude::*;
 
-use super::lanes::merge_lane_stats;
 use super::tests::{max_diff, mode, opts_for, side, test_image, tiling, Pointwise};
 use super::*;
 
@@ -296,7 +295,7 @@ fn lane_stats_merge_by_lane() {
         transfer_overlap_seconds: 0.125,
     };
     let mut total = vec![a(1, 3)];
-    merge_lane_stats(&mut total, &[a(0, 2), a(1, 4)]);
+    LaneStats::merge(&mut total, &[a(0, 2), a(1, 4)]);
     assert_eq!(total.len(), 2);
     assert_eq!((total[0].lane, total[0].tiles), (0, 2));
     assert_eq!((total[1].lane, total[1].tiles, total[1].batches), (1, 7, 2));

@@ -54,6 +54,18 @@ pub struct LaneStats {
 }
 
 impl LaneStats {
+    /// Adds per-lane stats of several images (or of an image and its alpha) into `total` by
+    /// lane number, keeping it sorted by lane.
+    pub fn merge(total: &mut Vec<LaneStats>, more: &[LaneStats]) {
+        for s in more {
+            match total.iter_mut().find(|t| t.lane == s.lane) {
+                Some(t) => t.absorb(s),
+                None => total.push(s.clone()),
+            }
+        }
+        total.sort_by_key(|s| s.lane);
+    }
+
     pub(crate) fn new(lane: usize, device: &candle_core::Device) -> Self {
         Self {
             lane,
@@ -119,18 +131,6 @@ pub fn device_label(device: &candle_core::Device) -> String {
         DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
         DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
     }
-}
-
-/// Adds per-lane stats of several images (or of an image and its alpha) into `total` by
-/// lane number, keeping it sorted by lane.
-pub fn merge_lane_stats(total: &mut Vec<LaneStats>, more: &[LaneStats]) {
-    for s in more {
-        match total.iter_mut().find(|t| t.lane == s.lane) {
-            Some(t) => t.absorb(s),
-            None => total.push(s.clone()),
-        }
-    }
-    total.sort_by_key(|s| s.lane);
 }
 
 /// Upscales `image` on all `lanes` together, each blending on a canvas of kind `canvas`; see
