@@ -24,14 +24,14 @@ use std::path::Path;
 
 use image::DynamicImage;
 
+use crate::checkpoint::ModelError;
 use crate::engine::image::Upscaled;
 use crate::engine::lanes::Lanes;
 use crate::engine::{
     choose_dtype, open_device, read_checkpoint, DeviceChoice, EngineError, Precision,
 };
 use crate::io::{Decoded, EncodeOptions, Format, IoError, OutputError};
-use crate::nets::Attention;
-use crate::nets::ModelError;
+use crate::ops::attention::Attention;
 use crate::planar::Planar;
 use crate::size::OutputSize;
 use crate::tile::auto::{TileChoice, TileSettings};

@@ -9,8 +9,8 @@ use candle_core::DType;
 use serde_json::json;
 
 use crate::api::Error;
+use crate::checkpoint::{Checkpoint, Source};
 use crate::engine::{read_checkpoint, Precision};
-use crate::nets::{Checkpoint, Source};
 
 /// A checkpoint, validated: its architecture and configuration inferred from the tensors
 /// and every tensor checked against them.

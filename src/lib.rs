@@ -22,7 +22,7 @@
 //! * [`Upscaler::bench`]: latency, throughput and memory of one configuration.
 //!
 //! Data flow: `io` decodes a file into a [`Planar`] image, `tile` plans and stitches
-//! overlapping tiles, `model` runs the network on batches of tiles, `io` encodes the result
+//! overlapping tiles, `nets` runs the network (its operations in `ops`) on batches of tiles, `io` encodes the result
 //! through a temporary file and a rename.
 
 #![warn(missing_docs)]
@@ -36,6 +36,7 @@ mod gpu;
 mod inspect;
 pub mod io;
 pub mod metrics;
+mod model;
 mod nets;
 mod ops;
 mod planar;
@@ -47,14 +48,14 @@ mod tile;
 
 pub use api::{cpu_computes_bf16, Error, Options, Pending, Upscaler};
 pub use bench::{BenchReport, DevicePool, TileCost};
+pub use checkpoint::pth::{PthError, PthTensorError};
+pub use checkpoint::{ModelError, TensorError};
 pub use engine::image::Upscaled;
 pub use engine::{DeviceChoice, DeviceError, EngineError, Precision};
 pub use inspect::ModelFile;
 pub use io::{Format, IoError, OutputError};
-pub use nets::Attention;
-pub use nets::{
-    BuildError, ConfigError, EnvError, ModelError, PthError, PthTensorError, TensorError,
-};
+pub use nets::{BuildError, ConfigError, EnvError};
+pub use ops::attention::Attention;
 pub use planar::Planar;
 pub use size::OutputSize;
 pub use tile::{BlendMode, LaneStats, PlanError, TileError, TileStats};

@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+mod error;
 pub mod pth;
 
 use candle_core::{DType, Device, Tensor};
@@ -15,7 +16,7 @@ use rayon::prelude::*;
 
 use crate::checkpoint::pth::{read_state_dict, PthArchive};
 use crate::nets::ArchConfig;
-use crate::nets::{ModelError, TensorError};
+pub use error::{ModelError, TensorError};
 
 /// Where the weights came from, for messages and `upscale info`.
 #[derive(Clone, Debug)]

@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::{DType, Device};
 
 use super::{DeviceChoice, DeviceError, Engine, EngineError};
-use crate::nets::Attention;
-use crate::nets::Checkpoint;
+use crate::checkpoint::Checkpoint;
+use crate::ops::attention::Attention;
 use crate::planar::Planar;
 use crate::tile::auto::TileSettings;
 use crate::tile::lanes::{device_label, run_lanes_unfinished, Unfinished};

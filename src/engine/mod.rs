@@ -13,7 +13,11 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::nets::{Attention, Checkpoint, Model, ModelError, Source};
+use crate::ops::attention::Attention;
+
+use crate::checkpoint::{Checkpoint, ModelError, Source};
+
+use crate::model::Model;
 use crate::planar::Planar;
 use crate::switches::cuda_off;
 

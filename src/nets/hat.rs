@@ -47,12 +47,12 @@ use crate::nets::infer::{
 use crate::nets::registry::{swin_family, Architecture};
 use crate::nets::swin::{load_layer_norm, BlockShape, Mlp, SwinBlock, SwinCost};
 use crate::nets::{uniform, ArchConfig, Net, NetConfig};
-use crate::ops::attention::windows::WindowCache;
 use crate::ops::attention::OverlapAttend;
 use crate::ops::conv::Conv3x3;
 use crate::ops::linear::{pointwise, Dense};
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
+use crate::ops::windows::WindowCache;
 use crate::ops::LoadPlan;
 
 /// The weight of the convolution branch in every released HAT model (not in the weights).

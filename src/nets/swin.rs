@@ -8,11 +8,11 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::ops::attention::windows::WindowCache;
 use crate::ops::attention::Attend;
 use crate::ops::linear::{spread2, Dense};
 use crate::ops::norm::{add_gather_norm, norm_gather, Norm};
 use crate::ops::pad::{Channels, Pad};
+use crate::ops::windows::WindowCache;
 use crate::ops::LoadPlan;
 
 /// The shapes behind a Swin-family network's analytic memory cost.

@@ -41,9 +41,9 @@ use crate::nets::infer::{
 use crate::nets::registry::{swin_family, swin_v2, Architecture};
 use crate::nets::swin::{BlockShape, SwinBlock, SwinCost};
 use crate::nets::{uniform, ArchConfig, Net, NetConfig};
-use crate::ops::attention::windows::WindowCache;
 use crate::ops::conv::Conv3x3;
 use crate::ops::pad::Pad;
+use crate::ops::windows::WindowCache;
 use crate::ops::{add, build_layers, LoadPlan};
 
 /// The convolution closing each residual group and the body.

@@ -26,6 +26,7 @@ pub mod linear;
 pub mod norm;
 pub mod pad;
 pub mod rowwise;
+pub mod windows;
 
 use candle_core::{Device, Result, Tensor};
 use rayon::prelude::*;

@@ -11,8 +11,8 @@ use super::attention::Attend;
 use super::conv::Conv3x3;
 use super::linear::Dense;
 use super::LoadPlan;
-use crate::ops::attention::windows::WindowCache;
 use crate::ops::pad::Pad;
+use crate::ops::windows::WindowCache;
 
 /// The plan without bf16 products and the one with them, or `None` on a CPU without bf16
 /// arithmetic (where a model asking for them is refused before any layer is built).

@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::nets::{Checkpoint, Model, Source};
+use crate::checkpoint::{Checkpoint, Source};
+
+use crate::model::Model;
 use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::TensorView;
 
@@ -33,7 +35,7 @@ fn load_and_run(bytes: &[u8], case: &str) -> bool {
         let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu)?;
         let x = Tensor::zeros((1, 3, 8, 8), DType::F32, &Device::Cpu).expect("input");
         model.net.forward(&x).map_err(|e| e.to_string()).ok();
-        Ok::<_, crate::nets::ModelError>(())
+        Ok::<_, crate::checkpoint::ModelError>(())
     }));
     match result {
         Ok(r) => r.is_ok(),

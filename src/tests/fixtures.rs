@@ -103,7 +103,7 @@ pub fn max_abs(t: &Tensor) -> f64 {
 /// on the CPU, differs from its f32 output: the same output would mean that no layer packed
 /// its weights for bf16 products at load.
 pub fn assert_bf16_products(name: &str, weights: &Path, input: &Tensor, out: &Tensor) {
-    let f32 = crate::nets::Model::load(weights, DType::F32, &Device::Cpu)
+    let f32 = crate::model::Model::load(weights, DType::F32, &Device::Cpu)
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     let want = candle_core::Module::forward(&*f32.net, input).unwrap();
     let d = max_abs_diff(out, &want);
@@ -129,7 +129,7 @@ pub fn psnr_unit(a: &Tensor, b: &Tensor) -> f64 {
 /// refuse bf16 with an error naming the instructions instead.
 pub fn assert_bf16_close(cases: &[(String, PathBuf, PathBuf)], max_abs: f64, min_psnr: f64) {
     if !crate::ops::cpu::bf16::supported() {
-        let err = crate::nets::Model::load(&cases[0].1, DType::BF16, &Device::Cpu)
+        let err = crate::model::Model::load(&cases[0].1, DType::BF16, &Device::Cpu)
             .err()
             .expect("bf16 without bf16 instructions must be refused");
         assert!(err.to_string().contains("AVX512-BF16"), "{err}");
@@ -138,7 +138,7 @@ pub fn assert_bf16_close(cases: &[(String, PathBuf, PathBuf)], max_abs: f64, min
     }
     let mut failures = Vec::new();
     for (name, weights, io) in cases {
-        let model = crate::nets::Model::load(weights, DType::BF16, &Device::Cpu)
+        let model = crate::model::Model::load(weights, DType::BF16, &Device::Cpu)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let (input, expected) = load_io(io);
         let out = candle_core::Module::forward(&*model.net, &input).unwrap();
@@ -162,11 +162,11 @@ pub fn assert_tiles_blend_to_whole(
     runs: &[(PathBuf, usize, usize)],
     min_db: f64,
 ) {
+    use crate::checkpoint::Checkpoint;
     use crate::engine::lanes::Lanes;
     use crate::engine::Engine;
     use crate::io::{Decoded, Format};
     use crate::metrics::{psnr, Measure};
-    use crate::nets::Checkpoint;
     use crate::planar::Planar;
     use crate::tile::auto::{TileChoice, TileSettings};
     let photo = crate::io::decode(&crate::tests::repo().join("tests/photos/coffee.png"))
@@ -212,7 +212,7 @@ pub fn assert_tiles_blend_to_whole(
 /// The model in `weights` builds its shift masks once per input size: a second forward pass
 /// on `io`'s input reuses them and gives the same output.
 pub fn assert_shift_masks_cached(weights: &Path, io: &Path) {
-    let model = crate::nets::Model::load(weights, DType::F32, &Device::Cpu).unwrap();
+    let model = crate::model::Model::load(weights, DType::F32, &Device::Cpu).unwrap();
     let (input, _) = load_io(io);
     let a = model.net.forward(&input).unwrap();
     assert_eq!(model.net.cached_masks(), 1);

@@ -2,7 +2,9 @@
 //! committed fixtures in tests/golden/. Each case's weights, input and unclamped reference
 //! output were written by tests/golden/make_golden.py; no torch is needed here.
 
-use crate::nets::{Checkpoint, Model};
+use crate::checkpoint::Checkpoint;
+
+use crate::model::Model;
 use crate::ops::pad::Pad;
 use candle_core::{DType, Device, Tensor};
 
@@ -212,8 +214,8 @@ fn all_finite(t: &Tensor) -> bool {
 
 #[test]
 fn fp16_overflow_is_redone_in_fp32_for_that_tile_only() {
+    use crate::checkpoint::Checkpoint;
     use crate::engine::Engine;
-    use crate::nets::Checkpoint;
     // A batch of two tiles: the fixture's input, and the same input scaled past fp16's 65504
     // (far from f32's limit). In fp16 only the second tile's output becomes inf/NaN; the guard
     // must redo that tile, and only that one, in f32.
@@ -254,8 +256,8 @@ fn fp16_overflow_is_redone_in_fp32_for_that_tile_only() {
 
 #[test]
 fn auto_tiles_whole_small_images_and_tiles_huge_ones() {
+    use crate::checkpoint::Checkpoint;
     use crate::engine::Engine;
-    use crate::nets::Checkpoint;
     use crate::tile::auto::{TileChoice, TileSettings};
     let case = &cases()[0];
     let engine = Engine::new(
@@ -350,7 +352,7 @@ fn self_ensemble_is_symmetric_and_close_to_the_plain_output() {
     let rgb = Planar::new(c, h, w, input.flatten_all().unwrap().to_vec1().unwrap());
     let weights = crate::tests::repo().join("models/default_x4.safetensors");
     let engine = Engine::new(
-        crate::nets::Checkpoint::load(&weights).unwrap(),
+        crate::checkpoint::Checkpoint::load(&weights).unwrap(),
         Device::Cpu,
         DType::F32,
     )

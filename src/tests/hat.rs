@@ -9,8 +9,10 @@ use candle_core::{DType, Device};
 use super::fixtures::{
     assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
 };
+use crate::checkpoint::Checkpoint;
+use crate::model::Model;
+use crate::nets::config_of;
 use crate::nets::hat::HatConfig;
-use crate::nets::{config_of, Checkpoint, Model};
 
 fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/hat")

@@ -3,9 +3,9 @@
 
 use candle_core::{DType, Device};
 
+use crate::checkpoint::Checkpoint;
 use crate::engine::lanes::Lanes;
 use crate::engine::Engine;
-use crate::nets::Checkpoint;
 use crate::planar::Planar;
 use crate::tile::tests::max_diff;
 use crate::tile::{run_lanes, BlendMode, Canvas, TileOptions};

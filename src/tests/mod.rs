@@ -11,6 +11,7 @@ mod golden;
 mod gpu;
 mod hat;
 mod lanes;
+mod layout;
 mod pth;
 mod swinir;
 mod tile_blend;

@@ -2,8 +2,9 @@
 //! (`model::pth`) rather than candle's.
 
 use crate::checkpoint::pth::{read_state_dict, PthArchive};
+use crate::checkpoint::Checkpoint;
+use crate::nets::config_of;
 use crate::nets::swinir::SwinIrConfig;
-use crate::nets::{config_of, Checkpoint};
 
 /// Saved by torch.save under a 21-character name (tests/fixtures/pth/make_pth_fixture.py).
 fn fixture() -> std::path::PathBuf {

@@ -11,9 +11,11 @@ use super::fixtures::{
     assert_bf16_close, assert_shift_masks_cached, assert_tiles_blend_to_whole, load_io, manifest,
     max_abs_diff, TOLERANCE,
 };
+use crate::checkpoint::{Checkpoint, Source};
+use crate::model::Model;
+use crate::nets::config_of;
 use crate::nets::swinir::SwinIrConfig;
 use crate::nets::swinir::{ResiConnection, Upsampler};
-use crate::nets::{config_of, Checkpoint, Model, Source};
 
 fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/swinir")

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device};
 
+use crate::checkpoint::Checkpoint;
 use crate::engine::Engine;
 use crate::metrics::{psnr, Measure};
-use crate::nets::Checkpoint;
 use crate::tile::{run_tiled, BlendMode, TileOptions};
 
 #[test]

@@ -16,10 +16,10 @@ use crate::nets::frame::{AfterBody, Frame, Tail};
 use crate::nets::registry::{swin_family, Architecture, Shapes};
 use crate::nets::swin::{BlockShape, SwinBlock, SwinCost};
 use crate::nets::{ArchConfig, ConfigError, Net, NetConfig};
-use crate::ops::attention::windows::WindowCache;
 use crate::ops::conv::Conv3x3;
 use crate::ops::linear::{pointwise_padded, Dense};
 use crate::ops::pad::{Channels, Pad};
+use crate::ops::windows::WindowCache;
 use crate::ops::LoadPlan;
 
 /// DRCT's registry entry.
@@ -311,8 +311,8 @@ impl Module for Drct {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::Checkpoint;
     use crate::nets::swin::{reflect_indices, reflect_pad_bottom_right};
-    use crate::nets::Checkpoint;
     use crate::ops::norm::layer_norm;
     use crate::tests::fixtures::{cases, load_io, max_abs_diff};
     use candle_core::{Device, D};

@@ -4,9 +4,9 @@
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
-use crate::ops::attention::windows::RelativeBias;
 use crate::ops::cpu::bf16::{Isa, PackedA, PackedB};
 use crate::ops::cpu::{attention_probs, cpu_slice, panels, product, use_kernel, Weights};
+use crate::ops::windows::RelativeBias;
 
 /// Shifted-window multi-head attention on the CPU, fused per window: both matmuls go to the
 /// GEMM directly from strided views of the `qkv` projection, and the bias, the mask and the
@@ -15,7 +15,7 @@ use crate::ops::cpu::{attention_probs, cpu_slice, panels, product, use_kernel, W
 ///
 /// `qkv`: `(B*nW, N, 3C)` (q, k, v, then heads, then head dim, as the official reshape reads
 /// it), q already scaled; `bias`: the block's table; `regions`: for shifted windows, the
-/// `(nW, N)` region labels of one map's windows ([`crate::ops::attention::windows::shift_regions`]), tokens of
+/// `(nW, N)` region labels of one map's windows ([`crate::ops::windows::shift_regions`]), tokens of
 /// different regions being masked as the official mask does. Returns `(B*nW, N, C)` with heads
 /// concatenated, or `None` where the kernel does not apply (another device or dtype), so the
 /// caller runs the generic graph. With `bf16`, both products take bf16 operands (f32 sums);

@@ -13,7 +13,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::ops::attention::windows::MASK_VALUE;
+use crate::ops::windows::MASK_VALUE;
 
 /// How window attention runs on CUDA devices. The CPU always runs its own fused f32 kernel
 /// (or candle's graph in other dtypes), whatever the choice. The default, `TensorCore`, is the
@@ -48,7 +48,7 @@ pub const MAX_HEAD_DIM: usize = 128;
 /// Inputs: `qkv` `(B*nW, N, 3C)` (q | k | v, each head-major, q already scaled by
 /// `head_dim^-0.5`) and `bias` `(heads, N, N)`, both contiguous and of one float dtype. `bias`
 /// is a relative-position bias, as the model gathers it from its table
-/// ([`crate::ops::attention::windows::relative_position_bias`]): the tensor-core kernel reads one value per
+/// ([`crate::ops::windows::relative_position_bias`]): the tensor-core kernel reads one value per
 /// (dy, dx) offset, the other paths read all of it.
 /// Output: `(B*nW, N, C)` with heads concatenated, in the input dtype; the arithmetic is f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,13 +120,7 @@ impl FusedWindowAttention {
     /// of the 3x3 regions of the rolled map it lies in. Zero everywhere when not shifted.
     fn labels(&self, win: usize, out: &mut [u8]) {
         if self.shifted {
-            crate::ops::attention::windows::window_labels(
-                self.height,
-                self.width,
-                self.window,
-                win,
-                out,
-            );
+            crate::ops::windows::window_labels(self.height, self.width, self.window, win, out);
         } else {
             out.fill(0);
         }
@@ -905,7 +899,7 @@ impl CustomOp2 for FusedOverlapAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::attention::windows::{relative_position_bias, RelativeBias, WindowCache};
+    use crate::ops::windows::{relative_position_bias, RelativeBias, WindowCache};
     use candle_core::Device;
 
     fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
@@ -1012,7 +1006,7 @@ mod tests {
             (32, 48, 16),
         ] {
             let n = ws * ws;
-            let mask = crate::ops::attention::windows::shift_mask(h, w, ws);
+            let mask = crate::ops::windows::shift_mask(h, w, ws);
             let op = FusedWindowAttention {
                 heads: 1,
                 window: ws,

@@ -8,15 +8,14 @@
 
 pub(crate) mod cpu;
 pub mod cuda;
-pub mod windows;
 
 pub use cuda::{Attention, MAX_HEAD_DIM};
 
 use candle_core::{Result, Tensor};
 
 use super::{Backend, LoadPlan};
-use crate::ops::attention::windows::{relative_position_bias, RelativeBias, WindowCache};
 use crate::ops::cpu::bf16::Isa;
+use crate::ops::windows::{relative_position_bias, RelativeBias, WindowCache};
 use cuda::{overlap_kernel_enabled, FusedOverlapAttention, FusedWindowAttention};
 
 /// The attention of one Swin block, between its qkv and proj layers.

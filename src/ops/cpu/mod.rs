@@ -14,8 +14,8 @@
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::ops::attention::windows::{RelativeBias, MASK_VALUE};
 use crate::ops::cpu::bf16::{Epilogue, Isa, PackedA, PackedB};
+use crate::ops::windows::{RelativeBias, MASK_VALUE};
 
 /// Elements per parallel task: enough work to amortise scheduling.
 pub(super) const CHUNK: usize = 32 << 10;

@@ -133,13 +133,9 @@ fn attention_inputs(
     let side = 2 * ws - 1;
     let table = Tensor::randn(0f32, 1.0, (side * side, heads), &dev)?;
     let (regions, mask) = if nw > 0 {
-        let mask = crate::ops::attention::windows::shift_mask(ws, nw * ws, ws);
+        let mask = crate::ops::windows::shift_mask(ws, nw * ws, ws);
         (
-            Some(crate::ops::attention::windows::shift_regions(
-                ws,
-                nw * ws,
-                ws,
-            )),
+            Some(crate::ops::windows::shift_regions(ws, nw * ws, ws)),
             Some(Tensor::from_vec(mask, (nw, n, n), &dev)?),
         )
     } else {
@@ -149,7 +145,7 @@ fn attention_inputs(
         qkv,
         RelativeBias::new(&table, ws)?,
         regions,
-        crate::ops::attention::windows::relative_position_bias(&table, ws)?,
+        crate::ops::windows::relative_position_bias(&table, ws)?,
         mask,
     ))
 }

@@ -6,9 +6,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::{gpu, max_abs, within};
-use crate::nets::{Attention, Model};
+use crate::model::Model;
 use crate::ops::attention::cuda::FusedWindowAttention;
-use crate::ops::attention::windows::{relative_position_bias, RelativeBias, WindowCache};
+use crate::ops::attention::Attention;
+use crate::ops::windows::{relative_position_bias, RelativeBias, WindowCache};
 use crate::tests::fixtures::max_abs_diff;
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -379,7 +380,7 @@ fn models_with_fused_attention_match_the_reference() {
         let io = candle_core::safetensors::load(&case.io, &Device::Cpu).expect("io fixture");
         let (input, expected) = (&io["input"], &io["output"]);
         let load = |dtype, device: &Device, attention| {
-            let ck = crate::nets::Checkpoint::load(&case.weights)
+            let ck = crate::checkpoint::Checkpoint::load(&case.weights)
                 .unwrap_or_else(|e| panic!("{}: {e}", case.name));
             Model::from_checkpoint_with(ck, dtype, device, attention).unwrap()
         };

@@ -2,9 +2,9 @@
 //! CPU on a real fixture model, and the CUDA canvas against the host accumulator.
 
 use super::gpu;
+use crate::checkpoint::Checkpoint;
 use crate::engine::lanes::{pool_peak, Lanes};
 use crate::engine::{DeviceChoice, Engine};
-use crate::nets::Checkpoint;
 use crate::tile::blend::Weights;
 use crate::tile::device::{weight_table, DeviceCanvas};
 use crate::tile::stitch::finish_canvases;
@@ -21,7 +21,7 @@ fn cuda_lanes(streams: usize) -> Lanes {
     let lanes = Lanes::open(
         checkpoint(),
         gpu(),
-        (DType::F32, crate::nets::Attention::Fused),
+        (DType::F32, crate::ops::attention::Attention::Fused),
         &DeviceChoice::Cuda(vec![0]),
         streams,
         &mut |w| warnings.push(w),

@@ -7,8 +7,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::{gpu, max_abs, within};
-use crate::nets::{Attention, Checkpoint, Model};
+use crate::checkpoint::Checkpoint;
+use crate::model::Model;
 use crate::ops::attention::cuda::{with_overlap_kernel, FusedOverlapAttention};
+use crate::ops::attention::Attention;
 use crate::ops::attention::{overlap_attention_graph, overlap_bias};
 use crate::tests::fixtures::{load_io, max_abs_diff, TOLERANCE};
 use candle_core::{DType, Device, Result, Tensor};

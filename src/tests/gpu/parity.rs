@@ -1,6 +1,6 @@
 //! The whole network on the GPU against the float64 reference and the CPU path.
 
-use crate::nets::Model;
+use crate::model::Model;
 use candle_core::{DType, Device};
 
 use crate::tests::fixtures::*;
