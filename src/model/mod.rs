@@ -6,6 +6,7 @@ pub mod bf16;
 pub mod cache;
 pub mod checkpoint;
 pub mod config;
+pub(crate) mod cpu_isa;
 pub mod cuda_off;
 pub mod drct;
 pub mod env;
