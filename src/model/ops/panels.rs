@@ -78,18 +78,21 @@ impl Kernel {
 
     /// `c = start + a · b` for one tile: `rows` (at most [`Self::mr`]) rows of `a` (row `i`
     /// at `a[i]`, `k` values each) against `k` rows of `cols` (at most [`PANEL`]) values `ldb`
-    /// apart.
+    /// apart; `padded`: those rows may be read up to a multiple of 16 columns (packed
+    /// panels), so only the output needs masks.
     ///
     /// # Safety
     /// The CPU has the kernel's instructions ([`cpu_isa`] names them); `a[i]` holds `k`
     /// values for every `i < MAX_MR` (rows past `rows` may repeat a real one), `b` `k` rows
-    /// of `cols` values; `c` holds `rows` rows of `cols` values `ldc` apart, as do `start`'s
-    /// rows, and its bias `cols` values.
+    /// of `cols` values (`cols` rounded up to 16 if `padded`); `c` holds `rows` rows of
+    /// `cols` values `ldc` apart, as do `start`'s rows, and its bias `cols` values.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn tile(
         self,
         k: usize,
         a: &[*const f32; MAX_MR],
         (b, ldb): (*const f32, usize),
+        padded: bool,
         (c, ldc): (*mut f32, usize),
         (rows, cols): (usize, usize),
         start: Start,
@@ -101,7 +104,7 @@ impl Kernel {
                 (Self::Avx512, 1) => avx512::tile::<1>(k, a, b, c, (rows, cols), start),
                 (Self::Avx512, 2) => avx512::tile::<2>(k, a, b, c, (rows, cols), start),
                 (Self::Avx512, 3) => avx512::tile::<3>(k, a, b, c, (rows, cols), start),
-                (Self::Avx2, _) => avx2::tile(k, a, b, c, (rows, cols), start),
+                (Self::Avx2, _) => avx2::tile(k, a, b, padded, c, (rows, cols), start),
                 (Self::Scalar, _) => scalar_tile(k, a, b, c, (rows, cols), start),
                 (_, v) => unreachable!("a tile of {v} vectors"),
             }
@@ -116,7 +119,12 @@ impl Kernel {
 pub(crate) struct Panels {
     k: usize,
     n: usize,
+    /// The panels, from `data[start]` on: the first 64-byte boundary of the allocation, so
+    /// that each row of a panel (192 bytes, or a multiple of 64 for the last) starts a cache
+    /// line and no vector load straddles two. (A clone keeps the offset, correct if not
+    /// aligned.)
     data: Vec<f32>,
+    start: usize,
 }
 
 impl Panels {
@@ -129,9 +137,11 @@ impl Panels {
             );
         }
         let len = k * ((n / PANEL) * PANEL + (n % PANEL).next_multiple_of(16));
-        let mut data: Vec<f32> = vec![0.0; len];
+        let mut data: Vec<f32> = vec![0.0; len + 15];
+        let start = data.as_ptr().align_offset(64).min(15);
         if k > 0 {
-            data.par_chunks_mut(k * PANEL)
+            data[start..start + len]
+                .par_chunks_mut(k * PANEL)
                 .enumerate()
                 .for_each(|(p, out)| {
                     let width = out.len() / k;
@@ -154,7 +164,13 @@ impl Panels {
                     }
                 });
         }
-        Self { k, n, data }
+        Self { k, n, data, start }
+    }
+
+    /// The packed panels, one after the other.
+    fn packed(&self) -> &[f32] {
+        let len = self.data.len().saturating_sub(15);
+        &self.data[self.start..self.start + len]
     }
 
     /// The product operand these panels are.
@@ -200,7 +216,7 @@ impl Rhs<'_> {
             Self::Panels(b) => (
                 c0,
                 cols,
-                b.data[c0 * b.k..].as_ptr(),
+                b.packed()[c0 * b.k..].as_ptr(),
                 cols.next_multiple_of(16),
             ),
             Self::Strided { ptr, ld, .. } => (c0, cols, ptr.wrapping_add(c0), *ld),
@@ -425,6 +441,7 @@ mod avx2 {
         k: usize,
         a: &[*const f32; MAX_MR],
         (b, ldb): (*const f32, usize),
+        padded: bool,
         (c, ldc): (*mut f32, usize),
         (rows, cols): (usize, usize),
         start: Start,
@@ -439,23 +456,26 @@ mod avx2 {
             let (b, c) = ((b.wrapping_add(s0), ldb), (c.wrapping_add(s0), ldc));
             // SAFETY: the strip is columns s0..s0 + width of the caller's tile.
             unsafe {
-                if width == 16 {
-                    strip::<false>(k, a, b, c, (rows, width), start)
-                } else {
-                    strip::<true>(k, a, b, c, (rows, width), start)
+                match (width == 16, padded) {
+                    (true, _) => strip::<false, false>(k, a, b, c, (rows, width), start),
+                    (false, true) => strip::<false, true>(k, a, b, c, (rows, width), start),
+                    (false, false) => strip::<true, true>(k, a, b, c, (rows, width), start),
                 }
             }
         }
     }
 
-    /// Up to [`MR`] rows by `cols <= 16` columns. `EDGE` masks every access to `b`, `c` and
-    /// `start` to the strip's columns, so that an operand read in place is never read past
-    /// its last column; full strips load and store whole vectors.
+    /// Up to [`MR`] rows by `cols <= 16` columns. `MASK_B` masks the loads from `b`, and
+    /// `EDGE` those from `start` and the stores to `c`, to the strip's columns, so that an
+    /// operand read in place is never read past its last column; full strips load and store
+    /// whole vectors. (A padded `b` read whole keeps the masks out of the inner loop, where
+    /// they would take two of the 16 registers.)
     ///
     /// # Safety
-    /// As [`tile`], for `cols <= 16` (exactly 16 unless `EDGE`).
+    /// As [`tile`], for `cols <= 16` (exactly 16 unless `EDGE`; `b` 16 wide unless
+    /// `MASK_B`).
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn strip<const EDGE: bool>(
+    unsafe fn strip<const MASK_B: bool, const EDGE: bool>(
         k: usize,
         a: &[*const f32; MAX_MR],
         (b, ldb): (*const f32, usize),
@@ -468,6 +488,13 @@ mod avx2 {
         // keeps, and whole vectors are only read or written when the strip is 16 wide.
         let load = |p: *const f32, v: usize| unsafe {
             if EDGE {
+                _mm256_maskload_ps(p.add(8 * v), masks[v])
+            } else {
+                _mm256_loadu_ps(p.add(8 * v))
+            }
+        };
+        let load_b = |p: *const f32, v: usize| unsafe {
+            if MASK_B {
                 _mm256_maskload_ps(p.add(8 * v), masks[v])
             } else {
                 _mm256_loadu_ps(p.add(8 * v))
@@ -496,7 +523,7 @@ mod avx2 {
         let a: [*const f32; MR] = std::array::from_fn(|i| a[i]);
         for p in 0..k {
             let row = b.wrapping_add(p * ldb);
-            let bv = [load(row, 0), load(row, 1)];
+            let bv = [load_b(row, 0), load_b(row, 1)];
             for (x, acc) in a.iter().zip(acc.iter_mut()) {
                 // SAFETY: every row pointer holds k values.
                 let x = _mm256_set1_ps(unsafe { *x.add(p) });
@@ -601,6 +628,7 @@ mod avx2 {
         _: usize,
         _: &[*const f32; MAX_MR],
         _: (*const f32, usize),
+        _: bool,
         _: (*mut f32, usize),
         _: (usize, usize),
         _: Start,
@@ -642,6 +670,7 @@ unsafe fn row_block(
                     b.k(),
                     &a,
                     (bp, ldb),
+                    matches!(b, Rhs::Panels(_)),
                     (dst.add(i0 * ldc + c0), ldc),
                     (n, cols),
                     start,
@@ -775,6 +804,7 @@ pub(crate) unsafe fn conv3x3_pixels(
                         cin,
                         &a,
                         (bp.add(tap * cin * ldb), ldb),
+                        true,
                         (c, ldc),
                         (n, cols),
                         start,
@@ -836,14 +866,16 @@ mod tests {
         let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
         let direct = Panels::new(&b, (k, n), (n, 1));
         let strided = Panels::new(&bt, (k, n), (1, k));
-        assert_eq!(direct.data, strided.data);
-        assert_eq!(direct.data.len(), k * (48 + 16));
+        let (direct, strided) = (direct.packed(), strided.packed());
+        assert_eq!(direct, strided);
+        assert_eq!(direct.len(), k * (48 + 16));
+        assert_eq!(direct.as_ptr().align_offset(64), 0);
         // Row 3 of column 50: panel 1 (16 wide), lane 2.
-        assert_eq!(direct.data[k * 48 + 3 * 16 + 2], b[3 * n + 50]);
+        assert_eq!(direct[k * 48 + 3 * 16 + 2], b[3 * n + 50]);
         // Column 53 of the padded last vector is zero.
-        assert_eq!(direct.data[k * 48 + 3 * 16 + 5], 0.0);
+        assert_eq!(direct[k * 48 + 3 * 16 + 5], 0.0);
         // Row 4 of column 47: the first panel's last lane.
-        assert_eq!(direct.data[4 * 48 + 47], b[4 * n + 47]);
+        assert_eq!(direct[4 * 48 + 47], b[4 * n + 47]);
     }
 
     /// `start + a · b` in f64 for row-major operands.

@@ -503,6 +503,11 @@ fn add_matches_candle_and_checks_shapes() -> Result<()> {
 #[test]
 #[ignore]
 fn swinir_layer_throughput() -> Result<()> {
+    crate::model::cpu_isa::on_each_isa(layer_throughput_on_one_isa)
+}
+
+fn layer_throughput_on_one_isa() -> Result<()> {
+    eprintln!("{:?}:", crate::model::cpu_isa::cpu_isa());
     let dev = Device::Cpu;
     let m = 4096;
     let reps = 20;
