@@ -15,6 +15,7 @@
 //! | `UPSCALE_CUDA_EVENT_TRACKING` | [`Switches::event_tracking`] | `1`: keep cudarc's event tracking |
 //! | `UPSCALE_CPU_GEMM` | [`Switches::gemm_crate`] | `crate`: f32 products on the `gemm` crate, not our panels |
 //! | `UPSCALE_BF16_ISA` | [`Switches::bf16_vector`] | `avx512`: CPU bf16 on the vector kernel even where AMX is |
+//! | `UPSCALE_CPU_ISA` | [`Switches::cpu_isa`] | `native`, `avx512`, `avx2`, `scalar`: the widest instructions our CPU kernels use |
 
 pub mod cuda_off;
 
@@ -27,6 +28,35 @@ use cuda_off::Off;
 pub const PAD_VAR: &str = "UPSCALE_PAD_CHANNELS";
 /// The channel multiples [`PAD_VAR`] takes (besides 0, off).
 pub const PAD_MULTIPLES: [usize; 3] = [8, 16, 64];
+
+/// What a kernel may use, in order: a cap keeps the lesser of itself and what the CPU has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum CpuIsa {
+    /// Code compiled for the target's baseline (SSE2 on x86-64); f32 products through the
+    /// `gemm` crate.
+    Scalar,
+    /// AVX2 and FMA: 16 registers of 8 lanes.
+    Avx2,
+    /// AVX-512F: 32 registers of 16 lanes.
+    Avx512,
+}
+
+impl CpuIsa {
+    /// `UPSCALE_CPU_ISA`'s values; `None` for `native` (no cap).
+    fn parse(value: &str) -> Result<Option<Self>, EnvError> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "" | "native" => Ok(None),
+            "avx512" => Ok(Some(Self::Avx512)),
+            "avx2" => Ok(Some(Self::Avx2)),
+            "scalar" => Ok(Some(Self::Scalar)),
+            _ => Err(EnvError::UnknownPart {
+                var: "UPSCALE_CPU_ISA",
+                part: value.trim().to_string(),
+                expected: "native, avx512, avx2 or scalar",
+            }),
+        }
+    }
+}
 
 /// Every switch, as the environment set it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +79,8 @@ pub struct Switches {
     pub gemm_crate: bool,
     /// bf16 products on the CPU take the AVX512-BF16 kernel even where AMX is.
     pub bf16_vector: bool,
+    /// The widest instructions our CPU kernels may use (`None`: what the CPU has).
+    pub cpu_isa: Option<CpuIsa>,
 }
 
 impl Default for Switches {
@@ -64,6 +96,7 @@ impl Default for Switches {
             event_tracking: false,
             gemm_crate: false,
             bf16_vector: false,
+            cpu_isa: None,
         }
     }
 }
@@ -102,6 +135,9 @@ impl Switches {
         }
         if let Some(v) = var("UPSCALE_BF16_ISA") {
             s.bf16_vector = v?.trim() == "avx512";
+        }
+        if let Some(v) = var("UPSCALE_CPU_ISA") {
+            s.cpu_isa = CpuIsa::parse(&v?)?;
         }
         Ok(s)
     }
@@ -241,6 +277,7 @@ mod tests {
             ("UPSCALE_CUDA_EVENT_TRACKING", "1"),
             ("UPSCALE_CPU_GEMM", "crate"),
             ("UPSCALE_BF16_ISA", "avx512"),
+            ("UPSCALE_CPU_ISA", "AVX2"),
         ])
         .unwrap();
         let d = Switches::default();
@@ -257,7 +294,15 @@ mod tests {
         ] {
             assert!(on && !off, "{all:?}");
         }
+        assert_eq!((all.cpu_isa, d.cpu_isa), (Some(CpuIsa::Avx2), None));
         assert!(vars(&[("UPSCALE_CUDA_NORM_REGS", "0")]).unwrap() == d);
+        for (v, isa) in [("native", None), (" avx512 ", Some(CpuIsa::Avx512))] {
+            assert_eq!(vars(&[("UPSCALE_CPU_ISA", v)]).unwrap().cpu_isa, isa);
+        }
+        assert_eq!(
+            vars(&[("UPSCALE_CPU_ISA", "scalar")]).unwrap().cpu_isa,
+            Some(CpuIsa::Scalar)
+        );
     }
 
     #[test]
@@ -266,6 +311,12 @@ mod tests {
         assert!(e.to_string().contains("UPSCALE_PAD_CHANNELS: 12"), "{e}");
         let e = vars(&[("UPSCALE_PAD_CHANNELS", "wide")]).unwrap_err();
         assert!(e.to_string().contains("'wide'"), "{e}");
+        let e = vars(&[("UPSCALE_CPU_ISA", "sse4")]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("UPSCALE_CPU_ISA: unknown part 'sse4'"),
+            "{e}"
+        );
         let e = vars(&[("UPSCALE_CUDA_OFF", "attention")]).unwrap_err();
         assert!(e.to_string().contains("UPSCALE_CUDA_OFF"), "{e}");
     }

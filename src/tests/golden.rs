@@ -12,6 +12,21 @@ use super::fixtures::*;
 
 #[test]
 fn f32_matches_float64_reference_on_every_fixture() {
+    f32_matches_float64_reference_on_every_fixture_here();
+}
+
+/// The same with our kernels held to AVX2 (`UPSCALE_CPU_ISA=avx2`), the path of CPUs without
+/// AVX-512, so that it is checked on every run of the tests.
+#[test]
+fn f32_matches_float64_reference_on_every_fixture_capped_to_avx2() {
+    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
+    with_cpu_isa(
+        CpuIsa::Avx2,
+        f32_matches_float64_reference_on_every_fixture_here,
+    );
+}
+
+fn f32_matches_float64_reference_on_every_fixture_here() {
     let cases = cases();
     assert!(cases.len() >= 5, "expected at least five golden cases");
     let mut scales = std::collections::BTreeSet::new();

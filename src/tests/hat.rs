@@ -31,6 +31,21 @@ fn cases() -> Vec<(String, PathBuf, PathBuf, usize, usize)> {
 
 #[test]
 fn hat_f32_matches_float64_reference_on_every_fixture() {
+    hat_f32_matches_float64_reference_on_every_fixture_here();
+}
+
+/// The same with our kernels held to AVX2 (`UPSCALE_CPU_ISA=avx2`), the path of CPUs without
+/// AVX-512, so that it is checked on every run of the tests.
+#[test]
+fn hat_f32_matches_float64_reference_on_every_fixture_capped_to_avx2() {
+    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
+    with_cpu_isa(
+        CpuIsa::Avx2,
+        hat_f32_matches_float64_reference_on_every_fixture_here,
+    );
+}
+
+fn hat_f32_matches_float64_reference_on_every_fixture_here() {
     let mut failures = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
     for (name, weights, io, scale, window) in cases() {

@@ -53,6 +53,21 @@ fn swinir(ck: &Checkpoint) -> &crate::nets::swinir::SwinIrConfig {
 
 #[test]
 fn swinir_f32_matches_float64_reference_on_every_fixture() {
+    swinir_f32_matches_float64_reference_on_every_fixture_here();
+}
+
+/// The same with our kernels held to AVX2 (`UPSCALE_CPU_ISA=avx2`), the path of CPUs without
+/// AVX-512, so that it is checked on every run of the tests.
+#[test]
+fn swinir_f32_matches_float64_reference_on_every_fixture_capped_to_avx2() {
+    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
+    with_cpu_isa(
+        CpuIsa::Avx2,
+        swinir_f32_matches_float64_reference_on_every_fixture_here,
+    );
+}
+
+fn swinir_f32_matches_float64_reference_on_every_fixture_here() {
     let cases = cases();
     let mut kinds = BTreeSet::new();
     let mut failures = Vec::new();

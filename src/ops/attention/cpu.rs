@@ -164,9 +164,7 @@ pub(super) fn attend_window(
     if let Products::Panels = s.products {
         // kᵀ of every head at once: channel-major, n tokens per row. v is read in place.
         keys_t.resize(c * n, 0.0);
-        // SAFETY: `Products::Panels` runs where the CPU has AVX-512F; qkv holds n rows of
-        // c3 (asserted above) and keys_t c x n values.
-        unsafe { panels::transpose_keys(qkv, (n, c), keys_t) };
+        panels::transpose_keys(qkv, (n, c), keys_t);
     }
     for h in 0..s.heads {
         let q = qkv[h * d..].as_ptr();
@@ -193,7 +191,7 @@ pub(super) fn attend_window(
                 n: d,
                 ld: c3,
             };
-            // SAFETY: the CPU has AVX-512F (`Products::Panels`); q is n rows of d values c3
+            // SAFETY: q is n rows of d values c3
             // apart inside `qkv`, kᵀ d rows of n in `keys_t`, the bias and the scores n x n;
             // then the probabilities n x n against v (n rows of d inside `qkv`), into the
             // head's d columns of `out`'s n rows of c, which no other task touches.
@@ -429,9 +427,7 @@ fn attend_overlap(
     scores.resize(n * nk, 0.0);
     if let Products::Panels = products {
         keys_t.resize(c * nk, 0.0);
-        // SAFETY: `Products::Panels` runs where the CPU has AVX-512F; `rows` holds nk rows of
-        // c3 values (asserted above) and keys_t c x nk.
-        unsafe { panels::transpose_keys(rows, (nk, c), keys_t) };
+        panels::transpose_keys(rows, (nk, c), keys_t);
     }
     for hd in 0..heads {
         let q_head = q[hd * d..].as_ptr();
@@ -457,7 +453,7 @@ fn attend_overlap(
                     init: Some((bias.as_ptr(), nk)),
                     bias: None,
                 };
-                // SAFETY: AVX-512F (`Products::Panels`); q is n rows of d values c apart in
+                // SAFETY: q is n rows of d values c apart in
                 // `q`, kᵀ d rows of nk in `keys_t`, the bias and the scores n x nk; then the
                 // probabilities against v (nk rows of d, c3 apart in `rows`) into the head's
                 // d columns of `out`'s n rows of c. Nothing overlaps.

@@ -102,7 +102,7 @@ pub(super) fn conv3x3_with(
             let (bi, p0) = (task / blocks, task % blocks * CONV_PIXELS);
             let rows = CONV_PIXELS.min(h * wd - p0);
             let image = &xs[bi * h * wd * cin..(bi + 1) * h * wd * cin];
-            // SAFETY: the CPU has AVX-512F; output pixels p0..p0 + rows of image bi (cout
+            // SAFETY: output pixels p0..p0 + rows of image bi (cout
             // values each) lie in `out` and are written by this task only.
             unsafe {
                 let dst = (dst.get().wrapping_add((bi * h * wd + p0) * cout), cout);
@@ -321,7 +321,7 @@ pub(super) fn conv3x3_shuffled_with(
             for (i, w) in packed.iter().enumerate() {
                 let row = image_row * r + i;
                 let bias = &bs[i * block..(i + 1) * block];
-                // SAFETY: the CPU has AVX-512F; output row `row` (wd pixels of `block`
+                // SAFETY: output row `row` (wd pixels of `block`
                 // values, each pixel's values contiguous) lies in `out` and is written by
                 // this task only; the block's weights are k x block.
                 unsafe {

@@ -16,6 +16,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::isa::{cpu_isa, CpuIsa};
 use super::shared::Shared;
 
 /// Columns per packed panel: two 16-lane vectors, or two AMX tiles side by side.
@@ -39,12 +40,16 @@ pub enum Isa {
 }
 
 /// The bf16 instructions worth using on this CPU (and OS), if any: AMX where present, else
-/// AVX512-BF16 on AMD cores (where it outruns the f32 GEMM). `UPSCALE_BF16_ISA=avx512` chooses the vector
-/// kernel unconditionally (to compare the two on an AMX machine).
+/// AVX512-BF16 on AMD cores (where it outruns the f32 GEMM). `UPSCALE_BF16_ISA=avx512`
+/// chooses the vector kernel unconditionally (to compare the two on an AMX machine). None
+/// where our kernels are held below AVX-512 (`UPSCALE_CPU_ISA`), as on a CPU without it.
 pub fn isa() -> Option<Isa> {
+    if cpu_isa() < CpuIsa::Avx512 {
+        return None;
+    }
     static ISA: OnceLock<Option<Isa>> = OnceLock::new();
     *ISA.get_or_init(|| {
-        let avx512 = avx512_bf16();
+        let avx512 = cpu_has_avx512_bf16();
         let forced = crate::switches::from_env().unwrap_or_default().bf16_vector;
         if forced && avx512 {
             return Some(Isa::Avx512);
@@ -128,7 +133,13 @@ pub fn supported() -> bool {
     isa().is_some()
 }
 
+/// Whether the AVX512-BF16 instructions may run: the CPU has them and our kernels are not
+/// held below AVX-512.
 fn avx512_bf16() -> bool {
+    cpu_isa() == CpuIsa::Avx512 && cpu_has_avx512_bf16()
+}
+
+fn cpu_has_avx512_bf16() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")

@@ -8,8 +8,9 @@
 //!
 //! One file per job: `math` (exp, erf, softmax, GELU), `attention` (the fused window
 //! attention), `copy` (the dense concatenation, the pixel shuffle), `panels` (the f32 GEMM
-//! microkernels on AVX-512). This file holds what they share (the GEMM driver, parallel row
-//! writers, the SIMD dispatch), and the imports every one of them takes with `use super::*`.
+//! microkernels on AVX-512 and AVX2). This file holds what they share (the GEMM driver,
+//! parallel row writers, the SIMD dispatch), and the imports every one of them takes with
+//! `use super::*`.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -30,9 +31,10 @@ fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f
     Ok(&data[start..end])
 }
 
-/// Defines `$name` to run `$body` compiled for the widest vector unit the CPU has: the
-/// binary targets baseline x86-64 (SSE2), and these element-wise loops are 2-4x faster with
-/// 256- or 512-bit vectors. Elsewhere `$body` runs as compiled.
+/// Defines `$name` to run `$body` compiled for the widest vector unit the CPU has (held down
+/// by [`cpu_isa`](crate::ops::cpu::isa::cpu_isa)): the binary targets baseline x86-64
+/// (SSE2), and these element-wise loops are 2-4x faster with 256- or 512-bit vectors.
+/// Elsewhere `$body` runs as compiled.
 macro_rules! widest_simd {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) = $body:ident) => {
         $(#[$meta])*
@@ -47,15 +49,14 @@ macro_rules! widest_simd {
                 unsafe fn avx2($($arg: $ty),*) {
                     $body($($arg),*)
                 }
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU has the features the function is compiled for.
-                    return unsafe { avx512($($arg),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
+                use $crate::ops::cpu::isa::{cpu_isa, CpuIsa};
+                match cpu_isa() {
+                    // SAFETY: `cpu_isa` never names more than the CPU has: it has the
+                    // features the function is compiled for.
+                    CpuIsa::Avx512 => return unsafe { avx512($($arg),*) },
                     // SAFETY: as above.
-                    return unsafe { avx2($($arg),*) };
+                    CpuIsa::Avx2 => return unsafe { avx2($($arg),*) },
+                    CpuIsa::Scalar => {}
                 }
             }
             $body($($arg),*)
@@ -303,6 +304,7 @@ pub(crate) fn cpu_slice<'a>(
 
 pub mod bf16;
 mod copy;
+pub(crate) mod isa;
 mod math;
 pub(crate) mod panels;
 pub(crate) mod shared;

@@ -1,45 +1,115 @@
-//! f32 products for CPUs with AVX-512: the right-hand side (a layer's weights) packed into
-//! column panels of up to [`PANEL`] values, the left-hand side read where it lies.
+//! f32 products for CPUs with AVX-512 or AVX2: the right-hand side (a layer's weights) packed
+//! into column panels of up to [`PANEL`] values, the left-hand side read where it lies.
 //!
 //! The `gemm` crate packs both operands on every call, and its microkernel tiles the 180
 //! output channels of SwinIR and HAT in 64-column strips (2 x 64 + 52). Here each output tile
-//! is [`MR`] rows by one panel: up to three 16-lane vectors, 24 accumulators, the lhs values
-//! broadcast straight from the rows they sit in (given as row pointers, so a 3x3 convolution
-//! reads its taps from the image itself instead of from a patch matrix 9x its size), and the
-//! bias, a residual or earlier partial sums loaded into the accumulators before the first
-//! product instead of being written out first. Attention's small operands are read in place
-//! (v) or transposed once (kᵀ) rather than packed.
+//! is a few rows by one panel: on AVX-512 8 rows of up to three 16-lane vectors, 24
+//! accumulators; on AVX2 6 rows of a 16-column strip at a time, 12 accumulators. The lhs
+//! values are broadcast straight from the rows they sit in (given as row pointers, so a 3x3
+//! convolution reads its taps from the image itself instead of from a patch matrix 9x its
+//! size), and the bias, a residual or earlier partial sums loaded into the accumulators
+//! before the first product instead of being written out first. Attention's small operands
+//! are read in place (v) or transposed once (kᵀ) rather than packed. Which kernel runs
+//! follows [`cpu_isa`]; a plain-loop kernel computes the same where neither vector unit may
+//! be used (callers keep the `gemm` crate there, see [`available`]).
 
+use super::isa::{cpu_isa, CpuIsa};
 use super::taps::tap_source;
 use super::*;
 
-/// Columns per packed panel and per output tile: three 16-lane vectors.
+/// Columns per packed panel and per output tile: three 16-lane vectors, or three strips of
+/// two 8-lane vectors.
 pub(crate) const PANEL: usize = 48;
-/// Rows per output tile: 8 x 3 accumulators, 3 rhs vectors and a broadcast value leave 4 of
-/// the 32 vector registers free.
-pub(crate) const MR: usize = 8;
-/// Rows per parallel task: a 64 x 180 block of the lhs (46 KiB) stays in L2 while every
-/// panel runs over it, and a 64x64 input still gives 64 tasks to balance.
-const MC: usize = 64;
+/// Rows of the tallest tile (AVX-512's): the length of a tile's array of row pointers.
+const MAX_MR: usize = 8;
 
-/// Whether this CPU runs the panel kernels (else callers keep the `gemm` crate).
-/// `UPSCALE_CPU_GEMM=crate` keeps the crate everywhere, to measure one against the other in
-/// the same binary.
+/// Whether the panel kernels run on this CPU (AVX2 with FMA at least, within
+/// `UPSCALE_CPU_ISA`), else callers keep the `gemm` crate. `UPSCALE_CPU_GEMM=crate` keeps the
+/// crate everywhere, to measure one against the other in the same binary.
 pub(crate) fn available() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        if crate::switches::from_env().unwrap_or_default().gemm_crate {
-            return false;
+    static CRATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let keep_crate =
+        *CRATE.get_or_init(|| crate::switches::from_env().unwrap_or_default().gemm_crate);
+    !keep_crate && cpu_isa() >= CpuIsa::Avx2
+}
+
+/// The tile kernel of a product, chosen once when it starts (its tasks all run the same).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// Plain loops: what the kernels compute, on any CPU (tests; callers take the `gemm`
+    /// crate there instead).
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl From<CpuIsa> for Kernel {
+    fn from(isa: CpuIsa) -> Self {
+        match isa {
+            CpuIsa::Scalar => Self::Scalar,
+            CpuIsa::Avx2 => Self::Avx2,
+            CpuIsa::Avx512 => Self::Avx512,
         }
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::arch::is_x86_feature_detected!("avx512f")
+    }
+}
+
+impl Kernel {
+    fn current() -> Self {
+        cpu_isa().into()
+    }
+
+    /// Rows per output tile. AVX-512: 8 x 3 accumulators, 3 rhs vectors and a broadcast
+    /// value leave 4 of the 32 vector registers free. AVX2: a 16-column strip at a time,
+    /// 6 x 2 accumulators, 2 rhs vectors and a broadcast value in 15 of the 16.
+    fn mr(self) -> usize {
+        match self {
+            Self::Scalar => 4,
+            Self::Avx2 => 6,
+            Self::Avx512 => MAX_MR,
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
+    }
+
+    /// Rows per parallel task: whole tiles, up to 64. A 64 x 180 block of the lhs (46 KiB)
+    /// stays in L2 while every panel runs over it, and a 64x64 input still gives 64 tasks
+    /// to balance.
+    fn mc(self) -> usize {
+        64 / self.mr() * self.mr()
+    }
+
+    /// `c = start + a · b` for one tile: `rows` (at most [`Self::mr`]) rows of `a` (row `i`
+    /// at `a[i]`, `k` values each) against `k` rows of `cols` (at most [`PANEL`]) values `ldb`
+    /// apart; `padded`: those rows may be read up to a multiple of 16 columns (packed
+    /// panels), so only the output needs masks.
+    ///
+    /// # Safety
+    /// The CPU has the kernel's instructions ([`cpu_isa`] names them); `a[i]` holds `k`
+    /// values for every `i < MAX_MR` (rows past `rows` may repeat a real one), `b` `k` rows
+    /// of `cols` values (`cols` rounded up to 16 if `padded`); `c` holds `rows` rows of
+    /// `cols` values `ldc` apart, as do `start`'s rows, and its bias `cols` values.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile(
+        self,
+        k: usize,
+        a: &[*const f32; MAX_MR],
+        (b, ldb): (*const f32, usize),
+        padded: bool,
+        (c, ldc): (*mut f32, usize),
+        (rows, cols): (usize, usize),
+        start: Start,
+    ) {
+        let (b, c) = ((b, ldb), (c, ldc));
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            match (self, cols.div_ceil(16)) {
+                (Self::Avx512, 1) => avx512::tile::<1>(k, a, b, c, (rows, cols), start),
+                (Self::Avx512, 2) => avx512::tile::<2>(k, a, b, c, (rows, cols), start),
+                (Self::Avx512, 3) => avx512::tile::<3>(k, a, b, c, (rows, cols), start),
+                (Self::Avx2, _) => avx2::tile(k, a, b, padded, c, (rows, cols), start),
+                (Self::Scalar, _) => scalar_tile(k, a, b, c, (rows, cols), start),
+                (_, v) => unreachable!("a tile of {v} vectors"),
+            }
         }
-    })
+    }
 }
 
 /// A `k x n` right-hand side in f32, packed in panels of [`PANEL`] columns (the last one
@@ -49,7 +119,12 @@ pub(crate) fn available() -> bool {
 pub(crate) struct Panels {
     k: usize,
     n: usize,
+    /// The panels, from `data[start]` on: the first 64-byte boundary of the allocation, so
+    /// that each row of a panel (192 bytes, or a multiple of 64 for the last) starts a cache
+    /// line and no vector load straddles two. (A clone keeps the offset, correct if not
+    /// aligned.)
     data: Vec<f32>,
+    start: usize,
 }
 
 impl Panels {
@@ -62,9 +137,11 @@ impl Panels {
             );
         }
         let len = k * ((n / PANEL) * PANEL + (n % PANEL).next_multiple_of(16));
-        let mut data: Vec<f32> = vec![0.0; len];
+        let mut data: Vec<f32> = vec![0.0; len + 15];
+        let start = data.as_ptr().align_offset(64).min(15);
         if k > 0 {
-            data.par_chunks_mut(k * PANEL)
+            data[start..start + len]
+                .par_chunks_mut(k * PANEL)
                 .enumerate()
                 .for_each(|(p, out)| {
                     let width = out.len() / k;
@@ -87,7 +164,13 @@ impl Panels {
                     }
                 });
         }
-        Self { k, n, data }
+        Self { k, n, data, start }
+    }
+
+    /// The packed panels, one after the other.
+    fn packed(&self) -> &[f32] {
+        let len = self.data.len().saturating_sub(15);
+        &self.data[self.start..self.start + len]
     }
 
     /// The product operand these panels are.
@@ -133,7 +216,7 @@ impl Rhs<'_> {
             Self::Panels(b) => (
                 c0,
                 cols,
-                b.data[c0 * b.k..].as_ptr(),
+                b.packed()[c0 * b.k..].as_ptr(),
                 cols.next_multiple_of(16),
             ),
             Self::Strided { ptr, ld, .. } => (c0, cols, ptr.wrapping_add(c0), *ld),
@@ -161,35 +244,46 @@ impl Start {
     };
 }
 
-/// `c = start + a · b` for one tile: `rows` (at most [`MR`]) rows of `a` (row `i` at `a[i]`,
-/// `k` values each) against `k` rows of `cols` (at most [`PANEL`]) values `ldb` apart.
+/// [`Kernel::tile`] in plain loops, a row at a time.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `a[i]` holds `k` values for every `i < MR` (rows past `rows` may
-/// repeat a real one), `b` `k` rows of `cols` values; `c` holds `rows` rows of `cols`
-/// values `ldc` apart, as do `start`'s rows, and its bias `cols` values.
-unsafe fn tile(
+/// As [`Kernel::tile`].
+unsafe fn scalar_tile(
     k: usize,
-    a: &[*const f32; MR],
+    a: &[*const f32; MAX_MR],
     (b, ldb): (*const f32, usize),
     (c, ldc): (*mut f32, usize),
     (rows, cols): (usize, usize),
     start: Start,
 ) {
-    // SAFETY: forwarded to the caller.
-    unsafe {
-        match cols.div_ceil(16) {
-            1 => avx512::tile::<1>(k, a, (b, ldb), (c, ldc), (rows, cols), start),
-            2 => avx512::tile::<2>(k, a, (b, ldb), (c, ldc), (rows, cols), start),
-            3 => avx512::tile::<3>(k, a, (b, ldb), (c, ldc), (rows, cols), start),
-            v => unreachable!("a tile of {v} vectors"),
+    for (i, &row) in a.iter().enumerate().take(rows) {
+        let mut acc = [0f32; PANEL];
+        let acc = &mut acc[..cols];
+        // SAFETY (all blocks): the caller's bounds: row i < rows of `c` and `start.init`,
+        // `cols` values each, the bias `cols` values, `row` k values, `b` k rows of `cols`.
+        if let Some(bias) = start.bias {
+            acc.copy_from_slice(unsafe { std::slice::from_raw_parts(bias, cols) });
         }
+        if let Some((init, ld)) = start.init {
+            let init = unsafe { std::slice::from_raw_parts(init.add(i * ld), cols) };
+            for (acc, x) in acc.iter_mut().zip(init) {
+                *acc += x;
+            }
+        }
+        let row = unsafe { std::slice::from_raw_parts(row, k) };
+        for (p, &x) in row.iter().enumerate() {
+            let b = unsafe { std::slice::from_raw_parts(b.add(p * ldb), cols) };
+            for (acc, y) in acc.iter_mut().zip(b) {
+                *acc += x * y;
+            }
+        }
+        unsafe { std::slice::from_raw_parts_mut(c.add(i * ldc), cols) }.copy_from_slice(acc);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Start, MR};
+    use super::{Start, MAX_MR as MR};
     use std::arch::x86_64::*;
 
     /// The lanes of vector `v` of a tile that hold columns below `cols`.
@@ -261,11 +355,11 @@ mod avx512 {
         }
     }
 
-    /// [`super::tile`] for a tile of `V` vectors. Every access to `b` and `c` is masked to
+    /// [`super::Kernel::tile`] for a tile of `V` vectors. Every access to `b` and `c` is masked to
     /// the tile's columns, so an operand read in place is never read past its last column.
     ///
     /// # Safety
-    /// As [`super::tile`].
+    /// As [`super::Kernel::tile`].
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn tile<const V: usize>(
         k: usize,
@@ -317,23 +411,229 @@ mod avx512 {
     }
 }
 
+/// The same tiles in 8-lane vectors: the 48 columns of a panel as three strips of 16, each a
+/// 6-row product of its own (AVX2 has 16 vector registers, too few for a whole panel).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Start, MAX_MR};
+    use std::arch::x86_64::*;
+
+    /// Rows per tile: 6 x 2 accumulators, 2 rhs vectors and a broadcast value.
+    const MR: usize = 6;
+
+    /// A load/store mask of the first `n` lanes (all of them from 8 up).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn lanes(n: usize) -> __m256i {
+        let n = n.min(8) as i32;
+        _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        )
+    }
+
+    /// [`super::Kernel::tile`]: each strip of 16 columns in turn, the last one (if narrower)
+    /// through masked loads and stores.
+    ///
+    /// # Safety
+    /// As [`super::Kernel::tile`], and the CPU has AVX2 and FMA.
+    pub(super) unsafe fn tile(
+        k: usize,
+        a: &[*const f32; MAX_MR],
+        (b, ldb): (*const f32, usize),
+        padded: bool,
+        (c, ldc): (*mut f32, usize),
+        (rows, cols): (usize, usize),
+        start: Start,
+    ) {
+        debug_assert!(rows <= MR);
+        for s0 in (0..cols).step_by(16) {
+            let width = (cols - s0).min(16);
+            let start = Start {
+                init: start.init.map(|(p, ld)| (p.wrapping_add(s0), ld)),
+                bias: start.bias.map(|p| p.wrapping_add(s0)),
+            };
+            let (b, c) = ((b.wrapping_add(s0), ldb), (c.wrapping_add(s0), ldc));
+            // SAFETY: the strip is columns s0..s0 + width of the caller's tile.
+            unsafe {
+                match (width == 16, padded) {
+                    (true, _) => strip::<false, false>(k, a, b, c, (rows, width), start),
+                    (false, true) => strip::<false, true>(k, a, b, c, (rows, width), start),
+                    (false, false) => strip::<true, true>(k, a, b, c, (rows, width), start),
+                }
+            }
+        }
+    }
+
+    /// Up to [`MR`] rows by `cols <= 16` columns. `MASK_B` masks the loads from `b`, and
+    /// `EDGE` those from `start` and the stores to `c`, to the strip's columns, so that an
+    /// operand read in place is never read past its last column; full strips load and store
+    /// whole vectors. (A padded `b` read whole keeps the masks out of the inner loop, where
+    /// they would take two of the 16 registers.)
+    ///
+    /// # Safety
+    /// As [`tile`], for `cols <= 16` (exactly 16 unless `EDGE`; `b` 16 wide unless
+    /// `MASK_B`).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn strip<const MASK_B: bool, const EDGE: bool>(
+        k: usize,
+        a: &[*const f32; MAX_MR],
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        (rows, cols): (usize, usize),
+        start: Start,
+    ) {
+        let masks = [lanes(cols), lanes(cols.saturating_sub(8))];
+        // SAFETY (all three): `p + 8 v` is in the caller's bounds for the lanes the mask
+        // keeps, and whole vectors are only read or written when the strip is 16 wide.
+        let load = |p: *const f32, v: usize| unsafe {
+            if EDGE {
+                _mm256_maskload_ps(p.add(8 * v), masks[v])
+            } else {
+                _mm256_loadu_ps(p.add(8 * v))
+            }
+        };
+        let load_b = |p: *const f32, v: usize| unsafe {
+            if MASK_B {
+                _mm256_maskload_ps(p.add(8 * v), masks[v])
+            } else {
+                _mm256_loadu_ps(p.add(8 * v))
+            }
+        };
+        let store = |p: *mut f32, v: usize, x: __m256| unsafe {
+            if EDGE {
+                _mm256_maskstore_ps(p.add(8 * v), masks[v], x)
+            } else {
+                _mm256_storeu_ps(p.add(8 * v), x)
+            }
+        };
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        if let Some(bias) = start.bias {
+            let bias = [load(bias, 0), load(bias, 1)];
+            acc = [bias; MR];
+        }
+        if let Some((init, ld)) = start.init {
+            for (i, acc) in acc.iter_mut().enumerate().take(rows) {
+                let row = init.wrapping_add(i * ld);
+                for (v, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_add_ps(*acc, load(row, v));
+                }
+            }
+        }
+        let a: [*const f32; MR] = std::array::from_fn(|i| a[i]);
+        for p in 0..k {
+            let row = b.wrapping_add(p * ldb);
+            let bv = [load_b(row, 0), load_b(row, 1)];
+            for (x, acc) in a.iter().zip(acc.iter_mut()) {
+                // SAFETY: every row pointer holds k values.
+                let x = _mm256_set1_ps(unsafe { *x.add(p) });
+                acc[0] = _mm256_fmadd_ps(x, bv[0], acc[0]);
+                acc[1] = _mm256_fmadd_ps(x, bv[1], acc[1]);
+            }
+        }
+        for (i, acc) in acc.iter().enumerate().take(rows) {
+            let row = c.wrapping_add(i * ldc);
+            store(row, 0, acc[0]);
+            store(row, 1, acc[1]);
+        }
+    }
+
+    /// [`super::transpose_keys`] in blocks of 8 keys by 8 channels: pairs of keys
+    /// interleaved, then pairs of pairs, then the 128-bit halves swapped across.
+    ///
+    /// # Safety
+    /// As [`super::transpose_keys`], whose asserts the bounds are; the CPU has AVX2.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn transpose_keys(qkv: &[f32], (n, c): (usize, usize), out: &mut [f32]) {
+        let c3 = 3 * c;
+        for j0 in (0..n).step_by(8) {
+            let keys = (n - j0).min(8);
+            let store = lanes(keys);
+            for ch0 in (0..c).step_by(8) {
+                let chans = (c - ch0).min(8);
+                let load = lanes(chans);
+                // Register j: channels ch0.. of key j0 + j (zero past the last key).
+                let mut r = [_mm256_setzero_ps(); 8];
+                for (j, r) in r.iter_mut().enumerate().take(keys) {
+                    // SAFETY: key j0 + j < n, its channels ch0.. below c (masked), in `qkv`.
+                    *r = unsafe {
+                        let src = qkv.as_ptr().add((j0 + j) * c3 + c + ch0);
+                        _mm256_maskload_ps(src, load)
+                    };
+                }
+                let t = |i: usize| {
+                    [
+                        _mm256_unpacklo_ps(r[i], r[i + 1]),
+                        _mm256_unpackhi_ps(r[i], r[i + 1]),
+                    ]
+                };
+                // Keys 4h..4h + 4 of channels (l, l + 4) in the halves of q[h][l].
+                let q = |h: usize| {
+                    let ([lo0, hi0], [lo1, hi1]) = (t(4 * h), t(4 * h + 2));
+                    [
+                        _mm256_shuffle_ps::<0x44>(lo0, lo1),
+                        _mm256_shuffle_ps::<0xee>(lo0, lo1),
+                        _mm256_shuffle_ps::<0x44>(hi0, hi1),
+                        _mm256_shuffle_ps::<0xee>(hi0, hi1),
+                    ]
+                };
+                let (q0, q1) = (q(0), q(1));
+                for l in 0..chans {
+                    let column = if l < 4 {
+                        _mm256_permute2f128_ps::<0x20>(q0[l], q1[l])
+                    } else {
+                        _mm256_permute2f128_ps::<0x31>(q0[l - 4], q1[l - 4])
+                    };
+                    // SAFETY: row ch0 + l < c of `out`, keys j0.. below n (masked).
+                    unsafe {
+                        let dst = out.as_mut_ptr().add((ch0 + l) * n + j0);
+                        _mm256_maskstore_ps(dst, store, column)
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// Elsewhere [`cpu_isa`] is always scalar: the vector kernels are never called.
 #[cfg(not(target_arch = "x86_64"))]
 mod avx512 {
-    use super::{Start, MR};
+    use super::{Start, MAX_MR};
 
     pub(super) unsafe fn transpose_keys(_: &[f32], _: (usize, usize), _: &mut [f32]) {
-        unreachable!("the panel kernels are only offered where `available()` is true")
+        unreachable!("AVX-512 kernels on another architecture")
     }
 
     pub(super) unsafe fn tile<const V: usize>(
         _: usize,
-        _: &[*const f32; MR],
+        _: &[*const f32; MAX_MR],
         _: (*const f32, usize),
         _: (*mut f32, usize),
         _: (usize, usize),
         _: Start,
     ) {
-        unreachable!("the panel kernels are only offered where `available()` is true")
+        unreachable!("AVX-512 kernels on another architecture")
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod avx2 {
+    use super::{Start, MAX_MR};
+
+    pub(super) unsafe fn transpose_keys(_: &[f32], _: (usize, usize), _: &mut [f32]) {
+        unreachable!("AVX2 kernels on another architecture")
+    }
+
+    pub(super) unsafe fn tile(
+        _: usize,
+        _: &[*const f32; MAX_MR],
+        _: (*const f32, usize),
+        _: bool,
+        _: (*mut f32, usize),
+        _: (usize, usize),
+        _: Start,
+    ) {
+        unreachable!("AVX2 kernels on another architecture")
     }
 }
 
@@ -341,10 +641,11 @@ mod avx512 {
 /// lhs row `i`'s pointer, and each output row at `dst + i * ldc`.
 ///
 /// # Safety
-/// As [`tile`] for every tile: `row(i)` holds `b.k()` values for `r0 <= i < r0 + rows`,
+/// As [`Kernel::tile`] for every tile: `row(i)` holds `b.k()` values for `r0 <= i < r0 + rows`,
 /// dst (and `start.init`, whose row `i` is at `init + i * ld`) hold those rows of `b.n()`
 /// values.
 unsafe fn row_block(
+    kernel: Kernel,
     b: Rhs,
     row: &dyn Fn(usize) -> *const f32,
     (r0, rows): (usize, usize),
@@ -353,10 +654,11 @@ unsafe fn row_block(
 ) {
     for p in 0..b.blocks() {
         let (c0, cols, bp, ldb) = b.block(p);
-        for g in (0..rows).step_by(MR) {
+        let mr = kernel.mr();
+        for g in (0..rows).step_by(mr) {
             let i0 = r0 + g;
-            let n = MR.min(rows - g);
-            let a: [*const f32; MR] = std::array::from_fn(|i| row(i0 + i.min(n - 1)));
+            let n = mr.min(rows - g);
+            let a: [*const f32; MAX_MR] = std::array::from_fn(|i| row(i0 + i.min(n - 1)));
             let start = Start {
                 init: start.init.map(|(s, ld)| (s.wrapping_add(i0 * ld + c0), ld)),
                 bias: start.bias.map(|s| s.wrapping_add(c0)),
@@ -364,10 +666,11 @@ unsafe fn row_block(
             // SAFETY: forwarded to the caller; the tile is rows i0..i0 + n, columns
             // c0..c0 + cols.
             unsafe {
-                tile(
+                kernel.tile(
                     b.k(),
                     &a,
                     (bp, ldb),
+                    matches!(b, Rhs::Panels(_)),
                     (dst.add(i0 * ldc + c0), ldc),
                     (n, cols),
                     start,
@@ -401,7 +704,7 @@ impl<'a> Shared<'a> {
 /// needs `ldc == n`) while in cache.
 ///
 /// # Safety
-/// The CPU has AVX-512F ([`available`]); `a` holds `m` rows of `b`'s `k` values, `b` its
+/// `a` holds `m` rows of `b`'s `k` values, `b` its
 /// `k` rows, dst and `start.init` `m` rows of `n` values (`start.init` may be dst itself:
 /// each value is read before it is written), `start.bias` `n` values; dst overlaps nothing
 /// else.
@@ -418,15 +721,17 @@ pub(crate) unsafe fn gemm(
         then.is_none() || ldc == b.n(),
         "an epilogue needs contiguous output rows"
     );
+    let kernel = Kernel::current();
+    let mc = kernel.mc();
     let shared = Shared { a, b, dst, start };
     let block = |t: usize| {
         let s = shared.get();
-        let r0 = t * MC;
-        let rows = MC.min(m - r0);
+        let r0 = t * mc;
+        let rows = mc.min(m - r0);
         let row = |i: usize| s.a.wrapping_add(i * lda);
         // SAFETY: rows r0..r0 + rows, inside the caller's bounds, written by this task only.
         unsafe {
-            row_block(s.b, &row, (r0, rows), (s.dst, ldc), s.start);
+            row_block(kernel, s.b, &row, (r0, rows), (s.dst, ldc), s.start);
             if let Some(then) = then {
                 then(std::slice::from_raw_parts_mut(
                     s.dst.add(r0 * ldc),
@@ -435,7 +740,7 @@ pub(crate) unsafe fn gemm(
             }
         }
     };
-    let tasks = m.div_ceil(MC);
+    let tasks = m.div_ceil(mc);
     if parallel && tasks > 1 {
         (0..tasks).into_par_iter().for_each(block);
     } else {
@@ -451,7 +756,7 @@ pub(crate) unsafe fn gemm(
 /// ldc`.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `image` is `h x wd x cin`, `zeros` `cin` zeros, `b` `9 cin` rows;
+/// `image` is `h x wd x cin`, `zeros` `cin` zeros, `b` `9 cin` rows;
 /// dst holds `rows` rows of `b`'s `n` values `ldc` apart, `bias` `n` values.
 pub(crate) unsafe fn conv3x3_pixels(
     image: &[f32],
@@ -465,13 +770,15 @@ pub(crate) unsafe fn conv3x3_pixels(
     assert!(b.k == 9 * cin && zeros.len() >= cin && bias.len() >= b.n);
     assert!(image.len() >= h * wd * cin && p0 + rows <= h * wd);
     let b = b.rhs();
+    let kernel = Kernel::current();
+    let mr = kernel.mr();
     for p in 0..b.blocks() {
         let (c0, cols, bp, ldb) = b.block(p);
-        for g in (0..rows).step_by(MR) {
-            let n = MR.min(rows - g);
+        for g in (0..rows).step_by(mr) {
+            let n = mr.min(rows - g);
             let c = dst.wrapping_add(g * ldc + c0);
             for tap in 0..9 {
-                let a: [*const f32; MR] = std::array::from_fn(|i| {
+                let a: [*const f32; MAX_MR] = std::array::from_fn(|i| {
                     let pixel = p0 + g + i.min(n - 1);
                     let (y, x) = (pixel / wd, pixel % wd);
                     tap_source(image, (h, wd, cin), (y, x), tap)
@@ -493,10 +800,11 @@ pub(crate) unsafe fn conv3x3_pixels(
                 // tap's rows of the block start at tap * cin; the tile is rows g..g + n of
                 // dst, columns c0..c0 + cols, read (after the first tap) before written.
                 unsafe {
-                    tile(
+                    kernel.tile(
                         cin,
                         &a,
                         (bp.add(tap * cin * ldb), ldb),
+                        true,
                         (c, ldc),
                         (n, cols),
                         start,
@@ -508,16 +816,28 @@ pub(crate) unsafe fn conv3x3_pixels(
 }
 
 /// The keys of one window transposed: `out[ch * n + j]` is channel `ch` of key `j`, for the
-/// `n` rows of q | k | v (`3c` values each) in `qkv`. In registers, 16 x 16 at a time:
-/// writing each key's values down a column of the result (a store every 4n bytes) took a
-/// sixth of the attention's time, and a gather per channel a tenth.
-///
-/// # Safety
-/// The CPU has AVX-512F; `qkv` holds `n` rows of `3c` values and `out` `c * n`.
-pub(crate) unsafe fn transpose_keys(qkv: &[f32], (n, c): (usize, usize), out: &mut [f32]) {
+/// `n` rows of q | k | v (`3c` values each) in `qkv`. In registers, 16 x 16 (AVX-512) or
+/// 8 x 8 (AVX2) at a time: writing each key's values down a column of the result (a store
+/// every 4n bytes) took a sixth of the attention's time, and a gather per channel a tenth.
+pub(crate) fn transpose_keys(qkv: &[f32], (n, c): (usize, usize), out: &mut [f32]) {
     assert!(qkv.len() >= n * 3 * c && out.len() >= n * c);
-    // SAFETY: forwarded to the caller.
-    unsafe { avx512::transpose_keys(qkv, (n, c), out) }
+    if n == 0 {
+        return;
+    }
+    match Kernel::current() {
+        // SAFETY: the CPU has the kernel's instructions (`cpu_isa` names no more than it
+        // has); the bounds are asserted above.
+        Kernel::Avx512 => unsafe { avx512::transpose_keys(qkv, (n, c), out) },
+        // SAFETY: as above.
+        Kernel::Avx2 => unsafe { avx2::transpose_keys(qkv, (n, c), out) },
+        Kernel::Scalar => {
+            for (ch, row) in out.chunks_exact_mut(n).take(c).enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = qkv[j * 3 * c + c + ch];
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -546,14 +866,16 @@ mod tests {
         let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
         let direct = Panels::new(&b, (k, n), (n, 1));
         let strided = Panels::new(&bt, (k, n), (1, k));
-        assert_eq!(direct.data, strided.data);
-        assert_eq!(direct.data.len(), k * (48 + 16));
+        let (direct, strided) = (direct.packed(), strided.packed());
+        assert_eq!(direct, strided);
+        assert_eq!(direct.len(), k * (48 + 16));
+        assert_eq!(direct.as_ptr().align_offset(64), 0);
         // Row 3 of column 50: panel 1 (16 wide), lane 2.
-        assert_eq!(direct.data[k * 48 + 3 * 16 + 2], b[3 * n + 50]);
+        assert_eq!(direct[k * 48 + 3 * 16 + 2], b[3 * n + 50]);
         // Column 53 of the padded last vector is zero.
-        assert_eq!(direct.data[k * 48 + 3 * 16 + 5], 0.0);
+        assert_eq!(direct[k * 48 + 3 * 16 + 5], 0.0);
         // Row 4 of column 47: the first panel's last lane.
-        assert_eq!(direct.data[4 * 48 + 47], b[4 * n + 47]);
+        assert_eq!(direct[4 * 48 + 47], b[4 * n + 47]);
     }
 
     /// `start + a · b` in f64 for row-major operands.
@@ -583,10 +905,23 @@ mod tests {
     /// output's own earlier contents.
     #[test]
     fn products_match_float64_for_every_start_and_edge() {
-        if !available() {
-            eprintln!("panel products not tested: this CPU has no AVX-512");
-            return;
+        for_each_isa(products_match_float64);
+    }
+
+    /// Runs `check` with the kernels held to each ISA this CPU has, scalar included, and
+    /// says which ran (a CPU without AVX2 or AVX-512 leaves those out, visibly).
+    fn for_each_isa(check: fn()) {
+        let isas = crate::ops::cpu::isa::supported();
+        eprintln!("panel kernels tested on {isas:?}");
+        for isa in isas {
+            crate::ops::cpu::isa::with_cpu_isa(isa, || {
+                assert_eq!(Kernel::current(), Kernel::from(isa));
+                check()
+            });
         }
+    }
+
+    fn products_match_float64() {
         for (m, k, n) in [
             (1, 1, 1),
             (7, 30, 16),
@@ -595,6 +930,9 @@ mod tests {
             (65, 180, 180),
             (130, 19, 95),
             (64, 7, 49),
+            (6, 5, 8),
+            (61, 12, 40),
+            (121, 33, 33),
         ] {
             let a = values(m * k, 2);
             let b = values(k * n, 3);
@@ -616,7 +954,7 @@ mod tests {
                     init,
                     bias: (case == 1 || case == 3).then_some(bias.as_ptr()),
                 };
-                // SAFETY: AVX-512F checked above; a is m x k, out and r m x n, bias n.
+                // SAFETY: a is m x k, out and r m x n, bias n.
                 unsafe {
                     gemm(
                         m,
@@ -638,7 +976,124 @@ mod tests {
                 for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
                     assert!(
                         (o as f64 - w).abs() < 1e-5 * (k as f64 + 1.0),
-                        "{m}x{k}x{n} start {case}: element {i} is {o}, want {w}"
+                        "{:?} {m}x{k}x{n} start {case}: element {i} is {o}, want {w}",
+                        Kernel::current()
+                    );
+                }
+            }
+        }
+    }
+
+    /// Values copied to the very end of a mapping whose next page may not be read: a
+    /// kernel that reads one value past them faults instead of passing unseen.
+    #[cfg(unix)]
+    struct Guarded {
+        base: *mut libc::c_void,
+        len: usize,
+        data: *const f32,
+    }
+
+    #[cfg(unix)]
+    impl Guarded {
+        fn new(values: &[f32]) -> Self {
+            // SAFETY: a fresh private mapping of whole pages, its last page made
+            // inaccessible, the values copied into the pages before it.
+            unsafe {
+                let page = libc::sysconf(libc::_SC_PAGESIZE) as usize;
+                let bytes = std::mem::size_of_val(values);
+                let pages = bytes.div_ceil(page);
+                let len = (pages + 1) * page;
+                let rw = libc::PROT_READ | libc::PROT_WRITE;
+                let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+                let base = libc::mmap(std::ptr::null_mut(), len, rw, flags, -1, 0);
+                assert_ne!(base, libc::MAP_FAILED, "mmap");
+                let guard = base.cast::<u8>().add(pages * page);
+                assert_eq!(libc::mprotect(guard.cast(), page, libc::PROT_NONE), 0);
+                let data = guard.sub(bytes).cast::<f32>();
+                std::ptr::copy_nonoverlapping(values.as_ptr(), data, values.len());
+                Self { base, len, data }
+            }
+        }
+    }
+
+    #[cfg(unix)]
+    impl Drop for Guarded {
+        fn drop(&mut self) {
+            // SAFETY: the mapping made in `new`, unmapped once.
+            unsafe { libc::munmap(self.base, self.len) };
+        }
+    }
+
+    /// Elsewhere a plain copy: the products are still checked, the bounds not.
+    #[cfg(not(unix))]
+    struct Guarded {
+        data: *const f32,
+        _values: Vec<f32>,
+    }
+
+    #[cfg(not(unix))]
+    impl Guarded {
+        fn new(values: &[f32]) -> Self {
+            let values = values.to_vec();
+            Self {
+                data: values.as_ptr(),
+                _values: values,
+            }
+        }
+    }
+
+    /// An operand read in place (attention's v, its kᵀ) whose last row ends where readable
+    /// memory does, for column counts that end in partial vectors and strips.
+    #[test]
+    fn strided_operands_are_never_read_past_their_end() {
+        for_each_isa(strided_products);
+    }
+
+    fn strided_products() {
+        for (m, k, n, ld) in [
+            (13, 30, 30, 90),
+            (7, 64, 8, 8),
+            (9, 5, 17, 17),
+            (64, 49, 49, 49),
+            (6, 16, 4, 540),
+            (20, 30, 64, 64),
+        ] {
+            let a = values(m * k, 10);
+            let b = values((k - 1) * ld + n, 11);
+            let bias = values(m * n, 12);
+            let guarded = Guarded::new(&b);
+            let rhs = Rhs::Strided {
+                ptr: guarded.data,
+                k,
+                n,
+                ld,
+            };
+            let dense: Vec<f32> = (0..k * n).map(|i| b[i / n * ld + i % n]).collect();
+            for with_init in [false, true] {
+                let mut out = vec![f32::NAN; m * n];
+                let start = Start {
+                    init: with_init.then_some((bias.as_ptr(), n)),
+                    bias: None,
+                };
+                // SAFETY: a is m x k, rhs k rows of n values ld apart, out and bias m x n.
+                unsafe {
+                    gemm(
+                        m,
+                        (a.as_ptr(), k),
+                        rhs,
+                        (out.as_mut_ptr(), n),
+                        start,
+                        false,
+                        None,
+                    )
+                };
+                let init = with_init.then_some(&bias[..]);
+                let want = reference((m, k, n), &a, &dense, init, None);
+                for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
+                    assert!(
+                        (o as f64 - w).abs() < 1e-5 * (k as f64 + 1.0),
+                        "{:?} {m}x{k}x{n} (ld {ld}): element {i} is {o}, want {w}",
+                        Kernel::current()
                     );
                 }
             }
@@ -648,21 +1103,34 @@ mod tests {
     /// kᵀ of windows whose key and channel counts leave partial 16 x 16 blocks.
     #[test]
     fn keys_transpose_exactly() {
-        if !available() {
-            eprintln!("key transpose not tested: this CPU has no AVX-512");
-            return;
-        }
-        for (n, c) in [(64, 180), (49, 20), (16, 16), (1, 3), (256, 33)] {
+        for_each_isa(keys_transpose);
+    }
+
+    fn keys_transpose() {
+        for (n, c) in [
+            (64, 180),
+            (49, 20),
+            (16, 16),
+            (1, 3),
+            (256, 33),
+            (12, 7),
+            (8, 8),
+        ] {
+            // The last key's v ends where readable memory does: a block read past its
+            // channels there faults.
             let qkv = values(n * 3 * c, 9);
+            let guarded = Guarded::new(&qkv);
+            // SAFETY: the guarded copy holds the n * 3c values, alive until the end.
+            let qkv_in = unsafe { std::slice::from_raw_parts(guarded.data, qkv.len()) };
             let mut out = vec![f32::NAN; c * n];
-            // SAFETY: AVX-512F checked above; the sizes are the function's.
-            unsafe { transpose_keys(&qkv, (n, c), &mut out) };
+            transpose_keys(qkv_in, (n, c), &mut out);
             for ch in 0..c {
                 for j in 0..n {
                     assert_eq!(
                         out[ch * n + j],
                         qkv[j * 3 * c + c + ch],
-                        "{n}x{c}: ({ch}, {j})"
+                        "{:?} {n}x{c}: ({ch}, {j})",
+                        Kernel::current()
                     );
                 }
             }
@@ -673,10 +1141,10 @@ mod tests {
     /// every edge, on pixel ranges that start mid-row and end in partial tiles.
     #[test]
     fn conv_pixels_match_the_direct_convolution() {
-        if !available() {
-            eprintln!("panel convolution not tested: this CPU has no AVX-512");
-            return;
-        }
+        for_each_isa(conv_pixels_match);
+    }
+
+    fn conv_pixels_match() {
         for (h, wd, cin, cout, p0, rows) in [
             (3, 5, 4, 6, 0, 15),
             (4, 9, 3, 50, 7, 21),
@@ -690,7 +1158,7 @@ mod tests {
             let zeros = vec![0f32; cin];
             let ldc = cout + 3;
             let mut out = vec![f32::NAN; rows * ldc];
-            // SAFETY: AVX-512F checked above; out holds `rows` rows of cout values ldc apart.
+            // SAFETY: out holds `rows` rows of cout values ldc apart.
             unsafe {
                 conv3x3_pixels(
                     &image,
@@ -719,7 +1187,8 @@ mod tests {
                     let got = out[i * ldc + o] as f64;
                     assert!(
                         (got - s).abs() < 1e-5 * (9 * cin) as f64,
-                        "{h}x{wd}x{cin}->{cout} pixel {}: channel {o} is {got}, want {s}",
+                        "{:?} {h}x{wd}x{cin}->{cout} pixel {}: channel {o} is {got}, want {s}",
+                        Kernel::current(),
                         p0 + i
                     );
                 }

@@ -45,6 +45,10 @@ fn exp_is_accurate_over_the_softmax_range() {
 
 #[test]
 fn gelu_matches_exact_gelu_and_not_tanh() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(gelu_matches_exact_gelu_and_not_tanh_on_one_isa)
+}
+
+fn gelu_matches_exact_gelu_and_not_tanh_on_one_isa() -> Result<()> {
     let xs: Vec<f32> = (-4000..4000).map(|i| i as f32 / 400.0).collect();
     let x = Tensor::new(xs.as_slice(), &Device::Cpu)?;
     let ours = gelu_erf(&x)?;
@@ -58,6 +62,10 @@ fn gelu_matches_exact_gelu_and_not_tanh() -> Result<()> {
 
 #[test]
 fn softmax_rows_match_candle_with_masked_entries() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(softmax_rows_match_candle_with_masked_entries_on_one_isa)
+}
+
+fn softmax_rows_match_candle_with_masked_entries_on_one_isa() -> Result<()> {
     // Rows of 70: four full lanes of 16 and a remainder of 6.
     let x = Tensor::randn(0f32, 3.0, (5, 7, 70), &Device::Cpu)?;
     let masked = (x.narrow(2, 0, 32)? - 100.0)?;
@@ -194,6 +202,10 @@ fn bf16_window_attention_matches_the_rounded_graph() -> Result<()> {
 
 #[test]
 fn fused_window_attention_matches_the_graph() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(fused_window_attention_matches_the_graph_on_one_isa)
+}
+
+fn fused_window_attention_matches_the_graph_on_one_isa() -> Result<()> {
     // (windows, window, heads, head dim, mask windows): a batch of two images with a
     // shift mask, odd head dims, a single window (the GEMMs split across threads), and
     // the official window with a mask.
@@ -231,6 +243,10 @@ fn window_attention_declines_other_dtypes_and_checks_shapes() -> Result<()> {
 
 #[test]
 fn linear_matches_matmul_plus_bias() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(linear_matches_matmul_plus_bias_on_one_isa)
+}
+
+fn linear_matches_matmul_plus_bias_on_one_isa() -> Result<()> {
     let dev = Device::Cpu;
     for dims in [vec![2usize, 3, 5, 7], vec![4, 7], vec![1, 7]] {
         let x = Tensor::randn(0f32, 1.0, dims.as_slice(), &dev)?;
@@ -277,6 +293,10 @@ fn linear_matches_matmul_plus_bias() -> Result<()> {
 /// every bf16 ISA this CPU has, over several row blocks and a partial one.
 #[test]
 fn linear_gelu_epilogue_matches_gelu_of_the_product() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(linear_gelu_epilogue_matches_gelu_of_the_product_on_one_isa)
+}
+
+fn linear_gelu_epilogue_matches_gelu_of_the_product_on_one_isa() -> Result<()> {
     let dev = Device::Cpu;
     let (m, k, n) = (2 * EPILOGUE_ROWS + 45, 40, 37);
     let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
@@ -307,6 +327,10 @@ fn linear_gelu_epilogue_matches_gelu_of_the_product() -> Result<()> {
 
 #[test]
 fn conv3x3_matches_candle_conv2d() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(conv3x3_matches_candle_conv2d_on_one_isa)
+}
+
+fn conv3x3_matches_candle_conv2d_on_one_isa() -> Result<()> {
     let dev = Device::Cpu;
     for (b, h, w, cin, cout, chunk) in [
         (2, 5, 7, 4, 6, 1 << 20),
@@ -385,6 +409,10 @@ fn bf16_conv_matches_the_rounded_convolution() -> Result<()> {
 /// (where the CPU has it) bf16, for both factors and bands of one and several rows.
 #[test]
 fn shuffled_conv_matches_conv_then_shuffle() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(shuffled_conv_matches_conv_then_shuffle_on_one_isa)
+}
+
+fn shuffled_conv_matches_conv_then_shuffle_on_one_isa() -> Result<()> {
     let dev = Device::Cpu;
     for (b, h, w, cin, c, r, chunk) in [
         (2, 5, 7, 6, 16, 2, 1 << 20),
@@ -473,6 +501,11 @@ fn add_matches_candle_and_checks_shapes() -> Result<()> {
 #[test]
 #[ignore]
 fn swinir_layer_throughput() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(layer_throughput_on_one_isa)
+}
+
+fn layer_throughput_on_one_isa() -> Result<()> {
+    eprintln!("{:?}:", crate::ops::cpu::isa::cpu_isa());
     let dev = Device::Cpu;
     let m = 4096;
     let reps = 20;

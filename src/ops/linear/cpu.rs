@@ -112,7 +112,7 @@ pub(super) fn linear_with(
             init: rs.map(|r| (r.as_ptr(), n)),
             bias: bs.map(|b| b.as_ptr()),
         };
-        // SAFETY: the CPU has AVX-512F; xs is m x k, the residual m x n and the bias n
+        // SAFETY: xs is m x k, the residual m x n and the bias n
         // values (checked above); every one of the m x n outputs is written by a tile.
         unsafe {
             panels::gemm(

@@ -391,6 +391,10 @@ mod tests {
 
     #[test]
     fn layer_norm_matches_float64() -> Result<()> {
+        crate::ops::cpu::isa::on_each_isa(layer_norm_matches_float64_on_one_isa)
+    }
+
+    fn layer_norm_matches_float64_on_one_isa() -> Result<()> {
         // Channel counts below, at and off the vector width, and DRCT's 180.
         for c in [1usize, 16, 37, 180] {
             for offset in [0.0, 1000.0] {
@@ -410,6 +414,10 @@ mod tests {
 
     #[test]
     fn norm_gather_matches_gathered_float64_norm() -> Result<()> {
+        crate::ops::cpu::isa::on_each_isa(norm_gather_matches_gathered_float64_norm_on_one_isa)
+    }
+
+    fn norm_gather_matches_gathered_float64_norm_on_one_isa() -> Result<()> {
         let dev = Device::Cpu;
         let (ln, ln64) = norms(37)?;
         let x = tokens((2, 6, 37), 3.0)?;
@@ -428,6 +436,10 @@ mod tests {
 
     #[test]
     fn add_gather_norm_matches_float64() -> Result<()> {
+        crate::ops::cpu::isa::on_each_isa(add_gather_norm_matches_float64_on_one_isa)
+    }
+
+    fn add_gather_norm_matches_float64_on_one_isa() -> Result<()> {
         let dev = Device::Cpu;
         let (ln, ln64) = norms(19)?;
         let x = tokens((2, 5, 19), 0.0)?;
@@ -457,6 +469,12 @@ mod tests {
     /// HAT's 180.
     #[test]
     fn add_gather_norm_with_a_scaled_term_matches_the_unfused_ops() -> Result<()> {
+        crate::ops::cpu::isa::on_each_isa(
+            add_gather_norm_with_a_scaled_term_matches_the_unfused_ops_on_one_isa,
+        )
+    }
+
+    fn add_gather_norm_with_a_scaled_term_matches_the_unfused_ops_on_one_isa() -> Result<()> {
         let dev = Device::Cpu;
         for c in [5usize, 16, 37, 180] {
             let (ln, ln64) = norms(c)?;
@@ -547,6 +565,10 @@ mod tests {
     /// must not enter the variance as `(0 - mean)²`), and writes exact zeros on the padding.
     #[test]
     fn padded_rows_normalise_over_their_real_channels() -> Result<()> {
+        crate::ops::cpu::isa::on_each_isa(padded_rows_normalise_over_their_real_channels_on_one_isa)
+    }
+
+    fn padded_rows_normalise_over_their_real_channels_on_one_isa() -> Result<()> {
         let dev = Device::Cpu;
         let pad = Pad::to(8).unwrap();
         let ch = pad.one(13).then(&pad.parts(2, 5));
