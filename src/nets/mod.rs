@@ -3,7 +3,9 @@
 //! tells them apart. Nothing here chooses a device or a kernel: the operations in
 //! [`crate::ops`] do that when they are built.
 
+pub mod compact;
 pub mod drct;
+pub mod esrgan;
 mod frame;
 pub mod hat;
 pub mod infer;
@@ -130,6 +132,9 @@ pub enum BuildError {
     /// A layer could not be made of its weights.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// The configuration loads (`info` describes it) but this build does not run it.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 impl ModelError {
@@ -202,6 +207,12 @@ pub(crate) trait NetConfig: std::fmt::Debug + Send + Sync {
     /// alone (the tile planner's analytic cost).
     fn activations_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> f64;
 
+    /// Why this configuration cannot run in the RGB pipeline, if it cannot: a model with
+    /// other image channels still loads, for `info`, and is refused when built.
+    fn refusal(&self) -> Option<String> {
+        None
+    }
+
     /// Whether the network's layers can pad their channels (`UPSCALE_PAD_CHANNELS`).
     fn pads_channels(&self) -> bool {
         false
@@ -264,6 +275,9 @@ impl Model {
         // bf16 on the CPU keeps f32 activations and runs every matrix product (linear layers,
         // convolutions as GEMMs, both attention products) with bf16 operands and f32 sums:
         // the weights are read in f32 and each layer packs its own as it is built.
+        if let Some(why) = ck.config.refusal() {
+            return Err(build_error(BuildError::Unsupported(why)));
+        }
         let cpu_bf16 = dtype == DType::BF16 && device.is_cpu();
         let isa = match (cpu_bf16, bf16::isa()) {
             (false, _) => None,
