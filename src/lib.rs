@@ -1,4 +1,4 @@
-//! upscale: DRCT, SwinIR and HAT super-resolution.
+//! upscale: DRCT, SwinIR, HAT, ESRGAN and Real-ESRGAN Compact super-resolution.
 //!
 //! Programs that embed it need [`Upscaler`] and its [`Options`]: open a model once (official
 //! `.pth`/`.safetensors` weights or the embedded default), then upscale `image` crate images

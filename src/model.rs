@@ -43,6 +43,9 @@ impl Model {
         // bf16 on the CPU keeps f32 activations and runs every matrix product (linear layers,
         // convolutions as GEMMs, both attention products) with bf16 operands and f32 sums:
         // the weights are read in f32 and each layer packs its own as it is built.
+        if let Some(why) = ck.config.refusal() {
+            return Err(build_error(BuildError::Unsupported(why)));
+        }
         let cpu_bf16 = dtype == DType::BF16 && device.is_cpu();
         let isa = match (cpu_bf16, bf16::isa()) {
             (false, _) => None,

@@ -1,4 +1,5 @@
-//! Reading model weights (DRCT, SwinIR, HAT) from `.safetensors` and PyTorch `.pth` files.
+//! Reading model weights (of any architecture the registry holds) from `.safetensors` and
+//! PyTorch `.pth` files.
 //!
 //! The file format is told by content, not extension: safetensors starts with a little-endian
 //! header length, a modern `.pth` is a zip archive. Key names are normalised (wrappers,

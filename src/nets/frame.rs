@@ -167,7 +167,7 @@ impl Module for Tail {
             } => {
                 let mut y = lrelu(&before.forward(b)?, UPSAMPLE_SLOPE)?;
                 for up in ups {
-                    y = lrelu(&up.forward(&nearest2(&y)?)?, SLOPE)?;
+                    y = lrelu(&up.forward(&nearest(&y, 2)?)?, SLOPE)?;
                 }
                 last.forward(&lrelu(&hr.forward(&y)?, SLOPE)?)
             }
@@ -175,13 +175,13 @@ impl Module for Tail {
     }
 }
 
-/// `x` `(B, H, W, C)` repeated to `(B, 2H, 2W, C)` (nearest-neighbour upsampling by 2).
-fn nearest2(x: &Tensor) -> Result<Tensor> {
+/// `x` `(B, H, W, C)` repeated to `(B, rH, rW, C)` (nearest-neighbour upsampling by `r`).
+pub(crate) fn nearest(x: &Tensor, r: usize) -> Result<Tensor> {
     let (b, h, w, c) = x.dims4()?;
     x.reshape((b, h, 1, w, 1, c))?
-        .broadcast_as((b, h, 2, w, 2, c))?
+        .broadcast_as((b, h, r, w, r, c))?
         .contiguous()?
-        .reshape((b, 2 * h, 2 * w, c))
+        .reshape((b, r * h, r * w, c))
 }
 
 /// [`RGB_MEAN`] as the `(1, 1, 1, 3)` tensor the networks subtract and add back, in `vb`'s

@@ -114,6 +114,23 @@ pub enum ConfigError {
     /// A HAT checkpoint that does not fit HAT's configuration.
     #[error("HAT checkpoint: {0}")]
     Hat(#[source] Box<ConfigError>),
+    /// An RRDBNet whose unshuffled input its upsampling steps cannot bring back to size.
+    #[error(
+        "an input pixel-unshuffled by {unshuffle} and {upsamples} x2 upsampling steps: \
+         the network would shrink its input"
+    )]
+    UnshuffleScale {
+        /// The unshuffle factor read from the channels.
+        unshuffle: usize,
+        /// The upsampling convolutions.
+        upsamples: usize,
+    },
+    /// An ESRGAN checkpoint that does not fit RRDBNet's configuration.
+    #[error("ESRGAN checkpoint: {0}")]
+    Esrgan(#[source] Box<ConfigError>),
+    /// A Real-ESRGAN Compact checkpoint that does not fit SRVGGNetCompact's configuration.
+    #[error("Compact checkpoint: {0}")]
+    Compact(#[source] Box<ConfigError>),
     /// A SwinIR checkpoint that does not fit SwinIR's configuration.
     #[error("SwinIR checkpoint: {0}")]
     SwinIr(#[source] Box<ConfigError>),

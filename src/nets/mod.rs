@@ -3,7 +3,9 @@
 //! tells them apart. Nothing here chooses a device or a kernel: the operations in
 //! [`crate::ops`] do that when they are built.
 
+pub mod compact;
 pub mod drct;
+pub mod esrgan;
 mod frame;
 pub mod hat;
 pub mod infer;
@@ -32,6 +34,9 @@ pub enum BuildError {
     /// A layer could not be made of its weights.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// The configuration loads (`info` describes it) but this build does not run it.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 /// A network, built: the forward pass and what the engine asks of it.
@@ -86,6 +91,12 @@ pub(crate) trait NetConfig: std::fmt::Debug + Send + Sync {
     /// Values live at once per input pixel at the peak of a forward pass, from the shapes
     /// alone (the tile planner's analytic cost).
     fn activations_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> f64;
+
+    /// Why this configuration cannot run in the RGB pipeline, if it cannot: a model with
+    /// other image channels still loads, for `info`, and is refused when built.
+    fn refusal(&self) -> Option<String> {
+        None
+    }
 
     /// Whether the network's layers can pad their channels (`UPSCALE_PAD_CHANNELS`).
     fn pads_channels(&self) -> bool {

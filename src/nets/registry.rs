@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{drct, hat, swinir, ArchConfig, ConfigError};
+use super::{compact, drct, esrgan, hat, swinir, ArchConfig, ConfigError};
 
 /// A state dict's tensor names and shapes.
 pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
@@ -27,7 +27,13 @@ pub(crate) trait Architecture: Sync {
 }
 
 /// Every architecture this build loads, in the order messages list them.
-pub(crate) const REGISTRY: &[&dyn Architecture] = &[&drct::Arch, &swinir::Arch, &hat::Arch];
+pub(crate) const REGISTRY: &[&dyn Architecture] = &[
+    &drct::Arch,
+    &swinir::Arch,
+    &hat::Arch,
+    &esrgan::Arch,
+    &compact::Arch,
+];
 
 /// The architecture whose configuration inference explains a state dict none recognises
 /// but that has a `conv_first`: DRCT's, whose errors name the first missing tensor (a
@@ -91,14 +97,8 @@ pub(crate) fn swin_v2(shapes: &Shapes) -> bool {
 
 /// Other well-known super-resolution networks, named from their keys.
 fn other_architecture(shapes: &Shapes) -> Option<&'static str> {
-    let has = |k: &str| shapes.contains_key(k);
-    let prefix = |p: &str| shapes.keys().any(|k| k.starts_with(p));
     if swin_family(shapes) && swin_v2(shapes) {
         Some("a Swin2SR checkpoint (SwinV2 blocks: logit_scale, cpb_mlp)")
-    } else if prefix("body.0.rdb1.") || prefix("RRDB_trunk.") || prefix("model.1.sub.0.RDB1.") {
-        Some("an ESRGAN / Real-ESRGAN (RRDBNet) checkpoint")
-    } else if has("body.0.weight") && !has("conv_first.weight") {
-        Some("a Real-ESRGAN compact (SRVGGNetCompact) checkpoint")
     } else {
         None
     }
@@ -137,19 +137,27 @@ mod tests {
                 "conv_first.weight",
                 "layers.0.residual_group.blocks.0.attn.logit_scale",
             ]),
+            shapes(&["model.0.weight", "model.1.sub.0.RDB1.conv1.0.weight"]),
+            shapes(&["conv_first.weight", "body.0.rdb1.conv1.weight"]),
+            shapes(&["conv_first.weight", "RRDB_trunk.0.RDB1.conv1.weight"]),
+            shapes(&["body.0.weight", "body.1.weight", "body.2.weight"]),
         ];
         let claims: Vec<usize> = files
             .iter()
             .map(|f| REGISTRY.iter().filter(|a| a.detect(f)).count())
             .collect();
-        assert_eq!(claims, [1, 1, 1, 0]);
+        assert_eq!(claims, [1, 1, 1, 0, 1, 1, 1, 1]);
     }
 
     #[test]
     fn other_architectures_are_named_with_the_registry() {
-        let e = infer(&shapes(&["body.0.rdb1.conv1.weight"])).unwrap_err();
+        let e = infer(&shapes(&[
+            "conv_first.weight",
+            "layers.0.residual_group.blocks.0.attn.logit_scale",
+        ]))
+        .unwrap_err();
         let text = e.to_string();
-        assert!(text.contains("ESRGAN"), "{text}");
+        assert!(text.contains("Swin2SR"), "{text}");
         assert!(text.contains(&supported()), "{text}");
     }
 }

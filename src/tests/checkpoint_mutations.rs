@@ -101,6 +101,67 @@ fn mutate_shape(rng: &mut Rng, shape: &[usize], len: usize) -> Vec<usize> {
     }
 }
 
+/// `n` valid safetensors files made of `base` with one to three tensors reshaped, removed or
+/// renamed (a digit of the name changed: a layer index the file does not have), each loaded
+/// and run; returns how many were accepted.
+fn structured(
+    base: &[(String, Vec<usize>, Vec<f32>)],
+    rng: &mut Rng,
+    n: usize,
+    what: &str,
+) -> usize {
+    let mut accepted = 0;
+    for i in 0..n {
+        let mut t = base.to_vec();
+        for _ in 0..1 + rng.below(3) {
+            let k = rng.below(t.len());
+            match rng.below(8) {
+                0 => {
+                    t.remove(k);
+                }
+                1 => {
+                    let digits: Vec<usize> = (t[k].0.char_indices())
+                        .filter(|(_, c)| c.is_ascii_digit())
+                        .map(|(at, _)| at)
+                        .collect();
+                    if let Some(&at) = digits.get(rng.below(digits.len())) {
+                        let d = [b'0', b'1', b'7', b'9'][rng.below(4)] as char;
+                        t[k].0.replace_range(at..at + 1, &d.to_string());
+                    }
+                }
+                _ => {
+                    let shape = mutate_shape(rng, &t[k].1, t[k].2.len());
+                    let n: usize = shape.iter().product();
+                    t[k].2.resize(n, 0.5);
+                    t[k].1 = shape;
+                }
+            }
+        }
+        t.sort_by(|a, b| a.0.cmp(&b.0));
+        t.dedup_by(|a, b| a.0 == b.0);
+        accepted += load_and_run(&serialize(&t), &format!("{what} #{i}")) as usize;
+    }
+    accepted
+}
+
+/// The same structured mutations of an ESRGAN model that unshuffles its input and of a
+/// Compact model: their configuration is read from layer indices and channel ratios.
+#[test]
+fn mutated_esrgan_and_compact_checkpoints_never_panic() {
+    let mut rng = Rng(0x5851_f42d_4c95_7f2d);
+    for file in [
+        "esrgan/esrgan_x2_unshuffle.safetensors",
+        "esrgan/esrgan_x8_trunk.safetensors",
+        "compact/compact_x3_prelu.safetensors",
+        "compact/compact_x2_relu.safetensors",
+    ] {
+        let original = std::fs::read(crate::tests::golden(file)).unwrap();
+        assert!(load_and_run(&original, file), "{file} must load");
+        let accepted = structured(&tensors(&original), &mut rng, 300, file);
+        eprintln!("{file}: 300 mutated files, {accepted} accepted, none panicked");
+    }
+}
+
 #[test]
 fn mutated_checkpoints_never_panic() {
     let original = std::fs::read(crate::tests::golden(crate::tests::FAST_MODEL)).unwrap();
@@ -110,22 +171,8 @@ fn mutated_checkpoints_never_panic() {
     let (mut tried, mut accepted) = (0, 0);
 
     // Structured: valid safetensors files whose tensors have the wrong shapes or are missing.
-    for i in 0..600 {
-        let mut t = base.clone();
-        for _ in 0..1 + rng.below(3) {
-            let k = rng.below(t.len());
-            if rng.below(8) == 0 {
-                t.remove(k);
-                continue;
-            }
-            let shape = mutate_shape(&mut rng, &t[k].1, t[k].2.len());
-            let n: usize = shape.iter().product();
-            t[k].2.resize(n, 0.5);
-            t[k].1 = shape;
-        }
-        accepted += load_and_run(&serialize(&t), &format!("structured #{i}")) as usize;
-        tried += 1;
-    }
+    accepted += structured(&base, &mut rng, 600, "structured");
+    tried += 600;
 
     // Byte-level: corrupt the header (lengths, JSON) and the data of the real file.
     let header_end = 8 + u64::from_le_bytes(original[..8].try_into().unwrap()) as usize;

@@ -5,6 +5,8 @@
 use std::path::PathBuf;
 
 mod checkpoint_mutations;
+mod compact;
+mod esrgan;
 pub(crate) mod fixtures;
 mod golden;
 #[cfg(feature = "cuda")]
