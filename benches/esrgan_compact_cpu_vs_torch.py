@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""ESRGAN x4 (64 filters, 23 blocks, 64x64 input) and Real-ESRGAN Compact x4 (64 features,
+32 convolutions, 128x128 input) on the CPU: the `upscale` binary's whole process
+(`--device cpu --tile 0`, fp32) against PyTorch's warm forward of spandrel's module (fp32,
+the same threads), interleaved run by run so both see the same machine.
+
+  python3 benches/esrgan_compact_cpu_vs_torch.py UPSCALE_BINARY [RUNS] [THREADS]
+
+Needs torch, spandrel, safetensors, numpy, Pillow. The models are random weights written to a
+temporary folder; the inputs are crops of tests/photos/coffee.png.
+"""
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from spandrel.architectures.Compact import Compact
+from spandrel.architectures.ESRGAN import ESRGAN
+
+binary = sys.argv[1]
+runs = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+threads = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+torch.set_num_threads(threads)
+photo = np.asarray(Image.open(Path(__file__).resolve().parents[1] / "tests/photos/coffee.png")
+                   .convert("RGB"))
+torch.manual_seed(0)
+cases = [
+    ("ESRGAN x4, 64 filters, 23 blocks", ESRGAN(in_nc=3, out_nc=3, num_filters=64,
+                                               num_blocks=23, scale=4), 64),
+    ("Compact x4, 64 features, 32 convs", Compact(num_in_ch=3, num_out_ch=3, num_feat=64,
+                                                  num_conv=32, upscale=4), 128),
+]
+with tempfile.TemporaryDirectory() as tmp:
+    for name, model, n in cases:
+        model = model.eval()
+        weights = Path(tmp) / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+        crop = photo[40:40 + n, 100:100 + n]
+        image = Path(tmp) / "in.png"
+        Image.fromarray(crop).save(image)
+        x = torch.from_numpy(crop.astype(np.float32) / 255).permute(2, 0, 1)[None].contiguous()
+        cmd = [binary, "-m", str(weights), "--device", "cpu", "--tile", "0", "--precision",
+               "fp32", "-q", "--overwrite", "-o", str(Path(tmp) / "out.png"), str(image)]
+        env = {"RAYON_NUM_THREADS": str(threads)}
+        ours, theirs = [], []
+        with torch.inference_mode():
+            model(x)
+            for _ in range(runs):
+                t = time.perf_counter()
+                model(x)
+                theirs.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                subprocess.run(cmd, check=True, env=env)
+                ours.append(time.perf_counter() - t)
+        a, b = statistics.median(ours), statistics.median(theirs)
+        print(f"{name}, {n}x{n}: upscale {a:.3f} s (whole process), PyTorch {torch.__version__} "
+              f"{b:.3f} s (warm forward), {threads} threads: {b / a:.2f}x", flush=True)
