@@ -23,7 +23,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::nets::frame::nearest;
-use crate::nets::infer::{check_shapes, isqrt, out_width, parameters, tensor, ConfigError, Shapes};
+use crate::nets::infer::{check_shapes, isqrt, out_width, tensor, ConfigError, Shapes};
 use crate::nets::registry::Architecture;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::add;
@@ -65,32 +65,9 @@ pub struct CompactConfig {
 }
 
 impl CompactConfig {
-    /// Every tensor the configuration implies, with its shape.
-    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
-        let (c, f) = (self.channels, self.features);
-        let mut t = Vec::new();
-        let mut conv = |i: usize, cout: usize, cin: usize| {
-            t.push((format!("body.{i}.weight"), vec![cout, cin, 3, 3]));
-            t.push((format!("body.{i}.bias"), vec![cout]));
-            if self.activation == Activation::PRelu && i < self.last() {
-                t.push((format!("body.{}.weight", i + 1), vec![f]));
-            }
-        };
-        conv(0, f, c);
-        for k in 1..=self.convs {
-            conv(2 * k, f, f);
-        }
-        conv(self.last(), c * self.scale * self.scale, f);
-        t
-    }
-
     /// The index of the last convolution in `body`.
     fn last(&self) -> usize {
         2 * self.convs + 2
-    }
-
-    pub fn parameter_count(&self) -> usize {
-        parameters(&self.expected_tensors())
     }
 
     /// The configuration read from the tensor names and shapes, every tensor checked.
@@ -280,6 +257,35 @@ impl Architecture for Arch {
 }
 
 impl NetConfig for CompactConfig {
+    /// Every tensor the configuration implies, with its shape.
+    fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (c, f) = (self.channels, self.features);
+        let mut t = Vec::new();
+        let mut conv = |i: usize, cout: usize, cin: usize| {
+            t.push((format!("body.{i}.weight"), vec![cout, cin, 3, 3]));
+            t.push((format!("body.{i}.bias"), vec![cout]));
+            if self.activation == Activation::PRelu && i < self.last() {
+                t.push((format!("body.{}.weight", i + 1), vec![f]));
+            }
+        };
+        conv(0, f, c);
+        for k in 1..=self.convs {
+            conv(2 * k, f, f);
+        }
+        conv(self.last(), c * self.scale * self.scale, f);
+        t
+    }
+
+    fn flops(&self, h: usize, w: usize) -> f64 {
+        let per_pixel: f64 = self
+            .expected_tensors()
+            .iter()
+            .filter(|(_, s)| s.len() == 4)
+            .map(|(_, s)| 2.0 * s.iter().product::<usize>() as f64)
+            .sum();
+        per_pixel * (h * w) as f64
+    }
+
     fn family(&self) -> &'static str {
         "Compact"
     }
@@ -296,20 +302,6 @@ impl NetConfig for CompactConfig {
         1
     }
 
-    fn parameter_count(&self) -> usize {
-        CompactConfig::parameter_count(self)
-    }
-
-    fn flops(&self, h: usize, w: usize) -> f64 {
-        let per_pixel: f64 = self
-            .expected_tensors()
-            .iter()
-            .filter(|(_, s)| s.len() == 4)
-            .map(|(_, s)| 2.0 * s.iter().product::<usize>() as f64)
-            .sum();
-        per_pixel * (h * w) as f64
-    }
-
     fn describe(&self) -> serde_json::Value {
         json!({
             "scale": self.scale,
@@ -318,14 +310,6 @@ impl NetConfig for CompactConfig {
             "convs": self.convs,
             "activation": self.activation,
         })
-    }
-
-    fn to_json(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
-    }
-
-    fn widest_head_dim(&self) -> usize {
-        0
     }
 
     fn largest_tensor_per_pixel(&self, _: bool, _: Pad) -> usize {
@@ -353,10 +337,5 @@ impl NetConfig for CompactConfig {
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {
         Ok(Box::new(Compact::new(self, plan, vb)?))
-    }
-
-    #[cfg(test)]
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }

@@ -31,7 +31,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::nets::frame::nearest;
-use crate::nets::infer::{check_shapes, out_width, parameters, tensor, ConfigError, Shapes};
+use crate::nets::infer::{check_shapes, out_width, tensor, ConfigError, Shapes};
 use crate::nets::registry::Architecture;
 use crate::nets::swin::reflect_pad_bottom_right;
 use crate::nets::{ArchConfig, Net, NetConfig};
@@ -182,24 +182,6 @@ impl EsrganConfig {
         v.push((Layer::Hr, f, f, hr));
         v.push((Layer::Last, f, self.out_channels, hr));
         v
-    }
-
-    /// Every tensor the configuration implies, with its shape.
-    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
-        self.convs()
-            .into_iter()
-            .flat_map(|(layer, cin, cout, _)| {
-                let p = self.key(layer);
-                [
-                    (format!("{p}.weight"), vec![cout, cin, 3, 3]),
-                    (format!("{p}.bias"), vec![cout]),
-                ]
-            })
-            .collect()
-    }
-
-    pub fn parameter_count(&self) -> usize {
-        parameters(&self.expected_tensors())
     }
 
     /// The configuration read from the tensor names and shapes, every tensor checked.
@@ -444,6 +426,29 @@ impl Architecture for Arch {
 }
 
 impl NetConfig for EsrganConfig {
+    /// Every tensor the configuration implies, with its shape.
+    fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        self.convs()
+            .into_iter()
+            .flat_map(|(layer, cin, cout, _)| {
+                let p = self.key(layer);
+                [
+                    (format!("{p}.weight"), vec![cout, cin, 3, 3]),
+                    (format!("{p}.bias"), vec![cout]),
+                ]
+            })
+            .collect()
+    }
+
+    fn flops(&self, h: usize, w: usize) -> f64 {
+        let per_pixel: f64 = self
+            .convs()
+            .iter()
+            .map(|&(_, cin, cout, area)| 2.0 * 9.0 * (cin * cout) as f64 * area)
+            .sum();
+        per_pixel * (h * w) as f64
+    }
+
     fn family(&self) -> &'static str {
         "ESRGAN"
     }
@@ -461,19 +466,6 @@ impl NetConfig for EsrganConfig {
         self.unshuffle
     }
 
-    fn parameter_count(&self) -> usize {
-        EsrganConfig::parameter_count(self)
-    }
-
-    fn flops(&self, h: usize, w: usize) -> f64 {
-        let per_pixel: f64 = self
-            .convs()
-            .iter()
-            .map(|&(_, cin, cout, area)| 2.0 * 9.0 * (cin * cout) as f64 * area)
-            .sum();
-        per_pixel * (h * w) as f64
-    }
-
     fn describe(&self) -> serde_json::Value {
         json!({
             "scale": self.scale,
@@ -486,14 +478,6 @@ impl NetConfig for EsrganConfig {
             "upsamples": self.upsamples,
             "unshuffle": self.unshuffle,
         })
-    }
-
-    fn to_json(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
-    }
-
-    fn widest_head_dim(&self) -> usize {
-        0
     }
 
     fn largest_tensor_per_pixel(&self, _: bool, _: Pad) -> usize {
@@ -527,10 +511,5 @@ impl NetConfig for EsrganConfig {
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {
         Ok(Box::new(Esrgan::new(self, plan, vb)?))
-    }
-
-    #[cfg(test)]
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }

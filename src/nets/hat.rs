@@ -41,8 +41,8 @@ use serde_json::json;
 use crate::nets::frame::{AfterBody, Frame, Tail};
 use crate::nets::infer::ConfigError;
 use crate::nets::infer::{
-    check_shapes, isqrt, out_width, parameters, pixel_shuffle_scale, pixel_shuffle_stages,
-    swin_layout, tensor, Shapes, SwinLayout,
+    check_shapes, isqrt, out_width, pixel_shuffle_scale, pixel_shuffle_stages, swin_layout, tensor,
+    Shapes, SwinLayout,
 };
 use crate::nets::registry::{swin_family, Architecture};
 use crate::nets::swin::{load_layer_norm, BlockShape, Mlp, SwinBlock, SwinCost};
@@ -114,91 +114,8 @@ impl HatConfig {
         side * side
     }
 
-    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
-        let e = self.embed_dim;
-        let ws = self.window;
-        let f = self.num_feat;
-        let mut t: Vec<(String, Vec<usize>)> = Vec::new();
-        fn conv(t: &mut Vec<(String, Vec<usize>)>, name: &str, cout: usize, cin: usize, k: usize) {
-            t.push((format!("{name}.weight"), vec![cout, cin, k, k]));
-            t.push((format!("{name}.bias"), vec![cout]));
-        }
-        fn linear(t: &mut Vec<(String, Vec<usize>)>, name: &str, cout: usize, cin: usize) {
-            t.push((format!("{name}.weight"), vec![cout, cin]));
-            t.push((format!("{name}.bias"), vec![cout]));
-        }
-        fn norm(t: &mut Vec<(String, Vec<usize>)>, name: &str, e: usize) {
-            t.push((format!("{name}.weight"), vec![e]));
-            t.push((format!("{name}.bias"), vec![e]));
-        }
-        conv(&mut t, "conv_first", e, 3, 3);
-        if self.patch_norm {
-            norm(&mut t, "patch_embed.norm", e);
-        }
-        for (i, (&depth, &heads)) in self.depths.iter().zip(&self.heads).enumerate() {
-            for j in 0..depth {
-                let p = format!("layers.{i}.residual_group.blocks.{j}");
-                norm(&mut t, &format!("{p}.norm1"), e);
-                conv(
-                    &mut t,
-                    &format!("{p}.conv_block.cab.0"),
-                    self.cab_width,
-                    e,
-                    3,
-                );
-                conv(
-                    &mut t,
-                    &format!("{p}.conv_block.cab.2"),
-                    e,
-                    self.cab_width,
-                    3,
-                );
-                let ca = format!("{p}.conv_block.cab.3.attention");
-                conv(&mut t, &format!("{ca}.1"), self.squeeze_width, e, 1);
-                conv(&mut t, &format!("{ca}.3"), e, self.squeeze_width, 1);
-                t.push((
-                    format!("{p}.attn.relative_position_bias_table"),
-                    vec![(2 * ws - 1) * (2 * ws - 1), heads],
-                ));
-                linear(&mut t, &format!("{p}.attn.qkv"), 3 * e, e);
-                linear(&mut t, &format!("{p}.attn.proj"), e, e);
-                norm(&mut t, &format!("{p}.norm2"), e);
-                linear(&mut t, &format!("{p}.mlp.fc1"), self.mlp_hidden, e);
-                linear(&mut t, &format!("{p}.mlp.fc2"), e, self.mlp_hidden);
-            }
-            let p = format!("layers.{i}.residual_group.overlap_attn");
-            norm(&mut t, &format!("{p}.norm1"), e);
-            linear(&mut t, &format!("{p}.qkv"), 3 * e, e);
-            t.push((
-                format!("{p}.relative_position_bias_table"),
-                vec![self.ocab_table_rows(), heads],
-            ));
-            linear(&mut t, &format!("{p}.proj"), e, e);
-            norm(&mut t, &format!("{p}.norm2"), e);
-            linear(&mut t, &format!("{p}.mlp.fc1"), self.ocab_mlp_hidden, e);
-            linear(&mut t, &format!("{p}.mlp.fc2"), e, self.ocab_mlp_hidden);
-            if self.group_conv {
-                conv(&mut t, &format!("layers.{i}.conv"), e, e, 3);
-            }
-        }
-        norm(&mut t, "norm", e);
-        if self.group_conv {
-            conv(&mut t, "conv_after_body", e, e, 3);
-        }
-        conv(&mut t, "conv_before_upsample.0", f, e, 3);
-        for (i, r) in self.upsample_stages().iter().enumerate() {
-            conv(&mut t, &format!("upsample.{}", 2 * i), r * r * f, f, 3);
-        }
-        conv(&mut t, "conv_last", 3, f, 3);
-        t
-    }
-
     pub fn upsample_stages(&self) -> Vec<usize> {
         pixel_shuffle_stages(self.scale)
-    }
-
-    pub fn parameter_count(&self) -> usize {
-        parameters(&self.expected_tensors())
     }
 
     pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool) -> usize {
@@ -223,35 +140,6 @@ impl HatConfig {
         .into_iter()
         .max()
         .unwrap_or(1)
-    }
-
-    pub fn flops(&self, h: usize, w: usize) -> f64 {
-        let l = (h * w) as f64;
-        let e = self.embed_dim as f64;
-        let n = (self.window * self.window) as f64;
-        let on = (self.overlap_window * self.overlap_window) as f64;
-        let cw = self.cab_width as f64;
-        let hid = self.mlp_hidden as f64;
-        let ohid = self.ocab_mlp_hidden as f64;
-        let f = self.num_feat as f64;
-        let blocks: f64 = self.depths.iter().sum::<usize>() as f64;
-        let groups = self.depths.len() as f64;
-        let hab = 2.0 * (4.0 * e * e + 2.0 * e * hid) + 4.0 * n * e + 2.0 * 2.0 * 9.0 * e * cw;
-        let ocab = 2.0 * (4.0 * e * e + 2.0 * e * ohid) + 4.0 * on * e;
-        let conv = 2.0 * 9.0 * e * e;
-        let mut total = l
-            * (2.0 * 27.0 * e
-                + blocks * hab
-                + groups * (ocab + if self.group_conv { conv } else { 0.0 })
-                + if self.group_conv { conv } else { 0.0 }
-                + 2.0 * 9.0 * e * f);
-        let mut pixels = l;
-        for r in self.upsample_stages() {
-            let r = r as f64;
-            total += 2.0 * pixels * 9.0 * f * r * r * f;
-            pixels *= r * r;
-        }
-        total + 2.0 * pixels * 9.0 * f * 3.0
     }
 
     pub fn infer(shapes: &Shapes) -> std::result::Result<Self, ConfigError> {
@@ -550,6 +438,114 @@ impl Architecture for Arch {
 }
 
 impl NetConfig for HatConfig {
+    fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let e = self.embed_dim;
+        let ws = self.window;
+        let f = self.num_feat;
+        let mut t: Vec<(String, Vec<usize>)> = Vec::new();
+        fn conv(t: &mut Vec<(String, Vec<usize>)>, name: &str, cout: usize, cin: usize, k: usize) {
+            t.push((format!("{name}.weight"), vec![cout, cin, k, k]));
+            t.push((format!("{name}.bias"), vec![cout]));
+        }
+        fn linear(t: &mut Vec<(String, Vec<usize>)>, name: &str, cout: usize, cin: usize) {
+            t.push((format!("{name}.weight"), vec![cout, cin]));
+            t.push((format!("{name}.bias"), vec![cout]));
+        }
+        fn norm(t: &mut Vec<(String, Vec<usize>)>, name: &str, e: usize) {
+            t.push((format!("{name}.weight"), vec![e]));
+            t.push((format!("{name}.bias"), vec![e]));
+        }
+        conv(&mut t, "conv_first", e, 3, 3);
+        if self.patch_norm {
+            norm(&mut t, "patch_embed.norm", e);
+        }
+        for (i, (&depth, &heads)) in self.depths.iter().zip(&self.heads).enumerate() {
+            for j in 0..depth {
+                let p = format!("layers.{i}.residual_group.blocks.{j}");
+                norm(&mut t, &format!("{p}.norm1"), e);
+                conv(
+                    &mut t,
+                    &format!("{p}.conv_block.cab.0"),
+                    self.cab_width,
+                    e,
+                    3,
+                );
+                conv(
+                    &mut t,
+                    &format!("{p}.conv_block.cab.2"),
+                    e,
+                    self.cab_width,
+                    3,
+                );
+                let ca = format!("{p}.conv_block.cab.3.attention");
+                conv(&mut t, &format!("{ca}.1"), self.squeeze_width, e, 1);
+                conv(&mut t, &format!("{ca}.3"), e, self.squeeze_width, 1);
+                t.push((
+                    format!("{p}.attn.relative_position_bias_table"),
+                    vec![(2 * ws - 1) * (2 * ws - 1), heads],
+                ));
+                linear(&mut t, &format!("{p}.attn.qkv"), 3 * e, e);
+                linear(&mut t, &format!("{p}.attn.proj"), e, e);
+                norm(&mut t, &format!("{p}.norm2"), e);
+                linear(&mut t, &format!("{p}.mlp.fc1"), self.mlp_hidden, e);
+                linear(&mut t, &format!("{p}.mlp.fc2"), e, self.mlp_hidden);
+            }
+            let p = format!("layers.{i}.residual_group.overlap_attn");
+            norm(&mut t, &format!("{p}.norm1"), e);
+            linear(&mut t, &format!("{p}.qkv"), 3 * e, e);
+            t.push((
+                format!("{p}.relative_position_bias_table"),
+                vec![self.ocab_table_rows(), heads],
+            ));
+            linear(&mut t, &format!("{p}.proj"), e, e);
+            norm(&mut t, &format!("{p}.norm2"), e);
+            linear(&mut t, &format!("{p}.mlp.fc1"), self.ocab_mlp_hidden, e);
+            linear(&mut t, &format!("{p}.mlp.fc2"), e, self.ocab_mlp_hidden);
+            if self.group_conv {
+                conv(&mut t, &format!("layers.{i}.conv"), e, e, 3);
+            }
+        }
+        norm(&mut t, "norm", e);
+        if self.group_conv {
+            conv(&mut t, "conv_after_body", e, e, 3);
+        }
+        conv(&mut t, "conv_before_upsample.0", f, e, 3);
+        for (i, r) in self.upsample_stages().iter().enumerate() {
+            conv(&mut t, &format!("upsample.{}", 2 * i), r * r * f, f, 3);
+        }
+        conv(&mut t, "conv_last", 3, f, 3);
+        t
+    }
+
+    fn flops(&self, h: usize, w: usize) -> f64 {
+        let l = (h * w) as f64;
+        let e = self.embed_dim as f64;
+        let n = (self.window * self.window) as f64;
+        let on = (self.overlap_window * self.overlap_window) as f64;
+        let cw = self.cab_width as f64;
+        let hid = self.mlp_hidden as f64;
+        let ohid = self.ocab_mlp_hidden as f64;
+        let f = self.num_feat as f64;
+        let blocks: f64 = self.depths.iter().sum::<usize>() as f64;
+        let groups = self.depths.len() as f64;
+        let hab = 2.0 * (4.0 * e * e + 2.0 * e * hid) + 4.0 * n * e + 2.0 * 2.0 * 9.0 * e * cw;
+        let ocab = 2.0 * (4.0 * e * e + 2.0 * e * ohid) + 4.0 * on * e;
+        let conv = 2.0 * 9.0 * e * e;
+        let mut total = l
+            * (2.0 * 27.0 * e
+                + blocks * hab
+                + groups * (ocab + if self.group_conv { conv } else { 0.0 })
+                + if self.group_conv { conv } else { 0.0 }
+                + 2.0 * 9.0 * e * f);
+        let mut pixels = l;
+        for r in self.upsample_stages() {
+            let r = r as f64;
+            total += 2.0 * pixels * 9.0 * f * r * r * f;
+            pixels *= r * r;
+        }
+        total + 2.0 * pixels * 9.0 * f * 3.0
+    }
+
     fn family(&self) -> &'static str {
         "HAT"
     }
@@ -602,18 +598,6 @@ impl NetConfig for HatConfig {
         self.window
     }
 
-    fn parameter_count(&self) -> usize {
-        HatConfig::parameter_count(self)
-    }
-
-    fn flops(&self, h: usize, w: usize) -> f64 {
-        HatConfig::flops(self, h, w)
-    }
-
-    fn to_json(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
-    }
-
     fn widest_head_dim(&self) -> usize {
         (0..self.heads.len())
             .map(|i| self.head_dim(i))
@@ -627,10 +611,5 @@ impl NetConfig for HatConfig {
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {
         Ok(Box::new(Hat::new(self, plan, vb)?))
-    }
-
-    #[cfg(test)]
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }

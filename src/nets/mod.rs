@@ -54,9 +54,30 @@ pub(crate) trait Net: Module + Send + Sync {
     fn cached_masks(&self) -> usize;
 }
 
+/// What every configuration answers the same way, from its serialisable fields.
+pub(crate) trait Serialised {
+    /// The configuration serialised, for a converted file's metadata.
+    fn to_json(&self) -> String;
+
+    /// For tests that compare one architecture's configuration.
+    #[cfg(test)]
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+impl<T: serde::Serialize + 'static> Serialised for T {
+    fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    #[cfg(test)]
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// What an architecture's configuration, read from its weights, tells the rest of the
 /// crate: names for `info`, sizes for the tile planner, and how to build the network.
-pub(crate) trait NetConfig: std::fmt::Debug + Send + Sync {
+pub(crate) trait NetConfig: Serialised + std::fmt::Debug + Send + Sync {
     /// The architecture, as its registry entry names it (`"DRCT"`).
     fn family(&self) -> &'static str;
 
@@ -69,8 +90,14 @@ pub(crate) trait NetConfig: std::fmt::Debug + Send + Sync {
     /// The multiple the network pads its input to (its attention window; 1 for none).
     fn window(&self) -> usize;
 
+    /// Every tensor the network reads, with its shape: what loading checks the file against,
+    /// and what the parameter count sums.
+    fn expected_tensors(&self) -> Vec<(String, Vec<usize>)>;
+
     /// Learned parameters.
-    fn parameter_count(&self) -> usize;
+    fn parameter_count(&self) -> usize {
+        infer::parameters(&self.expected_tensors())
+    }
 
     /// Multiply-adds x2 of one forward pass over a padded `h x w` input.
     fn flops(&self, h: usize, w: usize) -> f64;
@@ -78,11 +105,10 @@ pub(crate) trait NetConfig: std::fmt::Debug + Send + Sync {
     /// The configuration as `info --json` shows it (beside the fields every model has).
     fn describe(&self) -> serde_json::Value;
 
-    /// The configuration serialised, for a converted file's metadata.
-    fn to_json(&self) -> String;
-
     /// The widest attention head of any block (0 without attention).
-    fn widest_head_dim(&self) -> usize;
+    fn widest_head_dim(&self) -> usize {
+        0
+    }
 
     /// The most values any one intermediate tensor holds per padded input pixel (the bound
     /// candle's 32-bit CUDA indexing puts on a forward pass).
@@ -105,10 +131,6 @@ pub(crate) trait NetConfig: std::fmt::Debug + Send + Sync {
 
     /// The network stored under `vb`, built as `plan` says.
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> candle_core::Result<Box<dyn Net>>;
-
-    /// For tests that compare one architecture's configuration.
-    #[cfg(test)]
-    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// One value where every entry agrees (the released models), else the list.

@@ -35,8 +35,8 @@ use serde_json::json;
 use crate::nets::frame::{AfterBody, Frame, Tail};
 use crate::nets::hat;
 use crate::nets::infer::{
-    check_shapes, isqrt, out_width, parameters, pixel_shuffle_scale, pixel_shuffle_stages,
-    swin_layout, tensor, ConfigError, Shapes, SwinLayout, UNEXPECTED_SWINIR,
+    check_shapes, isqrt, out_width, pixel_shuffle_scale, pixel_shuffle_stages, swin_layout, tensor,
+    ConfigError, Shapes, SwinLayout, UNEXPECTED_SWINIR,
 };
 use crate::nets::registry::{swin_family, swin_v2, Architecture};
 use crate::nets::swin::{BlockShape, SwinBlock, SwinCost};
@@ -139,81 +139,9 @@ impl SwinIrConfig {
         }
     }
 
-    /// Every tensor the network needs, with its shape: the single source of truth for
-    /// validation and the parameter count.
-    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
-        let e = self.embed_dim;
-        let ws = self.window;
-        let f = self.num_feat;
-        let hid = self.mlp_hidden;
-        let mut t: Vec<(String, Vec<usize>)> = Vec::new();
-        let conv = |t: &mut Vec<(String, Vec<usize>)>, name: &str, cout, cin| {
-            t.push((format!("{name}.weight"), vec![cout, cin, 3, 3]));
-            t.push((format!("{name}.bias"), vec![cout]));
-        };
-        conv(&mut t, "conv_first", e, 3);
-        if self.patch_norm {
-            t.push(("patch_embed.norm.weight".into(), vec![e]));
-            t.push(("patch_embed.norm.bias".into(), vec![e]));
-        }
-        for (i, (&depth, &heads)) in self.depths.iter().zip(&self.heads).enumerate() {
-            for j in 0..depth {
-                let p = format!("layers.{i}.residual_group.blocks.{j}");
-                let mut push =
-                    |name: &str, shape: Vec<usize>| t.push((format!("{p}.{name}"), shape));
-                push("norm1.weight", vec![e]);
-                push("norm1.bias", vec![e]);
-                push(
-                    "attn.relative_position_bias_table",
-                    vec![(2 * ws - 1) * (2 * ws - 1), heads],
-                );
-                push("attn.qkv.weight", vec![3 * e, e]);
-                push("attn.qkv.bias", vec![3 * e]);
-                push("attn.proj.weight", vec![e, e]);
-                push("attn.proj.bias", vec![e]);
-                push("norm2.weight", vec![e]);
-                push("norm2.bias", vec![e]);
-                push("mlp.fc1.weight", vec![hid, e]);
-                push("mlp.fc1.bias", vec![hid]);
-                push("mlp.fc2.weight", vec![e, hid]);
-                push("mlp.fc2.bias", vec![e]);
-            }
-            self.push_resi(&mut t, &format!("layers.{i}.conv"));
-        }
-        t.push(("norm.weight".into(), vec![e]));
-        t.push(("norm.bias".into(), vec![e]));
-        self.push_resi(&mut t, "conv_after_body");
-        match self.upsampler {
-            Upsampler::PixelShuffle => {
-                conv(&mut t, "conv_before_upsample.0", f, e);
-                for (i, r) in self.upsample_stages().iter().enumerate() {
-                    conv(&mut t, &format!("upsample.{}", 2 * i), r * r * f, f);
-                }
-                conv(&mut t, "conv_last", 3, f);
-            }
-            Upsampler::PixelShuffleDirect => {
-                conv(&mut t, "upsample.0", 3 * self.scale * self.scale, e);
-            }
-            Upsampler::NearestConv => {
-                conv(&mut t, "conv_before_upsample.0", f, e);
-                conv(&mut t, "conv_up1", f, f);
-                if self.scale == 4 {
-                    conv(&mut t, "conv_up2", f, f);
-                }
-                conv(&mut t, "conv_hr", f, f);
-                conv(&mut t, "conv_last", 3, f);
-            }
-        }
-        t
-    }
-
     /// Pixel-shuffle factor of each stage of the classical upsampler.
     pub fn upsample_stages(&self) -> Vec<usize> {
         pixel_shuffle_stages(self.scale)
-    }
-
-    pub fn parameter_count(&self) -> usize {
-        parameters(&self.expected_tensors())
     }
 
     /// The most values one intermediate tensor holds per padded input pixel (see
@@ -227,28 +155,6 @@ impl SwinIrConfig {
             .into_iter()
             .max()
             .unwrap_or(1)
-    }
-
-    /// Multiply-adds x2 of one forward pass over a padded `h x w` input (convolutions,
-    /// linear layers and both attention products).
-    pub fn flops(&self, h: usize, w: usize) -> f64 {
-        let per_pixel: f64 = self
-            .expected_tensors()
-            .iter()
-            .filter(|(name, s)| name.ends_with(".weight") && s.len() == 4)
-            .map(|(name, s)| {
-                // Convolutions run at the resolution their position implies.
-                let area = self.conv_area(name);
-                2.0 * area * s.iter().product::<usize>() as f64
-            })
-            .sum();
-        let l = (h * w) as f64;
-        let e = self.embed_dim as f64;
-        let n = (self.window * self.window) as f64;
-        let hid = self.mlp_hidden as f64;
-        let blocks: usize = self.depths.iter().sum();
-        let linear = 2.0 * (4.0 * e * e + 2.0 * e * hid) + 4.0 * n * e;
-        l * (per_pixel + blocks as f64 * linear)
     }
 
     /// Output pixels per input pixel of the convolution named `name`.
@@ -485,6 +391,96 @@ impl Architecture for Arch {
 }
 
 impl NetConfig for SwinIrConfig {
+    /// Every tensor the network needs, with its shape: the single source of truth for
+    /// validation and the parameter count.
+    fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let e = self.embed_dim;
+        let ws = self.window;
+        let f = self.num_feat;
+        let hid = self.mlp_hidden;
+        let mut t: Vec<(String, Vec<usize>)> = Vec::new();
+        let conv = |t: &mut Vec<(String, Vec<usize>)>, name: &str, cout, cin| {
+            t.push((format!("{name}.weight"), vec![cout, cin, 3, 3]));
+            t.push((format!("{name}.bias"), vec![cout]));
+        };
+        conv(&mut t, "conv_first", e, 3);
+        if self.patch_norm {
+            t.push(("patch_embed.norm.weight".into(), vec![e]));
+            t.push(("patch_embed.norm.bias".into(), vec![e]));
+        }
+        for (i, (&depth, &heads)) in self.depths.iter().zip(&self.heads).enumerate() {
+            for j in 0..depth {
+                let p = format!("layers.{i}.residual_group.blocks.{j}");
+                let mut push =
+                    |name: &str, shape: Vec<usize>| t.push((format!("{p}.{name}"), shape));
+                push("norm1.weight", vec![e]);
+                push("norm1.bias", vec![e]);
+                push(
+                    "attn.relative_position_bias_table",
+                    vec![(2 * ws - 1) * (2 * ws - 1), heads],
+                );
+                push("attn.qkv.weight", vec![3 * e, e]);
+                push("attn.qkv.bias", vec![3 * e]);
+                push("attn.proj.weight", vec![e, e]);
+                push("attn.proj.bias", vec![e]);
+                push("norm2.weight", vec![e]);
+                push("norm2.bias", vec![e]);
+                push("mlp.fc1.weight", vec![hid, e]);
+                push("mlp.fc1.bias", vec![hid]);
+                push("mlp.fc2.weight", vec![e, hid]);
+                push("mlp.fc2.bias", vec![e]);
+            }
+            self.push_resi(&mut t, &format!("layers.{i}.conv"));
+        }
+        t.push(("norm.weight".into(), vec![e]));
+        t.push(("norm.bias".into(), vec![e]));
+        self.push_resi(&mut t, "conv_after_body");
+        match self.upsampler {
+            Upsampler::PixelShuffle => {
+                conv(&mut t, "conv_before_upsample.0", f, e);
+                for (i, r) in self.upsample_stages().iter().enumerate() {
+                    conv(&mut t, &format!("upsample.{}", 2 * i), r * r * f, f);
+                }
+                conv(&mut t, "conv_last", 3, f);
+            }
+            Upsampler::PixelShuffleDirect => {
+                conv(&mut t, "upsample.0", 3 * self.scale * self.scale, e);
+            }
+            Upsampler::NearestConv => {
+                conv(&mut t, "conv_before_upsample.0", f, e);
+                conv(&mut t, "conv_up1", f, f);
+                if self.scale == 4 {
+                    conv(&mut t, "conv_up2", f, f);
+                }
+                conv(&mut t, "conv_hr", f, f);
+                conv(&mut t, "conv_last", 3, f);
+            }
+        }
+        t
+    }
+
+    /// Multiply-adds x2 of one forward pass over a padded `h x w` input (convolutions,
+    /// linear layers and both attention products).
+    fn flops(&self, h: usize, w: usize) -> f64 {
+        let per_pixel: f64 = self
+            .expected_tensors()
+            .iter()
+            .filter(|(name, s)| name.ends_with(".weight") && s.len() == 4)
+            .map(|(name, s)| {
+                // Convolutions run at the resolution their position implies.
+                let area = self.conv_area(name);
+                2.0 * area * s.iter().product::<usize>() as f64
+            })
+            .sum();
+        let l = (h * w) as f64;
+        let e = self.embed_dim as f64;
+        let n = (self.window * self.window) as f64;
+        let hid = self.mlp_hidden as f64;
+        let blocks: usize = self.depths.iter().sum();
+        let linear = 2.0 * (4.0 * e * e + 2.0 * e * hid) + 4.0 * n * e;
+        l * (per_pixel + blocks as f64 * linear)
+    }
+
     fn family(&self) -> &'static str {
         "SwinIR"
     }
@@ -533,18 +529,6 @@ impl NetConfig for SwinIrConfig {
         self.window
     }
 
-    fn parameter_count(&self) -> usize {
-        SwinIrConfig::parameter_count(self)
-    }
-
-    fn flops(&self, h: usize, w: usize) -> f64 {
-        SwinIrConfig::flops(self, h, w)
-    }
-
-    fn to_json(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
-    }
-
     fn widest_head_dim(&self) -> usize {
         (0..self.heads.len())
             .map(|i| self.head_dim(i))
@@ -558,10 +542,5 @@ impl NetConfig for SwinIrConfig {
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {
         Ok(Box::new(SwinIr::new(self, plan, vb)?))
-    }
-
-    #[cfg(test)]
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }

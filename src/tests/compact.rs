@@ -13,7 +13,7 @@ use super::fixtures::{
 use crate::checkpoint::Checkpoint;
 use crate::model::Model;
 use crate::nets::compact::{Activation, CompactConfig};
-use crate::nets::config_of;
+use crate::nets::{config_of, NetConfig};
 
 fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/compact")

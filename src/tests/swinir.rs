@@ -13,9 +13,9 @@ use super::fixtures::{
 };
 use crate::checkpoint::{Checkpoint, Source};
 use crate::model::Model;
-use crate::nets::config_of;
 use crate::nets::swinir::SwinIrConfig;
 use crate::nets::swinir::{ResiConnection, Upsampler};
+use crate::nets::{config_of, NetConfig};
 
 fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/swinir")

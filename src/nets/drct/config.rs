@@ -7,9 +7,15 @@
 
 use std::collections::BTreeMap;
 
+use candle_nn::VarBuilder;
 use serde::Serialize;
+use serde_json::json;
 
+use super::Drct;
 use crate::nets::infer::ConfigError;
+use crate::nets::swin::SwinCost;
+use crate::nets::{Net, NetConfig};
+use crate::ops::LoadPlan;
 
 use crate::ops::pad::Pad;
 
@@ -44,71 +50,6 @@ impl DrctConfig {
         self.block_dim(k) / self.heads[g][k]
     }
 
-    /// Every tensor the network needs, with its shape. The single source of truth for both
-    /// validation and the parameter count.
-    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
-        let e = self.embed_dim;
-        let ws = self.window;
-        let f = self.num_feat;
-        let mut t: Vec<(String, Vec<usize>)> = Vec::new();
-        let mut push = |name: String, shape: Vec<usize>| t.push((name, shape));
-        push("conv_first.weight".into(), vec![e, 3, 3, 3]);
-        push("conv_first.bias".into(), vec![e]);
-        if self.patch_norm {
-            push("patch_embed.norm.weight".into(), vec![e]);
-            push("patch_embed.norm.bias".into(), vec![e]);
-        }
-        for g in 0..self.groups {
-            for k in 0..BLOCKS_PER_GROUP {
-                let d = self.block_dim(k);
-                let h = self.mlp_hidden[k];
-                let p = format!("layers.{g}.swin{}", k + 1);
-                push(format!("{p}.norm1.weight"), vec![d]);
-                push(format!("{p}.norm1.bias"), vec![d]);
-                push(
-                    format!("{p}.attn.relative_position_bias_table"),
-                    vec![(2 * ws - 1) * (2 * ws - 1), self.heads[g][k]],
-                );
-                push(format!("{p}.attn.qkv.weight"), vec![3 * d, d]);
-                push(format!("{p}.attn.qkv.bias"), vec![3 * d]);
-                push(format!("{p}.attn.proj.weight"), vec![d, d]);
-                push(format!("{p}.attn.proj.bias"), vec![d]);
-                push(format!("{p}.norm2.weight"), vec![d]);
-                push(format!("{p}.norm2.bias"), vec![d]);
-                push(format!("{p}.mlp.fc1.weight"), vec![h, d]);
-                push(format!("{p}.mlp.fc1.bias"), vec![h]);
-                push(format!("{p}.mlp.fc2.weight"), vec![d, h]);
-                push(format!("{p}.mlp.fc2.bias"), vec![d]);
-                let out = if k + 1 == BLOCKS_PER_GROUP {
-                    e
-                } else {
-                    self.growth
-                };
-                let a = format!("layers.{g}.adjust{}", k + 1);
-                push(format!("{a}.weight"), vec![out, d, 1, 1]);
-                push(format!("{a}.bias"), vec![out]);
-            }
-        }
-        push("norm.weight".into(), vec![e]);
-        push("norm.bias".into(), vec![e]);
-        if self.conv_after_body {
-            push("conv_after_body.weight".into(), vec![e, e, 3, 3]);
-            push("conv_after_body.bias".into(), vec![e]);
-        }
-        push("conv_before_upsample.0.weight".into(), vec![f, e, 3, 3]);
-        push("conv_before_upsample.0.bias".into(), vec![f]);
-        for (i, r) in self.upsample_stages().iter().enumerate() {
-            push(
-                format!("upsample.{}.weight", 2 * i),
-                vec![r * r * f, f, 3, 3],
-            );
-            push(format!("upsample.{}.bias", 2 * i), vec![r * r * f]);
-        }
-        push("conv_last.weight".into(), vec![3, f, 3, 3]);
-        push("conv_last.bias".into(), vec![3]);
-        t
-    }
-
     /// Pixel-shuffle factor of each upsampler stage: x3 is one stage of 3, powers of two are
     /// stages of 2.
     pub fn upsample_stages(&self) -> Vec<usize> {
@@ -141,48 +82,6 @@ impl DrctConfig {
             .into_iter()
             .max()
             .unwrap_or(1)
-    }
-
-    /// Multiply-adds x2 of one forward pass over a padded `h x w` input: the convolutions,
-    /// every linear layer and both attention matmuls. Element-wise work is left out, as FLOP
-    /// counts conventionally do.
-    pub fn flops(&self, h: usize, w: usize) -> f64 {
-        let l = (h * w) as f64;
-        let e = self.embed_dim as f64;
-        let f = self.num_feat as f64;
-        let n = (self.window * self.window) as f64;
-        let mut total = 2.0 * l * 27.0 * e; // conv_first
-        for _ in 0..self.groups {
-            for k in 0..BLOCKS_PER_GROUP {
-                let d = self.block_dim(k) as f64;
-                let hid = self.mlp_hidden[k] as f64;
-                let out = if k + 1 == BLOCKS_PER_GROUP {
-                    e
-                } else {
-                    self.growth as f64
-                };
-                total += 2.0 * l * (3.0 * d * d + d * d + 2.0 * d * hid + d * out);
-                total += 2.0 * 2.0 * l * n * d; // q.k^T and attn.v
-            }
-        }
-        if self.conv_after_body {
-            total += 2.0 * l * 9.0 * e * e;
-        }
-        total += 2.0 * l * 9.0 * e * f; // conv_before_upsample
-        let mut pixels = l;
-        for r in self.upsample_stages() {
-            let r = r as f64;
-            total += 2.0 * pixels * 9.0 * f * r * r * f;
-            pixels *= r * r;
-        }
-        total + 2.0 * pixels * 9.0 * f * 3.0 // conv_last
-    }
-
-    pub fn parameter_count(&self) -> usize {
-        self.expected_tensors()
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>())
-            .sum()
     }
 
     /// Infer the config from tensor names and shapes, then check every tensor against it.
@@ -259,6 +158,188 @@ impl DrctConfig {
             }
         }
         Ok(())
+    }
+}
+
+impl NetConfig for DrctConfig {
+    /// Every tensor the network needs, with its shape. The single source of truth for both
+    /// validation and the parameter count.
+    fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let e = self.embed_dim;
+        let ws = self.window;
+        let f = self.num_feat;
+        let mut t: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut push = |name: String, shape: Vec<usize>| t.push((name, shape));
+        push("conv_first.weight".into(), vec![e, 3, 3, 3]);
+        push("conv_first.bias".into(), vec![e]);
+        if self.patch_norm {
+            push("patch_embed.norm.weight".into(), vec![e]);
+            push("patch_embed.norm.bias".into(), vec![e]);
+        }
+        for g in 0..self.groups {
+            for k in 0..BLOCKS_PER_GROUP {
+                let d = self.block_dim(k);
+                let h = self.mlp_hidden[k];
+                let p = format!("layers.{g}.swin{}", k + 1);
+                push(format!("{p}.norm1.weight"), vec![d]);
+                push(format!("{p}.norm1.bias"), vec![d]);
+                push(
+                    format!("{p}.attn.relative_position_bias_table"),
+                    vec![(2 * ws - 1) * (2 * ws - 1), self.heads[g][k]],
+                );
+                push(format!("{p}.attn.qkv.weight"), vec![3 * d, d]);
+                push(format!("{p}.attn.qkv.bias"), vec![3 * d]);
+                push(format!("{p}.attn.proj.weight"), vec![d, d]);
+                push(format!("{p}.attn.proj.bias"), vec![d]);
+                push(format!("{p}.norm2.weight"), vec![d]);
+                push(format!("{p}.norm2.bias"), vec![d]);
+                push(format!("{p}.mlp.fc1.weight"), vec![h, d]);
+                push(format!("{p}.mlp.fc1.bias"), vec![h]);
+                push(format!("{p}.mlp.fc2.weight"), vec![d, h]);
+                push(format!("{p}.mlp.fc2.bias"), vec![d]);
+                let out = if k + 1 == BLOCKS_PER_GROUP {
+                    e
+                } else {
+                    self.growth
+                };
+                let a = format!("layers.{g}.adjust{}", k + 1);
+                push(format!("{a}.weight"), vec![out, d, 1, 1]);
+                push(format!("{a}.bias"), vec![out]);
+            }
+        }
+        push("norm.weight".into(), vec![e]);
+        push("norm.bias".into(), vec![e]);
+        if self.conv_after_body {
+            push("conv_after_body.weight".into(), vec![e, e, 3, 3]);
+            push("conv_after_body.bias".into(), vec![e]);
+        }
+        push("conv_before_upsample.0.weight".into(), vec![f, e, 3, 3]);
+        push("conv_before_upsample.0.bias".into(), vec![f]);
+        for (i, r) in self.upsample_stages().iter().enumerate() {
+            push(
+                format!("upsample.{}.weight", 2 * i),
+                vec![r * r * f, f, 3, 3],
+            );
+            push(format!("upsample.{}.bias", 2 * i), vec![r * r * f]);
+        }
+        push("conv_last.weight".into(), vec![3, f, 3, 3]);
+        push("conv_last.bias".into(), vec![3]);
+        t
+    }
+
+    /// Multiply-adds x2 of one forward pass over a padded `h x w` input: the convolutions,
+    /// every linear layer and both attention matmuls. Element-wise work is left out, as FLOP
+    /// counts conventionally do.
+    fn flops(&self, h: usize, w: usize) -> f64 {
+        let l = (h * w) as f64;
+        let e = self.embed_dim as f64;
+        let f = self.num_feat as f64;
+        let n = (self.window * self.window) as f64;
+        let mut total = 2.0 * l * 27.0 * e; // conv_first
+        for _ in 0..self.groups {
+            for k in 0..BLOCKS_PER_GROUP {
+                let d = self.block_dim(k) as f64;
+                let hid = self.mlp_hidden[k] as f64;
+                let out = if k + 1 == BLOCKS_PER_GROUP {
+                    e
+                } else {
+                    self.growth as f64
+                };
+                total += 2.0 * l * (3.0 * d * d + d * d + 2.0 * d * hid + d * out);
+                total += 2.0 * 2.0 * l * n * d; // q.k^T and attn.v
+            }
+        }
+        if self.conv_after_body {
+            total += 2.0 * l * 9.0 * e * e;
+        }
+        total += 2.0 * l * 9.0 * e * f; // conv_before_upsample
+        let mut pixels = l;
+        for r in self.upsample_stages() {
+            let r = r as f64;
+            total += 2.0 * pixels * 9.0 * f * r * r * f;
+            pixels *= r * r;
+        }
+        total + 2.0 * pixels * 9.0 * f * 3.0 // conv_last
+    }
+
+    fn family(&self) -> &'static str {
+        "DRCT"
+    }
+
+    fn variant(&self) -> &'static str {
+        if self.groups >= 12 {
+            "DRCT-L"
+        } else {
+            "DRCT"
+        }
+    }
+
+    fn scale(&self) -> usize {
+        self.scale
+    }
+
+    fn window(&self) -> usize {
+        self.window
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let c = self;
+        let head_dims: Vec<Vec<usize>> = (0..c.groups)
+            .map(|g| (0..c.heads[g].len()).map(|k| c.head_dim(g, k)).collect())
+            .collect();
+        // One row per group is noise for the released models, where all groups agree.
+        let (heads, head_dims) = if c.heads.iter().all(|h| *h == c.heads[0]) {
+            (json!(c.heads[0]), json!(head_dims[0]))
+        } else {
+            (json!(c.heads), json!(head_dims))
+        };
+        json!({
+            "scale": c.scale,
+            "groups": c.groups,
+            "embed_dim": c.embed_dim,
+            "window": c.window,
+            "heads": heads,
+            "head_dims": head_dims,
+            "growth": c.growth,
+            "mlp_hidden": c.mlp_hidden,
+            "num_feat": c.num_feat,
+            "patch_norm": c.patch_norm,
+            "conv_after_body": c.conv_after_body,
+        })
+    }
+
+    fn widest_head_dim(&self) -> usize {
+        (0..self.groups)
+            .flat_map(|g| (0..BLOCKS_PER_GROUP).map(move |k| (g, k)))
+            .map(|(g, k)| self.head_dim(g, k))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn largest_tensor_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> usize {
+        DrctConfig::largest_tensor_per_pixel(self, scores_in_memory, pad)
+    }
+
+    fn activations_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> f64 {
+        SwinCost {
+            window: self.window,
+            // A block's input is padded part by part: the group's input, then each growth.
+            block: pad.width(self.embed_dim) + (BLOCKS_PER_GROUP - 1) * pad.width(self.growth),
+            heads: self.heads.iter().flatten().copied().max().unwrap_or(1),
+            unfused_scores: 0,
+            mlp_hidden: self.mlp_hidden.iter().copied().max().unwrap_or(0),
+            upsampler: self.num_feat,
+            scale: self.scale,
+        }
+        .activations_per_pixel(scores_in_memory, pad)
+    }
+
+    fn pads_channels(&self) -> bool {
+        true
+    }
+
+    fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> candle_core::Result<Box<dyn Net>> {
+        Ok(Box::new(Drct::new(self, plan, vb)?))
     }
 }
 

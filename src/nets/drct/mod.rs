@@ -9,13 +9,12 @@ pub mod config;
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
-use serde_json::json;
 
 use crate::nets::drct::config::{DrctConfig, BLOCKS_PER_GROUP};
 use crate::nets::frame::{AfterBody, Frame, Tail};
 use crate::nets::registry::{swin_family, Architecture, Shapes};
-use crate::nets::swin::{BlockShape, SwinBlock, SwinCost};
-use crate::nets::{ArchConfig, ConfigError, Net, NetConfig};
+use crate::nets::swin::{BlockShape, SwinBlock};
+use crate::nets::{ArchConfig, ConfigError, Net};
 use crate::ops::conv::Conv3x3;
 use crate::ops::linear::{pointwise_padded, Dense};
 use crate::ops::pad::{Channels, Pad};
@@ -46,105 +45,6 @@ impl Architecture for Arch {
 
     fn infer(&self, shapes: &Shapes) -> std::result::Result<ArchConfig, ConfigError> {
         Ok(std::sync::Arc::new(DrctConfig::infer(shapes)?))
-    }
-}
-
-impl NetConfig for DrctConfig {
-    fn family(&self) -> &'static str {
-        "DRCT"
-    }
-
-    fn variant(&self) -> &'static str {
-        if self.groups >= 12 {
-            "DRCT-L"
-        } else {
-            "DRCT"
-        }
-    }
-
-    fn scale(&self) -> usize {
-        self.scale
-    }
-
-    fn window(&self) -> usize {
-        self.window
-    }
-
-    fn parameter_count(&self) -> usize {
-        DrctConfig::parameter_count(self)
-    }
-
-    fn flops(&self, h: usize, w: usize) -> f64 {
-        DrctConfig::flops(self, h, w)
-    }
-
-    fn describe(&self) -> serde_json::Value {
-        let c = self;
-        let head_dims: Vec<Vec<usize>> = (0..c.groups)
-            .map(|g| (0..c.heads[g].len()).map(|k| c.head_dim(g, k)).collect())
-            .collect();
-        // One row per group is noise for the released models, where all groups agree.
-        let (heads, head_dims) = if c.heads.iter().all(|h| *h == c.heads[0]) {
-            (json!(c.heads[0]), json!(head_dims[0]))
-        } else {
-            (json!(c.heads), json!(head_dims))
-        };
-        json!({
-            "scale": c.scale,
-            "groups": c.groups,
-            "embed_dim": c.embed_dim,
-            "window": c.window,
-            "heads": heads,
-            "head_dims": head_dims,
-            "growth": c.growth,
-            "mlp_hidden": c.mlp_hidden,
-            "num_feat": c.num_feat,
-            "patch_norm": c.patch_norm,
-            "conv_after_body": c.conv_after_body,
-        })
-    }
-
-    fn to_json(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
-    }
-
-    fn widest_head_dim(&self) -> usize {
-        (0..self.groups)
-            .flat_map(|g| (0..BLOCKS_PER_GROUP).map(move |k| (g, k)))
-            .map(|(g, k)| self.head_dim(g, k))
-            .max()
-            .unwrap_or(0)
-    }
-
-    fn largest_tensor_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> usize {
-        DrctConfig::largest_tensor_per_pixel(self, scores_in_memory, pad)
-    }
-
-    fn activations_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> f64 {
-        SwinCost {
-            window: self.window,
-            // A block's input is padded part by part: the group's input, then each growth.
-            block: pad.width(self.embed_dim) + (BLOCKS_PER_GROUP - 1) * pad.width(self.growth),
-            heads: self.heads.iter().flatten().copied().max().unwrap_or(1),
-            unfused_scores: 0,
-            mlp_hidden: self.mlp_hidden.iter().copied().max().unwrap_or(0),
-            upsampler: self.num_feat,
-            scale: self.scale,
-        }
-        .activations_per_pixel(scores_in_memory, pad)
-    }
-
-    fn pads_channels(&self) -> bool {
-        true
-    }
-
-    fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {
-        Ok(Box::new(Drct::new(self, plan, vb)?))
-    }
-
-    #[cfg(test)]
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }
 
