@@ -16,10 +16,12 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::nets::swin::{load_norm, reflect_pad_bottom_right};
+use crate::nets::Net;
 use crate::ops::conv::Conv3x3;
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::{Channels, Pad};
+use crate::ops::windows::WindowCache;
 use crate::ops::{add, LoadPlan};
 
 /// The RGB mean the official models subtract (img_range 1.0); not stored in checkpoints.
@@ -262,5 +264,56 @@ impl Frame {
             .narrow(1, 0, h * self.scale)?
             .narrow(2, 0, w * self.scale)?;
         y.permute((0, 3, 1, 2))?.contiguous()
+    }
+}
+
+/// A Swin-family network: the [`Frame`] around a body of residual groups `G` (DRCT's,
+/// SwinIR's or HAT's), run one after another.
+pub struct SwinNet<G> {
+    pub(crate) frame: Frame,
+    pub(crate) groups: Vec<G>,
+    /// Shared with every block; kept here to report its size.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) windows: WindowCache,
+    pad: Pad,
+}
+
+impl<G> SwinNet<G> {
+    /// The frame, the body's groups, the blocks' shared window cache, and how the channels
+    /// were padded at load.
+    pub(crate) fn assemble(frame: Frame, groups: Vec<G>, windows: WindowCache, pad: Pad) -> Self {
+        Self {
+            frame,
+            groups,
+            windows,
+            pad,
+        }
+    }
+}
+
+impl<G: Module + Send + Sync> Net for SwinNet<G> {
+    fn dtype(&self) -> DType {
+        self.frame.dtype()
+    }
+
+    fn padding(&self) -> Pad {
+        self.pad
+    }
+
+    #[cfg(test)]
+    fn cached_masks(&self) -> usize {
+        self.windows.len()
+    }
+}
+
+impl<G: Module> Module for SwinNet<G> {
+    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W; see [`Frame::forward`].
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.frame.forward(x, |mut t| {
+            for group in &self.groups {
+                t = group.forward(&t)?;
+            }
+            Ok(t)
+        })
     }
 }

@@ -33,12 +33,12 @@
 //! `conv_scale` is not stored in checkpoints: every released model uses 0.01. The HAB is
 //! DRCT's Swin block ([`crate::nets::swin::SwinBlock`]) with the CAB term added to its residual.
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::nets::frame::{AfterBody, Frame, Tail};
+use crate::nets::frame::{AfterBody, Frame, SwinNet, Tail};
 use crate::nets::infer::ConfigError;
 use crate::nets::infer::{
     check_shapes, isqrt, out_width, pixel_shuffle_scale, pixel_shuffle_stages, swin_layout, tensor,
@@ -296,7 +296,7 @@ impl Module for Ocab {
     }
 }
 
-struct Rhag {
+pub(crate) struct Rhag {
     blocks: Vec<Hab>,
     ocab: Ocab,
     conv: Option<Conv3x3>,
@@ -316,12 +316,8 @@ impl Module for Rhag {
     }
 }
 
-pub struct Hat {
-    frame: Frame,
-    layers: Vec<Rhag>,
-    #[cfg_attr(not(test), allow(dead_code))]
-    windows: WindowCache,
-}
+/// HAT: the Swin frame around its residual hybrid attention groups.
+pub(crate) type Hat = SwinNet<Rhag>;
 
 impl Hat {
     /// The network stored under `vb`, built as `plan` says (its channels never padded).
@@ -374,34 +370,7 @@ impl Hat {
             plan,
             &vb,
         )?;
-        Ok(Self {
-            frame,
-            layers,
-            windows,
-        })
-    }
-}
-
-impl Net for Hat {
-    fn dtype(&self) -> DType {
-        self.frame.dtype()
-    }
-
-    #[cfg(test)]
-    fn cached_masks(&self) -> usize {
-        self.windows.len()
-    }
-}
-
-impl Module for Hat {
-    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W; see [`Frame::forward`].
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.frame.forward(x, |mut t| {
-            for layer in &self.layers {
-                t = layer.forward(&t)?;
-            }
-            Ok(t)
-        })
+        Ok(SwinNet::assemble(frame, layers, windows, Pad::OFF))
     }
 }
 

@@ -27,12 +27,12 @@
 //! The configuration is read from the state dict alone and every tensor is checked against
 //! it before anything is built, as for DRCT.
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::nets::frame::{AfterBody, Frame, Tail};
+use crate::nets::frame::{AfterBody, Frame, SwinNet, Tail};
 use crate::nets::hat;
 use crate::nets::infer::{
     check_shapes, isqrt, out_width, pixel_shuffle_scale, pixel_shuffle_stages, swin_layout, tensor,
@@ -262,7 +262,7 @@ fn resi(cfg: &SwinIrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<AfterBody
 }
 
 /// Residual Swin Transformer block: Swin blocks, then the group's convolution, plus the input.
-struct Rstb {
+pub(crate) struct Rstb {
     blocks: Vec<SwinBlock>,
     conv: AfterBody,
 }
@@ -277,12 +277,8 @@ impl Module for Rstb {
     }
 }
 
-pub struct SwinIr {
-    frame: Frame,
-    layers: Vec<Rstb>,
-    #[cfg_attr(not(test), allow(dead_code))]
-    windows: WindowCache,
-}
+/// SwinIR: the Swin frame around its residual Swin transformer blocks.
+pub(crate) type SwinIr = SwinNet<Rstb>;
 
 impl SwinIr {
     /// The network stored under `vb`, built as `plan` says (its channels never padded).
@@ -333,34 +329,7 @@ impl SwinIr {
             plan,
             &vb,
         )?;
-        Ok(Self {
-            frame,
-            layers,
-            windows,
-        })
-    }
-}
-
-impl Net for SwinIr {
-    fn dtype(&self) -> DType {
-        self.frame.dtype()
-    }
-
-    #[cfg(test)]
-    fn cached_masks(&self) -> usize {
-        self.windows.len()
-    }
-}
-
-impl Module for SwinIr {
-    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W; see [`Frame::forward`].
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.frame.forward(x, |mut t| {
-            for layer in &self.layers {
-                t = layer.forward(&t)?;
-            }
-            Ok(t)
-        })
+        Ok(SwinNet::assemble(frame, layers, windows, Pad::OFF))
     }
 }
 

@@ -7,14 +7,14 @@
 
 pub mod config;
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::nets::drct::config::{DrctConfig, BLOCKS_PER_GROUP};
-use crate::nets::frame::{AfterBody, Frame, Tail};
+use crate::nets::frame::{AfterBody, Frame, SwinNet, Tail};
 use crate::nets::registry::{swin_family, Architecture, Shapes};
 use crate::nets::swin::{BlockShape, SwinBlock};
-use crate::nets::{ArchConfig, ConfigError, Net};
+use crate::nets::{ArchConfig, ConfigError};
 use crate::ops::conv::Conv3x3;
 use crate::ops::linear::{pointwise_padded, Dense};
 use crate::ops::pad::{Channels, Pad};
@@ -135,14 +135,8 @@ impl Module for Rdg {
     }
 }
 
-pub struct Drct {
-    frame: Frame,
-    layers: Vec<Rdg>,
-    /// Shared with every block; kept here to report its size.
-    #[cfg_attr(not(test), allow(dead_code))]
-    windows: WindowCache,
-    pad: Pad,
-}
+/// DRCT: the Swin frame around its residual dense groups.
+pub(crate) type Drct = SwinNet<Rdg>;
 
 impl Drct {
     /// The network stored under `vb`, built as `plan` says: window attention on CUDA
@@ -172,39 +166,7 @@ impl Drct {
             plan,
             &vb,
         )?;
-        Ok(Self {
-            frame,
-            layers,
-            windows,
-            pad,
-        })
-    }
-}
-
-impl Net for Drct {
-    fn dtype(&self) -> DType {
-        self.frame.dtype()
-    }
-
-    fn padding(&self) -> Pad {
-        self.pad
-    }
-
-    #[cfg(test)]
-    fn cached_masks(&self) -> usize {
-        self.windows.len()
-    }
-}
-
-impl Module for Drct {
-    /// `x`: `(B, 3, H, W)` RGB in [0, 1], any H and W; see [`Frame::forward`].
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.frame.forward(x, |mut t| {
-            for layer in &self.layers {
-                t = layer.forward(&t)?;
-            }
-            Ok(t)
-        })
+        Ok(SwinNet::assemble(frame, layers, windows, pad))
     }
 }
 
@@ -213,9 +175,10 @@ mod tests {
     use super::*;
     use crate::checkpoint::Checkpoint;
     use crate::nets::swin::{reflect_indices, reflect_pad_bottom_right};
+    use crate::nets::Net;
     use crate::ops::norm::layer_norm;
     use crate::tests::fixtures::{cases, load_io, max_abs_diff};
-    use candle_core::{Device, D};
+    use candle_core::{DType, Device, D};
 
     /// A golden fixture's network in f32 on the CPU, its channels padded as `pad` says, and
     /// its configuration.
@@ -258,7 +221,7 @@ mod tests {
             let (k, n) = d.gemm_dims().unwrap();
             out.push((name, k, n));
         };
-        for (g, layer) in net.layers.iter().enumerate() {
+        for (g, layer) in net.groups.iter().enumerate() {
             for (k, (b, a)) in layer.blocks.iter().zip(&layer.adjust).enumerate() {
                 push(format!("{g}.{k}.qkv"), &b.attn.qkv);
                 push(format!("{g}.{k}.proj"), &b.attn.proj);
@@ -302,7 +265,7 @@ mod tests {
                 None => f0.clone(),
             };
             zero(&t, &e, "patch norm");
-            for (g, layer) in net.layers.iter().enumerate() {
+            for (g, layer) in net.groups.iter().enumerate() {
                 let mut dense = t.clone();
                 for (k, (block, adjust)) in layer.blocks.iter().zip(&layer.adjust).enumerate() {
                     let ch = block_channels(&cfg, pad, k);
@@ -359,7 +322,7 @@ mod tests {
         for m in [8, 16, 64] {
             let pad = Pad::to(m).unwrap();
             let (net, _) = fixture(name, pad);
-            for (g, (a, b)) in plain.layers.iter().zip(&net.layers).enumerate() {
+            for (g, (a, b)) in plain.groups.iter().zip(&net.groups).enumerate() {
                 for k in 0..BLOCKS_PER_GROUP {
                     let ch = block_channels(&cfg, pad, k);
                     let (a, b) = (&a.blocks[k].attn, &b.blocks[k].attn);
