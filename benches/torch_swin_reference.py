@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""SwinIR and HAT in PyTorch (spandrel's modules, which match the official code), tiled as
-`upscale` tiles, for the GPU side by side: eager, then `torch.compile` with --compile, the
-same JSON lines as benches/torch_gpu_reference.py prints for DRCT.
+"""SwinIR, HAT, ESRGAN and Real-ESRGAN Compact in PyTorch (spandrel's modules, which match the
+official code), tiled as `upscale` tiles, for the GPU side by side: eager, then
+`torch.compile` with --compile, the same JSON lines as benches/torch_gpu_reference.py prints
+for DRCT.
 
   python benches/torch_swin_reference.py make-weights OUT.safetensors --preset swinir-m
   python benches/torch_swin_reference.py time --preset hat-l --weights OUT.safetensors \
       --height 540 --width 960 --tile 256 --overlap 32 --tile-batch 4 --compile
   python benches/torch_swin_reference.py time --device cpu --preset swinir-tiny   # smoke
+  python benches/torch_swin_reference.py make-weights OUT.safetensors --preset esrgan
 
 Random weights of the released shapes (seeded), saved as parameters only, so that `upscale`
 and PyTorch run the same network. Attention stays spandrel's own (no SDPA patch), as a user
@@ -32,6 +34,13 @@ PRESETS = {
     "hat-l": dict(arch="hat", embed_dim=180, depths=[6] * 12, num_heads=[6] * 12, window_size=16),
     "swinir-tiny": dict(arch="swinir", embed_dim=24, depths=[2], num_heads=[2], window_size=8),
     "hat-tiny": dict(arch="hat", embed_dim=60, depths=[2], num_heads=[2], window_size=8),
+    # The convolutional families (no window: window_size 1 pads nothing). ESRGAN as
+    # RealESRGAN_x4plus and 4x-UltraSharp are (64 filters, 23 blocks); Compact as
+    # realesr-general-x4v3 is (64 features, 32 convolutions, PReLU).
+    "esrgan": dict(arch="esrgan", num_filters=64, num_blocks=23, window_size=1),
+    "compact": dict(arch="compact", num_feat=64, num_conv=32, window_size=1),
+    "esrgan-tiny": dict(arch="esrgan", num_filters=8, num_blocks=1, window_size=1),
+    "compact-tiny": dict(arch="compact", num_feat=8, num_conv=2, window_size=1),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,6 +49,14 @@ def build_model(preset, seed):
     p = dict(PRESETS[preset])
     arch = p.pop("arch")
     torch.manual_seed(seed)
+    if arch == "esrgan":
+        from spandrel.architectures.ESRGAN import ESRGAN
+        return ESRGAN(in_nc=3, out_nc=3, num_filters=p["num_filters"], num_blocks=p["num_blocks"],
+                      scale=4).eval()
+    if arch == "compact":
+        from spandrel.architectures.Compact import Compact
+        return Compact(num_in_ch=3, num_out_ch=3, num_feat=p["num_feat"], num_conv=p["num_conv"],
+                       upscale=4).eval()
     common = dict(img_size=64, patch_size=1, in_chans=3, mlp_ratio=2.0, upscale=4,
                   img_range=1.0, upsampler="pixelshuffle", resi_connection="1conv", **p)
     if arch == "hat":
@@ -53,7 +70,11 @@ def build_model(preset, seed):
 def cmd_make_weights(a):
     from safetensors.torch import save_file
     model = build_model(a.preset, a.seed)
-    params = {k: v.detach().contiguous() for k, v in model.named_parameters()}
+    # Parameters only for the Swin family (their index buffers are rebuilt by both programs);
+    # the whole state dict for the convolutional ones, whose files hold nothing else.
+    state = model.named_parameters() if PRESETS[a.preset]["arch"] in ("swinir", "hat") \
+        else model.state_dict().items()
+    params = {k: v.detach().contiguous() for k, v in state}
     save_file(params, a.out, metadata={"preset": a.preset, "seed": str(a.seed)})
     print(json.dumps({"out": a.out, "preset": a.preset, "seed": a.seed, "tensors": len(params)}))
 
@@ -74,8 +95,8 @@ def cmd_time(a):
     dtype = DTYPES[a.dtype]
     model = model.to(dev, dtype)
     ws = PRESETS[a.preset]["window_size"]
-    tile = a.tile or (256 if cuda else 2 * ws)
-    overlap = a.overlap if a.overlap is not None else (32 if cuda else ws // 2)
+    tile = a.tile or (256 if cuda else max(2 * ws, 16))
+    overlap = a.overlap if a.overlap is not None else (32 if cuda else max(ws // 2, 4))
     h, w = a.height or (512 if cuda else 3 * tile), a.width or (512 if cuda else 3 * tile)
     img = torch.rand((1, 3, h, w), generator=torch.Generator().manual_seed(a.seed + 3))
     if cuda:

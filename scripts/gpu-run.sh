@@ -458,6 +458,39 @@ swin_family() {
   done
 }
 
+# conv_family REPS: ESRGAN x4 (64 filters, 23 blocks: RealESRGAN_x4plus's shape) and
+# Real-ESRGAN Compact x4 (64 features, 32 convolutions: realesr-general-x4v3's) on DRCT's
+# 640x480 input, tile 256, batch 4, bf16: bf16 and fp16 against our fp32 on tests/photos
+# (the same random weights), ours, then PyTorch eager and torch.compile
+# (benches/torch_swin_reference.py) while the budget lasts.
+conv_family() {
+  echo "== ESRGAN and Compact x4 640x480 bf16: parity, ours, PyTorch eager and torch.compile"
+  if [ "$smoke" = 1 ] || [ "$have_torch" = 0 ]; then
+    record conv "skipped: the ESRGAN and Compact weights are made with PyTorch"
+    return
+  fi
+  local r=$1 preset weights p line ref
+  for preset in esrgan compact; do
+    fits conv 30 "\"label\":\"$preset\"" || return
+    weights="$work/$preset.safetensors"
+    [ -f "$weights" ] || "$PY" benches/torch_swin_reference.py make-weights "$weights" --preset "$preset" \
+      >> "$logs/weights.log" 2>&1 || { record conv "failed: weights" "\"label\":\"$preset\""; continue; }
+    ref="$work/ref-fp32-$preset"
+    run "conv_ref_$preset" 120 "$up" -m "$weights" --device "$device" --precision fp32 -q --overwrite \
+      tests/photos -o "$ref"
+    for p in bf16 fp16; do
+      line=$(timeout "$(cap 120)" "$up" eval -m "$weights" --device "$device" --precision "$p" --hr "$ref" \
+        --lr tests/photos --scale 4 --json 2>> "$logs/conv.log" | tail -n 1)
+      record conv_psnr "${line:-failed}" "\"label\":\"$preset\",\"precision\":\"$p\",\"against\":\"fp32\""
+    done
+    bench conv "$preset-bf16-ours" "$weights" --precision bf16 --size "$s480" --tile "$t256" \
+      --tile_overlap "$ov" --tile_batch_size 4 --reps "$r"
+    pytorch_rows conv "$preset" "$logs/conv-$preset-pytorch.jsonl" "$PY" benches/torch_swin_reference.py \
+      time --device cuda --preset "$preset" --weights "$weights" --dtype bf16 --height "${s480%x*}" \
+      --width "${s480#*x}" --tile "$t256" --overlap "$ov" --tile-batch 4 --reps "$r"
+  done
+}
+
 # The side-by-side shapes and two lanes again with cudarc's event tracking on (its default, and
 # ours before engine::lanes::skip_event_tracking): the before/after of leaving it off.
 event_tracking() {
@@ -620,6 +653,7 @@ proof_part() {
   # the budget.
   profile profile_pad8 UPSCALE_PAD_CHANNELS=8 UPSCALE_CUDA_GELU_EPILOGUE=1 UPSCALE_CUDA_NORM_REGS=1
   swin_family 3
+  conv_family 3
   event_tracking
   # Earlier builds in the pack (UPSCALE_BASES) against this one: one round of before/after.
   ab_part 1
