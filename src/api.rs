@@ -24,18 +24,16 @@ use std::path::Path;
 
 use image::DynamicImage;
 
-use crate::checkpoint::ModelError;
 use crate::engine::image::Upscaled;
 use crate::engine::lanes::Lanes;
-use crate::engine::{
-    choose_dtype, open_device, read_checkpoint, DeviceChoice, EngineError, Precision,
-};
-use crate::io::{Decoded, EncodeOptions, Format, IoError, OutputError};
+use crate::engine::{choose_dtype, open_device, read_checkpoint, DeviceChoice, Precision};
+use crate::error::{Error, ErrorKind};
+use crate::io::{Decoded, EncodeOptions, Format, IoError};
 use crate::ops::attention::Attention;
 use crate::planar::Planar;
 use crate::size::OutputSize;
 use crate::tile::auto::{TileChoice, TileSettings};
-use crate::tile::{BlendMode, TileError};
+use crate::tile::BlendMode;
 
 /// How to run the model. `Options::default()` is what the command line does without flags
 /// (a test holds the two equal).
@@ -85,44 +83,12 @@ impl Default for Options {
     }
 }
 
-/// What can go wrong opening a model or upscaling an image.
+/// A fixed tile no larger than the overlap: no tile would have a core of its own.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// The weights could not be read or do not describe a DRCT model.
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    /// A fixed tile no larger than the overlap: no tile would have a core of its own.
-    #[error("tile {tile} must be larger than the overlap {overlap}")]
-    TileNotLargerThanOverlap {
-        /// The tile side asked for.
-        tile: usize,
-        /// The overlap asked for.
-        overlap: usize,
-    },
-    /// The device could not be opened or the model not placed on it.
-    #[error(transparent)]
-    Device(#[from] EngineError),
-    /// The network or the tiling failed on this image.
-    #[error(transparent)]
-    Tiling(#[from] TileError),
-    /// The result could not be resampled or converted to an image.
-    #[error(transparent)]
-    Output(#[from] OutputError),
-    /// An image file could not be read or written.
-    #[error(transparent)]
-    File(#[from] IoError),
-    /// A checkpoint could not be converted (see [`crate::ModelFile::write_safetensors`]).
-    #[error("{origin}: {step}")]
-    Convert {
-        /// The checkpoint, or the file being written.
-        origin: String,
-        /// The step that failed (`converting NAME` for a tensor, `cannot write`).
-        step: String,
-        /// Why it failed: candle's, serde_json's or safetensors' error.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
+#[error("tile {tile} must be larger than the overlap {overlap}")]
+struct TileNotLargerThanOverlap {
+    tile: usize,
+    overlap: usize,
 }
 
 /// A model loaded on its device(s), ready for any number of images.
@@ -142,10 +108,13 @@ impl Upscaler {
     pub fn open(model: Option<&Path>, opts: &Options) -> Result<Self, Error> {
         if let Some(t) = opts.tile {
             if t != 0 && t <= opts.overlap {
-                return Err(Error::TileNotLargerThanOverlap {
-                    tile: t,
-                    overlap: opts.overlap,
-                });
+                return Err(Error::new(
+                    ErrorKind::InvalidOption,
+                    TileNotLargerThanOverlap {
+                        tile: t,
+                        overlap: opts.overlap,
+                    },
+                ));
             }
         }
         let mut warnings = Vec::new();

@@ -9,9 +9,10 @@ use std::time::Instant;
 use candle_core::DType;
 use serde::Serialize;
 
-use crate::api::{Error, Upscaler};
+use crate::api::Upscaler;
 use crate::engine::lanes::{pool_peak, reset_pool_peaks};
 use crate::engine::probe::{pattern, peak_rss_bytes};
+use crate::error::Error;
 use crate::ops::cpu::bf16::Isa;
 use crate::tile::LaneStats;
 

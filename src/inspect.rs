@@ -8,9 +8,9 @@ use std::path::Path;
 use candle_core::DType;
 use serde_json::json;
 
-use crate::api::Error;
 use crate::checkpoint::{Checkpoint, Source};
 use crate::engine::{read_checkpoint, Precision};
+use crate::error::{Error, ErrorKind};
 
 /// A checkpoint, validated: its architecture and configuration inferred from the tensors
 /// and every tensor checked against them.
@@ -69,11 +69,12 @@ impl ModelFile {
             source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
         ) -> Error {
             let (step, source) = (step.to_string(), source.into());
-            Error::Convert {
+            let e = ConvertError {
                 origin,
                 step,
                 source,
-            }
+            };
+            Error::new(ErrorKind::Convert, e)
         }
         let mut tensors = HashMap::new();
         for (name, t) in &ck.tensors {
@@ -105,12 +106,20 @@ impl ModelFile {
                 .map_err(|e| failed(output.display().to_string(), "cannot write", e))?;
         // The same atomic write as images get: ordinary permissions, synced, and a name that
         // folder walks and cleanup recognise as ours if a crash leaves it behind.
-        crate::io::write_atomic(output, |w| {
-            w.write_all(&bytes)
-                .map_err(|e| crate::io::IoError::os(output, e))
-        })?;
+        crate::io::write_atomic(output, |w| w.write_all(&bytes))?;
         Ok(())
     }
+}
+
+/// A checkpoint that could not be converted: the file, the step that failed (`converting
+/// NAME` for a tensor, `cannot write`), and why (candle's, serde_json's or safetensors' error).
+#[derive(Debug, thiserror::Error)]
+#[error("{origin}: {step}")]
+struct ConvertError {
+    origin: String,
+    step: String,
+    #[source]
+    source: Box<dyn std::error::Error + Send + Sync>,
 }
 
 /// What every architecture reports, with `fields` added.

@@ -115,3 +115,27 @@ impl ModelError {
         }
     }
 }
+
+impl ModelError {
+    /// What kind of failure this is, for the crate's [`crate::Error`].
+    pub(crate) fn kind(&self) -> crate::ErrorKind {
+        use crate::ErrorKind;
+        match self {
+            ModelError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                ErrorKind::NotFound
+            }
+            ModelError::Io { .. } => ErrorKind::Io,
+            ModelError::Build {
+                source: BuildError::Env(_),
+                ..
+            } => ErrorKind::InvalidOption,
+            _ => ErrorKind::Model,
+        }
+    }
+}
+
+impl From<ModelError> for crate::Error {
+    fn from(e: ModelError) -> Self {
+        crate::Error::new(e.kind(), e)
+    }
+}

@@ -10,6 +10,7 @@ mod convert;
 mod eval;
 mod info;
 mod naming;
+mod path_error;
 mod pipeline;
 mod run;
 mod shard;
@@ -714,14 +715,17 @@ mod tests {
 
     #[test]
     fn an_error_line_quotes_each_cause_once() {
-        use upscale::{ConfigError, ModelError};
-        // A library error that quotes its cause and returns it as its source.
-        let e = anyhow::Error::new(ModelError::Config {
-            origin: "m.pth".into(),
-            source: ConfigError::NoGroups,
-        });
+        // A library error that quotes its cause and returns it as its source: a folder
+        // where an image file was expected.
+        let dir = tempfile::tempdir().unwrap();
+        let e = upscale::io::decode(dir.path()).unwrap_err();
+        assert!(std::error::Error::source(&e).is_some(), "{e:?}");
+        let e = anyhow::Error::new(e);
         let line = error_line(&e);
-        assert_eq!(line, format!("m.pth: {}", ConfigError::NoGroups));
+        assert_eq!(
+            line,
+            format!("{}: is a folder, not a file", dir.path().display())
+        );
         // Context that the cause does not repeat is kept, as `{:#}` keeps it.
         let e = e.context("opening the model");
         assert_eq!(error_line(&e), format!("opening the model: {line}"));

@@ -21,7 +21,9 @@ use std::fs::{self, File};
 use std::io::Read;
 use std::path::{Path, PathBuf, MAIN_SEPARATOR};
 
-use upscale::io::{check_output_parent, IoError};
+use upscale::io::check_output_parent;
+
+use super::path_error::PathError;
 use upscale::Format;
 
 use super::walk::InputFile;
@@ -58,7 +60,7 @@ pub struct Job {
 /// One [`Job`] per input, in input order. Fails, before anything is computed, when an output
 /// would land under a regular file, on an existing folder, on its own input, or on the
 /// output of another input.
-pub fn plan_outputs(files: &[InputFile], opts: &NamingOptions) -> Result<Vec<Job>, IoError> {
+pub fn plan_outputs(files: &[InputFile], opts: &NamingOptions) -> Result<Vec<Job>, PathError> {
     let single = files.len() == 1 && files[0].root.is_none();
     let mut jobs = Vec::with_capacity(files.len());
     match &opts.output {
@@ -68,7 +70,7 @@ pub fn plan_outputs(files: &[InputFile], opts: &NamingOptions) -> Result<Vec<Job
         }
         Some(dir) => {
             if dir.exists() && !dir.is_dir() {
-                return Err(IoError::bad_output(
+                return Err(PathError::bad_output(
                     dir,
                     "is a file; with several inputs or a folder, -o must name a folder",
                 ));
@@ -124,9 +126,9 @@ pub fn file_output_format(
     out: &Path,
     asked: Option<Format>,
     input: impl FnOnce() -> Format,
-) -> Result<Format, IoError> {
+) -> Result<Format, PathError> {
     match (Format::from_path(out), asked) {
-        (Some(by_name), Some(asked)) if by_name != asked => Err(IoError::bad_output(
+        (Some(by_name), Some(asked)) if by_name != asked => Err(PathError::bad_output(
             out,
             format!("the extension says {by_name} but --format says {asked}"),
         )),
@@ -188,13 +190,13 @@ fn suffixed_name(f: &InputFile, tag: &str, asked: Option<Format>) -> (OsString, 
 
 /// `photos` -> `photos_x4` next to it. `.` and `..` have no name of their own, so those are
 /// resolved first.
-fn sibling_folder(root: &Path, tag: &str) -> Result<PathBuf, IoError> {
+fn sibling_folder(root: &Path, tag: &str) -> Result<PathBuf, PathError> {
     let named = match root.file_name() {
         Some(_) => root.to_path_buf(),
-        None => fs::canonicalize(root).map_err(|e| IoError::os(root, e))?,
+        None => fs::canonicalize(root).map_err(|e| PathError::os(root, e))?,
     };
     let Some(name) = named.file_name() else {
-        return Err(IoError::bad_output(
+        return Err(PathError::bad_output(
             root,
             "has no folder name to derive an output folder from; give -o",
         ));
@@ -204,13 +206,13 @@ fn sibling_folder(root: &Path, tag: &str) -> Result<PathBuf, IoError> {
     Ok(named.with_file_name(out))
 }
 
-fn check_jobs(jobs: &mut [Job], overwrite: bool) -> Result<(), IoError> {
+fn check_jobs(jobs: &mut [Job], overwrite: bool) -> Result<(), PathError> {
     let mut checked_parents: HashSet<PathBuf> = HashSet::new();
     let mut claimed: HashMap<PathBuf, usize> = HashMap::new();
     for i in 0..jobs.len() {
         let out = jobs[i].output.clone();
         if let Some(&j) = claimed.get(&out) {
-            return Err(IoError::bad_output(
+            return Err(PathError::bad_output(
                 &out,
                 format!(
                     "both {} and {} would be written here",
@@ -229,11 +231,11 @@ fn check_jobs(jobs: &mut [Job], overwrite: bool) -> Result<(), IoError> {
 
         match fs::metadata(&out) {
             Ok(m) if m.is_dir() => {
-                return Err(IoError::bad_output(&out, "is a folder, not a file"));
+                return Err(PathError::bad_output(&out, "is a folder, not a file"));
             }
             Ok(_) => {
                 if same_file(&out, &jobs[i].input.path) {
-                    return Err(IoError::bad_output(&out, "would replace its own input"));
+                    return Err(PathError::bad_output(&out, "would replace its own input"));
                 }
                 jobs[i].skip = !overwrite;
             }
@@ -421,7 +423,10 @@ mod tests {
         let single = walk(std::slice::from_ref(&input), false).unwrap();
 
         let e = plan_outputs(&single, &opts(Some(&txt.join("out.png")), None)).unwrap_err();
-        assert!(matches!(e, IoError::BadOutput { .. }), "{e}");
+        assert!(
+            matches!(&e, PathError::Library(l) if l.kind() == upscale::ErrorKind::Output),
+            "{e}"
+        );
         assert!(
             e.to_string().contains("some.txt is a file, not a folder"),
             "{e}"

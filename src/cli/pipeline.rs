@@ -337,9 +337,15 @@ impl FileStages<'_> {
             &dec.metadata
         };
         let left_out = if to_stdout {
-            let (bytes, left_out) =
-                io::encode_to_vec(&up.rgb, up.alpha.as_ref(), dec.gray, meta, &opts)
-                    .map_err(|e| format!("{name}: {e}"))?;
+            let (bytes, left_out) = io::encode_to_vec(
+                Path::new("-"),
+                &up.rgb,
+                up.alpha.as_ref(),
+                dec.gray,
+                meta,
+                &opts,
+            )
+            .map_err(|e| e.to_string())?;
             let mut out = std::io::stdout().lock();
             out.write_all(&bytes)
                 .and_then(|()| out.flush())

@@ -4,7 +4,9 @@ use std::collections::HashSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use upscale::io::{is_image_path, is_temporary, IoError};
+use upscale::io::{is_image_path, is_temporary};
+
+use super::path_error::PathError;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct InputFile {
@@ -23,7 +25,7 @@ pub struct InputFile {
 /// missing, so that decoding reports what is wrong with them. From folders only files with an
 /// image extension are taken, never our own temporaries; sub-folders only with `recursive`.
 /// Symlinked files are taken, symlinked folders are not entered (no cycles).
-pub fn walk(inputs: &[PathBuf], recursive: bool) -> Result<Vec<InputFile>, IoError> {
+pub fn walk(inputs: &[PathBuf], recursive: bool) -> Result<Vec<InputFile>, PathError> {
     let mut files = Vec::new();
     for input in inputs {
         if input.is_dir() {
@@ -50,16 +52,16 @@ fn walk_dir(
     rel: &Path,
     recursive: bool,
     out: &mut Vec<InputFile>,
-) -> Result<(), IoError> {
+) -> Result<(), PathError> {
     let dir = if rel.as_os_str().is_empty() {
         root.to_path_buf()
     } else {
         root.join(rel)
     };
-    for entry in fs::read_dir(&dir).map_err(|e| IoError::os(&dir, e))? {
-        let entry = entry.map_err(|e| IoError::os(&dir, e))?;
+    for entry in fs::read_dir(&dir).map_err(|e| PathError::os(&dir, e))? {
+        let entry = entry.map_err(|e| PathError::os(&dir, e))?;
         let path = entry.path();
-        let ty = entry.file_type().map_err(|e| IoError::os(&path, e))?;
+        let ty = entry.file_type().map_err(|e| PathError::os(&path, e))?;
         let rel = rel.join(entry.file_name());
         if ty.is_dir() {
             if recursive {

@@ -110,6 +110,17 @@ pub enum EngineError {
     Env(#[from] crate::nets::EnvError),
 }
 
+impl From<EngineError> for crate::Error {
+    fn from(e: EngineError) -> Self {
+        let kind = match &e {
+            EngineError::Model(m) => m.kind(),
+            EngineError::Env(_) => crate::ErrorKind::InvalidOption,
+            EngineError::Device(_) => crate::ErrorKind::Device,
+        };
+        crate::Error::new(kind, e)
+    }
+}
+
 /// Open the requested device (the first one of a list: [`lanes::Lanes`] opens the rest).
 /// `auto` takes the first GPU when this build has CUDA and one answers, else the CPU.
 /// A GPU gets a stream of its own, as every lane does, rather than candle's default, the

@@ -17,9 +17,10 @@ use image::codecs::tiff::TiffEncoder;
 use image::codecs::webp::WebPEncoder;
 use image::{DynamicImage, ImageBuffer, ImageEncoder, ImageResult};
 
+use super::atomic::write_atomic;
 use super::error::innermost_message;
 use super::metadata::{icc_fits, icc_space};
-use super::{write_atomic, Format, IoError, Metadata, OutputError};
+use super::{Format, IoError, Metadata, OutputError};
 use crate::planar::Planar;
 
 pub const DEFAULT_JPEG_QUALITY: u8 = 95;
@@ -43,7 +44,7 @@ pub const DEFAULT_JPEG_QUALITY: u8 = 95;
 pub const DEFAULT_PNG_COMPRESSION: CompressionType = CompressionType::Fast;
 pub const DEFAULT_PNG_FILTER: FilterType = FilterType::Adaptive;
 
-/// How [`encode`] writes an image.
+/// How [`crate::io::encode`] writes an image.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EncodeOptions {
     /// The file format.
@@ -105,17 +106,24 @@ pub fn encode(
 }
 
 /// The encoded file's bytes, for a destination that is not a file (a pipe, say), and what
-/// of `meta` was left out.
+/// of `meta` was left out; `name` stands for the destination in error messages.
 pub fn encode_to_vec(
+    name: &Path,
     rgb: &Planar,
     alpha: Option<&Planar>,
     gray: bool,
     meta: &Metadata,
     opts: &EncodeOptions,
-) -> Result<(Vec<u8>, Vec<String>), String> {
-    let img = to_image(rgb, alpha, gray, opts).map_err(|e| e.to_string())?;
+) -> Result<(Vec<u8>, Vec<String>), IoError> {
+    let failed = |detail: String| IoError::Encode {
+        path: name.to_path_buf(),
+        format: opts.format,
+        detail,
+    };
+    let img = to_image(rgb, alpha, gray, opts).map_err(|e| failed(e.to_string()))?;
     let mut out = std::io::Cursor::new(Vec::new());
-    let left_out = write_image(&mut out, &img, meta, opts).map_err(|e| innermost_message(&e))?;
+    let left_out =
+        write_image(&mut out, &img, meta, opts).map_err(|e| failed(innermost_message(&e)))?;
     Ok((out.into_inner(), left_out))
 }
 

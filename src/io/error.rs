@@ -192,3 +192,22 @@ pub enum OutputError {
         limit: u64,
     },
 }
+
+impl From<IoError> for crate::Error {
+    fn from(e: IoError) -> Self {
+        use crate::ErrorKind;
+        let kind = match &e {
+            IoError::NotFound { .. } => ErrorKind::NotFound,
+            IoError::Io { .. } => ErrorKind::Io,
+            IoError::Encode { .. } | IoError::BadOutput { .. } => ErrorKind::Output,
+            _ => ErrorKind::BadImage,
+        };
+        crate::Error::new(kind, e)
+    }
+}
+
+impl From<OutputError> for crate::Error {
+    fn from(e: OutputError) -> Self {
+        crate::Error::new(crate::ErrorKind::Output, e)
+    }
+}

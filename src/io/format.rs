@@ -117,11 +117,16 @@ impl fmt::Display for Format {
 pub struct UnknownFormat(pub String);
 
 impl FromStr for Format {
-    type Err = UnknownFormat;
+    type Err = crate::Error;
 
     /// Accepts the extensions (`png`, `jpg`, `jpeg`, `webp`, `tif`, `tiff`), any case.
-    fn from_str(s: &str) -> Result<Format, UnknownFormat> {
-        Format::from_extension(s).ok_or_else(|| UnknownFormat(s.to_string()))
+    fn from_str(s: &str) -> Result<Format, crate::Error> {
+        Format::from_extension(s).ok_or_else(|| {
+            crate::Error::new(
+                crate::ErrorKind::InvalidOption,
+                UnknownFormat(s.to_string()),
+            )
+        })
     }
 }
 
@@ -135,9 +140,9 @@ mod tests {
         assert_eq!(Format::from_path(Path::new("x.TiF")), Some(Format::Tiff));
         assert_eq!(Format::from_path(Path::new("x.gif")), None);
         assert_eq!(Format::from_path(Path::new("png")), None);
-        assert_eq!("WEBP".parse::<Format>(), Ok(Format::Webp));
+        assert_eq!("WEBP".parse::<Format>().ok(), Some(Format::Webp));
         let err = "bmp".parse::<Format>().unwrap_err();
-        assert_eq!(err, UnknownFormat("bmp".into()));
+        assert_eq!(err.kind(), crate::ErrorKind::InvalidOption);
         assert!(err.to_string().contains("'bmp'"), "{err}");
     }
 

@@ -7,9 +7,11 @@ use std::path::{Path, PathBuf};
 use image::codecs::png::PngEncoder;
 use image::{DynamicImage, GrayImage, ImageBuffer, ImageEncoder, Luma, LumaA, Rgb, RgbImage, Rgba};
 
-use super::decode::decode_with_limits;
-use super::encode::write_image;
 use super::*;
+// The steps' own functions, whose typed errors these tests check (the module's public ones
+// return the crate's `Error`).
+use super::decode::{decode, decode_with_limits};
+use super::encode::{encode, write_image};
 use crate::planar::Planar;
 
 fn tmp() -> tempfile::TempDir {

@@ -19,18 +19,43 @@
 
 mod quality;
 mod resize;
+impl From<MetricsError> for Error {
+    fn from(e: MetricsError) -> Self {
+        Error::new(crate::ErrorKind::Metrics, e)
+    }
+}
+
 #[cfg(test)]
 mod tests;
 
-pub use quality::{psnr, ssim, Measure};
+pub use quality::Measure;
 pub use resize::{bicubic_lr, imresize};
 
+use crate::error::Error;
 use crate::planar::Planar;
+
+/// PSNR in dB on the 255 scale, after removing `crop` pixels from every side.
+///
+/// `10 log10(255^2 / MSE)` with the MSE taken in float64 over all compared pixels (and all
+/// channels for [`Measure::Rgb`]). Identical images have MSE 0: the result is then
+/// `f64::INFINITY`, as in BasicSR, so callers averaging over a data set should expect it.
+pub fn psnr(a: &Planar, b: &Planar, crop: usize, measure: Measure) -> Result<f64, Error> {
+    Ok(quality::psnr(a, b, crop, measure)?)
+}
+
+/// SSIM after removing `crop` pixels from every side, as BasicSR's `calculate_ssim`.
+///
+/// 11x11 Gaussian window with sigma 1.5 (applied separably), statistics only where the
+/// window fits inside the image ("valid"), C1 = (0.01 * 255)^2, C2 = (0.03 * 255)^2,
+/// float64; the SSIM map is averaged. For [`Measure::Rgb`] each channel is measured on
+/// its own and the channel results are averaged.
+pub fn ssim(a: &Planar, b: &Planar, crop: usize, measure: Measure) -> Result<f64, Error> {
+    Ok(quality::ssim(a, b, crop, measure)?)
+}
 
 /// Why a metric could not be computed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum MetricsError {
+pub(crate) enum MetricsError {
     /// The two images are not the same size and channel count.
     #[error("images differ in shape: {a:?} vs {b:?} (channels, height, width)")]
     ShapeMismatch {
@@ -77,7 +102,7 @@ impl ImageMetrics {
     /// Measures `sr` against the ground truth `hr`, both cropped by `crop` pixels per side
     /// (papers crop the scale factor). Pass images through [`quantize_u8`] first to
     /// measure what an 8-bit file would hold, as BasicSR does.
-    pub fn compute(sr: &Planar, hr: &Planar, crop: usize) -> Result<Self, MetricsError> {
+    pub fn compute(sr: &Planar, hr: &Planar, crop: usize) -> Result<Self, Error> {
         Ok(Self {
             psnr_y: psnr(sr, hr, crop, Measure::Y)?,
             ssim_y: ssim(sr, hr, crop, Measure::Y)?,

@@ -34,11 +34,7 @@ pub fn rgb_to_y(img: &Planar) -> Result<Vec<f64>, MetricsError> {
     Ok(y_plane(img, 0).data)
 }
 
-/// PSNR in dB on the 255 scale, after removing `crop` pixels from every side.
-///
-/// `10 log10(255^2 / MSE)` with the MSE taken in float64 over all compared pixels (and all
-/// channels for [`Measure::Rgb`]). Identical images have MSE 0: the result is then
-/// `f64::INFINITY`, as in BasicSR, so callers averaging over a data set should expect it.
+/// [`crate::metrics::psnr`], with the step's own error.
 pub fn psnr(a: &Planar, b: &Planar, crop: usize, measure: Measure) -> Result<f64, MetricsError> {
     let (pa, pb) = compared_planes(a, b, crop, measure)?;
     let mut sum = 0.0;
@@ -59,12 +55,7 @@ pub fn psnr(a: &Planar, b: &Planar, crop: usize, measure: Measure) -> Result<f64
     Ok(10.0 * (255.0 * 255.0 / mse).log10())
 }
 
-/// SSIM after removing `crop` pixels from every side, as BasicSR's `calculate_ssim`.
-///
-/// 11x11 Gaussian window with sigma 1.5 (applied separably), statistics only where the
-/// window fits inside the image ("valid"), C1 = (0.01 * 255)^2, C2 = (0.03 * 255)^2,
-/// float64; the SSIM map is averaged. For [`Measure::Rgb`] each channel is measured on
-/// its own and the channel results are averaged.
+/// [`crate::metrics::ssim`], with the step's own error.
 pub fn ssim(a: &Planar, b: &Planar, crop: usize, measure: Measure) -> Result<f64, MetricsError> {
     let (pa, pb) = compared_planes(a, b, crop, measure)?;
     let (height, width) = (pa[0].height, pa[0].width);

@@ -1,8 +1,9 @@
 //! Checks against fixtures computed by independent implementations (numpy/scipy,
 //! scikit-image, BasicSR's `imresize`); see tests/fixtures/metrics/make_metrics_fixtures.py.
 
-use super::quality::rgb_to_y;
 use super::*;
+// The steps' own functions, whose typed errors these tests check.
+use super::quality::{psnr, rgb_to_y, ssim};
 use serde_json::Value;
 use std::path::PathBuf;
 

@@ -114,6 +114,17 @@ pub enum TileError {
     Lanes(&'static str),
 }
 
+impl From<TileError> for crate::Error {
+    fn from(e: TileError) -> Self {
+        let kind = match &e {
+            TileError::Plan(_) => crate::ErrorKind::InvalidOption,
+            TileError::OutOfMemory { .. } => crate::ErrorKind::OutOfMemory,
+            _ => crate::ErrorKind::Run,
+        };
+        crate::Error::new(kind, e)
+    }
+}
+
 /// Upscales `image` tile by tile on one model, blending on the host: the scheduler of
 /// [`run_lanes`] with one lane, as the tests call it.
 #[cfg(test)]

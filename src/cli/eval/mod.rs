@@ -124,11 +124,8 @@ fn write_baseline(
         return Ok(());
     }
     let text = serde_json::to_string_pretty(out)? + "\n";
-    upscale::io::write_atomic(path, |w| {
-        w.write_all(text.as_bytes())
-            .map_err(|e| upscale::IoError::os(path, e))
-    })
-    .with_context(|| format!("--write_baseline {}", path.display()))
+    upscale::io::write_atomic(path, |w| w.write_all(text.as_bytes()))
+        .with_context(|| format!("--write_baseline {}", path.display()))
 }
 
 /// Every pair through the pipeline: the measured images and the failures, in folder order.

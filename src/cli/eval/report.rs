@@ -32,7 +32,7 @@ pub enum EvalError {
     #[error("{0}")]
     Input(String),
     #[error(transparent)]
-    Io(#[from] io::IoError),
+    Io(#[from] crate::cli::path_error::PathError),
     /// The baseline file, and what is wrong with it.
     #[error("--baseline {}: {what}", path.display())]
     Baseline { path: PathBuf, what: String },
