@@ -14,6 +14,7 @@
 //! be used (callers keep the `gemm` crate there, see [`available`]).
 
 use super::isa::{cpu_isa, CpuIsa};
+use super::shared::Shared;
 use super::taps::tap_source;
 use super::*;
 
@@ -680,25 +681,6 @@ unsafe fn row_block(
     }
 }
 
-/// The operands of a product, shared by its tasks; each writes only its own rows.
-#[derive(Clone, Copy)]
-struct Shared<'a> {
-    a: *const f32,
-    b: Rhs<'a>,
-    dst: *mut f32,
-    start: Start,
-}
-// SAFETY: the tasks read the shared operands and write disjoint rows of dst.
-unsafe impl Send for Shared<'_> {}
-unsafe impl Sync for Shared<'_> {}
-
-impl<'a> Shared<'a> {
-    /// Through a method, so that closures capture the whole (Sync) struct, not its fields.
-    fn get(&self) -> Self {
-        *self
-    }
-}
-
 /// `dst = start + a · b` for a row-major `m x k` `a` (rows `lda` apart) into `m x n` `dst`
 /// (rows `ldc` apart), row blocks in parallel when `parallel`, each finished by `then` (which
 /// needs `ldc == n`) while in cache.
@@ -723,18 +705,20 @@ pub(crate) unsafe fn gemm(
     );
     let kernel = Kernel::current();
     let mc = kernel.mc();
-    let shared = Shared { a, b, dst, start };
+    // SAFETY: the tasks read a, b and start and each writes its own rows of dst (this
+    // function's contract), all of which outlive them.
+    let shared = unsafe { Shared::new((a, b, dst, start)) };
     let block = |t: usize| {
-        let s = shared.get();
+        let (a, b, dst, start) = shared.get();
         let r0 = t * mc;
         let rows = mc.min(m - r0);
-        let row = |i: usize| s.a.wrapping_add(i * lda);
+        let row = |i: usize| a.wrapping_add(i * lda);
         // SAFETY: rows r0..r0 + rows, inside the caller's bounds, written by this task only.
         unsafe {
-            row_block(kernel, s.b, &row, (r0, rows), (s.dst, ldc), s.start);
+            row_block(kernel, b, &row, (r0, rows), (dst, ldc), start);
             if let Some(then) = then {
                 then(std::slice::from_raw_parts_mut(
-                    s.dst.add(r0 * ldc),
+                    dst.add(r0 * ldc),
                     rows * ldc,
                 ));
             }
