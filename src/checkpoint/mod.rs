@@ -218,7 +218,7 @@ impl std::ops::Deref for FileBytes {
 }
 
 /// Buffers the official model registers: derived data that we recompute, never weights.
-fn is_buffer(name: &str) -> bool {
+pub(crate) fn is_buffer(name: &str) -> bool {
     name.ends_with("relative_position_index")
         || name.ends_with("attn_mask")
         // HAT's model-level indices for its window and overlapping cross-attention.

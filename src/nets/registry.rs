@@ -95,13 +95,115 @@ pub(crate) fn swin_v2(shapes: &Shapes) -> bool {
         .any(|k| k.ends_with(".logit_scale") || k.contains(".cpb_mlp."))
 }
 
-/// Other well-known super-resolution networks, named from their keys.
-fn other_architecture(shapes: &Shapes) -> Option<&'static str> {
-    if swin_family(shapes) && swin_v2(shapes) {
-        Some("a Swin2SR checkpoint (SwinV2 blocks: logit_scale, cpb_mlp)")
-    } else {
-        None
-    }
+/// Whether a state dict's keys are one network's.
+type Signature = fn(&Shapes) -> bool;
+
+/// Networks this build does not run, each told by tensor names no registered architecture
+/// has (buffers left out: loading drops them), so that such a file is answered with what it
+/// is instead of the fallback's first missing tensor. The names come from the reference
+/// implementations' state dicts; `src/tests/other_architectures.rs` checks every entry
+/// against one of each.
+const OTHERS: &[(&str, Signature)] = &[
+    (
+        "a Swin2SR checkpoint (SwinV2 blocks: logit_scale, cpb_mlp)",
+        |s| swin_family(s) && swin_v2(s),
+    ),
+    ("an ATD checkpoint (adaptive token dictionary)", |s| {
+        any(s, |k| k.ends_with(".residual_group.td"))
+    }),
+    ("a CRAFT checkpoint", |s| {
+        any(s, |k| k.contains(".residual_group.srwa_blocks."))
+    }),
+    ("an RGT checkpoint", |s| has(s, "before_RG.1.weight")),
+    ("an FDAT checkpoint", |s| {
+        any(s, |k| k.starts_with("groups.") && k.ends_with(".n1.weight"))
+    }),
+    ("an OmniSR checkpoint", |s| {
+        has(s, "input.weight") && any(s, |k| k.starts_with("residual_layer."))
+    }),
+    ("a RealPLKSR checkpoint", |s| {
+        any(s, |k| {
+            k.starts_with("feats.") && k.contains(".channel_mixer.")
+        })
+    }),
+    ("a PLKSR checkpoint", |s| {
+        any(s, |k| {
+            k.starts_with("feats.") && k.contains(".channe_mixer.")
+        })
+    }),
+    ("an RCAN checkpoint", |s| {
+        has(s, "head.0.weight") && any(s, |k| k.contains(".conv_du.0.weight"))
+    }),
+    ("a SeemoRe checkpoint", |s| {
+        any(s, |k| k.contains(".local_block."))
+    }),
+    ("a MoSR checkpoint", |s| {
+        any(s, |k| k.starts_with("gblocks."))
+    }),
+    ("a MoESR checkpoint", |s| has(s, "in_to_dim.weight")),
+    ("a DCTLSA checkpoint", |s| {
+        has(s, "fea_conv.weight") && any(s, |k| k.contains(".transformer_body."))
+    }),
+    ("a Real-CUGAN checkpoint", |s| {
+        any(s, |k| k.starts_with("unet1.")) && any(s, |k| k.starts_with("unet2."))
+    }),
+    ("a Swift-SRGAN checkpoint", |s| {
+        has(s, "initial.cnn.depthwise.weight")
+    }),
+    ("an IPT checkpoint", |s| has(s, "head.0.0.weight")),
+    ("an SCUNet checkpoint (a denoiser)", |s| {
+        has(s, "m_head.0.weight") && any(s, |k| k.contains(".trans_block."))
+    }),
+    ("an FBCNN checkpoint (a JPEG artefact remover)", |s| {
+        any(s, |k| k.starts_with("qf_pred."))
+    }),
+    ("a DRUNet checkpoint (a denoiser)", |s| {
+        has(s, "m_head.weight") && any(s, |k| k.starts_with("m_body.") && k.contains(".res."))
+    }),
+    ("a DnCNN checkpoint (a denoiser)", |s| {
+        any(s, |k| {
+            k.starts_with("model.") && k.ends_with(".running_mean")
+        }) && s
+            .keys()
+            .all(|k| k.starts_with("model.") && k.matches('.').count() == 2)
+    }),
+    ("a NAFNet checkpoint (a restoration network)", |s| {
+        any(s, |k| k.starts_with("middle_blks."))
+    }),
+    ("a GFPGAN checkpoint (a face restorer)", |s| {
+        any(s, |k| k.starts_with("stylegan_decoder."))
+    }),
+    ("a RestoreFormer checkpoint (a face restorer)", |s| {
+        has(s, "quant_conv.weight") && has(s, "encoder.conv_in.weight")
+    }),
+    ("a Uformer checkpoint (a restoration network)", |s| {
+        has(s, "input_proj.proj.0.weight")
+    }),
+    ("a LaMa checkpoint (an inpainting network)", |s| {
+        any(s, |k| k.starts_with("model.model."))
+    }),
+    ("an HVI-CIDNet checkpoint (a low-light enhancer)", |s| {
+        has(s, "trans.density_k")
+    }),
+    ("a Retinexformer checkpoint (a low-light enhancer)", |s| {
+        any(s, |k| k.contains(".estimator.conv1."))
+    }),
+];
+
+fn has(shapes: &Shapes, key: &str) -> bool {
+    shapes.contains_key(key)
+}
+
+fn any(shapes: &Shapes, f: impl Fn(&str) -> bool) -> bool {
+    shapes.keys().any(|k| f(k))
+}
+
+/// What the keys look like, when they are those of a network in [`OTHERS`].
+pub(crate) fn other_architecture(shapes: &Shapes) -> Option<&'static str> {
+    OTHERS
+        .iter()
+        .find(|(_, f)| f(shapes))
+        .map(|(name, _)| *name)
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ mod gpu;
 mod hat;
 mod lanes;
 mod layout;
+mod other_architectures;
 mod pth;
 mod swinir;
 mod tile_blend;
