@@ -1314,7 +1314,7 @@ fn help_lists_the_choices_of_typed_flags() {
         "[possible values: auto, fp32, fp16, bf16]",
         "[possible values: png, jpg, webp, tiff]",
         "average",
-        "<K/N>",
+        "<K/N|auto[/N]>",
         "<auto|cpu|cuda[:N[,M...]]>",
     ] {
         assert!(help.contains(choices), "--help lacks {choices:?}:\n{help}");

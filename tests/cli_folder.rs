@@ -309,3 +309,223 @@ fn stale_temporaries_are_removed_fresh_ones_kept() {
     );
     assert!(root.join("out/a.png").exists());
 }
+
+/// Every variable `--shard auto` reads: cleared on a child before the test sets its own, so
+/// that a test run inside a job array sees only the test's.
+const SCHEDULER_VARS: [&str; 11] = [
+    "SLURM_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_ARRAY_TASK_MIN",
+    "SLURM_ARRAY_TASK_MAX",
+    "SLURM_ARRAY_TASK_COUNT",
+    "JOB_COMPLETION_INDEX",
+    "AWS_BATCH_JOB_ID",
+    "AWS_BATCH_JOB_ARRAY_INDEX",
+    "AWS_BATCH_JOB_ARRAY_SIZE",
+    "BATCH_TASK_INDEX",
+    "BATCH_TASK_COUNT",
+];
+
+fn with_scheduler(cmd: &mut assert_cmd::Command, vars: &[(&str, &str)]) {
+    for v in SCHEDULER_VARS.iter().chain(&["UPSCALE_SHARD_COUNT"]) {
+        cmd.env_remove(v);
+    }
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+}
+
+/// The inputs a `--json` run wrote.
+fn written(run: &std::process::Output) -> BTreeSet<String> {
+    json_lines(run)
+        .iter()
+        .filter(|l| l["status"] == "ok")
+        .map(|l| l["input"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn shard_auto_takes_each_schedulers_index() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    for i in 0..5 {
+        write_png(&dir.join(format!("in/p{i}.png")), 8 + i, 8);
+    }
+    // Shard 1 of 2 of the sorted list: p1 and p3.
+    let want: BTreeSet<String> = [1, 3]
+        .map(|i| {
+            Path::new("in")
+                .join(format!("p{i}.png"))
+                .to_string_lossy()
+                .into_owned()
+        })
+        .into();
+    // What -v says, the variables set, the flag.
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a [&'a str]);
+    let cases: [Case; 5] = [
+        (
+            "Slurm (SLURM_ARRAY_TASK_ID=4 of array 3-4 (2 tasks)): shard 1/2",
+            &[
+                ("SLURM_JOB_ID", "9"),
+                ("SLURM_ARRAY_TASK_ID", "4"),
+                ("SLURM_ARRAY_TASK_MIN", "3"),
+                ("SLURM_ARRAY_TASK_MAX", "4"),
+                ("SLURM_ARRAY_TASK_COUNT", "2"),
+            ],
+            &["--shard", "auto"],
+        ),
+        (
+            "Kubernetes Indexed Job (JOB_COMPLETION_INDEX=1): shard 1/2",
+            &[("JOB_COMPLETION_INDEX", "1"), ("UPSCALE_SHARD_COUNT", "2")],
+            &["--shard", "auto"],
+        ),
+        (
+            "Kubernetes Indexed Job (JOB_COMPLETION_INDEX=1): shard 1/2",
+            &[("JOB_COMPLETION_INDEX", "1")],
+            &["--shard", "auto/2"],
+        ),
+        (
+            "AWS Batch (AWS_BATCH_JOB_ARRAY_INDEX=1, AWS_BATCH_JOB_ARRAY_SIZE=2): shard 1/2",
+            &[
+                ("AWS_BATCH_JOB_ID", "j:1"),
+                ("AWS_BATCH_JOB_ARRAY_INDEX", "1"),
+                ("AWS_BATCH_JOB_ARRAY_SIZE", "2"),
+            ],
+            &["--shard", "auto"],
+        ),
+        (
+            "Google Cloud Batch (BATCH_TASK_INDEX=1, BATCH_TASK_COUNT=2): shard 1/2",
+            &[("BATCH_TASK_INDEX", "1"), ("BATCH_TASK_COUNT", "2")],
+            &["--shard", "auto"],
+        ),
+    ];
+    for (i, (said, vars, flags)) in cases.into_iter().enumerate() {
+        let mut cmd = upscale(dir);
+        cmd.args(["in", "-o", &format!("out{i}"), "--json", "-v"])
+            .args(flags);
+        with_scheduler(&mut cmd, vars);
+        let run = cmd.output().unwrap();
+        assert_success(&run);
+        assert!(
+            stderr(&run).contains(&format!("--shard auto: {said}")),
+            "{}",
+            stderr(&run)
+        );
+        assert_eq!(written(&run), want, "{said}");
+        assert_eq!(summary(&json_lines(&run))["shard"], "1/2");
+    }
+}
+
+#[test]
+fn shard_auto_refusals_come_before_the_model_loads() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    write_png(&dir.join("in/a.png"), 8, 8);
+    let cases: [(&[(&str, &str)], &str); 4] = [
+        (&[], "no job array found"),
+        (&[("SLURM_JOB_ID", "5")], "not an array job"),
+        (
+            &[
+                ("SLURM_ARRAY_TASK_ID", "4"),
+                ("SLURM_ARRAY_TASK_MIN", "0"),
+                ("SLURM_ARRAY_TASK_MAX", "12"),
+                ("SLURM_ARRAY_TASK_COUNT", "4"),
+            ],
+            "stepped or sparse",
+        ),
+        (&[("JOB_COMPLETION_INDEX", "0")], "UPSCALE_SHARD_COUNT"),
+    ];
+    for (vars, needle) in cases {
+        // A model that does not exist: the shard is refused first, so it is never opened.
+        let mut cmd = bare(dir);
+        cmd.args(["-m", "missing.pth", "in", "-o", "out", "--shard", "auto"]);
+        with_scheduler(&mut cmd, vars);
+        let run = cmd.output().unwrap();
+        assert_no_panic(&run);
+        assert_eq!(run.status.code(), Some(2), "{}", stderr(&run));
+        let errors = error_lines(&run);
+        assert_eq!(errors.len(), 1, "{}", stderr(&run));
+        assert!(errors[0].contains(needle), "{vars:?}: {}", errors[0]);
+        assert!(!errors[0].contains("missing.pth"), "{}", errors[0]);
+        assert!(!dir.join("out").exists());
+    }
+}
+
+/// Two shards' `--json` logs (one with a broken file), one killed before its summary, and
+/// `upscale report` over them: the failure named, the unfinished shard found.
+#[test]
+fn report_combines_shard_logs() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    for i in 0..4 {
+        write_png(&dir.join(format!("in/p{i}.png")), 8 + i, 8);
+    }
+    fs::write(dir.join("in/p2.png"), b"\x89PNG\r\n\x1a\nbroken").unwrap();
+    let mut logs = Vec::new();
+    for k in 0..2 {
+        let mut cmd = upscale(dir);
+        cmd.args([
+            "in",
+            "-o",
+            "out",
+            "--json",
+            "--shard",
+            &format!("auto/{}", 2),
+        ]);
+        with_scheduler(&mut cmd, &[("JOB_COMPLETION_INDEX", &k.to_string())]);
+        let run = cmd.output().unwrap();
+        assert_no_panic(&run);
+        let log = dir.join(format!("shard{k}.jsonl"));
+        fs::write(&log, &run.stdout).unwrap();
+        logs.push(log);
+    }
+    // Shard 0 held the broken p2.png.
+    let report = |logs: &[std::path::PathBuf], json: bool| {
+        let mut cmd = bare(dir);
+        cmd.arg("report").args(logs);
+        if json {
+            cmd.arg("--json");
+        }
+        cmd.output().unwrap()
+    };
+    let run = report(&logs, false);
+    assert_no_panic(&run);
+    assert_eq!(run.status.code(), Some(1), "a failed image is left to do");
+    let text = stdout(&run);
+    assert!(
+        text.contains("3 images done, 0 skipped (there already), 1 failed"),
+        "{text}"
+    );
+    let broken = Path::new("in")
+        .join("p2.png")
+        .to_string_lossy()
+        .into_owned();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with(&format!("failed: {broken}: "))),
+        "{text}"
+    );
+
+    // Shard 1's log cut before its summary, as a killed task leaves it: shard 1 is missing.
+    let cut: String = fs::read_to_string(&logs[1])
+        .unwrap()
+        .lines()
+        .filter(|l| !l.contains("\"summary\""))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    fs::write(&logs[1], cut).unwrap();
+    let run = report(&logs, true);
+    let j: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(j["missing_shards"]["2"], serde_json::json!([1]), "{j}");
+    assert_eq!(j["done"], 3);
+    assert_eq!(j["failed"][0]["input"], broken.as_str());
+    assert_eq!(j["complete"], false);
+
+    let run = report(&[dir.join("no-such.jsonl")], false);
+    assert_eq!(run.status.code(), Some(2));
+    assert!(
+        error_lines(&run)[0].contains("no-such.jsonl"),
+        "{}",
+        stderr(&run)
+    );
+}

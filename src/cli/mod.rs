@@ -12,7 +12,9 @@ mod info;
 mod naming;
 mod path_error;
 mod pipeline;
+mod report;
 mod run;
+mod scheduler;
 mod shard;
 mod walk;
 
@@ -23,7 +25,7 @@ use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
 use upscale::{Attention, BlendMode, DeviceChoice, Format, OutputSize, Precision};
 
-use shard::{parse_shard, Shard};
+use shard::{parse_shard_spec, ShardSpec};
 
 /// `upscale --version`: the version, what the binary was built to run on, and the credits the
 /// embedded model's training images ask for.
@@ -91,6 +93,19 @@ pub enum Command {
     Bench(BenchArgs),
     /// PSNR/SSIM on HR images as SR papers report them; gate against a baseline.
     Eval(eval::EvalArgs),
+    /// Combine the --json logs of many runs (a job array's shards, re-runs) into one account.
+    ///
+    /// Images done, skipped and failed (each named with its error and log), logs without a
+    /// summary line (killed runs), and the shards of N with no finished run. Exit code 1
+    /// when an image failed or a shard is missing.
+    Report {
+        /// Files of --json lines (`-` for standard input); other lines in them are passed over.
+        #[arg(required = true)]
+        logs: Vec<PathBuf>,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print a shell completion script (e.g. `upscale completions bash >
     /// ~/.local/share/bash-completion/completions/upscale`).
     Completions {
@@ -244,9 +259,12 @@ pub struct RunArgs {
     /// Replace existing outputs (otherwise they are skipped, so a re-run resumes).
     #[arg(long)]
     pub overwrite: bool,
-    /// Process only shard K of N (0 <= K < N) of the sorted input list.
-    #[arg(long, value_name = "K/N", value_parser = parse_shard)]
-    pub shard: Option<Shard>,
+    /// Process only shard K of N (0 <= K < N) of the sorted input list. `auto` reads K and N
+    /// from the job array that started the process (Slurm, Kubernetes Indexed Job, AWS
+    /// Batch, Google Cloud Batch); `auto/N` takes the array index as K and N as given (also
+    /// from UPSCALE_SHARD_COUNT), for Kubernetes or to re-run some tasks of an array alone.
+    #[arg(long, value_name = "K/N|auto[/N]", value_parser = parse_shard_spec)]
+    pub shard: Option<ShardSpec>,
     /// One JSON line per image and a summary line on stdout.
     #[arg(long)]
     pub json: bool,
@@ -565,6 +583,7 @@ fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             );
         }
         Some(Command::Man { dir }) => write_man(dir.as_deref())?,
+        Some(Command::Report { logs, json }) => return report::run(&logs, json),
         Some(Command::Eval(e)) => {
             let log = Logger::new(false, false);
             return eval::run(e, &log);

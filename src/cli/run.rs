@@ -15,12 +15,15 @@ use upscale::{Format, LaneStats, OutputSize};
 
 use super::naming::{self, is_dash, Job};
 use super::pipeline::{self, EncodeChoice, FileStages, Written};
+use super::scheduler;
+use super::shard::{Shard, ShardSpec};
 use super::walk::{walk, InputFile};
 use super::{Logger, RunArgs};
 
 type Outcome = (Job, Result<Written, String>);
 
 pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
+    let shard = resolve_shard(args.shard, log)?;
     let format = args.format;
     if let Some(f) = format {
         check_depth(args.bit_depth, f, &format!("--format {}", f.extension()))?;
@@ -36,7 +39,8 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
 
     let size = OutputSize::from_flags(args.outscale, args.width, args.height);
     let up = super::setup(&args.infer, size)?;
-    let (jobs, stdin, skipped) = plan_jobs(&args, stream, &files, size.tag(up.scale()), log)?;
+    let (jobs, stdin, skipped) =
+        plan_jobs(&args, shard, stream, &files, size.tag(up.scale()), log)?;
 
     let warn = |m: String| log.warn(m);
     let detail = |m: String| log.verbose(m);
@@ -69,15 +73,36 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         skipped,
         secs,
         up.lane_count(),
+        shard,
         args.json,
         log,
     ))
+}
+
+/// The shard to take: as given, or read from the job array's variables (`--shard auto`),
+/// before anything else runs so that a refusal costs nothing.
+fn resolve_shard(spec: Option<ShardSpec>, log: &Logger) -> Result<Option<Shard>> {
+    match spec {
+        None => Ok(None),
+        Some(ShardSpec::Fixed(shard)) => Ok(Some(shard)),
+        Some(ShardSpec::Auto { count }) => {
+            let d = scheduler::detect(count, |var| std::env::var(var).ok())?;
+            log.verbose(format!(
+                "--shard auto: {} ({}): shard {}",
+                d.scheduler.name(),
+                d.from,
+                d.shard
+            ));
+            Ok(Some(d.shard))
+        }
+    }
 }
 
 /// The jobs left to do (outputs named, the shard taken, finished ones dropped), standard
 /// input's bytes when it is the input, and how many outputs exist already.
 fn plan_jobs(
     args: &RunArgs,
+    shard: Option<Shard>,
     stream: Option<Stream>,
     files: &[InputFile],
     tag: String,
@@ -104,7 +129,7 @@ fn plan_jobs(
             check_depth(args.bit_depth, job.format, &what)?;
         }
     }
-    if let Some(shard) = args.shard {
+    if let Some(shard) = shard {
         // Split before dropping finished jobs, so every shard sees the same partition.
         jobs = super::shard::select_shard(jobs, shard);
     }
@@ -125,6 +150,7 @@ fn summarize(
     skipped: usize,
     secs: f64,
     lanes_count: usize,
+    shard: Option<Shard>,
     json: bool,
     log: &Logger,
 ) -> ExitCode {
@@ -137,12 +163,15 @@ fn summarize(
                 LaneStats::merge(&mut lanes, &d.lanes);
             }
         }
-        println!(
-            "{}",
-            json!({"summary": true, "done": done, "failed": failed, "skipped": skipped,
+        let mut line = json!({"summary": true, "done": done, "failed": failed, "skipped": skipped,
                    "seconds": secs, "images_per_s": if secs > 0.0 { done as f64 / secs } else { 0.0 },
-                   "lanes": lanes_count, "lane_stats": lanes})
-        );
+                   "lanes": lanes_count, "lane_stats": lanes});
+        // Which part of the list this was, so that `upscale report` can tell the shards that
+        // never finished (a run without --shard keeps its summary as it was).
+        if let Some(shard) = shard {
+            line["shard"] = json!(shard.to_string());
+        }
+        println!("{line}");
     }
     log.info(format!(
         "{done} upscaled, {skipped} skipped, {failed} failed in {secs:.1} s"

@@ -1,4 +1,5 @@
-//! Splitting one input list across independent processes (`--shard K/N`).
+//! Splitting one input list across independent processes (`--shard K/N`, or `--shard auto`
+//! to read K and N from the job array that started the process: [`super::scheduler`]).
 //!
 //! K is 0-based, K in 0..N, to take `$SLURM_ARRAY_TASK_ID` (with `--array=0-<N-1>`) or
 //! Kubernetes' `$JOB_COMPLETION_INDEX` as is. File i of the sorted list goes to shard
@@ -18,7 +19,9 @@ pub struct Shard {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid shard '{spec}': {reason} (expected K/N with 0 <= K < N, e.g. 0/4)")]
+#[error(
+    "invalid shard '{spec}': {reason} (expected K/N with 0 <= K < N, e.g. 0/4, or auto, or auto/N)"
+)]
 pub struct ShardError {
     pub spec: String,
     pub reason: &'static str,
@@ -39,6 +42,38 @@ pub fn parse_shard(spec: &str) -> Result<Shard, ShardError> {
         return Err(err("K must be less than N (K is 0-based)"));
     }
     Ok(Shard { index, count })
+}
+
+/// What `--shard` asked for: a fixed K/N, or the scheduler's index (`auto`), with N given
+/// (`auto/N`) or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardSpec {
+    Fixed(Shard),
+    Auto { count: Option<usize> },
+}
+
+pub fn parse_shard_spec(spec: &str) -> Result<ShardSpec, ShardError> {
+    let trimmed = spec.trim();
+    let (head, tail) = match trimmed.split_once('/') {
+        Some((h, t)) => (h.trim(), Some(t.trim())),
+        None => (trimmed, None),
+    };
+    if !head.eq_ignore_ascii_case("auto") {
+        return parse_shard(spec).map(ShardSpec::Fixed);
+    }
+    let count = match tail {
+        None => None,
+        Some(n) => match n.parse::<usize>() {
+            Ok(n) if n > 0 => Some(n),
+            _ => {
+                return Err(ShardError {
+                    spec: spec.to_string(),
+                    reason: "N in auto/N must be a whole number of at least 1",
+                })
+            }
+        },
+    };
+    Ok(ShardSpec::Auto { count })
 }
 
 impl FromStr for Shard {
@@ -76,6 +111,26 @@ mod tests {
         assert_eq!("2/5".parse::<Shard>().unwrap().to_string(), "2/5");
         for bad in ["4/4", "1/0", "0/0", "-1/3", "a/3", "1", "", "1/2/3", "1/x"] {
             let e = parse_shard(bad).unwrap_err();
+            assert!(e.to_string().contains(&format!("'{bad}'")), "{e}");
+        }
+    }
+
+    #[test]
+    fn parses_auto() {
+        assert_eq!(
+            parse_shard_spec("auto"),
+            Ok(ShardSpec::Auto { count: None })
+        );
+        assert_eq!(
+            parse_shard_spec(" AUTO/16 "),
+            Ok(ShardSpec::Auto { count: Some(16) })
+        );
+        assert_eq!(
+            parse_shard_spec("1/2"),
+            Ok(ShardSpec::Fixed(Shard { index: 1, count: 2 }))
+        );
+        for bad in ["auto/0", "auto/x", "auto/", "auto/1/2", "automatic", "2/2"] {
+            let e = parse_shard_spec(bad).unwrap_err();
             assert!(e.to_string().contains(&format!("'{bad}'")), "{e}");
         }
     }
