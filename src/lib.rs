@@ -31,6 +31,7 @@ mod api;
 mod bench;
 mod checkpoint;
 mod engine;
+pub mod fit;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod inspect;
@@ -46,7 +47,7 @@ mod switches;
 mod tests;
 mod tile;
 
-pub use api::{cpu_computes_bf16, Error, Options, Pending, Upscaler};
+pub use api::{cpu_computes_bf16, Banded, Error, Options, Pending, Upscaler};
 pub use bench::{BenchReport, DevicePool, TileCost};
 pub use checkpoint::pth::{PthError, PthTensorError};
 pub use checkpoint::{ModelError, TensorError};

@@ -10,13 +10,17 @@ pub(crate) mod encode;
 mod error;
 mod format;
 mod metadata;
+pub(crate) mod stream;
 
-pub use atomic::{check_output_parent, is_temporary, remove_stale_temporaries, write_atomic};
+pub use atomic::{
+    check_output_parent, is_temporary, remove_stale_temporaries, write_atomic, write_atomic_with,
+};
 pub use decode::{decode, decode_bytes, DecodeLimits, Decoded};
 pub use encode::{encode, encode_to_vec, EncodeOptions};
 pub use error::{IoError, OutputError};
 pub use format::{is_image_path, Format, UnknownFormat};
 pub use metadata::Metadata;
+pub use stream::{can_stream, encode_bands, BandLayout, BandSink};
 
 #[cfg(test)]
 mod tests;
