@@ -3,7 +3,7 @@
 //! be written this way with the encoders we have (both take the whole image at once).
 //!
 //! Each band is quantised by [`to_image`], as a whole image is, so the samples are the same
-//! bit for bit. A TIFF file is the same byte for byte as [`super::encode`] writes; a PNG file
+//! bit for bit. A TIFF file is the same byte for byte as [`super::encode()`] writes; a PNG file
 //! holds the same samples and metadata, with its compressed data cut into IDAT chunks
 //! differently.
 
@@ -38,7 +38,7 @@ pub struct BandLayout {
     pub width: usize,
     /// The image's height.
     pub height: usize,
-    /// R, G and B are averaged into one luma channel, as [`super::encode`] does.
+    /// R, G and B are averaged into one luma channel, as [`super::encode()`] does.
     pub gray: bool,
     /// Alpha, the same for every pixel (`None`: no alpha).
     pub alpha: Option<f32>,
@@ -47,7 +47,7 @@ pub struct BandLayout {
 /// Writes an image of `layout` to `path` (PNG or TIFF, see [`can_stream`]) through a
 /// temporary, taking its bands from `produce`, which gets the sink to hand them to; the file
 /// gets its final name only when `produce` and the encoder succeed. Returns what of `meta` was
-/// left out, as [`super::encode`] does.
+/// left out, as [`super::encode()`] does.
 pub fn encode_bands<E: From<IoError>>(
     path: &Path,
     layout: BandLayout,
@@ -123,7 +123,7 @@ pub fn encode_bands<E: From<IoError>>(
 }
 
 /// The ICC profile to write and what of `meta` a `format` file of `color` cannot hold, in
-/// the words [`super::encode`] uses.
+/// the words [`super::encode()`] uses.
 fn metadata(meta: &Metadata, color: ColorType, format: Format) -> (Option<&[u8]>, Vec<String>) {
     let mut left_out = Vec::new();
     let mut icc = None;

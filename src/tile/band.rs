@@ -7,7 +7,7 @@
 //!
 //! The blending is [`super::stitch`]'s arithmetic in the same order (tiles in plan order, the
 //! batch halving as the one-lane scheduler does), so the bands put together are the image
-//! [`super::run_tiled`] returns, bit for bit.
+//! the one-lane host scheduler (`run_lanes` with one lane) returns, bit for bit.
 
 use std::collections::VecDeque;
 
