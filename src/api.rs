@@ -28,12 +28,13 @@ use crate::engine::image::Upscaled;
 use crate::engine::lanes::Lanes;
 use crate::engine::{choose_dtype, open_device, read_checkpoint, DeviceChoice, Precision};
 use crate::error::{Error, ErrorKind};
-use crate::io::{Decoded, EncodeOptions, Format, IoError};
+use crate::fit::{OutputNeed, Writing};
+use crate::io::{BandLayout, Decoded, EncodeOptions, Format, IoError, Metadata};
 use crate::ops::attention::Attention;
 use crate::planar::Planar;
 use crate::size::OutputSize;
 use crate::tile::auto::{TileChoice, TileSettings};
-use crate::tile::BlendMode;
+use crate::tile::{BlendMode, LaneStats, TileStats};
 
 /// How to run the model. `Options::default()` is what the command line does without flags
 /// (a test holds the two equal).
@@ -214,8 +215,7 @@ impl Upscaler {
             detail: "the extension names no image format (png, jpg, webp, tif)".into(),
         })?;
         let dec = crate::io::decode(input)?;
-        let (rgb, alpha) = self.upscale_planes(&dec)?;
-        if alpha.is_some() && !format.supports_alpha() {
+        if dec.alpha.is_some() && !format.supports_alpha() {
             log::warn!(
                 "{}: {format} has no alpha channel; transparency is dropped",
                 output.display()
@@ -223,8 +223,16 @@ impl Upscaler {
         }
         let mut opts = EncodeOptions::new(format);
         opts.bit_depth = format.default_bit_depth(dec.bit_depth);
-        let left_out =
-            crate::io::encode(output, &rgb, alpha.as_ref(), dec.gray, &dec.metadata, &opts)?;
+        let left_out = match self.writing(&dec, &opts, true)? {
+            Writing::Bands => {
+                self.upscale_bands(&dec, output, &opts, &dec.metadata)?
+                    .left_out
+            }
+            Writing::Whole => {
+                let (rgb, alpha) = self.upscale_planes(&dec)?;
+                crate::io::encode(output, &rgb, alpha.as_ref(), dec.gray, &dec.metadata, &opts)?
+            }
+        };
         for piece in left_out {
             log::debug!("{}: {piece}", output.display());
         }
@@ -256,11 +264,154 @@ impl Upscaler {
         })
     }
 
+    /// How `dec`'s output would be written with `opts` (to a file when `to_file`, else to a
+    /// stream such as standard output), decided before the model runs: in bands of rows as
+    /// tiles finish, or whole. An output its format cannot hold, or one that must be written
+    /// whole and needs more memory than the system has available, is refused with what would
+    /// write it. `UPSCALE_STREAM` (`always`, `never`) overrides the choice where both can.
+    pub fn writing(
+        &self,
+        dec: &Decoded,
+        opts: &EncodeOptions,
+        to_file: bool,
+    ) -> Result<Writing, Error> {
+        let need = self.output_need(dec, opts, to_file);
+        let stream = crate::switches::current().stream;
+        Ok(crate::fit::plan(
+            &need,
+            crate::tile::auto::available_ram(),
+            stream,
+        )?)
+    }
+
+    /// What [`crate::fit::plan`] needs to know of `dec`'s output.
+    fn output_need(&self, dec: &Decoded, opts: &EncodeOptions, to_file: bool) -> OutputNeed {
+        let s = self.scale() as u64;
+        let (in_w, in_h) = (dec.rgb.width as u64, dec.rgb.height as u64);
+        let (w, h) = self.size.dims(dec.rgb.width, dec.rgb.height, self.scale());
+        let (w, h) = (w as u64, h as u64);
+        let model_px = in_w * in_h * s * s;
+        let resized = (w, h) != (in_w * s, in_h * s);
+        let varying_alpha = dec.alpha.as_ref().is_some_and(|a| constant(a).is_none());
+        // The probe's pixel layout is the file's (gray, alpha, depth); an option the format
+        // does not take fails the encoder later with its own message.
+        let probe_alpha = dec.alpha.as_ref().map(|_| Planar::new(1, 1, 1, vec![1.0]));
+        let (samples, sample_bytes) = match crate::io::encode::to_image(
+            &Planar::zeros(3, 1, 1),
+            probe_alpha.as_ref(),
+            dec.gray,
+            opts,
+        ) {
+            Ok(img) => {
+                let c = img.color();
+                (
+                    u64::from(c.channel_count()),
+                    u64::from(c.bytes_per_pixel() / c.channel_count()),
+                )
+            }
+            Err(_) => (3, 1),
+        };
+        // The canvas (a sum per sample, a weight per pixel, in f32) normalised in place; the
+        // alpha canvas as large again; the ensemble's sum and one transformed copy; the
+        // resampled result; the encoded samples and the encoder's copy of them.
+        let whole_bytes = model_px * (20 + if varying_alpha { 20 } else { 0 })
+            + if self.settings.tta { model_px * 24 } else { 0 }
+            + if resized { w * h * 16 } else { 0 }
+            + 2 * w * h * samples * sample_bytes;
+        let no_bands = if !to_file {
+            Some("to standard output")
+        } else if self.settings.tta {
+            Some("with --tta")
+        } else if resized {
+            Some("when it is resampled to another size than the model's")
+        } else if varying_alpha {
+            Some("with a transparency that varies")
+        } else {
+            None
+        };
+        OutputNeed {
+            format: opts.format,
+            width: w,
+            height: h,
+            samples,
+            sample_bytes,
+            whole_bytes,
+            no_bands,
+        }
+    }
+
+    /// Upscales `dec` into the file `output` in bands of rows as the tiles finish, so memory
+    /// holds the model, a batch of tiles and a band of rows rather than the image: the same
+    /// samples as [`Upscaler::upscale_file`] writes whole, for a PNG or TIFF file at the
+    /// model's scale, with no ensemble and alpha that is absent or constant (see
+    /// [`Upscaler::writing`]). Written through a temporary, renamed only when complete.
+    pub fn upscale_bands(
+        &self,
+        dec: &Decoded,
+        output: &Path,
+        opts: &EncodeOptions,
+        meta: &Metadata,
+    ) -> Result<Banded, Error> {
+        let need = self.output_need(dec, opts, true);
+        if let Some(why) = need.no_bands {
+            return Err(IoError::Encode {
+                path: output.to_path_buf(),
+                format: opts.format,
+                detail: format!("cannot be written in bands {why}"),
+            }
+            .into());
+        }
+        let layout = BandLayout {
+            width: need.width as usize,
+            height: need.height as usize,
+            gray: dec.gray,
+            alpha: dec.alpha.as_ref().and_then(constant),
+        };
+        let mut done = None;
+        let left_out = crate::io::encode_bands(output, layout, meta, opts, |sink| {
+            let ran = self.lanes.run_banded(&dec.rgb, &self.settings, |band| {
+                sink(band).map_err(Error::from)
+            })?;
+            done = Some(ran);
+            Ok::<(), Error>(())
+        })?;
+        let (stats, lanes) = done.expect("set when the bands were written");
+        Ok(Banded {
+            width: layout.width,
+            height: layout.height,
+            stats,
+            lanes,
+            left_out,
+        })
+    }
+
     /// The colour and alpha planes of `dec` upscaled and resampled to [`Options::size`].
     fn upscale_planes(&self, dec: &Decoded) -> Result<(Planar, Option<Planar>), Error> {
         let up = self.upscale_image(dec)?;
         Ok((up.rgb, up.alpha))
     }
+}
+
+/// The value of every sample of `alpha`, when they are all the same (the engine fills such
+/// an alpha rather than running it through the network).
+fn constant(alpha: &Planar) -> Option<f32> {
+    let first = alpha.data.first().copied().unwrap_or(1.0);
+    alpha.data.iter().all(|&v| v == first).then_some(first)
+}
+
+/// An image [`Upscaler::upscale_bands`] wrote.
+#[derive(Clone, Debug)]
+pub struct Banded {
+    /// The output's width.
+    pub width: usize,
+    /// The output's height.
+    pub height: usize,
+    /// How it was tiled.
+    pub stats: TileStats,
+    /// The work of the one lane that ran it.
+    pub lanes: Vec<LaneStats>,
+    /// What of the metadata the format could not hold.
+    pub left_out: Vec<String>,
 }
 
 /// An image [`Upscaler::upscale_deferred`] has run through the network but not finished.

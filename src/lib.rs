@@ -32,6 +32,7 @@ mod bench;
 mod checkpoint;
 mod engine;
 mod error;
+mod fit;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod inspect;
@@ -47,11 +48,12 @@ mod switches;
 mod tests;
 mod tile;
 
-pub use api::{cpu_computes_bf16, Options, Pending, Upscaler};
+pub use api::{cpu_computes_bf16, Banded, Options, Pending, Upscaler};
 pub use bench::{BenchReport, DevicePool, TileCost};
 pub use engine::image::Upscaled;
 pub use engine::{DeviceChoice, Precision};
 pub use error::{Error, ErrorKind};
+pub use fit::Writing;
 pub use inspect::ModelFile;
 pub use io::Format;
 pub use ops::attention::Attention;

@@ -2074,3 +2074,84 @@ fn hat_model_runs_and_describes_itself() {
     assert_success(&r);
     assert_eq!(open(&dir.join("out.png")).dimensions(), (80, 64));
 }
+
+// ---------------------------------------------------------------- large outputs
+
+/// Decoded samples and the ICC profile and EXIF of an output file.
+fn samples_and_metadata(path: &Path) -> (Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>) {
+    let bytes = fs::read(path).unwrap();
+    let (icc, exif) = metadata_of(&bytes);
+    (open(path).into_bytes(), icc, exif)
+}
+
+/// The same image written in bands of rows as its tiles finish (`UPSCALE_STREAM=always`)
+/// and whole (`never`): a TIFF byte for byte, a PNG sample for sample with the same metadata
+/// (its compressed data is cut into chunks differently), 8- and 16-bit, odd sizes, several
+/// tile rows and columns.
+#[test]
+fn outputs_written_in_bands_equal_the_whole_image() {
+    let d = tempdir();
+    let dir = d.path();
+    let img = rgb_image(45, 37);
+    let bytes = with_metadata(
+        &img,
+        ImageFormat::Png,
+        Some(fake_icc(b"RGB ")),
+        Some(exif_with_orientation(1)),
+    );
+    fs::write(dir.join("in8.png"), bytes).unwrap();
+    let sixteen = image::DynamicImage::ImageRgb8(rgb_image(31, 19)).into_rgb16();
+    sixteen.save(dir.join("in16.png")).unwrap();
+    for input in ["in8.png", "in16.png"] {
+        for ext in ["png", "tif"] {
+            let mut outs = Vec::new();
+            for mode in ["always", "never"] {
+                let out = dir.join(format!("{mode}-{input}.{ext}"));
+                upscale(dir)
+                    .env("UPSCALE_STREAM", mode)
+                    .args([input, "--tile", "12", "--tile_overlap", "4", "-o"])
+                    .arg(&out)
+                    .assert()
+                    .success();
+                outs.push(out);
+            }
+            let case = format!("{input} as {ext}");
+            if ext == "tif" {
+                assert!(
+                    fs::read(&outs[0]).unwrap() == fs::read(&outs[1]).unwrap(),
+                    "{case}: files differ"
+                );
+            }
+            let (a, b) = (
+                samples_and_metadata(&outs[0]),
+                samples_and_metadata(&outs[1]),
+            );
+            assert!(a.0 == b.0, "{case}: samples differ");
+            assert_eq!((&a.1, &a.2), (&b.1, &b.2), "{case}: metadata differs");
+            if input == "in8.png" {
+                assert_eq!(a.1, Some(fake_icc(b"RGB ")), "{case}: ICC profile");
+            }
+        }
+    }
+    let temporaries: Vec<_> = files_under(dir)
+        .into_iter()
+        .filter(|f| f.contains(".upscale-tmp-"))
+        .collect();
+    assert!(temporaries.is_empty(), "{temporaries:?}");
+}
+
+/// An output larger than its format allows is refused before the model runs, naming the
+/// limit and the formats that would do; nothing is written.
+#[test]
+fn output_too_large_for_its_format_is_refused() {
+    let d = tempdir();
+    let dir = d.path();
+    // x2: 8200 pixels wide in, 16400 out, over WebP's 16383.
+    write_png(&dir.join("wide.png"), 8200, 2);
+    assert_rejected(
+        dir,
+        upscale(dir).args(["wide.png", "-o", "out.webp"]),
+        1,
+        &["wide.png", "16400x4", "WebP", "16383", ".png or .tif"],
+    );
+}

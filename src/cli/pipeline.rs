@@ -14,7 +14,8 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use upscale::io::{self, DecodeLimits, Decoded, EncodeOptions};
-use upscale::{LaneStats, Pending, Upscaled, Upscaler};
+use upscale::Writing;
+use upscale::{Banded, LaneStats, Pending, Upscaled, Upscaler};
 
 use super::naming::{is_dash, Job, STDIN_NAME};
 
@@ -218,6 +219,8 @@ pub(crate) type Timed = (Instant, Decoded);
 pub(crate) enum Up {
     Done(Upscaled),
     Pending(Pending),
+    /// Already written, in bands as it was computed.
+    Banded(Banded),
 }
 
 /// `UPSCALE_DEFER_FINISH=1`: the model thread leaves bringing each output canvas back from
@@ -255,7 +258,21 @@ impl Stages for FileStages<'_> {
             .map_err(|e| e.to_string())
     }
 
-    fn upscale(&self, _job: &Job, (_, dec): &Timed) -> Result<Up, String> {
+    fn upscale(&self, job: &Job, (_, dec): &Timed) -> Result<Up, String> {
+        let opts = self.encode_options(job, dec.bit_depth);
+        let to_file = !is_dash(&job.output);
+        let writing = self
+            .up
+            .writing(dec, &opts, to_file)
+            .map_err(|e| e.to_string())?;
+        if writing == Writing::Bands {
+            // Written while it is computed, on this thread: the output never exists whole.
+            return self
+                .up
+                .upscale_bands(dec, &job.output, &opts, self.metadata(dec))
+                .map(Up::Banded)
+                .map_err(|e| e.to_string());
+        }
         if self.defer_finish {
             return self
                 .up
@@ -284,6 +301,18 @@ impl Stages for FileStages<'_> {
         let up = match up {
             Up::Done(up) => up,
             Up::Pending(pending) => pending.finish().map_err(|e| format!("{e:#}"))?,
+            Up::Banded(b) => {
+                for note in b.left_out {
+                    (self.detail)(format!("{}: {note}", job.output.display()));
+                }
+                return Ok(Written {
+                    in_size: (dec.rgb.width, dec.rgb.height),
+                    out_size: (b.width, b.height),
+                    seconds: t.elapsed().as_secs_f64(),
+                    tiles: b.stats.tiles,
+                    lanes: b.lanes,
+                });
+            }
         };
         match self.writer {
             Some(writer) => writer(self, job, &dec, &up)?,
@@ -310,6 +339,20 @@ impl FileStages<'_> {
         opts
     }
 
+    /// The metadata to write: the input's, unless stripped.
+    fn metadata<'d>(&self, dec: &'d Decoded) -> &'d io::Metadata {
+        static NONE: io::Metadata = io::Metadata {
+            icc: None,
+            exif: None,
+            exif_dropped: false,
+        };
+        if self.encode.strip {
+            &NONE
+        } else {
+            &dec.metadata
+        }
+    }
+
     /// Encodes `up` to the job's output (a file through a temporary, or standard output).
     pub(crate) fn write(&self, job: &Job, dec: &Decoded, up: &Upscaled) -> Result<(), String> {
         let opts = self.encode_options(job, dec.bit_depth);
@@ -330,12 +373,7 @@ impl FileStages<'_> {
                 job.format
             ));
         }
-        let none = io::Metadata::default();
-        let meta = if self.encode.strip {
-            &none
-        } else {
-            &dec.metadata
-        };
+        let meta = self.metadata(dec);
         let left_out = if to_stdout {
             let (bytes, left_out) = io::encode_to_vec(
                 Path::new("-"),

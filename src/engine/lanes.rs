@@ -165,6 +165,25 @@ impl Lanes {
         run_lanes(&self.engines, image, opts, Canvas::Device)
     }
 
+    /// Upscales `image` on the first lane, blending on the host and handing the output to
+    /// `emit` in bands of rows as the tiles finish ([`crate::tile::band::run_banded`]).
+    pub fn run_banded<E: From<TileError>>(
+        &self,
+        image: &Planar,
+        settings: &TileSettings,
+        emit: impl FnMut(Planar) -> Result<(), E>,
+    ) -> Result<(TileStats, Vec<LaneStats>), E> {
+        let opts = self.tile_options(settings, image.height, image.width);
+        let start = std::time::Instant::now();
+        let engine = self.primary();
+        let stats = crate::tile::band::run_banded(engine, image, &opts, emit)?;
+        let mut lane = LaneStats::new(0, &engine.device);
+        lane.batches = stats.batches;
+        lane.tiles = stats.tiles;
+        lane.busy_seconds = start.elapsed().as_secs_f64();
+        Ok((stats, vec![lane]))
+    }
+
     /// Whether every lane's output canvas fits in half of its device's free memory, leaving
     /// the rest for the model.
     fn canvases_fit(&self, image: &Planar) -> bool {

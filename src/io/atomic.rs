@@ -34,8 +34,18 @@ pub fn write_atomic<F>(dest: &Path, write: F) -> Result<(), IoError>
 where
     F: FnOnce(&mut BufWriter<File>) -> Result<(), IoError>,
 {
+    write_atomic_with(dest, write)
+}
+
+/// [`write_atomic`] for a `write` whose errors are not only the file's (the network's, when
+/// an image is written while it is computed).
+pub fn write_atomic_with<F, E>(dest: &Path, write: F) -> Result<(), E>
+where
+    F: FnOnce(&mut BufWriter<File>) -> Result<(), E>,
+    E: From<IoError>,
+{
     let Some(name) = dest.file_name() else {
-        return Err(IoError::bad_output(dest, "not a file name"));
+        return Err(IoError::bad_output(dest, "not a file name").into());
     };
     create_output_parent(dest)?;
     let dir = match dest.parent() {
@@ -58,7 +68,7 @@ where
     let tmp_path = guard.0.take().expect("set above");
     if let Err(e) = fs::rename(&tmp_path, dest) {
         guard.0 = Some(tmp_path);
-        return Err(IoError::os(dest, e));
+        return Err(IoError::os(dest, e).into());
     }
     Ok(())
 }

@@ -13,6 +13,7 @@ pub(crate) mod encode;
 mod error;
 mod format;
 mod metadata;
+pub(crate) mod stream;
 
 use std::fs::File;
 use std::io::BufWriter;
@@ -28,6 +29,7 @@ pub use encode::EncodeOptions;
 pub(crate) use error::{IoError, OutputError};
 pub use format::{is_image_path, Format};
 pub use metadata::Metadata;
+pub(crate) use stream::{can_stream, encode_bands, BandLayout};
 
 /// Reads and decodes the image file `path` (PNG, JPEG, WebP or TIFF, told by its content)
 /// within the default [`DecodeLimits`]: EXIF orientation applied, gray read as three equal

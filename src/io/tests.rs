@@ -702,3 +702,140 @@ fn png_speed() {
         }
     }
 }
+
+/// An ICC profile of 128 header bytes naming `space`: enough for the writers and our check.
+fn header_only_icc(space: &[u8; 4]) -> Vec<u8> {
+    let mut p = vec![0u8; 128];
+    p[16..20].copy_from_slice(space);
+    p
+}
+
+/// `rgb` written in bands of `band` rows through [`encode_bands`].
+fn write_in_bands(
+    path: &Path,
+    rgb: &Planar,
+    layout: BandLayout,
+    meta: &Metadata,
+    opts: &EncodeOptions,
+    band: usize,
+) -> Vec<String> {
+    encode_bands(path, layout, meta, opts, |sink| {
+        let (h, w) = (rgb.height, rgb.width);
+        let mut top = 0;
+        while top < h {
+            let n = band.min(h - top);
+            let mut data = Vec::with_capacity(3 * n * w);
+            for c in 0..3 {
+                data.extend_from_slice(&rgb.plane(c)[top * w..(top + n) * w]);
+            }
+            sink(Planar::new(3, n, w, data))?;
+            top += n;
+        }
+        Ok::<(), IoError>(())
+    })
+    .unwrap()
+}
+
+#[test]
+fn bands_write_the_samples_and_metadata_of_the_whole_image() {
+    let dir = tmp();
+    // Odd sizes, samples outside [0, 1] and NaN, so clamping and rounding are exercised.
+    let (w, h) = (37, 23);
+    let data: Vec<f32> = (0..3 * w * h)
+        .map(|i| match i % 97 {
+            0 => f32::NAN,
+            1 => 1.5,
+            2 => -0.25,
+            _ => noise(i as u32, 7, 3),
+        })
+        .collect();
+    let rgb = Planar::new(3, h, w, data);
+    let gray_rgb = {
+        let p = rgb.plane(0).to_vec();
+        Planar::new(3, h, w, [p.clone(), p.clone(), p].concat())
+    };
+    let meta = |space: &[u8; 4]| Metadata {
+        icc: Some(header_only_icc(space)),
+        exif: None,
+        exif_dropped: false,
+    };
+    for format in [Format::Png, Format::Tiff] {
+        for depth in [8, 16] {
+            for (gray, alpha) in [
+                (false, None),
+                (true, None),
+                (false, Some(0.6f32)),
+                (true, Some(1.0)),
+            ] {
+                let src = if gray { &gray_rgb } else { &rgb };
+                let meta = meta(if gray && !(alpha.is_some() && format == Format::Tiff) {
+                    b"GRAY"
+                } else {
+                    b"RGB "
+                });
+                let mut opts = EncodeOptions::new(format);
+                opts.bit_depth = depth;
+                let case = format!("{format} {depth}-bit gray {gray} alpha {alpha:?}");
+                let whole = dir.path().join(format!("whole.{}", format.extension()));
+                let alpha_plane = alpha.map(|a| Planar::new(1, h, w, vec![a; w * h]));
+                let kept = encode(&whole, src, alpha_plane.as_ref(), gray, &meta, &opts).unwrap();
+                let banded = dir.path().join(format!("bands.{}", format.extension()));
+                let layout = BandLayout {
+                    width: w,
+                    height: h,
+                    gray,
+                    alpha,
+                };
+                let left = write_in_bands(&banded, src, layout, &meta, &opts, 5);
+                assert_eq!(left, kept, "{case}");
+                let (a, b) = (
+                    std::fs::read(&whole).unwrap(),
+                    std::fs::read(&banded).unwrap(),
+                );
+                if format == Format::Tiff {
+                    assert!(a == b, "{case}: files differ");
+                }
+                let (da, db) = (decode(&whole).unwrap(), decode(&banded).unwrap());
+                assert_eq!(da.rgb, db.rgb, "{case}");
+                assert_eq!(da.alpha, db.alpha, "{case}");
+                assert_eq!((da.gray, da.bit_depth), (db.gray, db.bit_depth), "{case}");
+                assert_eq!(da.metadata.icc, db.metadata.icc, "{case}");
+                assert!(db.metadata.icc.is_some(), "{case}: no ICC profile");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_failing_producer_leaves_nothing_behind() {
+    let dir = tmp();
+    let out = dir.path().join("out.png");
+    let layout = BandLayout {
+        width: 8,
+        height: 8,
+        gray: false,
+        alpha: None,
+    };
+    let opts = EncodeOptions::new(Format::Png);
+    let r = encode_bands(&out, layout, &Metadata::default(), &opts, |sink| {
+        sink(Planar::zeros(3, 4, 8))?;
+        Err(IoError::bad_output(&out, "the network failed"))
+    });
+    assert!(r.unwrap_err().to_string().contains("the network failed"));
+    // Too few rows is an error too, not a short file.
+    let r = encode_bands(&out, layout, &Metadata::default(), &opts, |sink| {
+        sink(Planar::zeros(3, 4, 8))
+    });
+    assert!(r.unwrap_err().to_string().contains("4 of 8 rows"));
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+    // JPEG cannot be written in bands.
+    let r = encode_bands(
+        &dir.path().join("out.jpg"),
+        layout,
+        &Metadata::default(),
+        &EncodeOptions::new(Format::Jpeg),
+        |_| Ok::<(), IoError>(()),
+    );
+    assert!(r.is_err());
+}

@@ -16,6 +16,7 @@
 //! | `UPSCALE_CPU_GEMM` | [`Switches::gemm_crate`] | `crate`: f32 products on the `gemm` crate, not our panels |
 //! | `UPSCALE_BF16_ISA` | [`Switches::bf16_vector`] | `avx512`: CPU bf16 on the vector kernel even where AMX is |
 //! | `UPSCALE_CPU_ISA` | [`Switches::cpu_isa`] | `native`, `avx512`, `avx2`, `scalar`: the widest instructions our CPU kernels use |
+//! | `UPSCALE_STREAM` | [`Switches::stream`] | `auto`, `always`, `never`: PNG and TIFF outputs written in bands of rows as tiles finish |
 
 pub mod cuda_off;
 
@@ -81,6 +82,9 @@ pub struct Switches {
     pub bf16_vector: bool,
     /// The widest instructions our CPU kernels may use (`None`: what the CPU has).
     pub cpu_isa: Option<CpuIsa>,
+    /// Whether PNG and TIFF outputs are written in bands as tiles finish (`None`: when the
+    /// whole image would take much memory; see [`crate::fit`]).
+    pub stream: Option<bool>,
 }
 
 impl Default for Switches {
@@ -97,6 +101,7 @@ impl Default for Switches {
             gemm_crate: false,
             bf16_vector: false,
             cpu_isa: None,
+            stream: None,
         }
     }
 }
@@ -138,6 +143,20 @@ impl Switches {
         }
         if let Some(v) = var("UPSCALE_CPU_ISA") {
             s.cpu_isa = CpuIsa::parse(&v?)?;
+        }
+        if let Some(v) = var("UPSCALE_STREAM") {
+            s.stream = match v?.trim().to_ascii_lowercase().as_str() {
+                "" | "auto" => None,
+                "always" | "1" => Some(true),
+                "never" | "0" => Some(false),
+                other => {
+                    return Err(EnvError::UnknownPart {
+                        var: "UPSCALE_STREAM",
+                        part: other.to_string(),
+                        expected: "auto, always or never",
+                    })
+                }
+            };
         }
         Ok(s)
     }
@@ -278,6 +297,7 @@ mod tests {
             ("UPSCALE_CPU_GEMM", "crate"),
             ("UPSCALE_BF16_ISA", "avx512"),
             ("UPSCALE_CPU_ISA", "AVX2"),
+            ("UPSCALE_STREAM", "Always"),
         ])
         .unwrap();
         let d = Switches::default();
@@ -295,6 +315,11 @@ mod tests {
             assert!(on && !off, "{all:?}");
         }
         assert_eq!((all.cpu_isa, d.cpu_isa), (Some(CpuIsa::Avx2), None));
+        assert_eq!((all.stream, d.stream), (Some(true), None));
+        for (v, stream) in [("never", Some(false)), (" auto", None), ("0", Some(false))] {
+            assert_eq!(vars(&[("UPSCALE_STREAM", v)]).unwrap().stream, stream);
+        }
+        assert!(vars(&[("UPSCALE_STREAM", "sometimes")]).is_err());
         assert!(vars(&[("UPSCALE_CUDA_NORM_REGS", "0")]).unwrap() == d);
         for (v, isa) in [("native", None), (" avx512 ", Some(CpuIsa::Avx512))] {
             assert_eq!(vars(&[("UPSCALE_CPU_ISA", v)]).unwrap().cpu_isa, isa);

@@ -491,17 +491,7 @@ fn run_batch<M: TileModel>(
         LaneImage::Host(_) => cut_on_host(image, plan, group, model.device())?,
         LaneImage::Device { input, .. } => input.cut(plan, group)?,
     };
-    let y = model.forward_batch(&x)?;
-    let s = model.scale();
-    let expected = [group.len(), x.dim(1)?, plan.tile_h * s, plan.tile_w * s];
-    if y.dims() != expected {
-        candle_core::bail!(
-            "model returned shape {:?} for input {:?}, expected {expected:?}",
-            y.dims(),
-            x.dims()
-        );
-    }
-    let y = y.to_dtype(DType::F32)?.contiguous()?;
+    let y = forward_checked(model, &x, plan)?;
     match st {
         LaneImage::Host(acc) => {
             let out = y.flatten_all()?.to_vec1::<f32>()?;
@@ -525,9 +515,29 @@ fn run_batch<M: TileModel>(
     }
 }
 
+/// The model's output for the batch `x` of `plan`'s tiles, checked for shape, as contiguous
+/// f32.
+pub(super) fn forward_checked<M: TileModel>(
+    model: &M,
+    x: &Tensor,
+    plan: &Plan,
+) -> candle_core::Result<Tensor> {
+    let y = model.forward_batch(x)?;
+    let s = model.scale();
+    let expected = [x.dim(0)?, x.dim(1)?, plan.tile_h * s, plan.tile_w * s];
+    if y.dims() != expected {
+        candle_core::bail!(
+            "model returned shape {:?} for input {:?}, expected {expected:?}",
+            y.dims(),
+            x.dims()
+        );
+    }
+    y.to_dtype(DType::F32)?.contiguous()
+}
+
 /// The tiles of `group` cut from the host image as one (B, C, tile_h, tile_w) batch on
 /// `device`.
-fn cut_on_host(
+pub(super) fn cut_on_host(
     image: &Planar,
     plan: &Plan,
     group: &[Tile],

@@ -6,6 +6,7 @@
 //! halved, then the tile, and the run carries on.
 
 pub mod auto;
+pub mod band;
 pub mod blend;
 pub mod device;
 pub mod lanes;

@@ -60,17 +60,10 @@ impl Accumulator {
                 *dst = fy * fx;
             }
             let out_row = (oy + r) * self.width + ox;
-            for (acc, &w) in self.weight[out_row..out_row + tw].iter_mut().zip(&row_w) {
-                *acc += w;
-            }
+            add_weights(&mut self.weight[out_row..out_row + tw], &row_w);
             for c in 0..self.channels {
                 let src = &data[(c * th + r) * tw..][..tw];
-                let dst = &mut self.sum[c * plane + out_row..][..tw];
-                for ((acc, &v), &w) in dst.iter_mut().zip(src).zip(&row_w) {
-                    if w != 0.0 {
-                        *acc += w * v;
-                    }
-                }
+                add_weighted(&mut self.sum[c * plane + out_row..][..tw], src, &row_w);
             }
         }
     }
@@ -93,6 +86,31 @@ impl Accumulator {
         let mut canvas = self.sum;
         canvas.extend_from_slice(&self.weight);
         canvas
+    }
+}
+
+/// Adds one tile row's blend weights `row_w` to a canvas row's weights. Shared by the
+/// whole-image and the banded accumulators, so both compute every output value alike.
+pub(super) fn add_weights(dst: &mut [f32], row_w: &[f32]) {
+    for (acc, &w) in dst.iter_mut().zip(row_w) {
+        *acc += w;
+    }
+}
+
+/// Adds one tile row's samples `src`, weighted by `row_w`, to a canvas row's sums.
+pub(super) fn add_weighted(dst: &mut [f32], src: &[f32], row_w: &[f32]) {
+    for ((acc, &v), &w) in dst.iter_mut().zip(src).zip(row_w) {
+        if w != 0.0 {
+            *acc += w * v;
+        }
+    }
+}
+
+/// Divides the weighted sums by their weights, pixel by pixel (one plane or one row).
+pub(super) fn divide(sum: &mut [f32], weight: &[f32]) {
+    for (v, &w) in sum.iter_mut().zip(weight) {
+        debug_assert!(w > 0.0, "output pixel with no tile weight");
+        *v /= w;
     }
 }
 
@@ -133,10 +151,7 @@ fn normalize(
     weight: &[f32],
 ) -> Planar {
     for chunk in sum.chunks_mut((height * width).max(1)) {
-        for (v, &w) in chunk.iter_mut().zip(weight) {
-            debug_assert!(w > 0.0, "output pixel with no tile weight");
-            *v /= w;
-        }
+        divide(chunk, weight);
     }
     Planar::new(channels, height, width, sum)
 }
