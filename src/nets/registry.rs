@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{compact, drct, esrgan, hat, swinir, ArchConfig, ConfigError};
+use super::{compact, drct, esrgan, hat, span, swinir, ArchConfig, ConfigError};
 
 /// A state dict's tensor names and shapes.
 pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
@@ -33,6 +33,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &hat::Arch,
     &esrgan::Arch,
     &compact::Arch,
+    &span::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises

@@ -15,6 +15,7 @@ mod hat;
 mod lanes;
 mod layout;
 mod pth;
+mod span;
 mod swinir;
 mod tile_blend;
 
