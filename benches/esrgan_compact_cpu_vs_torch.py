@@ -13,6 +13,7 @@ Needs torch, spandrel, safetensors, numpy, Pillow. The models are random weights
 temporary folder; the inputs are crops of tests/photos/coffee.png.
 """
 
+import copy
 import statistics
 import subprocess
 import sys
@@ -57,16 +58,33 @@ with tempfile.TemporaryDirectory() as tmp:
         cmd = [binary, "-m", str(weights), "--device", "cpu", "--tile", "0", "--precision",
                "fp32", "-q", "--overwrite", "-o", str(Path(tmp) / "out.png"), str(image)]
         env = {"RAYON_NUM_THREADS": str(threads)}
-        ours, theirs = [], []
+        ours, theirs, frozen_times = [], [], []
         with torch.inference_mode():
             model(x)
+            # SPAN's module folds its three-branch convolutions again on every forward (its
+            # eval mode): also time a copy whose folds, made once, are kept.
+            frozen = None
+            if any(hasattr(m, "update_params") for m in model.modules()):
+                frozen = copy.deepcopy(model)
+                for m in frozen.modules():
+                    if hasattr(m, "update_params"):
+                        m.update_params = lambda: None
+                frozen(x)
             for _ in range(runs):
                 t = time.perf_counter()
                 model(x)
                 theirs.append(time.perf_counter() - t)
+                if frozen is not None:
+                    t = time.perf_counter()
+                    frozen(x)
+                    frozen_times.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 subprocess.run(cmd, check=True, env=env)
                 ours.append(time.perf_counter() - t)
         a, b = statistics.median(ours), statistics.median(theirs)
-        print(f"{name}, {n}x{n}: upscale {a:.3f} s (whole process), PyTorch {torch.__version__} "
-              f"{b:.3f} s (warm forward), {threads} threads: {b / a:.2f}x", flush=True)
+        line = (f"{name}, {n}x{n}: upscale {a:.3f} s (whole process), PyTorch "
+                f"{torch.__version__} {b:.3f} s (warm forward), {threads} threads: {b / a:.2f}x")
+        if frozen_times:
+            c = statistics.median(frozen_times)
+            line += f"; PyTorch with the folds kept {c:.3f} s: {c / a:.2f}x"
+        print(line, flush=True)
