@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""ESRGAN x4 (64 filters, 23 blocks, 64x64 input) and Real-ESRGAN Compact x4 (64 features,
-32 convolutions, 128x128 input) on the CPU: the `upscale` binary's whole process
-(`--device cpu --tile 0`, fp32) against PyTorch's warm forward of spandrel's module (fp32,
-the same threads), interleaved run by run so both see the same machine.
+"""ESRGAN x4 (64 filters, 23 blocks, 64x64 input), Real-ESRGAN Compact x4 (64 features,
+32 convolutions, 128x128 input) and SPAN x4 (48 features, 128x128 input) on the CPU: the
+`upscale` binary's whole process (`--device cpu --tile 0`, fp32) against PyTorch's warm
+forward of spandrel's module (fp32, the same threads), interleaved run by run so both see
+the same machine.
 
-  python3 benches/esrgan_compact_cpu_vs_torch.py UPSCALE_BINARY [RUNS] [THREADS]
+  python3 benches/esrgan_compact_cpu_vs_torch.py UPSCALE_BINARY [RUNS] [THREADS] [ONLY]
+
+ONLY, if given, keeps the cases whose name starts with it (`SPAN`, `ESRGAN`, `Compact`).
 
 Needs torch, spandrel, safetensors, numpy, Pillow. The models are random weights written to a
 temporary folder; the inputs are crops of tests/photos/coffee.png.
 """
 
+import copy
 import statistics
 import subprocess
 import sys
@@ -23,10 +27,12 @@ from PIL import Image
 from safetensors.torch import save_file
 from spandrel.architectures.Compact import Compact
 from spandrel.architectures.ESRGAN import ESRGAN
+from spandrel.architectures.SPAN import SPAN
 
 binary = sys.argv[1]
 runs = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 threads = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+only = sys.argv[4] if len(sys.argv) > 4 else ""
 torch.set_num_threads(threads)
 photo = np.asarray(Image.open(Path(__file__).resolve().parents[1] / "tests/photos/coffee.png")
                    .convert("RGB"))
@@ -36,7 +42,10 @@ cases = [
                                                num_blocks=23, scale=4), 64),
     ("Compact x4, 64 features, 32 convs", Compact(num_in_ch=3, num_out_ch=3, num_feat=64,
                                                   num_conv=32, upscale=4), 128),
+    ("SPAN x4, 48 features", SPAN(num_in_ch=3, num_out_ch=3, feature_channels=48, upscale=4),
+     128),
 ]
+cases = [c for c in cases if c[0].startswith(only)]
 with tempfile.TemporaryDirectory() as tmp:
     for name, model, n in cases:
         model = model.eval()
@@ -49,16 +58,33 @@ with tempfile.TemporaryDirectory() as tmp:
         cmd = [binary, "-m", str(weights), "--device", "cpu", "--tile", "0", "--precision",
                "fp32", "-q", "--overwrite", "-o", str(Path(tmp) / "out.png"), str(image)]
         env = {"RAYON_NUM_THREADS": str(threads)}
-        ours, theirs = [], []
+        ours, theirs, frozen_times = [], [], []
         with torch.inference_mode():
             model(x)
+            # SPAN's module folds its three-branch convolutions again on every forward (its
+            # eval mode): also time a copy whose folds, made once, are kept.
+            frozen = None
+            if any(hasattr(m, "update_params") for m in model.modules()):
+                frozen = copy.deepcopy(model)
+                for m in frozen.modules():
+                    if hasattr(m, "update_params"):
+                        m.update_params = lambda: None
+                frozen(x)
             for _ in range(runs):
                 t = time.perf_counter()
                 model(x)
                 theirs.append(time.perf_counter() - t)
+                if frozen is not None:
+                    t = time.perf_counter()
+                    frozen(x)
+                    frozen_times.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 subprocess.run(cmd, check=True, env=env)
                 ours.append(time.perf_counter() - t)
         a, b = statistics.median(ours), statistics.median(theirs)
-        print(f"{name}, {n}x{n}: upscale {a:.3f} s (whole process), PyTorch {torch.__version__} "
-              f"{b:.3f} s (warm forward), {threads} threads: {b / a:.2f}x", flush=True)
+        line = (f"{name}, {n}x{n}: upscale {a:.3f} s (whole process), PyTorch "
+                f"{torch.__version__} {b:.3f} s (warm forward), {threads} threads: {b / a:.2f}x")
+        if frozen_times:
+            c = statistics.median(frozen_times)
+            line += f"; PyTorch with the folds kept {c:.3f} s: {c / a:.2f}x"
+        print(line, flush=True)

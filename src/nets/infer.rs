@@ -131,6 +131,9 @@ pub enum ConfigError {
     /// A Real-ESRGAN Compact checkpoint that does not fit SRVGGNetCompact's configuration.
     #[error("Compact checkpoint: {0}")]
     Compact(#[source] Box<ConfigError>),
+    /// A SPAN checkpoint that does not fit SPAN's configuration.
+    #[error("SPAN checkpoint: {0}")]
+    Span(#[source] Box<ConfigError>),
     /// A SwinIR checkpoint that does not fit SwinIR's configuration.
     #[error("SwinIR checkpoint: {0}")]
     SwinIr(#[source] Box<ConfigError>),

@@ -10,6 +10,7 @@ mod frame;
 pub mod hat;
 pub mod infer;
 pub mod registry;
+pub mod span;
 pub mod swin;
 pub mod swinir;
 

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{compact, drct, esrgan, hat, swinir, ArchConfig, ConfigError};
+use super::{compact, drct, esrgan, hat, span, swinir, ArchConfig, ConfigError};
 
 /// A state dict's tensor names and shapes.
 pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
@@ -33,6 +33,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &hat::Arch,
     &esrgan::Arch,
     &compact::Arch,
+    &span::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises
@@ -243,12 +244,17 @@ mod tests {
             shapes(&["conv_first.weight", "body.0.rdb1.conv1.weight"]),
             shapes(&["conv_first.weight", "RRDB_trunk.0.RDB1.conv1.weight"]),
             shapes(&["body.0.weight", "body.1.weight", "body.2.weight"]),
+            shapes(&[
+                "conv_1.sk.weight",
+                "block_1.c1_r.sk.weight",
+                "conv_cat.weight",
+            ]),
         ];
         let claims: Vec<usize> = files
             .iter()
             .map(|f| REGISTRY.iter().filter(|a| a.detect(f)).count())
             .collect();
-        assert_eq!(claims, [1, 1, 1, 0, 1, 1, 1, 1]);
+        assert_eq!(claims, [1, 1, 1, 0, 1, 1, 1, 1, 1]);
     }
 
     #[test]

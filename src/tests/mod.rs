@@ -16,6 +16,7 @@ mod lanes;
 mod layout;
 mod other_architectures;
 mod pth;
+mod span;
 mod swinir;
 mod tile_blend;
 

@@ -227,3 +227,84 @@ impl CustomOp1 for MeanHw {
         Ok((CpuStorage::F32(out), Shape::from((b, 1, 1, c))))
     }
 }
+
+/// sigmoid(x) = 1 / (1 + e^-x), from `e = exp(-|x|)` so that the exponential never
+/// overflows: `1 / (1 + e)` for x >= 0, `e / (1 + e)` below.
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    let e = exp_nonpositive(-x.abs());
+    let s = 1.0 / (1.0 + e);
+    if x < 0.0 {
+        e * s
+    } else {
+        s
+    }
+}
+
+#[inline(always)]
+fn silu_body(out: &mut [f32], x: &[f32]) {
+    out.iter_mut()
+        .zip(x)
+        .for_each(|(o, &v)| *o = v * sigmoid(v));
+}
+
+widest_simd! {
+    /// `x · sigmoid(x)` of each element of `x`, into `out`.
+    fn silu_into(out: &mut [f32], x: &[f32]) = silu_body
+}
+
+/// `(o + x) · (sigmoid(o) - 0.5)`. The centred sigmoid is `±(1 - e) / (2 (1 + e))` with
+/// `e = exp(-|o|)`, which is exactly `sigmoid(o) - 0.5` without its cancellation near 0.
+#[inline(always)]
+fn sigmoid_gate_body(out: &mut [f32], o: &[f32], x: &[f32]) {
+    for ((out, &o), &x) in out.iter_mut().zip(o).zip(x) {
+        let e = exp_nonpositive(-o.abs());
+        let h = 0.5 * (1.0 - e) / (1.0 + e);
+        *out = (o + x) * if o < 0.0 { -h } else { h };
+    }
+}
+
+widest_simd! {
+    /// SPAN's parameter-free attention on each element, into `out`.
+    fn sigmoid_gate_into(out: &mut [f32], o: &[f32], x: &[f32]) = sigmoid_gate_body
+}
+
+/// SiLU (`x · sigmoid(x)`, `nn.SiLU`): one parallel pass on the CPU in f32, candle's op
+/// elsewhere.
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    if !use_kernel(x) {
+        return x.silu();
+    }
+    let (guard, layout) = x.storage_and_layout();
+    let xs = cpu_slice(&guard, layout)?;
+    let mut out = vec![0f32; xs.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(xs.par_chunks(CHUNK))
+        .for_each(|(out, x)| silu_into(out, x));
+    drop(guard);
+    Tensor::from_vec(out, x.dims(), x.device())
+}
+
+/// SPAN's attention, `(o + x) · (sigmoid(o) - 0.5)`: one parallel pass on the CPU in f32
+/// where candle's ops make four, candle's ops elsewhere.
+pub fn sigmoid_gate(o: &Tensor, x: &Tensor) -> Result<Tensor> {
+    if !use_kernel(o) || !use_kernel(x) {
+        let centred = candle_nn::ops::sigmoid(o)?.affine(1.0, -0.5)?;
+        return (o + x)?.mul(&centred);
+    }
+    if o.dims() != x.dims() {
+        candle_core::bail!("sigmoid gate: {:?} and {:?}", o.dims(), x.dims());
+    }
+    let (o_guard, o_layout) = o.storage_and_layout();
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let (os, xs) = (
+        cpu_slice(&o_guard, o_layout)?,
+        cpu_slice(&x_guard, x_layout)?,
+    );
+    let mut out = vec![0f32; os.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(os.par_chunks(CHUNK).zip(xs.par_chunks(CHUNK)))
+        .for_each(|(out, (o, x))| sigmoid_gate_into(out, o, x));
+    drop((o_guard, x_guard));
+    Tensor::from_vec(out, o.dims(), o.device())
+}

@@ -60,6 +60,39 @@ fn gelu_matches_exact_gelu_and_not_tanh_on_one_isa() -> Result<()> {
     Ok(())
 }
 
+/// SiLU and SPAN's attention against their float64 definitions, over the range where the
+/// sigmoid saturates both ways (SiLU of -100 is 0 or a tiny negative, never NaN); the
+/// attention is not `(o + x) · sigmoid(o)`.
+#[test]
+fn silu_and_sigmoid_gate_match_their_definitions() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(silu_and_sigmoid_gate_match_their_definitions_on_one_isa)
+}
+
+fn silu_and_sigmoid_gate_match_their_definitions_on_one_isa() -> Result<()> {
+    let os: Vec<f32> = (-5000..5000).map(|i| i as f32 / 50.0).collect();
+    let xs: Vec<f32> = os.iter().map(|o| (o * 7.3).sin() * 3.0).collect();
+    let o = Tensor::new(os.as_slice(), &Device::Cpu)?;
+    let x = Tensor::new(xs.as_slice(), &Device::Cpu)?;
+    let (o64, x64) = (o.to_dtype(DType::F64)?, x.to_dtype(DType::F64)?);
+    let sigmoid64 = o64.neg()?.exp()?.affine(1.0, 1.0)?.recip()?;
+    let d = max_abs_diff(&silu(&o)?, &(&o64 * &sigmoid64)?)?;
+    assert!(d < 2e-5, "SiLU: max abs error {d}");
+    let tail = silu(&Tensor::new(&[-100f32], &Device::Cpu)?)?.to_vec1::<f32>()?[0];
+    assert!(tail <= 0.0 && tail > -1e-30, "SiLU(-100) = {tail:e}");
+    let gate = sigmoid_gate(&o, &x)?;
+    let want = ((&o64 + &x64)? * sigmoid64.affine(1.0, -0.5)?)?;
+    let d = max_abs_diff(&gate, &want)?;
+    assert!(d < 2e-5, "gate: max abs error {d}");
+    let ungated = ((&o64 + &x64)? * &sigmoid64)?;
+    assert!(max_abs_diff(&gate, &ungated)? > 1.0);
+    // The strided fallback (candle's ops) computes the same.
+    let strided = Tensor::stack(&[&o, &x], 1)?;
+    let (o_s, x_s) = (strided.narrow(1, 0, 1)?, strided.narrow(1, 1, 1)?);
+    let fallback = sigmoid_gate(&o_s, &x_s)?.flatten_all()?;
+    assert!(max_abs_diff(&fallback, &gate)? < 1e-5);
+    Ok(())
+}
+
 #[test]
 fn softmax_rows_match_candle_with_masked_entries() -> Result<()> {
     crate::ops::cpu::isa::on_each_isa(softmax_rows_match_candle_with_masked_entries_on_one_isa)
