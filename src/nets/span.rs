@@ -73,42 +73,6 @@ impl SpanConfig {
         v
     }
 
-    /// Every tensor the configuration implies, with its shape.
-    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
-        let f = self.features;
-        let mut t = Vec::new();
-        let mut conv = |name: String, cout: usize, cin: usize, k: usize| {
-            t.push((format!("{name}.weight"), vec![cout, cin, k, k]));
-            t.push((format!("{name}.bias"), vec![cout]));
-        };
-        for (name, cin, cout) in self.conv3xc() {
-            conv(format!("{name}.sk"), cout, cin, 1);
-            conv(format!("{name}.conv.0"), GAIN * cin, cin, 1);
-            conv(format!("{name}.conv.1"), GAIN * cout, GAIN * cin, 3);
-            conv(format!("{name}.conv.2"), cout, GAIN * cout, 1);
-            conv(format!("{name}.eval_conv"), cout, cin, 3);
-        }
-        conv("conv_cat".into(), f, 4 * f, 1);
-        let up = self.out_channels * self.scale * self.scale;
-        conv("upsampler.0".into(), up, f, 3);
-        if !self.norm {
-            t.push(("no_norm".into(), vec![1]));
-        }
-        t
-    }
-
-    /// The parameters the network computes with: the folded 3x3 convolutions, not the
-    /// training branches a file also holds.
-    pub fn parameter_count(&self) -> usize {
-        let folded: usize = self
-            .conv3xc()
-            .iter()
-            .map(|(_, cin, cout)| cout * cin * 9 + cout)
-            .sum();
-        let f = self.features;
-        folded + 4 * f * f + f + self.upsampler_outputs() * (9 * f + 1)
-    }
-
     fn upsampler_outputs(&self) -> usize {
         self.out_channels * self.scale * self.scale
     }
@@ -363,6 +327,54 @@ impl Architecture for Arch {
 }
 
 impl NetConfig for SpanConfig {
+    /// The parameters the network computes with: the folded 3x3 convolutions, not the
+    /// training branches a file also holds.
+    fn parameter_count(&self) -> usize {
+        let folded: usize = self
+            .conv3xc()
+            .iter()
+            .map(|(_, cin, cout)| cout * cin * 9 + cout)
+            .sum();
+        let f = self.features;
+        folded + 4 * f * f + f + self.upsampler_outputs() * (9 * f + 1)
+    }
+
+    /// Every tensor the configuration implies, with its shape.
+    fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let f = self.features;
+        let mut t = Vec::new();
+        let mut conv = |name: String, cout: usize, cin: usize, k: usize| {
+            t.push((format!("{name}.weight"), vec![cout, cin, k, k]));
+            t.push((format!("{name}.bias"), vec![cout]));
+        };
+        for (name, cin, cout) in self.conv3xc() {
+            conv(format!("{name}.sk"), cout, cin, 1);
+            conv(format!("{name}.conv.0"), GAIN * cin, cin, 1);
+            conv(format!("{name}.conv.1"), GAIN * cout, GAIN * cin, 3);
+            conv(format!("{name}.conv.2"), cout, GAIN * cout, 1);
+            conv(format!("{name}.eval_conv"), cout, cin, 3);
+        }
+        conv("conv_cat".into(), f, 4 * f, 1);
+        let up = self.out_channels * self.scale * self.scale;
+        conv("upsampler.0".into(), up, f, 3);
+        if !self.norm {
+            t.push(("no_norm".into(), vec![1]));
+        }
+        t
+    }
+
+    /// The folded network's multiply-adds, x2.
+    fn flops(&self, h: usize, w: usize) -> f64 {
+        let f = self.features;
+        let convs: usize = self
+            .conv3xc()
+            .iter()
+            .map(|(_, cin, cout)| 9 * cin * cout)
+            .sum();
+        let per_pixel = convs + 4 * f * f + 9 * f * self.upsampler_outputs();
+        2.0 * (per_pixel * h * w) as f64
+    }
+
     fn family(&self) -> &'static str {
         "SPAN"
     }
@@ -383,22 +395,6 @@ impl NetConfig for SpanConfig {
         1
     }
 
-    fn parameter_count(&self) -> usize {
-        SpanConfig::parameter_count(self)
-    }
-
-    /// The folded network's multiply-adds, x2.
-    fn flops(&self, h: usize, w: usize) -> f64 {
-        let f = self.features;
-        let convs: usize = self
-            .conv3xc()
-            .iter()
-            .map(|(_, cin, cout)| 9 * cin * cout)
-            .sum();
-        let per_pixel = convs + 4 * f * f + 9 * f * self.upsampler_outputs();
-        2.0 * (per_pixel * h * w) as f64
-    }
-
     fn describe(&self) -> serde_json::Value {
         json!({
             "scale": self.scale,
@@ -408,14 +404,6 @@ impl NetConfig for SpanConfig {
             "blocks": BLOCKS,
             "input_norm": self.norm,
         })
-    }
-
-    fn to_json(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
-    }
-
-    fn widest_head_dim(&self) -> usize {
-        0
     }
 
     fn largest_tensor_per_pixel(&self, _: bool, _: Pad) -> usize {
@@ -441,10 +429,5 @@ impl NetConfig for SpanConfig {
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {
         Ok(Box::new(Span::new(self, plan, vb)?))
-    }
-
-    #[cfg(test)]
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }

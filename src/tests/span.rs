@@ -11,8 +11,8 @@ use super::fixtures::{
 };
 use crate::checkpoint::Checkpoint;
 use crate::model::Model;
-use crate::nets::config_of;
 use crate::nets::span::SpanConfig;
+use crate::nets::{config_of, NetConfig};
 
 fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/span")
