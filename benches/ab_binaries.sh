@@ -2,6 +2,8 @@
 # Before/after of one change: two `upscale` binaries (e.g. built from the commit before and
 # the commit after, in two worktrees) on the same model and image, alternating rep by rep.
 # Prints each rep and the ratio of median wall times (A / B: above 1 means B is faster).
+# CPU_TIME=1 times the processes' CPU seconds (user + system, all threads) instead: on a
+# machine that other jobs keep busy, wall time mostly measures the queue for the cores.
 #
 # usage: benches/ab_binaries.sh BIN_A BIN_B MODEL IMAGE [REPS] [extra upscale flags...]
 set -euo pipefail
@@ -18,6 +20,12 @@ ta=(); tb=()
 run() {
   local bin=$1 s e
   shift
+  if [ -n "${CPU_TIME:-}" ]; then
+    /usr/bin/time -f '%U + %S' -o "$work/cpu" \
+      "$bin" -m "$model" "$image" -o "$work/out.png" --device cpu --overwrite -q "$@"
+    bc -l < "$work/cpu"
+    return
+  fi
   s=$(date +%s.%N)
   "$bin" -m "$model" "$image" -o "$work/out.png" --device cpu --overwrite -q "$@"
   e=$(date +%s.%N)

@@ -29,6 +29,9 @@ pub struct BenchReport {
     /// Which CPU kernel ran the bf16 products (`amx` or `avx512-bf16`; their speed differs
     /// by 2-3x); `None` off the CPU or in another precision.
     pub cpu_bf16_kernel: Option<&'static str>,
+    /// The vector instructions our CPU kernels ran (`avx512`, `avx2` or `scalar`: what the
+    /// CPU has, held down by `UPSCALE_CPU_ISA`); `None` off the CPU.
+    pub cpu_isa: Option<&'static str>,
     /// `UPSCALE_PAD_CHANNELS`: the multiple every channel width was padded to, 0 for none.
     pub pad_channels: usize,
     /// The synthetic input, (height, width).
@@ -142,6 +145,10 @@ impl Upscaler {
                     Isa::Amx => "amx",
                     Isa::Avx512 => "avx512-bf16",
                 }),
+            cpu_isa: engine
+                .device
+                .is_cpu()
+                .then(|| crate::ops::cpu::isa::cpu_isa().name()),
             pad_channels: engine.model.net.padding().multiple(),
             input: (height, width),
             scale: cfg.scale(),

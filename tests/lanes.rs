@@ -77,6 +77,38 @@ fn bench_json_reports_lanes_and_memory() {
     assert!(v["cpu_bf16_kernel"].is_null(), "{v}");
 }
 
+/// The report names the instructions our kernels ran, held down by `UPSCALE_CPU_ISA`.
+#[test]
+fn bench_json_names_the_cpu_isa() {
+    let widest = bench_json(&["--size", "16x16", "--reps", "1"]);
+    let widest = widest["cpu_isa"].as_str().unwrap_or_default().to_string();
+    assert!(
+        ["avx512", "avx2", "scalar"].contains(&widest.as_str()),
+        "{widest}"
+    );
+    for cap in ["scalar", "avx2"] {
+        let d = tempfile::tempdir().unwrap();
+        let run = common::bare(d.path())
+            .arg("bench")
+            .arg("-m")
+            .arg(common::golden(common::FAST_MODEL))
+            .args(["--device", "cpu", "--warmup", "0", "--json"])
+            .args(["--size", "16x16", "--reps", "1"])
+            .env("UPSCALE_CPU_ISA", cap)
+            .output()
+            .unwrap();
+        common::assert_success(&run);
+        let v: serde_json::Value = serde_json::from_str(common::stdout(&run).trim()).unwrap();
+        // Never more than the CPU has: a cap above it reports what ran.
+        let want = if cap == "avx2" && widest == "scalar" {
+            "scalar"
+        } else {
+            cap
+        };
+        assert_eq!(v["cpu_isa"], want, "capped to {cap}: {v}");
+    }
+}
+
 #[test]
 fn bench_json_names_the_cpu_bf16_kernel() {
     let v = bench_json(&["--precision", "bf16", "--size", "16x16", "--reps", "1"]);

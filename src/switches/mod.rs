@@ -43,6 +43,15 @@ pub enum CpuIsa {
 }
 
 impl CpuIsa {
+    /// The name `UPSCALE_CPU_ISA` takes for it (and `upscale bench` reports).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            Self::Avx2 => "avx2",
+            Self::Avx512 => "avx512",
+        }
+    }
+
     /// `UPSCALE_CPU_ISA`'s values; `None` for `native` (no cap).
     fn parse(value: &str) -> Result<Option<Self>, EnvError> {
         match value.trim().to_ascii_lowercase().as_str() {

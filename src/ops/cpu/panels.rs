@@ -456,27 +456,32 @@ mod avx2 {
             };
             let (b, c) = ((b.wrapping_add(s0), ldb), (c.wrapping_add(s0), ldc));
             // SAFETY: the strip is columns s0..s0 + width of the caller's tile.
+            // A strip of 8 columns or fewer (the last 4 of 180 output channels, say) takes
+            // one vector per row: half the products of a 16-wide one, the same sums.
             unsafe {
-                match (width == 16, padded) {
-                    (true, _) => strip::<false, false>(k, a, b, c, (rows, width), start),
-                    (false, true) => strip::<false, true>(k, a, b, c, (rows, width), start),
-                    (false, false) => strip::<true, true>(k, a, b, c, (rows, width), start),
+                match (width, padded) {
+                    (16, _) => strip::<2, false, false>(k, a, b, c, (rows, width), start),
+                    (8, _) => strip::<1, false, false>(k, a, b, c, (rows, width), start),
+                    (9.., true) => strip::<2, false, true>(k, a, b, c, (rows, width), start),
+                    (9.., false) => strip::<2, true, true>(k, a, b, c, (rows, width), start),
+                    (_, true) => strip::<1, false, true>(k, a, b, c, (rows, width), start),
+                    (_, false) => strip::<1, true, true>(k, a, b, c, (rows, width), start),
                 }
             }
         }
     }
 
-    /// Up to [`MR`] rows by `cols <= 16` columns. `MASK_B` masks the loads from `b`, and
-    /// `EDGE` those from `start` and the stores to `c`, to the strip's columns, so that an
-    /// operand read in place is never read past its last column; full strips load and store
-    /// whole vectors. (A padded `b` read whole keeps the masks out of the inner loop, where
-    /// they would take two of the 16 registers.)
+    /// Up to [`MR`] rows by `cols <= 8 V` columns, in `V` (1 or 2) vectors per row.
+    /// `MASK_B` masks the loads from `b`, and `EDGE` those from `start` and the stores to
+    /// `c`, to the strip's columns, so that an operand read in place is never read past its
+    /// last column; full strips load and store whole vectors. (A padded `b` read whole keeps
+    /// the masks out of the inner loop, where they would take two of the 16 registers.)
     ///
     /// # Safety
-    /// As [`tile`], for `cols <= 16` (exactly 16 unless `EDGE`; `b` 16 wide unless
-    /// `MASK_B`).
+    /// As [`tile`], for `cols <= 8 V` (exactly `8 V` unless `EDGE`; `b` `8 V` wide, or 16 if
+    /// padded, unless `MASK_B`).
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn strip<const MASK_B: bool, const EDGE: bool>(
+    unsafe fn strip<const V: usize, const MASK_B: bool, const EDGE: bool>(
         k: usize,
         a: &[*const f32; MAX_MR],
         (b, ldb): (*const f32, usize),
@@ -508,9 +513,9 @@ mod avx2 {
                 _mm256_storeu_ps(p.add(8 * v), x)
             }
         };
-        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        let mut acc = [[_mm256_setzero_ps(); V]; MR];
         if let Some(bias) = start.bias {
-            let bias = [load(bias, 0), load(bias, 1)];
+            let bias: [__m256; V] = std::array::from_fn(|v| load(bias, v));
             acc = [bias; MR];
         }
         if let Some((init, ld)) = start.init {
@@ -524,18 +529,20 @@ mod avx2 {
         let a: [*const f32; MR] = std::array::from_fn(|i| a[i]);
         for p in 0..k {
             let row = b.wrapping_add(p * ldb);
-            let bv = [load_b(row, 0), load_b(row, 1)];
+            let bv: [__m256; V] = std::array::from_fn(|v| load_b(row, v));
             for (x, acc) in a.iter().zip(acc.iter_mut()) {
                 // SAFETY: every row pointer holds k values.
                 let x = _mm256_set1_ps(unsafe { *x.add(p) });
-                acc[0] = _mm256_fmadd_ps(x, bv[0], acc[0]);
-                acc[1] = _mm256_fmadd_ps(x, bv[1], acc[1]);
+                for v in 0..V {
+                    acc[v] = _mm256_fmadd_ps(x, bv[v], acc[v]);
+                }
             }
         }
         for (i, acc) in acc.iter().enumerate().take(rows) {
             let row = c.wrapping_add(i * ldc);
-            store(row, 0, acc[0]);
-            store(row, 1, acc[1]);
+            for (v, &acc) in acc.iter().enumerate() {
+                store(row, v, acc);
+            }
         }
     }
 
