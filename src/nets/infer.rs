@@ -131,6 +131,17 @@ pub enum ConfigError {
     /// A Real-ESRGAN Compact checkpoint that does not fit SRVGGNetCompact's configuration.
     #[error("Compact checkpoint: {0}")]
     Compact(#[source] Box<ConfigError>),
+    /// A tensor whose values do not fit (DAT's position grids).
+    #[error("tensor {name} {problem}")]
+    Values {
+        /// The tensor's state-dict key.
+        name: String,
+        /// What is wrong with its values.
+        problem: String,
+    },
+    /// A DAT checkpoint that does not fit DAT's configuration.
+    #[error("DAT checkpoint: {0}")]
+    Dat(#[source] Box<ConfigError>),
     /// A SwinIR checkpoint that does not fit SwinIR's configuration.
     #[error("SwinIR checkpoint: {0}")]
     SwinIr(#[source] Box<ConfigError>),

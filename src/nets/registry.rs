@@ -4,10 +4,14 @@
 
 use std::collections::BTreeMap;
 
-use super::{compact, drct, esrgan, hat, swinir, ArchConfig, ConfigError};
+use super::{compact, dat, drct, esrgan, hat, swinir, ArchConfig, ConfigError};
 
 /// A state dict's tensor names and shapes.
 pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
+
+/// A state dict's tensor values by name, flattened, for the few configurations that a shape
+/// does not tell (DAT's window height from its width); `None` for a tensor it lacks.
+pub(crate) type Values<'a> = &'a dyn Fn(&str) -> Option<Vec<f32>>;
 
 /// One architecture the registry holds.
 pub(crate) trait Architecture: Sync {
@@ -24,6 +28,11 @@ pub(crate) trait Architecture: Sync {
 
     /// Its configuration, read from the tensors, with every tensor checked against it.
     fn infer(&self, shapes: &Shapes) -> Result<ArchConfig, ConfigError>;
+
+    /// [`Self::infer`] with the tensors' values at hand, for an architecture that reads some.
+    fn infer_with(&self, shapes: &Shapes, _values: Values) -> Result<ArchConfig, ConfigError> {
+        self.infer(shapes)
+    }
 }
 
 /// Every architecture this build loads, in the order messages list them.
@@ -33,6 +42,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &hat::Arch,
     &esrgan::Arch,
     &compact::Arch,
+    &dat::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises
@@ -40,10 +50,18 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
 /// truncated or renamed DRCT file is the likeliest such file).
 const FALLBACK: &dyn Architecture = &drct::Arch;
 
-/// The architecture of a state dict and its configuration, every tensor checked.
+/// The architecture of a state dict and its configuration, every tensor checked, from the
+/// shapes alone.
+#[cfg(test)]
 pub(crate) fn infer(shapes: &Shapes) -> Result<ArchConfig, ConfigError> {
+    infer_with(shapes, &|_| None)
+}
+
+/// The architecture of a state dict and its configuration, every tensor checked; `values`
+/// gives the tensors' values where a shape does not tell enough.
+pub(crate) fn infer_with(shapes: &Shapes, values: Values) -> Result<ArchConfig, ConfigError> {
     if let Some(arch) = REGISTRY.iter().find(|a| a.detect(shapes)) {
-        return arch.infer(shapes);
+        return arch.infer_with(shapes, values);
     }
     if let Some(found) = other_architecture(shapes) {
         return Err(unsupported(found));
