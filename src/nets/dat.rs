@@ -95,10 +95,10 @@ fn pos_dim(e: usize) -> usize {
 
 /// Whether block `j` of group `i` shifts its windows (only even blocks are spatial).
 fn shifted(i: usize, j: usize) -> bool {
-    if i % 2 == 0 {
-        j >= 2 && (j - 2) % 4 == 0
+    if i.is_multiple_of(2) {
+        j >= 2 && (j - 2).is_multiple_of(4)
     } else {
-        j % 4 == 0
+        j.is_multiple_of(4)
     }
 }
 
@@ -147,7 +147,7 @@ impl DatConfig {
             return Err(ConfigError::shape(name, cf, "; expected [E, in, 3, 3]"));
         }
         let (embed_dim, in_chans) = (cf[0], cf[1]);
-        if embed_dim % 2 != 0 || pos_dim(embed_dim) == 0 {
+        if !embed_dim.is_multiple_of(2) || pos_dim(embed_dim) == 0 {
             return Err(ConfigError::shape(
                 name,
                 cf,
@@ -165,7 +165,7 @@ impl DatConfig {
                     &format!("layers.{i}.blocks.0.attn.attns.0.pos.pos3.2.weight"),
                 )?
             };
-            if h < 2 || embed_dim % h != 0 || (embed_dim / 2) % (h / 2) != 0 {
+            if h < 2 || !embed_dim.is_multiple_of(h) || !(embed_dim / 2).is_multiple_of(h / 2) {
                 return Err(ConfigError::Heads {
                     block: format!("layers.{i}"),
                     width: embed_dim,
@@ -206,7 +206,7 @@ impl DatConfig {
             in_chans,
             scale,
         };
-        if cfg.ffn_hidden % 2 != 0 {
+        if !cfg.ffn_hidden.is_multiple_of(2) {
             return Err(ConfigError::shape(
                 "layers.0.blocks.0.ffn.fc1.weight",
                 tensor(shapes, "layers.0.blocks.0.ffn.fc1.weight")?,
@@ -867,7 +867,7 @@ impl Dat {
             for j in 0..depth {
                 let vb = gvb.pp(format!("blocks.{j}"));
                 let avb = vb.pp("attn");
-                let attn = if j % 2 == 0 {
+                let attn = if j.is_multiple_of(2) {
                     let bh = cfg.branch_heads(i);
                     let scale = ((e / 2 / bh) as f64).powf(-0.5);
                     let [a, b] = cfg.split;
@@ -1052,7 +1052,7 @@ impl NetConfig for DatConfig {
                 conv(&mut t, &format!("{a}.spatial_interaction.0"), e / 16, e, 1);
                 batch_norm_tensors(&mut t, &format!("{a}.spatial_interaction.1"), e / 16);
                 conv(&mut t, &format!("{a}.spatial_interaction.3"), 1, e / 16, 1);
-                if j % 2 == 0 {
+                if j.is_multiple_of(2) {
                     for k in 0..2 {
                         let s = format!("{a}.attns.{k}");
                         t.push((format!("{s}.rpe_biases"), vec![self.rpe_rows(), 2]));
@@ -1119,7 +1119,7 @@ impl NetConfig for DatConfig {
             let head_dim = e / self.heads[i] as f64;
             for j in 0..d {
                 blocks += common
-                    + if j % 2 == 0 {
+                    + if j.is_multiple_of(2) {
                         4.0 * n * e
                     } else {
                         4.0 * e * head_dim

@@ -159,12 +159,17 @@ mod tests {
             shapes(&["conv_first.weight", "body.0.rdb1.conv1.weight"]),
             shapes(&["conv_first.weight", "RRDB_trunk.0.RDB1.conv1.weight"]),
             shapes(&["body.0.weight", "body.1.weight", "body.2.weight"]),
+            shapes(&[
+                "conv_first.weight",
+                "before_RG.1.weight",
+                "layers.0.blocks.0.attn.attns.0.pos.pos_proj.weight",
+            ]),
         ];
         let claims: Vec<usize> = files
             .iter()
             .map(|f| REGISTRY.iter().filter(|a| a.detect(f)).count())
             .collect();
-        assert_eq!(claims, [1, 1, 1, 0, 1, 1, 1, 1]);
+        assert_eq!(claims, [1, 1, 1, 0, 1, 1, 1, 1, 1]);
     }
 
     #[test]
