@@ -3,10 +3,11 @@
 # encode) against PyTorch's warm forward pass alone (spandrel's module, f32, the same thread
 # count), alternating rep by rep, with random weights of a released shape: SwinIR-M classical
 # x4 (E 180, 6 groups of 6 blocks, 6 heads, window 8) or, with MODEL=hat, HAT x4 (E 180,
-# 6 groups of 6 blocks, 6 heads, window 16, compress 3, squeeze 30, overlap 0.5). Prints
+# 6 groups of 6 blocks, 6 heads, window 16, compress 3, squeeze 30, overlap 0.5) or, with
+# MODEL=dat, DAT x4 (E 180, 6 groups of 6 blocks, 6 heads, split 8x32, expansion 4). Prints
 # each rep and the ratio of medians (PyTorch / ours).
 #
-# usage: [MODEL=swinir|hat] benches/swin_family_cpu_vs_torch.sh [REPS] [SIZE]   (5 reps, 64x64)
+# usage: [MODEL=swinir|hat|dat] benches/swin_family_cpu_vs_torch.sh [REPS] [SIZE]   (5 reps, 64x64)
 # needs: python3 with torch, spandrel, safetensors, numpy, pillow  (PYTHON=... to choose one)
 # BEFORE=path/to/upscale also times that binary (an earlier build) in every rep, between
 # ours and PyTorch, for a before/after of a change in the same run.
@@ -26,7 +27,9 @@ case "$MODEL" in
           weights="$work/swinir_m_x4_random.safetensors" ;;
   hat) "$PY" tests/golden/make_golden_hat.py --bench "$work" >/dev/null 2>&1
        weights="$work/hat_x4_random.safetensors" ;;
-  *) echo "MODEL must be swinir or hat" >&2; exit 2 ;;
+  dat) "$PY" tests/golden/make_golden_dat.py --bench "$work" >/dev/null 2>&1
+       weights="$work/dat_x4_random.safetensors" ;;
+  *) echo "MODEL must be swinir, hat or dat" >&2; exit 2 ;;
 esac
 "$PY" - "$work/in.png" "$SIZE" <<'PYEOF'
 import sys
@@ -47,7 +50,12 @@ from PIL import Image
 from safetensors.torch import load_file
 weights, image, threads, model = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 torch.set_num_threads(threads)
-if model == "hat":
+if model == "dat":
+    from spandrel.architectures.DAT import DAT
+    m = DAT(img_size=64, in_chans=3, embed_dim=180, split_size=[8, 32], depth=[6] * 6,
+            num_heads=[6] * 6, expansion_factor=4.0, upscale=4, img_range=1.0,
+            resi_connection="1conv", upsampler="pixelshuffle")
+elif model == "hat":
     from spandrel.architectures.HAT import HAT
     m = HAT(img_size=64, patch_size=1, in_chans=3, embed_dim=180, depths=(6,) * 6,
             num_heads=(6,) * 6, window_size=16, compress_ratio=3, squeeze_factor=30,
@@ -61,7 +69,8 @@ else:
 r = m.load_state_dict(load_file(weights), strict=False)
 # the file holds parameters only: the buffers the model built itself are the only misses
 assert not r.unexpected_keys, r.unexpected_keys
-assert all(k.endswith(("relative_position_index", "attn_mask", "_SA", "_OCA")) for k in r.missing_keys)
+assert all(k.endswith(("relative_position_index", "attn_mask", "_SA", "_OCA", "attn_mask_0",
+                        "attn_mask_1", "num_batches_tracked")) for k in r.missing_keys)
 m.eval()
 x = torch.from_numpy(np.asarray(Image.open(image), dtype=np.float32) / 255.0)
 x = x.permute(2, 0, 1)[None].contiguous()

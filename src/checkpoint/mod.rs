@@ -167,9 +167,15 @@ impl Checkpoint {
             .iter()
             .map(|(k, v)| (k.clone(), v.dims().to_vec()))
             .collect();
-        let config = crate::nets::registry::infer(&shapes).map_err(|e| ModelError::Config {
-            origin: source.to_string(),
-            source: e,
+        let values = |name: &str| {
+            let t = tensors.get(name)?.flatten_all().ok()?;
+            t.to_vec1::<f32>().ok()
+        };
+        let config = crate::nets::registry::infer_with(&shapes, &values).map_err(|e| {
+            ModelError::Config {
+                origin: source.to_string(),
+                source: e,
+            }
         })?;
         Ok(Self {
             source,
@@ -221,6 +227,10 @@ impl std::ops::Deref for FileBytes {
 pub(crate) fn is_buffer(name: &str) -> bool {
     name.ends_with("relative_position_index")
         || name.ends_with("attn_mask")
+        // DAT's shift masks of its training size, one per branch, and BatchNorm's counters.
+        || name.ends_with("attn_mask_0")
+        || name.ends_with("attn_mask_1")
+        || name.ends_with("num_batches_tracked")
         // HAT's model-level indices for its window and overlapping cross-attention.
         || name == "relative_position_index_SA"
         || name == "relative_position_index_OCA"

@@ -134,6 +134,17 @@ pub enum ConfigError {
     /// A SPAN checkpoint that does not fit SPAN's configuration.
     #[error("SPAN checkpoint: {0}")]
     Span(#[source] Box<ConfigError>),
+    /// A tensor whose values do not fit (DAT's position grids).
+    #[error("tensor {name} {problem}")]
+    Values {
+        /// The tensor's state-dict key.
+        name: String,
+        /// What is wrong with its values.
+        problem: String,
+    },
+    /// A DAT checkpoint that does not fit DAT's configuration.
+    #[error("DAT checkpoint: {0}")]
+    Dat(#[source] Box<ConfigError>),
     /// A SwinIR checkpoint that does not fit SwinIR's configuration.
     #[error("SwinIR checkpoint: {0}")]
     SwinIr(#[source] Box<ConfigError>),

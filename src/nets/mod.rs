@@ -4,6 +4,7 @@
 //! [`crate::ops`] do that when they are built.
 
 pub mod compact;
+pub mod dat;
 pub mod drct;
 pub mod esrgan;
 mod frame;

@@ -4,10 +4,14 @@
 
 use std::collections::BTreeMap;
 
-use super::{compact, drct, esrgan, hat, span, swinir, ArchConfig, ConfigError};
+use super::{compact, dat, drct, esrgan, hat, span, swinir, ArchConfig, ConfigError};
 
 /// A state dict's tensor names and shapes.
 pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
+
+/// A state dict's tensor values by name, flattened, for the few configurations that a shape
+/// does not tell (DAT's window height from its width); `None` for a tensor it lacks.
+pub(crate) type Values<'a> = &'a dyn Fn(&str) -> Option<Vec<f32>>;
 
 /// One architecture the registry holds.
 pub(crate) trait Architecture: Sync {
@@ -24,6 +28,11 @@ pub(crate) trait Architecture: Sync {
 
     /// Its configuration, read from the tensors, with every tensor checked against it.
     fn infer(&self, shapes: &Shapes) -> Result<ArchConfig, ConfigError>;
+
+    /// [`Self::infer`] with the tensors' values at hand, for an architecture that reads some.
+    fn infer_with(&self, shapes: &Shapes, _values: Values) -> Result<ArchConfig, ConfigError> {
+        self.infer(shapes)
+    }
 }
 
 /// Every architecture this build loads, in the order messages list them.
@@ -34,6 +43,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &esrgan::Arch,
     &compact::Arch,
     &span::Arch,
+    &dat::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises
@@ -41,10 +51,18 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
 /// truncated or renamed DRCT file is the likeliest such file).
 const FALLBACK: &dyn Architecture = &drct::Arch;
 
-/// The architecture of a state dict and its configuration, every tensor checked.
+/// The architecture of a state dict and its configuration, every tensor checked, from the
+/// shapes alone.
+#[cfg(test)]
 pub(crate) fn infer(shapes: &Shapes) -> Result<ArchConfig, ConfigError> {
+    infer_with(shapes, &|_| None)
+}
+
+/// The architecture of a state dict and its configuration, every tensor checked; `values`
+/// gives the tensors' values where a shape does not tell enough.
+pub(crate) fn infer_with(shapes: &Shapes, values: Values) -> Result<ArchConfig, ConfigError> {
     if let Some(arch) = REGISTRY.iter().find(|a| a.detect(shapes)) {
-        return arch.infer(shapes);
+        return arch.infer_with(shapes, values);
     }
     if let Some(found) = other_architecture(shapes) {
         return Err(unsupported(found));
@@ -115,7 +133,9 @@ const OTHERS: &[(&str, Signature)] = &[
     ("a CRAFT checkpoint", |s| {
         any(s, |k| k.contains(".residual_group.srwa_blocks."))
     }),
-    ("an RGT checkpoint", |s| has(s, "before_RG.1.weight")),
+    ("an RGT checkpoint", |s| {
+        has(s, "before_RG.1.weight") && any(s, |k| k.contains(".attn.get_v."))
+    }),
     ("an FDAT checkpoint", |s| {
         any(s, |k| k.starts_with("groups.") && k.ends_with(".n1.weight"))
     }),
@@ -249,12 +269,18 @@ mod tests {
                 "block_1.c1_r.sk.weight",
                 "conv_cat.weight",
             ]),
+            shapes(&[
+                "conv_first.weight",
+                "before_RG.1.weight",
+                "layers.0.blocks.0.attn.attns.0.pos.pos_proj.weight",
+                "layers.0.blocks.1.attn.temperature",
+            ]),
         ];
         let claims: Vec<usize> = files
             .iter()
             .map(|f| REGISTRY.iter().filter(|a| a.detect(f)).count())
             .collect();
-        assert_eq!(claims, [1, 1, 1, 0, 1, 1, 1, 1, 1]);
+        assert_eq!(claims, [1, 1, 1, 0, 1, 1, 1, 1, 1, 1]);
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 mod checkpoint_mutations;
 mod compact;
+mod dat;
 mod esrgan;
 pub(crate) mod fixtures;
 mod golden;
