@@ -8,6 +8,8 @@
 #   WIDTH x HEIGHT  the input (default 2000x1500: 8000x6000 out at x4)
 #   MODES           the UPSCALE_STREAM values to run (default "never always")
 #   EXT             the output format (default png)
+#   MODEL           weights to use instead of the embedded model (a small fixture shows how the
+#                   peak grows with the image in minutes rather than hours)
 # Needs /usr/bin/time (GNU) and python3 with numpy and pillow to make the input.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cargo build --release --quiet
 bin=./target/release/upscale
+model_args=()
+if [ -n "${MODEL:-}" ]; then model_args=(--model "$MODEL"); fi
 
 # A photo-like input: shading, texture and grain (the model's time does not depend on it).
 "$PY" - "$work/in.png" "$width" "$height" <<'PYEOF'
@@ -45,7 +49,7 @@ for rep in $(seq 1 "$reps"); do
     out="$work/out-$mode.$ext"
     rm -f "$out"
     UPSCALE_STREAM=$mode /usr/bin/time -v -o "$work/time" \
-      "$bin" --device cpu -q "$work/in.png" -o "$out"
+      "$bin" --device cpu -q "${model_args[@]}" "$work/in.png" -o "$out"
     kb=$(awk -F': ' '/Maximum resident set size/ {print $2}' "$work/time")
     wall=$(awk -F': ' '/Elapsed \(wall clock\)/ {print $2}' "$work/time")
     secs=$(echo "$wall" | awk -F: '{ s = 0; for (i = 1; i <= NF; i++) s = s * 60 + $i; print s }')
