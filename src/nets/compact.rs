@@ -27,7 +27,7 @@ use crate::nets::infer::{check_shapes, isqrt, out_width, tensor, ConfigError, Sh
 use crate::nets::registry::Architecture;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::add;
-use crate::ops::conv::Conv3x3;
+use crate::ops::conv::{Act as ConvAct, Conv3x3};
 use crate::ops::pad::Pad;
 use crate::ops::LoadPlan;
 
@@ -149,13 +149,13 @@ impl Act {
     }
 }
 
-impl Module for Act {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Act {
+    /// The activation as the convolution before it applies it.
+    fn of_conv(&self) -> ConvAct<'_> {
         match self {
-            // Exactly PyTorch's `x if x > 0 else slope·x`: one of the two terms is zero.
-            Self::PRelu(slope) => x.relu()? + x.minimum(0.0)?.broadcast_mul(slope)?,
-            Self::Relu => x.relu(),
-            Self::LeakyRelu => candle_nn::ops::leaky_relu(x, LEAKY_SLOPE),
+            Self::PRelu(slope) => ConvAct::PRelu(slope),
+            Self::Relu => ConvAct::Relu,
+            Self::LeakyRelu => ConvAct::Leaky(LEAKY_SLOPE as f32),
         }
     }
 }
@@ -216,7 +216,7 @@ impl Module for Compact {
             .contiguous()?;
         let mut y = x.clone();
         for (conv, act) in &self.layers {
-            y = act.forward(&conv.forward(&y)?)?;
+            y = conv.forward_act(&y, act.of_conv())?;
         }
         let y = if self.scale == 1 {
             self.last.forward(&y)?

@@ -36,7 +36,7 @@ use crate::nets::registry::Architecture;
 use crate::nets::swin::reflect_pad_bottom_right;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::add;
-use crate::ops::conv::Conv3x3;
+use crate::ops::conv::{Act, Conv3x3};
 use crate::ops::pad::Pad;
 use crate::ops::{build_layers, LoadPlan};
 
@@ -286,10 +286,10 @@ impl Module for DenseBlock {
         // convolution reads all of it as one input.
         let mut feats = x.clone();
         for conv in growing {
-            let y = candle_nn::ops::leaky_relu(&conv.forward(&feats)?, SLOPE)?;
+            let y = conv.forward_act(&feats, Act::Leaky(SLOPE as f32))?;
             feats = Tensor::cat(&[&feats, &y], 3)?;
         }
-        add(&last.forward(&feats)?.affine(RESIDUAL_SCALE, 0.0)?, x)
+        last.forward_residual(&feats, RESIDUAL_SCALE as f32, x)
     }
 }
 

@@ -16,6 +16,7 @@
 //! | `UPSCALE_CPU_GEMM` | [`Switches::gemm_crate`] | `crate`: f32 products on the `gemm` crate, not our panels |
 //! | `UPSCALE_BF16_ISA` | [`Switches::bf16_vector`] | `avx512`: CPU bf16 on the vector kernel even where AMX is |
 //! | `UPSCALE_CPU_ISA` | [`Switches::cpu_isa`] | `native`, `avx512`, `avx2`, `scalar`: the widest instructions our CPU kernels use |
+//! | `UPSCALE_CPU_WINOGRAD` | [`Switches::winograd`] | `auto`, `always`, `never`: f32 3x3 convolutions on the CPU by Winograd's F(4x4, 3x3) |
 //! | `UPSCALE_STREAM` | [`Switches::stream`] | `auto`, `always`, `never`: PNG and TIFF outputs written in bands of rows as tiles finish |
 
 pub mod cuda_off;
@@ -91,6 +92,9 @@ pub struct Switches {
     pub bf16_vector: bool,
     /// The widest instructions our CPU kernels may use (`None`: what the CPU has).
     pub cpu_isa: Option<CpuIsa>,
+    /// Whether f32 3x3 convolutions on the CPU run by Winograd's F(4x4, 3x3) (`None`: where
+    /// both sides have enough channels for it to pay; see [`crate::ops::conv`]).
+    pub winograd: Option<bool>,
     /// Whether PNG and TIFF outputs are written in bands as tiles finish (`None`: when the
     /// whole image would take much memory; see [`crate::fit`]).
     pub stream: Option<bool>,
@@ -110,6 +114,7 @@ impl Default for Switches {
             gemm_crate: false,
             bf16_vector: false,
             cpu_isa: None,
+            winograd: None,
             stream: None,
         }
     }
@@ -153,21 +158,27 @@ impl Switches {
         if let Some(v) = var("UPSCALE_CPU_ISA") {
             s.cpu_isa = CpuIsa::parse(&v?)?;
         }
+        if let Some(v) = var("UPSCALE_CPU_WINOGRAD") {
+            s.winograd = auto_always_never("UPSCALE_CPU_WINOGRAD", &v?)?;
+        }
         if let Some(v) = var("UPSCALE_STREAM") {
-            s.stream = match v?.trim().to_ascii_lowercase().as_str() {
-                "" | "auto" => None,
-                "always" | "1" => Some(true),
-                "never" | "0" => Some(false),
-                other => {
-                    return Err(EnvError::UnknownPart {
-                        var: "UPSCALE_STREAM",
-                        part: other.to_string(),
-                        expected: "auto, always or never",
-                    })
-                }
-            };
+            s.stream = auto_always_never("UPSCALE_STREAM", &v?)?;
         }
         Ok(s)
+    }
+}
+
+/// A switch's `auto` (`None`), `always` or `never`.
+fn auto_always_never(var: &'static str, value: &str) -> Result<Option<bool>, EnvError> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" | "auto" => Ok(None),
+        "always" | "1" => Ok(Some(true)),
+        "never" | "0" => Ok(Some(false)),
+        other => Err(EnvError::UnknownPart {
+            var,
+            part: other.to_string(),
+            expected: "auto, always or never",
+        }),
     }
 }
 
@@ -306,6 +317,7 @@ mod tests {
             ("UPSCALE_CPU_GEMM", "crate"),
             ("UPSCALE_BF16_ISA", "avx512"),
             ("UPSCALE_CPU_ISA", "AVX2"),
+            ("UPSCALE_CPU_WINOGRAD", "never"),
             ("UPSCALE_STREAM", "Always"),
         ])
         .unwrap();
@@ -325,6 +337,7 @@ mod tests {
         }
         assert_eq!((all.cpu_isa, d.cpu_isa), (Some(CpuIsa::Avx2), None));
         assert_eq!((all.stream, d.stream), (Some(true), None));
+        assert_eq!((all.winograd, d.winograd), (Some(false), None));
         for (v, stream) in [("never", Some(false)), (" auto", None), ("0", Some(false))] {
             assert_eq!(vars(&[("UPSCALE_STREAM", v)]).unwrap().stream, stream);
         }

@@ -20,6 +20,7 @@ mod pth;
 mod span;
 mod swinir;
 mod tile_blend;
+mod winograd;
 
 /// x2, one group: the fastest real model, used wherever the model itself is not the point.
 const FAST_MODEL: &str = "x2_w8_b2.safetensors";

@@ -8,17 +8,19 @@
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+pub(crate) mod winograd;
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::linear::pack_bf16;
-use super::linear::rowwise::{bias_act, Act};
+use super::linear::rowwise::{bias_act, Act as RowAct};
 use super::{Backend, LoadPlan};
 use crate::ops::cpu as kernels;
 use crate::ops::cpu::bf16::{Isa, PackedB};
 use crate::ops::pad::{Channels, Pad};
 use crate::ops::rowwise::ours;
+use winograd::Winograd;
 
 /// Upper bound on the patch matrix of one convolution chunk, in elements (64 MiB in f32):
 /// large enough for full-speed matmuls, small enough that a high-resolution upsampler
@@ -54,6 +56,8 @@ pub struct Conv3x3 {
     cin: usize,
     /// The weight in bf16, for bf16 products on the CPU.
     bf16: Option<(Isa, PackedB)>,
+    /// The weight in the Winograd domain, for f32 on the CPU ([`winograd`]).
+    winograd: Option<Winograd>,
     backend: Backend,
 }
 
@@ -104,24 +108,33 @@ impl Conv3x3 {
     }
 
     /// The layer of `weight` `(9 * cin, cout)` and `bias`, in the form `plan` asks for: on
-    /// the CPU with bf16 products, the weight packed now and the f32 one dropped. Narrow
+    /// the CPU with bf16 products, the weight packed now and the f32 one dropped; in f32,
+    /// the weight moved to the Winograd domain where [`use_winograd`] says so. Narrow
     /// convolutions (the RGB output) keep f32: they are computed directly, not as a GEMM.
     fn prepared(weight: Tensor, bias: Tensor, cin: usize, plan: &LoadPlan) -> Result<Self> {
         let backend = Backend::of(weight.device());
         let (k, cout) = weight.dims2()?;
-        let (weight, bf16) = match plan.bf16 {
+        let none = || Tensor::zeros(0, DType::F32, weight.device());
+        let (weight, bf16, winograd) = match plan.bf16 {
             Some(isa) if backend == Backend::Cpu && cout > cpu::NARROW_CONV => {
                 let packed = pack_bf16(&weight, (k, cout), (cout, 1))?;
-                let none = Tensor::zeros(0, DType::F32, weight.device())?;
-                (none, Some((isa, packed)))
+                (none()?, Some((isa, packed)), None)
             }
-            _ => (weight, None),
+            None if backend == Backend::Cpu
+                && weight.dtype() == DType::F32
+                && use_winograd(cin, cout) =>
+            {
+                let w = weight.flatten_all()?.to_vec1::<f32>()?;
+                (none()?, None, Some(Winograd::new(&w, cin, cout)))
+            }
+            _ => (weight, None, None),
         };
         Ok(Self {
             weight,
             bias,
             cin,
             bf16,
+            winograd,
             backend,
         })
     }
@@ -131,6 +144,9 @@ impl Conv3x3 {
     /// written into the shuffled layout directly.
     pub(crate) fn forward_shuffled(&self, x: &Tensor, r: usize) -> Result<Tensor> {
         let x = x.contiguous()?;
+        if self.winograd.is_some() {
+            return pixel_shuffle_nhwc_reordered(&self.forward(&x)?, r);
+        }
         let fused = match &self.bf16 {
             Some((isa, w)) => {
                 cpu::conv3x3_shuffled_bf16(&x, *isa, w, &self.bias, r, CONV_CHUNK_ELEMS)?
@@ -161,7 +177,7 @@ impl Conv3x3 {
         while y < h {
             let n = rows.min(h - y);
             let out = cuda::patches3x3(x, y, n)?.matmul(&self.weight)?;
-            let out = bias_act(&out, &self.bias, None, Act::None)?;
+            let out = bias_act(&out, &self.bias, None, RowAct::None)?;
             outs.push(out.reshape((b, n, w, ()))?);
             y += n;
         }
@@ -173,10 +189,56 @@ impl Conv3x3 {
     }
 }
 
+/// An activation after a convolution ([`Conv3x3::forward_act`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Act<'a> {
+    Relu,
+    /// LeakyReLU with this negative slope.
+    Leaky(f32),
+    /// PReLU: a negative slope per channel, `(cout)`.
+    PRelu(&'a Tensor),
+}
+
+impl Conv3x3 {
+    /// `act` of this convolution: applied as the outputs are written where the convolution
+    /// runs by Winograd, else as its own operation (the same values either way).
+    pub(crate) fn forward_act(&self, x: &Tensor, act: Act) -> Result<Tensor> {
+        if let Some(w) = &self.winograd {
+            return winograd::forward(w, &x.contiguous()?, &self.bias, Some(act), None);
+        }
+        let y = self.forward(x)?;
+        match act {
+            Act::Relu => y.relu(),
+            Act::Leaky(slope) => candle_nn::ops::leaky_relu(&y, f64::from(slope)),
+            // Exactly PyTorch's `x if x > 0 else slope·x`: one of the two terms is zero.
+            Act::PRelu(slope) => y.relu()? + y.minimum(0.0)?.broadcast_mul(slope)?,
+        }
+    }
+
+    /// `scale · conv(x) + residual`, `residual` shaped as the output: in the output's writing
+    /// where the convolution runs by Winograd, else as operations of their own (the same
+    /// values either way).
+    pub(crate) fn forward_residual(
+        &self,
+        x: &Tensor,
+        scale: f32,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        if let Some(w) = &self.winograd {
+            let x = x.contiguous()?;
+            return winograd::forward(w, &x, &self.bias, None, Some((scale, residual)));
+        }
+        super::add(&self.forward(x)?.affine(f64::from(scale), 0.0)?, residual)
+    }
+}
+
 impl Module for Conv3x3 {
     /// `x`: `(B, H, W, cin)`; returns `(B, H, W, cout)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = &x.contiguous()?;
+        if let Some(w) = &self.winograd {
+            return winograd::forward(w, x, &self.bias, None, None);
+        }
         match (&self.bf16, self.backend) {
             (Some((isa, w)), _) => cpu::conv3x3_bf16(x, *isa, w, &self.bias, CONV_CHUNK_ELEMS),
             (None, Backend::Cpu) => {
@@ -194,6 +256,20 @@ impl Module for Conv3x3 {
             (None, Backend::Other) => self.patch_gemm(x, CONV_CHUNK_ELEMS),
         }
     }
+}
+
+/// Fewer input or output channels than this and the direct convolution is as fast: the
+/// transforms' cost per channel is fixed, the products' saving grows with the other side.
+const WINOGRAD_MIN_CHANNELS: usize = 16;
+
+/// Whether an f32 convolution from `cin` to `cout` channels on the CPU runs by Winograd's
+/// F(4x4, 3x3): where the panel kernels run, as `UPSCALE_CPU_WINOGRAD` says, by default
+/// where both sides have [`WINOGRAD_MIN_CHANNELS`].
+fn use_winograd(cin: usize, cout: usize) -> bool {
+    kernels::panels::available()
+        && crate::switches::current()
+            .winograd
+            .unwrap_or(cin.min(cout) >= WINOGRAD_MIN_CHANNELS)
 }
 
 /// PyTorch's PixelShuffle moves channel `c*r*r + i*r + j` of pixel (y, x) to pixel

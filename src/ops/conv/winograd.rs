@@ -1,0 +1,548 @@
+//! 3x3 convolutions (stride 1, zero padding 1) by Winograd's minimal filtering F(4x4, 3x3)
+//! on channels-last f32 features, on the CPU.
+//!
+//! Each 4x4 block of outputs is computed from the 6x6 block of inputs around it: the input
+//! block is transformed (`Bᵀ d B`), multiplied element by element with the transformed
+//! kernel (`G g Gᵀ`, done once at load) and summed over the input channels, and the 6x6 sums
+//! transformed back (`Aᵀ m A`). Summed over channels, the 36 element-wise products are 36
+//! GEMMs of (blocks x cin) by (cin x cout), on the same panel kernels as the direct
+//! convolution: 36 multiplications per block and channel pair instead of 144, a quarter.
+//! The price is rounding: the transforms mix values of up to 8 times a sample's size, so
+//! the result is some ten times further from the exact one than the direct sum's (measured
+//! in the tests; far inside the float64 fixtures' bounds).
+//!
+//! The transforms are those of Lavin and Gray (2016) with the interpolation points 0, ±1,
+//! ±2 and infinity.
+
+use candle_core::{Result, Tensor};
+use rayon::prelude::*;
+
+use super::Act;
+use crate::ops::cpu::cpu_slice;
+use crate::ops::cpu::panels::{self, Panels, Start};
+use crate::ops::cpu::shared::Shared;
+use crate::ops::cpu::widest_simd;
+
+/// Output blocks per task: their transformed inputs (36 x `BLOCKS` x cin) and products
+/// (36 x `BLOCKS` x cout) stay in the core's L2 cache while the 36 products run.
+const BLOCKS: usize = 16;
+
+/// Channels transformed at a time: one AVX-512 vector, two AVX2 ones.
+const CH: usize = 16;
+
+thread_local! {
+    /// Each worker's transformed inputs, products and output block, kept between calls:
+    /// allocating and zeroing them per task cost a twentieth of the time.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `G`, the kernel's transform (6x3).
+const G: [[f64; 3]; 6] = [
+    [1.0 / 4.0, 0.0, 0.0],
+    [-1.0 / 6.0, -1.0 / 6.0, -1.0 / 6.0],
+    [-1.0 / 6.0, 1.0 / 6.0, -1.0 / 6.0],
+    [1.0 / 24.0, 1.0 / 12.0, 1.0 / 6.0],
+    [1.0 / 24.0, -1.0 / 12.0, 1.0 / 6.0],
+    [0.0, 0.0, 1.0],
+];
+
+/// A 3x3 convolution's kernel in the Winograd domain: for each of the 36 positions `e` of
+/// the 6x6 block, the `cin x cout` matrix of transformed taps, packed for the panel kernels.
+pub(crate) struct Winograd {
+    cin: usize,
+    cout: usize,
+    panels: Vec<Panels>,
+}
+
+impl Winograd {
+    /// From `w`, `9 cin x cout` row-major with rows ordered (dy, dx, cin). The transform is
+    /// taken in f64 and rounded once.
+    pub(crate) fn new(w: &[f32], cin: usize, cout: usize) -> Self {
+        assert_eq!(w.len(), 9 * cin * cout, "a 3x3 kernel of {cin} x {cout}");
+        // u[ci][e][co], an input channel per task; the panels then read it strided.
+        let mut u = vec![0f32; cin * 36 * cout];
+        u.par_chunks_mut(36 * cout).enumerate().for_each(|(ci, u)| {
+            for co in 0..cout {
+                let g = |dy: usize, dx: usize| f64::from(w[((dy * 3 + dx) * cin + ci) * cout + co]);
+                // t = G g (6x3), then u = t Gᵀ (6x6).
+                let mut t = [[0f64; 3]; 6];
+                for (r, row) in t.iter_mut().enumerate() {
+                    for (k, v) in row.iter_mut().enumerate() {
+                        *v = (0..3).map(|j| G[r][j] * g(j, k)).sum();
+                    }
+                }
+                for r in 0..6 {
+                    for s in 0..6 {
+                        let v: f64 = (0..3).map(|k| t[r][k] * G[s][k]).sum();
+                        u[(r * 6 + s) * cout + co] = v as f32;
+                    }
+                }
+            }
+        });
+        let panels = (0..36)
+            .map(|e| Panels::new(&u[e * cout..], (cin, cout), (36 * cout, 1)))
+            .collect();
+        Self { cin, cout, panels }
+    }
+
+    /// The convolution of `x` (`batch x h x w x cin`) plus `bias` (`cout`), finished as
+    /// `finish` says, `batch x h x w x cout`. Needs the panel kernels ([`panels::available`]).
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        (batch, h, w): (usize, usize, usize),
+        bias: &[f32],
+        finish: Finish,
+    ) -> Vec<f32> {
+        let (cin, cout) = (self.cin, self.cout);
+        assert!(x.len() == batch * h * w * cin && bias.len() == cout);
+        match finish {
+            Finish::PRelu(slopes) => assert_eq!(slopes.len(), cout),
+            Finish::Residual(_, res) => assert_eq!(res.len(), batch * h * w * cout),
+            _ => {}
+        }
+        let (bh, bw) = (h.div_ceil(4), w.div_ceil(4));
+        let blocks = batch * bh * bw;
+        let mut out: Vec<f32> = Vec::with_capacity(batch * h * w * cout);
+        // SAFETY: each task writes the output pixels of its own blocks only (blocks do not
+        // overlap), and `out` outlives the tasks.
+        let dst = unsafe { Shared::new(out.as_mut_ptr()) };
+        let zeros = vec![0f32; cin];
+        let tasks = blocks.div_ceil(BLOCKS);
+        (0..tasks).into_par_iter().for_each(|task| {
+            SCRATCH.with_borrow_mut(|scratch| {
+                let need = 36 * BLOCKS * (cin + cout) + 16 * cout;
+                if scratch.len() < need {
+                    scratch.resize(need, 0.0);
+                }
+                let (v, rest) = scratch.split_at_mut(36 * BLOCKS * cin);
+                let (m, y) = rest.split_at_mut(36 * BLOCKS * cout);
+                let b0 = task * BLOCKS;
+                let n = BLOCKS.min(blocks - b0);
+                for i in 0..n {
+                    let (bi, rest) = ((b0 + i) / (bh * bw), (b0 + i) % (bh * bw));
+                    let (y0, x0) = (4 * (rest / bw), 4 * (rest % bw));
+                    let image = &x[bi * h * w * cin..(bi + 1) * h * w * cin];
+                    // The 6x6 input block from (y0 - 1, x0 - 1), zeros outside the image.
+                    let pixels: [&[f32]; 36] = std::array::from_fn(|e| {
+                        let (y, xx) = ((y0 + e / 6).wrapping_sub(1), (x0 + e % 6).wrapping_sub(1));
+                        if y < h && xx < w {
+                            &image[(y * w + xx) * cin..][..cin]
+                        } else {
+                            &zeros[..]
+                        }
+                    });
+                    transform_input(&pixels, v, i * cin, BLOCKS * cin);
+                }
+                for e in 0..36 {
+                    // SAFETY: v holds n rows of cin values for position e, m n rows of cout,
+                    // and the panels are cin x cout.
+                    unsafe {
+                        panels::gemm(
+                            n,
+                            (v[e * BLOCKS * cin..].as_ptr(), cin),
+                            self.panels[e].rhs(),
+                            (m[e * BLOCKS * cout..].as_mut_ptr(), cout),
+                            Start::ZERO,
+                            false,
+                            None,
+                        )
+                    };
+                }
+                for i in 0..n {
+                    let (bi, rest) = ((b0 + i) / (bh * bw), (b0 + i) % (bh * bw));
+                    let (y0, x0) = (4 * (rest / bw), 4 * (rest % bw));
+                    let (rows, cols) = ((h - y0).min(4), (w - x0).min(4));
+                    let base = (bi * h + y0) * w + x0;
+                    transform_output(m, i * cout, BLOCKS * cout, bias, y);
+                    for r in 0..rows {
+                        let at = (base + r * w) * cout;
+                        let row = &mut y[r * 4 * cout..][..cols * cout];
+                        match finish {
+                            Finish::Plain => {}
+                            Finish::Residual(scale, res) => {
+                                scaled_add(row, scale, &res[at..at + cols * cout])
+                            }
+                            act => activate(row, act, cout),
+                        }
+                        // SAFETY: the block's output pixels (rows x cols from (y0, x0) of
+                        // image bi, cout values each) lie in `out` and belong to this task
+                        // alone; `y` holds 16 pixels of cout values.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                row.as_ptr(),
+                                dst.get().add(at),
+                                cols * cout,
+                            )
+                        };
+                    }
+                }
+            })
+        });
+        // SAFETY: the blocks cover every output pixel of every image, cout values each.
+        unsafe { out.set_len(batch * h * w * cout) };
+        out
+    }
+}
+
+/// What is done to a convolution's outputs (bias added) as they are written: the same
+/// arithmetic as the separate operations it replaces, so the result is unchanged.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Finish<'a> {
+    Plain,
+    /// `max(v, 0)`.
+    Relu,
+    /// `v` where positive, else `slope · v`.
+    Leaky(f32),
+    /// `v` where positive, else `slope[c] · v` (PReLU, a slope per channel).
+    PRelu(&'a [f32]),
+    /// `scale · v + residual` (the residual shaped as the output).
+    Residual(f32, &'a [f32]),
+}
+
+/// [`Winograd::forward`] on tensors: `x` `(B, H, W, cin)` f32 on the CPU, contiguous; `b`
+/// `(cout)`; the tensors `finish` names (`slopes` for [`Finish::PRelu`], `residual` for
+/// [`Finish::Residual`]) f32 on the CPU, contiguous, passed beside it.
+pub(crate) fn forward(
+    w: &Winograd,
+    x: &Tensor,
+    b: &Tensor,
+    act: Option<Act>,
+    residual: Option<(f32, &Tensor)>,
+) -> Result<Tensor> {
+    let (batch, h, wd, cin) = x.dims4()?;
+    if cin != w.cin || b.dims() != [w.cout] {
+        candle_core::bail!("conv3x3: input {:?} for {} -> {}", x.dims(), w.cin, w.cout);
+    }
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let (b_guard, b_layout) = b.storage_and_layout();
+    let xs = cpu_slice(&x_guard, x_layout)?;
+    let bs = cpu_slice(&b_guard, b_layout)?;
+    let out = match (act, residual) {
+        (None, None) => w.forward(xs, (batch, h, wd), bs, Finish::Plain),
+        (Some(Act::Relu), None) => w.forward(xs, (batch, h, wd), bs, Finish::Relu),
+        (Some(Act::Leaky(s)), None) => w.forward(xs, (batch, h, wd), bs, Finish::Leaky(s)),
+        (Some(Act::PRelu(slopes)), None) => {
+            let slopes = slopes.contiguous()?;
+            let (g, l) = slopes.storage_and_layout();
+            let out = w.forward(xs, (batch, h, wd), bs, Finish::PRelu(cpu_slice(&g, l)?));
+            drop(g);
+            out
+        }
+        (None, Some((scale, r))) => {
+            if r.dims() != [batch, h, wd, w.cout] {
+                candle_core::bail!("conv3x3: residual {:?} for {:?}", r.dims(), x.dims());
+            }
+            let r = r.contiguous()?;
+            let (g, l) = r.storage_and_layout();
+            let out = w.forward(
+                xs,
+                (batch, h, wd),
+                bs,
+                Finish::Residual(scale, cpu_slice(&g, l)?),
+            );
+            drop(g);
+            out
+        }
+        (Some(_), Some(_)) => candle_core::bail!("conv3x3: an activation and a residual"),
+    };
+    drop((x_guard, b_guard));
+    Tensor::from_vec(out, (batch, h, wd, w.cout), x.device())
+}
+
+widest_simd! {
+    /// `row = scale · row + residual`, element by element.
+    fn scaled_add(row: &mut [f32], scale: f32, residual: &[f32]) = scaled_add_body
+}
+
+#[inline(always)]
+fn scaled_add_body(row: &mut [f32], scale: f32, residual: &[f32]) {
+    for (v, r) in row.iter_mut().zip(residual) {
+        *v = *v * scale + r;
+    }
+}
+
+widest_simd! {
+    /// `act` on each value of `row`, pixels of `cout` channels.
+    fn activate(row: &mut [f32], act: Finish, cout: usize) = activate_body
+}
+
+#[inline(always)]
+fn activate_body(row: &mut [f32], act: Finish, cout: usize) {
+    match act {
+        Finish::Relu => row.iter_mut().for_each(|v| *v = v.max(0.0)),
+        Finish::Leaky(slope) => row
+            .iter_mut()
+            .for_each(|v| *v = if *v < 0.0 { *v * slope } else { *v }),
+        Finish::PRelu(slopes) => {
+            for px in row.chunks_exact_mut(cout) {
+                for (v, s) in px.iter_mut().zip(slopes) {
+                    *v = if *v < 0.0 { *v * s } else { *v };
+                }
+            }
+        }
+        Finish::Plain | Finish::Residual(..) => {}
+    }
+}
+
+widest_simd! {
+    /// `Bᵀ d B` of one 6x6 input block (`pixels`, a channel vector each), written for each
+    /// position `e` at `v[at + e * stride..]`.
+    fn transform_input(pixels: &[&[f32]; 36], v: &mut [f32], at: usize, stride: usize) = input_body
+}
+
+#[inline(always)]
+fn input_body(pixels: &[&[f32]; 36], v: &mut [f32], at: usize, stride: usize) {
+    let cin = pixels[0].len();
+    assert!(pixels.iter().all(|p| p.len() == cin) && v.len() >= at + 35 * stride + cin);
+    let src = pixels.map(<[f32]>::as_ptr);
+    let dst = v[at..].as_mut_ptr();
+    let full = cin - cin % CH;
+    for c0 in (0..full).step_by(CH) {
+        // SAFETY: every pixel holds cin values and v holds 36 rows of cin, `stride` apart,
+        // from `at` (asserted above); c0 + CH <= cin.
+        unsafe { input_chunk(&src, c0, dst.add(c0), stride) };
+    }
+    if full < cin {
+        // The last, partial chunk: its values copied beside zeros, transformed, copied out.
+        let n = cin - full;
+        let mut padded = [[0f32; CH]; 36];
+        for (p, px) in padded.iter_mut().zip(pixels) {
+            p[..n].copy_from_slice(&px[full..]);
+        }
+        let mut out = [[0f32; CH]; 36];
+        let src = std::array::from_fn(|e| padded[e].as_ptr());
+        // SAFETY: CH values at each of the 36 rows of `padded` and of `out` (stride CH).
+        unsafe { input_chunk(&src, 0, out.as_mut_ptr().cast(), CH) };
+        for (e, o) in out.iter().enumerate() {
+            v[at + e * stride + full..][..n].copy_from_slice(&o[..n]);
+        }
+    }
+}
+
+/// `Bᵀ d B` of channels `c0..c0 + CH` of the 6x6 block whose rows start at `src`, each
+/// position `e`'s CH values written at `dst + e * stride`.
+///
+/// # Safety
+/// Each `src[e]` holds `c0 + CH` values; `dst` 36 rows of CH values, `stride` apart.
+#[inline(always)]
+unsafe fn input_chunk(src: &[*const f32; 36], c0: usize, dst: *mut f32, stride: usize) {
+    // Bᵀ down each column, then along each row of the result.
+    let mut t = [[0f32; CH]; 36];
+    for j in 0..6 {
+        // SAFETY: the caller's.
+        let d: [&[f32; CH]; 6] =
+            std::array::from_fn(|i| unsafe { &*src[i * 6 + j].add(c0).cast() });
+        for l in 0..CH {
+            let [d0, d1, d2, d3, d4, d5] = [d[0][l], d[1][l], d[2][l], d[3][l], d[4][l], d[5][l]];
+            t[j][l] = 4.0 * d0 - 5.0 * d2 + d4;
+            t[6 + j][l] = -4.0 * (d1 + d2) + (d3 + d4);
+            t[12 + j][l] = 4.0 * (d1 - d2) + (d4 - d3);
+            t[18 + j][l] = 2.0 * (d3 - d1) + (d4 - d2);
+            t[24 + j][l] = 2.0 * (d1 - d3) + (d4 - d2);
+            t[30 + j][l] = 4.0 * d1 - 5.0 * d3 + d5;
+        }
+    }
+    for r in 0..6 {
+        // SAFETY: the caller's: rows r * 6 .. r * 6 + 6 of dst.
+        let o: [&mut [f32; CH]; 6] =
+            std::array::from_fn(|s| unsafe { &mut *dst.add((r * 6 + s) * stride).cast() });
+        let d = &t[r * 6..r * 6 + 6];
+        for l in 0..CH {
+            let [d0, d1, d2, d3, d4, d5] = [d[0][l], d[1][l], d[2][l], d[3][l], d[4][l], d[5][l]];
+            o[0][l] = 4.0 * d0 - 5.0 * d2 + d4;
+            o[1][l] = -4.0 * (d1 + d2) + (d3 + d4);
+            o[2][l] = 4.0 * (d1 - d2) + (d4 - d3);
+            o[3][l] = 2.0 * (d3 - d1) + (d4 - d2);
+            o[4][l] = 2.0 * (d1 - d3) + (d4 - d2);
+            o[5][l] = 4.0 * d1 - 5.0 * d3 + d5;
+        }
+    }
+}
+
+widest_simd! {
+    /// `Aᵀ m A + bias` of one block's 6x6 sums (position `e` at `m[at + e * stride..]`): its
+    /// 4x4 output pixels, row-major, into `y`.
+    fn transform_output(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32]) = output_body
+}
+
+#[inline(always)]
+fn output_body(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32]) {
+    let cout = bias.len();
+    assert!(m.len() >= at + 35 * stride + cout && y.len() >= 16 * cout);
+    let src: [*const f32; 36] = std::array::from_fn(|e| m[at + e * stride..].as_ptr());
+    let full = cout - cout % CH;
+    for c0 in (0..full).step_by(CH) {
+        // SAFETY: 36 rows of cout sums `stride` apart from `at` and 16 pixels of cout outputs
+        // (asserted above); c0 + CH <= cout.
+        unsafe {
+            output_chunk(
+                &src,
+                c0,
+                bias[c0..c0 + CH].try_into().unwrap(),
+                y[c0..].as_mut_ptr(),
+                cout,
+            )
+        };
+    }
+    if full < cout {
+        let n = cout - full;
+        let mut padded = [[0f32; CH]; 37];
+        for (e, p) in padded.iter_mut().take(36).enumerate() {
+            p[..n].copy_from_slice(&m[at + e * stride + full..][..n]);
+        }
+        padded[36][..n].copy_from_slice(&bias[full..]);
+        let mut out = [[0f32; CH]; 16];
+        let src = std::array::from_fn(|e| padded[e].as_ptr());
+        // SAFETY: CH values at each of the 36 rows of `padded` and the 16 of `out`.
+        unsafe { output_chunk(&src, 0, &padded[36], out.as_mut_ptr().cast(), CH) };
+        for (p, o) in out.iter().enumerate() {
+            y[p * cout + full..][..n].copy_from_slice(&o[..n]);
+        }
+    }
+}
+
+/// `Aᵀ m A + bias` of channels `c0..c0 + CH` of the 36 sums whose rows start at `src`,
+/// output pixel `p`'s CH values written at `dst + p * ld`.
+///
+/// # Safety
+/// Each `src[e]` holds `c0 + CH` values; `dst` 16 rows of CH values, `ld` apart.
+#[inline(always)]
+unsafe fn output_chunk(
+    src: &[*const f32; 36],
+    c0: usize,
+    bias: &[f32; CH],
+    dst: *mut f32,
+    ld: usize,
+) {
+    // Aᵀ down each column (6 -> 4 rows), then along each of the 4 rows (6 -> 4 values).
+    let mut q = [[0f32; CH]; 24];
+    for j in 0..6 {
+        // SAFETY: the caller's.
+        let m: [&[f32; CH]; 6] =
+            std::array::from_fn(|i| unsafe { &*src[i * 6 + j].add(c0).cast() });
+        for l in 0..CH {
+            let [m0, m1, m2, m3, m4, m5] = [m[0][l], m[1][l], m[2][l], m[3][l], m[4][l], m[5][l]];
+            let (a, b, c, d) = (m1 + m2, m3 + m4, m1 - m2, m3 - m4);
+            q[j][l] = m0 + a + b;
+            q[6 + j][l] = c + 2.0 * d;
+            q[12 + j][l] = a + 4.0 * b;
+            q[18 + j][l] = c + 8.0 * d + m5;
+        }
+    }
+    for r in 0..4 {
+        // SAFETY: the caller's: output pixels r * 4 .. r * 4 + 4.
+        let o: [&mut [f32; CH]; 4] =
+            std::array::from_fn(|c| unsafe { &mut *dst.add((r * 4 + c) * ld).cast() });
+        let m = &q[r * 6..r * 6 + 6];
+        for l in 0..CH {
+            let [m0, m1, m2, m3, m4, m5] = [m[0][l], m[1][l], m[2][l], m[3][l], m[4][l], m[5][l]];
+            let (a, b, c, d) = (m1 + m2, m3 + m4, m1 - m2, m3 - m4);
+            o[0][l] = m0 + a + b + bias[l];
+            o[1][l] = c + 2.0 * d + bias[l];
+            o[2][l] = a + 4.0 * b + bias[l];
+            o[3][l] = c + 8.0 * d + m5 + bias[l];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The convolution in f64, straight from its definition.
+    fn direct(
+        x: &[f32],
+        (batch, h, w, cin): (usize, usize, usize, usize),
+        wt: &[f32],
+        bias: &[f32],
+    ) -> Vec<f64> {
+        let cout = bias.len();
+        let mut out = vec![0f64; batch * h * w * cout];
+        for bi in 0..batch {
+            for y in 0..h {
+                for xx in 0..w {
+                    for co in 0..cout {
+                        let mut acc = f64::from(bias[co]);
+                        for dy in 0..3 {
+                            for dx in 0..3 {
+                                let (sy, sx) =
+                                    ((y + dy).wrapping_sub(1), (xx + dx).wrapping_sub(1));
+                                if sy >= h || sx >= w {
+                                    continue;
+                                }
+                                for ci in 0..cin {
+                                    acc += f64::from(x[((bi * h + sy) * w + sx) * cin + ci])
+                                        * f64::from(wt[((dy * 3 + dx) * cin + ci) * cout + co]);
+                                }
+                            }
+                        }
+                        out[((bi * h + y) * w + xx) * cout + co] = acc;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+            })
+            .collect()
+    }
+
+    /// Against the f64 definition, on every ISA the CPU has: sizes that are and are not
+    /// multiples of the 4x4 block (one pixel, one row), channel counts below, at and past a
+    /// vector, batches of two. The error is measured against the sum of the products'
+    /// magnitudes (what rounding scales with), and bounded at 64 f32 ulps of it.
+    #[test]
+    fn matches_the_direct_convolution_in_f64() {
+        if !panels::available() {
+            eprintln!("skipped: no AVX2 here, the panel kernels do not run");
+            return;
+        }
+        let cases = [
+            (1, 1, 1, 3, 5),
+            (1, 4, 4, 16, 16),
+            (2, 9, 7, 8, 33),
+            (1, 13, 18, 64, 32),
+            (1, 6, 21, 35, 48),
+            (2, 8, 8, 17, 70),
+        ];
+        crate::ops::cpu::isa::on_each_isa(|| {
+            for (seed, &(batch, h, w, cin, cout)) in cases.iter().enumerate() {
+                let seed = seed as u64;
+                let x = noise(batch * h * w * cin, seed + 1, 1.0);
+                let wt = noise(9 * cin * cout, seed + 2, 0.2);
+                let bias = noise(cout, seed + 3, 0.5);
+                let got =
+                    Winograd::new(&wt, cin, cout).forward(&x, (batch, h, w), &bias, Finish::Plain);
+                let want = direct(&x, (batch, h, w, cin), &wt, &bias);
+                // The magnitude the sum is built from: |x| · |w| summed, with |bias|.
+                let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+                let wa: Vec<f32> = wt.iter().map(|v| v.abs()).collect();
+                let ba: Vec<f32> = bias.iter().map(|v| v.abs()).collect();
+                let scale = direct(&xa, (batch, h, w, cin), &wa, &ba);
+                let worst = got
+                    .iter()
+                    .zip(&want)
+                    .zip(&scale)
+                    .map(|((g, w), s)| (f64::from(*g) - w).abs() / s)
+                    .fold(0f64, f64::max);
+                if worst > 64.0 * f64::from(f32::EPSILON) {
+                    return Err(format!(
+                        "{batch}x{h}x{w}, {cin} -> {cout}: relative error {worst:e}"
+                    ));
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+}
