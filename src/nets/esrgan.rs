@@ -374,7 +374,7 @@ impl Net for Esrgan {
 impl Module for Esrgan {
     /// `x`: `(B, C, H, W)` in [0, 1], any H and W; returns `(B, C', sH, sW)` unclamped.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let lrelu = candle_nn::ops::leaky_relu;
+        let lrelu = Act::Leaky(SLOPE as f32);
         let (_, _, h, w) = x.dims4()?;
         // The unshuffle needs sizes divisible by its factor: the reference pads as SwinIR
         // does (reflect, bottom and right) and crops the output.
@@ -388,11 +388,11 @@ impl Module for Esrgan {
         for block in &self.blocks {
             t = block.forward(&t)?;
         }
-        let mut y = add(&self.body.forward(&t)?, &f0)?;
+        let mut y = self.body.forward_residual(&t, 1.0, &f0)?;
         for up in &self.ups {
-            y = lrelu(&up.forward(&nearest(&y, 2)?)?, SLOPE)?;
+            y = up.forward_act(&nearest(&y, 2)?, lrelu)?;
         }
-        let y = self.last.forward(&lrelu(&self.hr.forward(&y)?, SLOPE)?)?;
+        let y = self.last.forward(&self.hr.forward_act(&y, lrelu)?)?;
         let y = y
             .narrow(1, 0, h * self.scale)?
             .narrow(2, 0, w * self.scale)?;

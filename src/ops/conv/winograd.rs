@@ -298,10 +298,12 @@ fn input_body(pixels: &[&[f32]; 36], v: &mut [f32], at: usize, stride: usize) {
     let src = pixels.map(<[f32]>::as_ptr);
     let dst = v[at..].as_mut_ptr();
     let full = cin - cin % CH;
+    // Bᵀ d of a chunk, reused by each (zeroed once per block, not per chunk).
+    let mut t = [[0f32; CH]; 36];
     for c0 in (0..full).step_by(CH) {
         // SAFETY: every pixel holds cin values and v holds 36 rows of cin, `stride` apart,
         // from `at` (asserted above); c0 + CH <= cin.
-        unsafe { input_chunk(&src, c0, dst.add(c0), stride) };
+        unsafe { input_chunk(&src, c0, dst.add(c0), stride, &mut t) };
     }
     if full < cin {
         // The last, partial chunk: its values copied beside zeros, transformed, copied out.
@@ -313,7 +315,7 @@ fn input_body(pixels: &[&[f32]; 36], v: &mut [f32], at: usize, stride: usize) {
         let mut out = [[0f32; CH]; 36];
         let src = std::array::from_fn(|e| padded[e].as_ptr());
         // SAFETY: CH values at each of the 36 rows of `padded` and of `out` (stride CH).
-        unsafe { input_chunk(&src, 0, out.as_mut_ptr().cast(), CH) };
+        unsafe { input_chunk(&src, 0, out.as_mut_ptr().cast(), CH, &mut t) };
         for (e, o) in out.iter().enumerate() {
             v[at + e * stride + full..][..n].copy_from_slice(&o[..n]);
         }
@@ -326,9 +328,14 @@ fn input_body(pixels: &[&[f32]; 36], v: &mut [f32], at: usize, stride: usize) {
 /// # Safety
 /// Each `src[e]` holds `c0 + CH` values; `dst` 36 rows of CH values, `stride` apart.
 #[inline(always)]
-unsafe fn input_chunk(src: &[*const f32; 36], c0: usize, dst: *mut f32, stride: usize) {
-    // Bᵀ down each column, then along each row of the result.
-    let mut t = [[0f32; CH]; 36];
+unsafe fn input_chunk(
+    src: &[*const f32; 36],
+    c0: usize,
+    dst: *mut f32,
+    stride: usize,
+    t: &mut [[f32; CH]; 36],
+) {
+    // Bᵀ down each column (into `t`), then along each row of the result.
     for j in 0..6 {
         // SAFETY: the caller's.
         let d: [&[f32; CH]; 6] =
@@ -372,6 +379,8 @@ fn output_body(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32])
     assert!(m.len() >= at + 35 * stride + cout && y.len() >= 16 * cout);
     let src: [*const f32; 36] = std::array::from_fn(|e| m[at + e * stride..].as_ptr());
     let full = cout - cout % CH;
+    // Aᵀ m of a chunk, reused by each.
+    let mut q = [[0f32; CH]; 24];
     for c0 in (0..full).step_by(CH) {
         // SAFETY: 36 rows of cout sums `stride` apart from `at` and 16 pixels of cout outputs
         // (asserted above); c0 + CH <= cout.
@@ -382,6 +391,7 @@ fn output_body(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32])
                 bias[c0..c0 + CH].try_into().unwrap(),
                 y[c0..].as_mut_ptr(),
                 cout,
+                &mut q,
             )
         };
     }
@@ -395,7 +405,7 @@ fn output_body(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32])
         let mut out = [[0f32; CH]; 16];
         let src = std::array::from_fn(|e| padded[e].as_ptr());
         // SAFETY: CH values at each of the 36 rows of `padded` and the 16 of `out`.
-        unsafe { output_chunk(&src, 0, &padded[36], out.as_mut_ptr().cast(), CH) };
+        unsafe { output_chunk(&src, 0, &padded[36], out.as_mut_ptr().cast(), CH, &mut q) };
         for (p, o) in out.iter().enumerate() {
             y[p * cout + full..][..n].copy_from_slice(&o[..n]);
         }
@@ -414,9 +424,10 @@ unsafe fn output_chunk(
     bias: &[f32; CH],
     dst: *mut f32,
     ld: usize,
+    q: &mut [[f32; CH]; 24],
 ) {
-    // Aᵀ down each column (6 -> 4 rows), then along each of the 4 rows (6 -> 4 values).
-    let mut q = [[0f32; CH]; 24];
+    // Aᵀ down each column (6 -> 4 rows, into `q`), then along each of the 4 rows (6 -> 4
+    // values).
     for j in 0..6 {
         // SAFETY: the caller's.
         let m: [&[f32; CH]; 6] =
