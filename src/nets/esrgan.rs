@@ -36,7 +36,7 @@ use crate::nets::registry::Architecture;
 use crate::nets::swin::reflect_pad_bottom_right;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::add;
-use crate::ops::conv::{Act, Conv3x3};
+use crate::ops::conv::{dense_block, Act, Conv3x3};
 use crate::ops::pad::Pad;
 use crate::ops::{build_layers, LoadPlan};
 
@@ -282,6 +282,9 @@ impl Module for DenseBlock {
         let Some((last, growing)) = self.convs.split_last() else {
             return Ok(x.clone());
         };
+        if let Some(y) = dense_block(&self.convs, x, SLOPE as f32, RESIDUAL_SCALE as f32)? {
+            return Ok(y);
+        }
         // The concatenation grows by G channels per convolution, channels-last: each
         // convolution reads all of it as one input.
         let mut feats = x.clone();

@@ -232,6 +232,55 @@ impl Conv3x3 {
     }
 }
 
+/// A residual dense block of `convs` (ESRGAN's): each convolution reads the block's input
+/// and every earlier convolution's output, concatenated on channels; each but the last is
+/// followed by LeakyReLU with `slope`; the block returns `scale · last + x`. Where every
+/// convolution runs by Winograd, each part of the concatenation is transformed once and
+/// the concatenation is never built ([`winograd::dense_block`]); `None` elsewhere, for the
+/// caller to run the layers one by one.
+pub(crate) fn dense_block(
+    convs: &[Conv3x3],
+    x: &Tensor,
+    slope: f32,
+    scale: f32,
+) -> Result<Option<Tensor>> {
+    let Some(ws) = convs
+        .iter()
+        .map(|c| c.winograd.as_ref())
+        .collect::<Option<Vec<_>>>()
+    else {
+        return Ok(None);
+    };
+    if ws.is_empty() || !kernels::use_kernel(x) {
+        return Ok(None);
+    }
+    let (batch, h, w, _) = x.dims4()?;
+    let biases = convs
+        .iter()
+        .map(|c| c.bias.contiguous())
+        .collect::<Result<Vec<_>>>()?;
+    let guards: Vec<_> = biases.iter().map(|b| b.storage_and_layout()).collect();
+    let bias_slices = guards
+        .iter()
+        .map(|(g, l)| kernels::cpu_slice(g, l))
+        .collect::<Result<Vec<_>>>()?;
+    let layers: Vec<_> = ws.into_iter().zip(bias_slices).collect();
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let xs = kernels::cpu_slice(&x_guard, x_layout)?;
+    if layers[0].0.cin() != xs.len() / (batch * h * w).max(1) {
+        candle_core::bail!("dense block: input {:?}", x.dims());
+    }
+    let out = winograd::dense_block(&layers, xs, (batch, h, w), slope, scale);
+    let cout = out.len() / (batch * h * w).max(1);
+    drop(x_guard);
+    drop(guards);
+    Ok(Some(Tensor::from_vec(
+        out,
+        (batch, h, w, cout),
+        x.device(),
+    )?))
+}
+
 impl Module for Conv3x3 {
     /// `x`: `(B, H, W, cin)`; returns `(B, H, W, cout)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -85,6 +85,11 @@ impl Winograd {
         Self { cin, cout, panels }
     }
 
+    /// The input channels.
+    pub(crate) fn cin(&self) -> usize {
+        self.cin
+    }
+
     /// The convolution of `x` (`batch x h x w x cin`) plus `bias` (`cout`), finished as
     /// `finish` says, `batch x h x w x cout`. Needs the panel kernels ([`panels::available`]).
     pub(crate) fn forward(
@@ -94,8 +99,35 @@ impl Winograd {
         bias: &[f32],
         finish: Finish,
     ) -> Vec<f32> {
+        assert_eq!(x.len(), batch * h * w * self.cin);
+        self.convolve((batch, h, w), bias, finish, Source::Image(x))
+    }
+
+    /// The convolution of inputs already transformed: `v` holds, for each position `e` and
+    /// each of the `blocks` 4x4 blocks of a `batch x h x w` image (row-major), `ld` values
+    /// (from `v[(e * blocks + block) * ld]`) whose first `cin` are this convolution's input.
+    fn from_transformed(
+        &self,
+        v: &[f32],
+        ld: usize,
+        (batch, h, w): (usize, usize, usize),
+        bias: &[f32],
+        finish: Finish,
+    ) -> Vec<f32> {
+        let blocks = batch * h.div_ceil(4) * w.div_ceil(4);
+        assert!(ld >= self.cin && v.len() >= 36 * blocks * ld);
+        self.convolve((batch, h, w), bias, finish, Source::Transformed { v, ld })
+    }
+
+    fn convolve(
+        &self,
+        (batch, h, w): (usize, usize, usize),
+        bias: &[f32],
+        finish: Finish,
+        source: Source,
+    ) -> Vec<f32> {
         let (cin, cout) = (self.cin, self.cout);
-        assert!(x.len() == batch * h * w * cin && bias.len() == cout);
+        assert_eq!(bias.len(), cout);
         match finish {
             Finish::PRelu(slopes) => assert_eq!(slopes.len(), cout),
             Finish::Residual(_, res) => assert_eq!(res.len(), batch * h * w * cout),
@@ -119,28 +151,35 @@ impl Winograd {
                 let (m, y) = rest.split_at_mut(36 * BLOCKS * cout);
                 let b0 = task * BLOCKS;
                 let n = BLOCKS.min(blocks - b0);
-                for i in 0..n {
-                    let (bi, rest) = ((b0 + i) / (bh * bw), (b0 + i) % (bh * bw));
-                    let (y0, x0) = (4 * (rest / bw), 4 * (rest % bw));
-                    let image = &x[bi * h * w * cin..(bi + 1) * h * w * cin];
-                    // The 6x6 input block from (y0 - 1, x0 - 1), zeros outside the image.
-                    let pixels: [&[f32]; 36] = std::array::from_fn(|e| {
-                        let (y, xx) = ((y0 + e / 6).wrapping_sub(1), (x0 + e % 6).wrapping_sub(1));
-                        if y < h && xx < w {
-                            &image[(y * w + xx) * cin..][..cin]
-                        } else {
-                            &zeros[..]
+                // Where position e's rows of this task's blocks start, and how far apart.
+                let (rows, lda) = match source {
+                    Source::Image(x) => {
+                        for i in 0..n {
+                            let pixels = block_pixels(x, (h, w, cin), &zeros, b0 + i);
+                            let mut chunks = v.chunks_exact_mut(BLOCKS * cin);
+                            let mut dst: [&mut [f32]; 36] = std::array::from_fn(|_| {
+                                &mut chunks.next().unwrap()[i * cin..(i + 1) * cin]
+                            });
+                            transform_input(&pixels, &mut dst);
                         }
-                    });
-                    transform_input(&pixels, v, i * cin, BLOCKS * cin);
-                }
-                for e in 0..36 {
-                    // SAFETY: v holds n rows of cin values for position e, m n rows of cout,
-                    // and the panels are cin x cout.
+                        let v: &[f32] = v;
+                        (
+                            std::array::from_fn::<_, 36, _>(|e| v[e * BLOCKS * cin..].as_ptr()),
+                            cin,
+                        )
+                    }
+                    Source::Transformed { v, ld } => (
+                        std::array::from_fn(|e| v[(e * blocks + b0) * ld..].as_ptr()),
+                        ld,
+                    ),
+                };
+                for (e, rows) in rows.into_iter().enumerate() {
+                    // SAFETY: rows holds n rows of at least cin values lda apart for position
+                    // e, m n rows of cout, and the panels are cin x cout.
                     unsafe {
                         panels::gemm(
                             n,
-                            (v[e * BLOCKS * cin..].as_ptr(), cin),
+                            (rows, lda),
                             self.panels[e].rhs(),
                             (m[e * BLOCKS * cout..].as_mut_ptr(), cout),
                             Start::ZERO,
@@ -183,6 +222,98 @@ impl Winograd {
         unsafe { out.set_len(batch * h * w * cout) };
         out
     }
+}
+
+/// Where a convolution's transformed inputs come from.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// Transformed block by block as the products need them.
+    Image(&'a [f32]),
+    /// Already transformed ([`Winograd::from_transformed`]).
+    Transformed { v: &'a [f32], ld: usize },
+}
+
+/// The 6x6 input block around output block `block` (row-major over a `batch x h x w` image
+/// of `c` channels): each position's channels, `zeros` outside the image.
+fn block_pixels<'a>(
+    x: &'a [f32],
+    (h, w, c): (usize, usize, usize),
+    zeros: &'a [f32],
+    block: usize,
+) -> [&'a [f32]; 36] {
+    let (bh, bw) = (h.div_ceil(4), w.div_ceil(4));
+    let (bi, rest) = (block / (bh * bw), block % (bh * bw));
+    let (y0, x0) = (4 * (rest / bw), 4 * (rest % bw));
+    let image = &x[bi * h * w * c..(bi + 1) * h * w * c];
+    std::array::from_fn(|e| {
+        let (y, xx) = ((y0 + e / 6).wrapping_sub(1), (x0 + e % 6).wrapping_sub(1));
+        if y < h && xx < w {
+            &image[(y * w + xx) * c..][..c]
+        } else {
+            &zeros[..c]
+        }
+    })
+}
+
+/// The `(batch, h, w, c)` features `x` transformed into channels `c0..c0 + c` of `v`, laid
+/// out as [`Winograd::from_transformed`] reads it (`ld` values per position and block).
+fn transform_into(
+    x: &[f32],
+    (batch, h, w, c): (usize, usize, usize, usize),
+    v: &mut [f32],
+    (ld, c0): (usize, usize),
+) {
+    let blocks = batch * h.div_ceil(4) * w.div_ceil(4);
+    assert!(x.len() == batch * h * w * c && c0 + c <= ld && v.len() >= 36 * blocks * ld);
+    let zeros = vec![0f32; c];
+    // SAFETY: each task writes channels c0..c0 + c of its own blocks, at every position;
+    // no two tasks write the same values, and `v` outlives them.
+    let base = unsafe { Shared::new(v.as_mut_ptr()) };
+    (0..blocks)
+        .into_par_iter()
+        .with_min_len(BLOCKS)
+        .for_each(|b| {
+            let pixels = block_pixels(x, (h, w, c), &zeros, b);
+            // SAFETY: as above; each slice is c values inside v.
+            let mut dst: [&mut [f32]; 36] = std::array::from_fn(|e| unsafe {
+                std::slice::from_raw_parts_mut(base.get().add((e * blocks + b) * ld + c0), c)
+            });
+            transform_input(&pixels, &mut dst);
+        });
+}
+
+/// A residual dense block (ESRGAN's RDB) by Winograd: `convs[k]` (with its bias) reads the
+/// block's input and the outputs of the convolutions before it, concatenated; each of those
+/// is LeakyReLU'd with `slope`; the block returns `scale · last + x`. Each part of the
+/// concatenation is transformed once, when it is made, instead of once per convolution that
+/// reads it, and the concatenation itself is never built.
+pub(crate) fn dense_block(
+    convs: &[(&Winograd, &[f32])],
+    x: &[f32],
+    (batch, h, w): (usize, usize, usize),
+    slope: f32,
+    scale: f32,
+) -> Vec<f32> {
+    let nf = convs[0].0.cin;
+    let ld = convs.last().map_or(nf, |(c, _)| c.cin);
+    let blocks = batch * h.div_ceil(4) * w.div_ceil(4);
+    let mut v = vec![0f32; 36 * blocks * ld];
+    transform_into(x, (batch, h, w, nf), &mut v, (ld, 0));
+    let mut have = nf;
+    for (k, (conv, bias)) in convs.iter().enumerate() {
+        assert_eq!(
+            conv.cin, have,
+            "dense convolution {k} reads {have} channels"
+        );
+        if k + 1 == convs.len() {
+            let finish = Finish::Residual(scale, x);
+            return conv.from_transformed(&v, ld, (batch, h, w), bias, finish);
+        }
+        let y = conv.from_transformed(&v, ld, (batch, h, w), bias, Finish::Leaky(slope));
+        transform_into(&y, (batch, h, w, conv.cout), &mut v, (ld, have));
+        have += conv.cout;
+    }
+    x.to_vec()
 }
 
 /// What is done to a convolution's outputs (bias added) as they are written: the same
@@ -286,24 +417,24 @@ fn activate_body(row: &mut [f32], act: Finish, cout: usize) {
 }
 
 widest_simd! {
-    /// `Bᵀ d B` of one 6x6 input block (`pixels`, a channel vector each), written for each
-    /// position `e` at `v[at + e * stride..]`.
-    fn transform_input(pixels: &[&[f32]; 36], v: &mut [f32], at: usize, stride: usize) = input_body
+    /// `Bᵀ d B` of one 6x6 input block (`pixels`, a channel vector each), each position's
+    /// channels written to its row of `dst`.
+    fn transform_input(pixels: &[&[f32]; 36], dst: &mut [&mut [f32]; 36]) = input_body
 }
 
 #[inline(always)]
-fn input_body(pixels: &[&[f32]; 36], v: &mut [f32], at: usize, stride: usize) {
+fn input_body(pixels: &[&[f32]; 36], dst: &mut [&mut [f32]; 36]) {
     let cin = pixels[0].len();
-    assert!(pixels.iter().all(|p| p.len() == cin) && v.len() >= at + 35 * stride + cin);
+    assert!(pixels.iter().all(|p| p.len() == cin) && dst.iter().all(|d| d.len() == cin));
     let src = pixels.map(<[f32]>::as_ptr);
-    let dst = v[at..].as_mut_ptr();
+    let out: [*mut f32; 36] = std::array::from_fn(|e| dst[e].as_mut_ptr());
     let full = cin - cin % CH;
     // Bᵀ d of a chunk, reused by each (zeroed once per block, not per chunk).
     let mut t = [[0f32; CH]; 36];
     for c0 in (0..full).step_by(CH) {
-        // SAFETY: every pixel holds cin values and v holds 36 rows of cin, `stride` apart,
-        // from `at` (asserted above); c0 + CH <= cin.
-        unsafe { input_chunk(&src, c0, dst.add(c0), stride, &mut t) };
+        // SAFETY: every pixel and every row of dst holds cin values (asserted above);
+        // c0 + CH <= cin.
+        unsafe { input_chunk(&src, &out, c0, &mut t) };
     }
     if full < cin {
         // The last, partial chunk: its values copied beside zeros, transformed, copied out.
@@ -312,27 +443,27 @@ fn input_body(pixels: &[&[f32]; 36], v: &mut [f32], at: usize, stride: usize) {
         for (p, px) in padded.iter_mut().zip(pixels) {
             p[..n].copy_from_slice(&px[full..]);
         }
-        let mut out = [[0f32; CH]; 36];
+        let mut res = [[0f32; CH]; 36];
         let src = std::array::from_fn(|e| padded[e].as_ptr());
-        // SAFETY: CH values at each of the 36 rows of `padded` and of `out` (stride CH).
-        unsafe { input_chunk(&src, 0, out.as_mut_ptr().cast(), CH, &mut t) };
-        for (e, o) in out.iter().enumerate() {
-            v[at + e * stride + full..][..n].copy_from_slice(&o[..n]);
+        let to: [*mut f32; 36] = std::array::from_fn(|e| res[e].as_mut_ptr());
+        // SAFETY: CH values at each of the 36 rows of `padded` and of `res`.
+        unsafe { input_chunk(&src, &to, 0, &mut t) };
+        for (d, r) in dst.iter_mut().zip(&res) {
+            d[full..].copy_from_slice(&r[..n]);
         }
     }
 }
 
 /// `Bᵀ d B` of channels `c0..c0 + CH` of the 6x6 block whose rows start at `src`, each
-/// position `e`'s CH values written at `dst + e * stride`.
+/// position `e`'s CH values written at `dst[e] + c0`.
 ///
 /// # Safety
-/// Each `src[e]` holds `c0 + CH` values; `dst` 36 rows of CH values, `stride` apart.
+/// Each `src[e]` and `dst[e]` holds `c0 + CH` values.
 #[inline(always)]
 unsafe fn input_chunk(
     src: &[*const f32; 36],
+    dst: &[*mut f32; 36],
     c0: usize,
-    dst: *mut f32,
-    stride: usize,
     t: &mut [[f32; CH]; 36],
 ) {
     // Bᵀ down each column (into `t`), then along each row of the result.
@@ -353,7 +484,7 @@ unsafe fn input_chunk(
     for r in 0..6 {
         // SAFETY: the caller's: rows r * 6 .. r * 6 + 6 of dst.
         let o: [&mut [f32; CH]; 6] =
-            std::array::from_fn(|s| unsafe { &mut *dst.add((r * 6 + s) * stride).cast() });
+            std::array::from_fn(|s| unsafe { &mut *dst[r * 6 + s].add(c0).cast() });
         let d = &t[r * 6..r * 6 + 6];
         for l in 0..CH {
             let [d0, d1, d2, d3, d4, d5] = [d[0][l], d[1][l], d[2][l], d[3][l], d[4][l], d[5][l]];
