@@ -106,7 +106,7 @@ impl Winograd {
     /// The convolution of inputs already transformed: `v` holds, for each position `e` and
     /// each of the `blocks` 4x4 blocks of a `batch x h x w` image (row-major), `ld` values
     /// (from `v[(e * blocks + block) * ld]`) whose first `cin` are this convolution's input.
-    fn from_transformed(
+    fn on_transformed(
         &self,
         v: &[f32],
         ld: usize,
@@ -229,7 +229,7 @@ impl Winograd {
 enum Source<'a> {
     /// Transformed block by block as the products need them.
     Image(&'a [f32]),
-    /// Already transformed ([`Winograd::from_transformed`]).
+    /// Already transformed ([`Winograd::on_transformed`]).
     Transformed { v: &'a [f32], ld: usize },
 }
 
@@ -256,7 +256,7 @@ fn block_pixels<'a>(
 }
 
 /// The `(batch, h, w, c)` features `x` transformed into channels `c0..c0 + c` of `v`, laid
-/// out as [`Winograd::from_transformed`] reads it (`ld` values per position and block).
+/// out as [`Winograd::on_transformed`] reads it (`ld` values per position and block).
 fn transform_into(
     x: &[f32],
     (batch, h, w, c): (usize, usize, usize, usize),
@@ -307,9 +307,9 @@ pub(crate) fn dense_block(
         );
         if k + 1 == convs.len() {
             let finish = Finish::Residual(scale, x);
-            return conv.from_transformed(&v, ld, (batch, h, w), bias, finish);
+            return conv.on_transformed(&v, ld, (batch, h, w), bias, finish);
         }
-        let y = conv.from_transformed(&v, ld, (batch, h, w), bias, Finish::Leaky(slope));
+        let y = conv.on_transformed(&v, ld, (batch, h, w), bias, Finish::Leaky(slope));
         transform_into(&y, (batch, h, w, conv.cout), &mut v, (ld, have));
         have += conv.cout;
     }
