@@ -277,12 +277,27 @@ impl DenseBlock {
     }
 }
 
+impl DenseBlock {
+    /// The block, or with `outer` `(s, r)` `s · block + r`.
+    fn forward_outer(&self, x: &Tensor, outer: Option<(f32, &Tensor)>) -> Result<Tensor> {
+        let scales = (SLOPE as f32, RESIDUAL_SCALE as f32);
+        if let Some(y) = dense_block(&self.convs, x, scales, outer)? {
+            return Ok(y);
+        }
+        let y = self.forward(x)?;
+        match outer {
+            Some((s, r)) => add(&y.affine(f64::from(s), 0.0)?, r),
+            None => Ok(y),
+        }
+    }
+}
+
 impl Module for DenseBlock {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let Some((last, growing)) = self.convs.split_last() else {
             return Ok(x.clone());
         };
-        if let Some(y) = dense_block(&self.convs, x, SLOPE as f32, RESIDUAL_SCALE as f32)? {
+        if let Some(y) = dense_block(&self.convs, x, (SLOPE as f32, RESIDUAL_SCALE as f32), None)? {
             return Ok(y);
         }
         // The concatenation grows by G channels per convolution, channels-last: each
@@ -303,11 +318,14 @@ struct Rrdb {
 
 impl Module for Rrdb {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let Some((last, first)) = self.rdbs.split_last() else {
+            return add(&x.affine(RESIDUAL_SCALE, 0.0)?, x);
+        };
         let mut t = x.clone();
-        for rdb in &self.rdbs {
+        for rdb in first {
             t = rdb.forward(&t)?;
         }
-        add(&t.affine(RESIDUAL_SCALE, 0.0)?, x)
+        last.forward_outer(&t, Some((RESIDUAL_SCALE as f32, x)))
     }
 }
 

@@ -237,12 +237,12 @@ impl Conv3x3 {
 /// followed by LeakyReLU with `slope`; the block returns `scale · last + x`. Where every
 /// convolution runs by Winograd, each part of the concatenation is transformed once and
 /// the concatenation is never built ([`winograd::dense_block`]); `None` elsewhere, for the
-/// caller to run the layers one by one.
+/// caller to run the layers one by one. With `outer` `(s, r)` it returns `s · block + r`.
 pub(crate) fn dense_block(
     convs: &[Conv3x3],
     x: &Tensor,
-    slope: f32,
-    scale: f32,
+    (slope, scale): (f32, f32),
+    outer: Option<(f32, &Tensor)>,
 ) -> Result<Option<Tensor>> {
     let Some(ws) = convs
         .iter()
@@ -270,8 +270,19 @@ pub(crate) fn dense_block(
     if layers[0].0.cin() != xs.len() / (batch * h * w).max(1) {
         candle_core::bail!("dense block: input {:?}", x.dims());
     }
-    let out = winograd::dense_block(&layers, xs, (batch, h, w), slope, scale);
+    let outer = match outer {
+        Some((s, r)) if kernels::use_kernel(r) && r.dims() == x.dims() => Some((s, r)),
+        Some(_) => return Ok(None),
+        None => None,
+    };
+    let r_guard = outer.map(|(_, r)| r.storage_and_layout());
+    let outer = match (&r_guard, outer) {
+        (Some((g, l)), Some((s, _))) => Some((s, kernels::cpu_slice(g, l)?)),
+        _ => None,
+    };
+    let out = winograd::dense_block(&layers, xs, (batch, h, w), (slope, scale), outer);
     let cout = out.len() / (batch * h * w).max(1);
+    drop(r_guard);
     drop(x_guard);
     drop(guards);
     Ok(Some(Tensor::from_vec(

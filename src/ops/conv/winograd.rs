@@ -131,6 +131,9 @@ impl Winograd {
         match finish {
             Finish::PRelu(slopes) => assert_eq!(slopes.len(), cout),
             Finish::Residual(_, res) => assert_eq!(res.len(), batch * h * w * cout),
+            Finish::Residuals(_, r1, _, r2) => {
+                assert!(r1.len() == batch * h * w * cout && r2.len() == r1.len())
+            }
             _ => {}
         }
         let (bh, bw) = (h.div_ceil(4), w.div_ceil(4));
@@ -201,6 +204,10 @@ impl Winograd {
                             Finish::Plain => {}
                             Finish::Residual(scale, res) => {
                                 scaled_add(row, scale, &res[at..at + cols * cout])
+                            }
+                            Finish::Residuals(s1, r1, s2, r2) => {
+                                scaled_add(row, s1, &r1[at..at + cols * cout]);
+                                scaled_add(row, s2, &r2[at..at + cols * cout]);
                             }
                             act => activate(row, act, cout),
                         }
@@ -287,33 +294,50 @@ fn transform_into(
 /// is LeakyReLU'd with `slope`; the block returns `scale · last + x`. Each part of the
 /// concatenation is transformed once, when it is made, instead of once per convolution that
 /// reads it, and the concatenation itself is never built.
+/// With `outer` `(s, r)`, `s · block + r` is returned instead (ESRGAN's RRDB closing over
+/// its third dense block).
 pub(crate) fn dense_block(
     convs: &[(&Winograd, &[f32])],
     x: &[f32],
     (batch, h, w): (usize, usize, usize),
-    slope: f32,
-    scale: f32,
+    (slope, scale): (f32, f32),
+    outer: Option<(f32, &[f32])>,
 ) -> Vec<f32> {
     let nf = convs[0].0.cin;
     let ld = convs.last().map_or(nf, |(c, _)| c.cin);
     let blocks = batch * h.div_ceil(4) * w.div_ceil(4);
-    let mut v = vec![0f32; 36 * blocks * ld];
-    transform_into(x, (batch, h, w, nf), &mut v, (ld, 0));
-    let mut have = nf;
-    for (k, (conv, bias)) in convs.iter().enumerate() {
-        assert_eq!(
-            conv.cin, have,
-            "dense convolution {k} reads {have} channels"
-        );
-        if k + 1 == convs.len() {
-            let finish = Finish::Residual(scale, x);
-            return conv.on_transformed(&v, ld, (batch, h, w), bias, finish);
+    DENSE.with_borrow_mut(|v| {
+        // Every value a convolution reads is written first (its channels, every block and
+        // position): the buffer is kept from one block to the next, not zeroed, since
+        // allocating it afresh cost a tenth of ESRGAN's time in page faults.
+        if v.len() < 36 * blocks * ld {
+            v.resize(36 * blocks * ld, 0.0);
         }
-        let y = conv.on_transformed(&v, ld, (batch, h, w), bias, Finish::Leaky(slope));
-        transform_into(&y, (batch, h, w, conv.cout), &mut v, (ld, have));
-        have += conv.cout;
-    }
-    x.to_vec()
+        transform_into(x, (batch, h, w, nf), v, (ld, 0));
+        let mut have = nf;
+        for (k, (conv, bias)) in convs.iter().enumerate() {
+            assert_eq!(
+                conv.cin, have,
+                "dense convolution {k} reads {have} channels"
+            );
+            if k + 1 == convs.len() {
+                let finish = match outer {
+                    None => Finish::Residual(scale, x),
+                    Some((s, r)) => Finish::Residuals(scale, x, s, r),
+                };
+                return conv.on_transformed(v, ld, (batch, h, w), bias, finish);
+            }
+            let y = conv.on_transformed(v, ld, (batch, h, w), bias, Finish::Leaky(slope));
+            transform_into(&y, (batch, h, w, conv.cout), v, (ld, have));
+            have += conv.cout;
+        }
+        x.to_vec()
+    })
+}
+
+thread_local! {
+    /// [`dense_block`]'s transformed concatenation, kept for the next block.
+    static DENSE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// What is done to a convolution's outputs (bias added) as they are written: the same
@@ -329,6 +353,8 @@ pub(crate) enum Finish<'a> {
     PRelu(&'a [f32]),
     /// `scale · v + residual` (the residual shaped as the output).
     Residual(f32, &'a [f32]),
+    /// `s2 · (s1 · v + r1) + r2`.
+    Residuals(f32, &'a [f32], f32, &'a [f32]),
 }
 
 /// [`Winograd::forward`] on tensors: `x` `(B, H, W, cin)` f32 on the CPU, contiguous; `b`
@@ -412,7 +438,7 @@ fn activate_body(row: &mut [f32], act: Finish, cout: usize) {
                 }
             }
         }
-        Finish::Plain | Finish::Residual(..) => {}
+        Finish::Plain | Finish::Residual(..) | Finish::Residuals(..) => {}
     }
 }
 
