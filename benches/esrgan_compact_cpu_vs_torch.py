@@ -26,6 +26,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 from spandrel.architectures.Compact import Compact
+from spandrel.architectures.DAT import DAT
 from spandrel.architectures.ESRGAN import ESRGAN
 from spandrel.architectures.SPAN import SPAN
 
@@ -44,6 +45,10 @@ cases = [
                                                   num_conv=32, upscale=4), 128),
     ("SPAN x4, 48 features", SPAN(num_in_ch=3, num_out_ch=3, feature_channels=48, upscale=4),
      128),
+    ("DAT x4, embed 180, 6x6 blocks, split 8x32",
+     DAT(upscale=4, in_chans=3, img_size=64, img_range=1.0, depth=[6] * 6, embed_dim=180,
+         num_heads=[6] * 6, expansion_factor=2, resi_connection="1conv", split_size=[8, 32],
+         upsampler="pixelshuffle"), 64),
 ]
 cases = [c for c in cases if c[0].startswith(only)]
 with tempfile.TemporaryDirectory() as tmp:

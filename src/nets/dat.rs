@@ -45,11 +45,16 @@ use crate::nets::infer::{
 use crate::nets::registry::{Architecture, Values};
 use crate::nets::swin::load_layer_norm;
 use crate::nets::{uniform, ArchConfig, Net, NetConfig};
+use crate::ops::attention::channel::channel_attention;
+use crate::ops::attention::cpu::rectangle_attention;
 use crate::ops::conv::Conv3x3;
+use crate::ops::cpu::bf16::Isa;
+use crate::ops::cpu::cpu_slice;
+use crate::ops::cpu::depthwise::{depthwise3x3, gated_sum, Gate, Rows, Then};
 use crate::ops::linear::Dense;
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
-use crate::ops::windows::MASK_VALUE;
+use crate::ops::windows::{RelativeBias, MASK_VALUE};
 use crate::ops::{add, gelu_erf, mean_hw, LoadPlan};
 
 /// BatchNorm's and LayerNorm's epsilon in the official model (torch's defaults).
@@ -316,6 +321,8 @@ struct DepthwiseConv {
     /// `(9, C)`: tap `dy * 3 + dx`, one weight per channel.
     taps: Tensor,
     bias: Tensor,
+    /// The taps and bias for the CPU kernel, where the layer is on the CPU in f32.
+    host: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 impl DepthwiseConv {
@@ -329,10 +336,27 @@ impl DepthwiseConv {
             }
             None => (w, b),
         };
+        let taps = w.t()?.contiguous()?;
+        let host = match on_cpu_f32(&taps) {
+            true => Some((taps.flatten_all()?.to_vec1::<f32>()?, b.to_vec1::<f32>()?)),
+            false => None,
+        };
         Ok(Self {
-            taps: w.t()?.contiguous()?,
+            taps,
             bias: b,
+            host,
         })
+    }
+
+    /// The CPU kernel on `input`'s `(b, h, w, c)` map, or `None` off the CPU.
+    fn on_cpu(
+        &self,
+        input: Rows,
+        dims: (usize, usize, usize, usize),
+        then: Then,
+    ) -> Option<Vec<f32>> {
+        let (taps, bias) = self.host.as_ref()?;
+        Some(depthwise3x3(input, dims, (taps, bias), then))
     }
 
     /// `x`: `(B, H, W, C)`.
@@ -349,6 +373,16 @@ impl DepthwiseConv {
         }
         Ok(acc)
     }
+}
+
+/// Whether our CPU kernels take `t`'s layer (CPU, f32).
+fn on_cpu_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32
+}
+
+/// `t`'s values (contiguous, CPU f32) as a vector.
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
 }
 
 /// BatchNorm in eval mode as `x * scale + shift`, per channel.
@@ -521,6 +555,8 @@ struct Branch {
     ws: usize,
     /// `(heads, N, N)`.
     bias: Tensor,
+    /// The same bias as its table, which the CPU kernel reads.
+    table: RelativeBias,
 }
 
 impl Branch {
@@ -529,6 +565,8 @@ impl Branch {
         let n = hs * ws;
         let mut bias = vec![0f32; heads * n * n];
         let rows = 2 * ws - 1;
+        let table32: Vec<f32> = table.iter().map(|&v| v as f32).collect();
+        let table32 = Tensor::from_vec(table32, (table.len() / heads, heads), &Device::Cpu)?;
         for i in 0..n {
             for j in 0..n {
                 let dy = i / ws + hs - 1 - j / ws;
@@ -547,6 +585,7 @@ impl Branch {
             hs,
             ws,
             bias,
+            table: RelativeBias::rectangular(&table32, (hs, ws))?,
         })
     }
 
@@ -665,6 +704,53 @@ impl Aim {
     fn conv(&self, v: &Tensor) -> Result<Tensor> {
         gelu_erf(&self.dwconv.forward(v)?)
     }
+
+    /// The interaction's mix of the attention's output and the convolution's (both `(b, h,
+    /// w, c)`, on the CPU), then the projection: `mode` says which gate the convolution
+    /// gives the attention (the attention gives the convolution the other kind).
+    fn mix(
+        &self,
+        (attended, mode): (Vec<f32>, Mode),
+        conv: Vec<f32>,
+        (b, h, w, c): (usize, usize, usize, usize),
+        device: &Device,
+    ) -> Result<Tensor> {
+        let (attended, conv) = (
+            Tensor::from_vec(attended, (b, h, w, c), device)?,
+            Tensor::from_vec(conv, (b, h, w, c), device)?,
+        );
+        let i = &self.interaction;
+        let (for_attention, for_conv) = match mode {
+            Mode::ChannelFromConv => (i.channel_gate(&conv)?, i.spatial_gate(&attended)?),
+            Mode::TokenFromConv => (i.spatial_gate(&conv)?, i.channel_gate(&attended)?),
+        };
+        let (ga, gx) = (host(&for_attention)?, host(&for_conv)?);
+        let channel_first = matches!(mode, Mode::ChannelFromConv);
+        let mixed = gated_sum(
+            (&host(&attended)?, gate_of(&ga, channel_first)),
+            (&host(&conv)?, gate_of(&gx, !channel_first)),
+            (b, h * w, c),
+        );
+        self.proj
+            .forward(&Tensor::from_vec(mixed, (b, h, w, c), device)?)
+    }
+}
+
+/// A per-channel gate or a per-token one.
+fn gate_of(g: &[f32], channel: bool) -> Gate<'_> {
+    match channel {
+        true => Gate::Channel(g),
+        false => Gate::Token(g),
+    }
+}
+
+/// Which gate the convolution's output gives the attention's in [`Aim::mix`].
+#[derive(Clone, Copy)]
+enum Mode {
+    /// Per channel (spatial blocks); the attention gives a per-token one.
+    ChannelFromConv,
+    /// Per token (channel blocks); the attention gives a per-channel one.
+    TokenFromConv,
 }
 
 /// The spatial attention of an even block.
@@ -675,18 +761,23 @@ struct SpatialAttention {
     shifted: bool,
     pad: usize,
     masks: MaskCache,
+    /// bf16 products in the CPU kernel's attention, on these instructions.
+    bf16: Option<Isa>,
 }
 
 impl SpatialAttention {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let qkv = self.qkv.forward(x)?;
-        let v = qkv.narrow(3, 2 * c, c)?.contiguous()?;
         // Zero padding after the projection, as the official model pads q, k and v.
         let (hp, wp) = (
             h.div_ceil(self.pad) * self.pad,
             w.div_ceil(self.pad) * self.pad,
         );
+        if self.aim.dwconv.host.is_some() && on_cpu_f32(&qkv) && c % 2 == 0 {
+            return self.forward_cpu(&qkv, (b, h, w, c), (hp, wp));
+        }
+        let v = qkv.narrow(3, 2 * c, c)?.contiguous()?;
         let padded = qkv
             .pad_with_zeros(1, 0, hp - h)?
             .pad_with_zeros(2, 0, wp - w)?;
@@ -726,6 +817,48 @@ impl SpatialAttention {
         debug_assert_eq!(mixed.dims(), [b, h, w, c]);
         self.aim.proj.forward(&mixed)
     }
+
+    /// [`Self::forward`] on the CPU kernels, from the projection `qkv` on: each branch's
+    /// windows gathered from and scattered to the map directly, the convolution read from v
+    /// in place, the mix in one pass.
+    fn forward_cpu(
+        &self,
+        qkv: &Tensor,
+        (b, h, w, c): (usize, usize, usize, usize),
+        padded: (usize, usize),
+    ) -> Result<Tensor> {
+        let qkv = qkv.contiguous()?;
+        let mut attended = vec![0f32; b * h * w * c];
+        let (guard, layout) = qkv.storage_and_layout();
+        let data = cpu_slice(&guard, layout)?;
+        let half = c / 2;
+        for (i, br) in self.branches.iter().enumerate() {
+            let (group, dims) = ((i * half, half), (b, h, w, c));
+            rectangle_attention(
+                (data, dims),
+                group,
+                &br.table,
+                padded,
+                self.shifted,
+                self.bf16,
+                &mut attended,
+            )?;
+        }
+        let v = Rows {
+            data,
+            ld: 3 * c,
+            offset: 2 * c,
+        };
+        let conv = self.aim.dwconv.on_cpu(v, (b, h, w, c), Then::Gelu);
+        drop(guard);
+        let conv = conv.expect("the caller checked the kernel's weights are on the CPU");
+        self.aim.mix(
+            (attended, Mode::ChannelFromConv),
+            conv,
+            (b, h, w, c),
+            qkv.device(),
+        )
+    }
 }
 
 /// The channel attention of an odd block.
@@ -743,6 +876,9 @@ impl ChannelAttention {
         let (heads, n) = (self.heads, h * w);
         let d = c / heads;
         let qkv = self.qkv.forward(x)?.reshape((b, n, 3 * c))?;
+        if self.aim.dwconv.host.is_some() && on_cpu_f32(&qkv) {
+            return self.forward_cpu(&qkv, (b, h, w, c));
+        }
         // (B, heads, d, N): each head's channels as rows over all tokens.
         let rows = |j: usize| {
             qkv.narrow(2, j * c, c)?
@@ -774,6 +910,33 @@ impl ChannelAttention {
             + conv.broadcast_mul(&i.channel_gate(&attended)?)?)?;
         self.aim.proj.forward(&mixed)
     }
+
+    /// [`Self::forward`] on the CPU kernels, from the projection `qkv` `(B, N, 3C)` on.
+    fn forward_cpu(
+        &self,
+        qkv: &Tensor,
+        (b, h, w, c): (usize, usize, usize, usize),
+    ) -> Result<Tensor> {
+        let qkv = qkv.contiguous()?;
+        let temperature = host(&self.temperature)?;
+        let attended = channel_attention(&qkv, self.heads, &temperature, NORMALIZE_EPS as f32)?;
+        let attended = host(&attended)?;
+        let (guard, layout) = qkv.storage_and_layout();
+        let v = Rows {
+            data: cpu_slice(&guard, layout)?,
+            ld: 3 * c,
+            offset: 2 * c,
+        };
+        let conv = self.aim.dwconv.on_cpu(v, (b, h, w, c), Then::Gelu);
+        drop(guard);
+        let conv = conv.expect("the caller checked the kernel's weights are on the CPU");
+        self.aim.mix(
+            (attended, Mode::TokenFromConv),
+            conv,
+            (b, h, w, c),
+            qkv.device(),
+        )
+    }
 }
 
 enum Attention {
@@ -794,7 +957,31 @@ impl Sgfn {
         let hidden = self.fc1.forward_gelu(x)?;
         let half = hidden.dim(3)? / 2;
         let gate = hidden.narrow(3, half, half)?.contiguous()?;
-        let gate = self.conv.forward(&layer_norm(&self.norm, &gate)?)?;
+        let gate = layer_norm(&self.norm, &gate)?;
+        if self.conv.host.is_some() && on_cpu_f32(&gate) && on_cpu_f32(&hidden) {
+            let (b, h, w, _) = hidden.dims4()?;
+            let (hidden, gate) = (hidden.contiguous()?, gate.contiguous()?);
+            let (hg, hl) = hidden.storage_and_layout();
+            let (gg, gl) = gate.storage_and_layout();
+            let gate_rows = Rows {
+                data: cpu_slice(&gg, gl)?,
+                ld: half,
+                offset: 0,
+            };
+            let first_half = Rows {
+                data: cpu_slice(&hg, hl)?,
+                ld: 2 * half,
+                offset: 0,
+            };
+            let dims = (b, h, w, half);
+            let gated = self.conv.on_cpu(gate_rows, dims, Then::Times(first_half));
+            drop((hg, gg));
+            let gated = gated.expect("checked above");
+            return self
+                .fc2
+                .forward(&Tensor::from_vec(gated, (b, h, w, half), x.device())?);
+        }
+        let gate = self.conv.forward(&gate)?;
         self.fc2.forward(&(hidden.narrow(3, 0, half)? * gate)?)
     }
 }
@@ -880,6 +1067,7 @@ impl Dat {
                         shifted: shifted(i, j),
                         pad: cfg.pad_multiple(),
                         masks: masks.clone(),
+                        bf16: plan.bf16.filter(|_| vb.device().is_cpu()),
                     })
                 } else {
                     Attention::Channel(ChannelAttention {

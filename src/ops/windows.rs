@@ -20,39 +20,49 @@ use candle_core::{DType, Device, Result, Tensor};
 /// code uses (not -inf: the softmax result is the same, and it keeps fp16 finite).
 pub(crate) const MASK_VALUE: f32 = -100.0;
 
-/// A block's relative-position bias, kept as its `[(2ws-1)^2, heads]` table: 4 KB a head
+/// A block's relative-position bias, kept as its `[(2hs-1)(2ws-1), heads]` table: 4 KB a head
 /// instead of the 256 KB a gathered `(N, N)` bias takes at window 16, so it stays in L1 and
 /// costs nothing to load. The bias of query `(yi, xi)` and key `(yj, xj)` is table row
-/// `(yi - yj + ws - 1) * side + (xi - xj + ws - 1)`: for a fixed query and key row `yj` the
-/// `ws` keys read `ws` neighbouring table entries in reverse order. Stored per head with each
-/// table row reversed, those are `ws` contiguous values.
+/// `(yi - yj + hs - 1) * side + (xi - xj + ws - 1)` (`side = 2ws - 1`): for a fixed query and
+/// key row `yj` the `ws` keys read `ws` neighbouring table entries in reverse order. Stored per
+/// head with each table row reversed, those are `ws` contiguous values. Windows are `hs` rows
+/// of `ws` tokens: square for the Swin family, `8 x 32` and `32 x 8` for DAT.
 #[derive(Clone, Debug)]
 pub struct RelativeBias {
+    height: usize,
     window: usize,
     heads: usize,
-    /// `rows[(h * side + r) * side + m] = table[r * side + side - 1 - m][h]`.
+    /// `rows[(h * rows + r) * side + m] = table[r * side + side - 1 - m][h]`, `rows = 2hs - 1`.
     rows: Vec<f32>,
 }
 
 impl RelativeBias {
+    /// The bias of `ws`-square windows.
     pub fn new(table: &Tensor, ws: usize) -> Result<Self> {
+        Self::rectangular(table, (ws, ws))
+    }
+
+    /// The bias of windows of `hs` rows of `ws` tokens.
+    pub fn rectangular(table: &Tensor, (hs, ws): (usize, usize)) -> Result<Self> {
         let side = 2 * ws - 1;
         let (rows, heads) = table.dims2()?;
-        if ws == 0 || rows != side * side {
-            candle_core::bail!("relative position table of {rows} rows for window {ws}");
+        if ws == 0 || hs == 0 || rows != (2 * hs - 1) * side {
+            candle_core::bail!("relative position table of {rows} rows for window {hs}x{ws}");
         }
+        let table_rows = rows / side;
         let values = table
             .to_dtype(DType::F32)?
             .to_device(&Device::Cpu)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let mut reversed = Vec::with_capacity(heads * side * side);
+        let mut reversed = Vec::with_capacity(heads * rows);
         for h in 0..heads {
-            for r in 0..side {
+            for r in 0..table_rows {
                 reversed.extend((0..side).map(|m| values[(r * side + side - 1 - m) * heads + h]));
             }
         }
         Ok(Self {
+            height: hs,
             window: ws,
             heads,
             rows: reversed,
@@ -63,28 +73,37 @@ impl RelativeBias {
         self.heads
     }
 
+    /// Tokens per window row.
     pub fn window(&self) -> usize {
         self.window
+    }
+
+    /// Tokens per window.
+    pub fn tokens(&self) -> usize {
+        self.height * self.window
     }
 
     /// Adds head `h`'s biases for query `i` to its `N` scores.
     #[inline(always)]
     pub fn add_to_row(&self, h: usize, i: usize, row: &mut [f32]) {
-        // The official window, with its runs a compile-time length: one vector add each.
-        if self.window == 16 {
-            self.add_runs::<16>(h, i, row)
-        } else {
-            self.add_runs_of(self.window, h, i, row)
+        // The official windows, with their runs a compile-time length: whole vector adds.
+        match self.window {
+            16 => self.add_runs::<16>(h, i, row),
+            32 => self.add_runs::<32>(h, i, row),
+            8 => self.add_runs::<8>(h, i, row),
+            ws => self.add_runs_of(ws, h, i, row),
         }
     }
 
     #[inline(always)]
     fn add_runs<const WS: usize>(&self, h: usize, i: usize, row: &mut [f32]) {
         let side = 2 * WS - 1;
+        let hs = self.height;
         let (yi, xi) = (i / WS, i % WS);
-        let head = &self.rows[h * side * side..(h + 1) * side * side];
-        for (yj, keys) in row.as_chunks_mut::<WS>().0.iter_mut().enumerate() {
-            let run: &[f32; WS] = head[(yi + WS - 1 - yj) * side + WS - 1 - xi..][..WS]
+        let size = (2 * hs - 1) * side;
+        let head = &self.rows[h * size..(h + 1) * size];
+        for (yj, keys) in row.as_chunks_mut::<WS>().0.iter_mut().take(hs).enumerate() {
+            let run: &[f32; WS] = head[(yi + hs - 1 - yj) * side + WS - 1 - xi..][..WS]
                 .try_into()
                 .expect("a run of WS values");
             // Whole arrays in and out: element by element through the two references,
@@ -96,17 +115,19 @@ impl RelativeBias {
     #[inline(always)]
     fn add_runs_of(&self, ws: usize, h: usize, i: usize, row: &mut [f32]) {
         let side = 2 * ws - 1;
+        let hs = self.height;
         let (yi, xi) = (i / ws, i % ws);
-        let head = &self.rows[h * side * side..(h + 1) * side * side];
-        for (yj, keys) in row.chunks_exact_mut(ws).enumerate() {
-            let run = &head[(yi + ws - 1 - yj) * side + ws - 1 - xi..][..ws];
+        let size = (2 * hs - 1) * side;
+        let head = &self.rows[h * size..(h + 1) * size];
+        for (yj, keys) in row.chunks_exact_mut(ws).take(hs).enumerate() {
+            let run = &head[(yi + hs - 1 - yj) * side + ws - 1 - xi..][..ws];
             keys.iter_mut().zip(run).for_each(|(s, b)| *s += b);
         }
     }
 
     /// The `(heads, N, N)` bias, as the GPU kernel and candle's graph take it.
     pub fn gathered(&self) -> Vec<f32> {
-        let n = self.window * self.window;
+        let n = self.tokens();
         let mut bias = vec![0f32; self.heads * n * n];
         for (hi, row) in bias.chunks_exact_mut(n).enumerate() {
             self.add_to_row(hi / n, hi % n, row);
@@ -116,7 +137,7 @@ impl RelativeBias {
 
     /// [`Self::gathered`] as a `(heads, N, N)` tensor in `dtype` on `device`.
     pub fn tensor(&self, dtype: DType, device: &Device) -> Result<Tensor> {
-        let n = self.window * self.window;
+        let n = self.tokens();
         Tensor::from_vec(self.gathered(), (self.heads, n, n), &Device::Cpu)?
             .to_dtype(dtype)?
             .to_device(device)
@@ -133,34 +154,48 @@ pub fn relative_position_bias(table: &Tensor, ws: usize) -> Result<Tensor> {
 /// row-major; a batch repeats the map's windows) after the half-window shift: which of the
 /// 3x3 regions of the rolled map it lies in. Tokens attend only within their region.
 pub fn window_labels(h: usize, w: usize, ws: usize, win: usize, out: &mut [u8]) {
-    let shift = ws / 2;
-    // Regions of the rolled image: the body, the band that wrapped from the start, and the
-    // band that stayed.
-    let region = |p: usize, size: usize| -> u8 {
-        if p + ws < size {
+    rectangle_labels((h, w), (ws, ws), win, out)
+}
+
+/// [`window_labels`] for windows of `hs` rows of `ws` tokens, shifted by half of each.
+pub fn rectangle_labels(
+    (h, w): (usize, usize),
+    (hs, ws): (usize, usize),
+    win: usize,
+    out: &mut [u8],
+) {
+    // Regions of the rolled image along one axis: the body, the band that wrapped from the
+    // start, and the band that stayed.
+    let region = |p: usize, size: usize, win: usize| -> u8 {
+        if p + win < size {
             0
-        } else if p + shift < size {
+        } else if p + win / 2 < size {
             1
         } else {
             2
         }
     };
     let nw = w / ws;
-    let win = win % ((h / ws) * nw);
+    let win = win % ((h / hs) * nw);
     let (wy, wx) = (win / nw, win % nw);
-    for (t, label) in out.iter_mut().take(ws * ws).enumerate() {
-        let y = wy * ws + t / ws;
+    for (t, label) in out.iter_mut().take(hs * ws).enumerate() {
+        let y = wy * hs + t / ws;
         let x = wx * ws + t % ws;
-        *label = 3 * region(y, h) + region(x, w);
+        *label = 3 * region(y, h, hs) + region(x, w, ws);
     }
 }
 
 /// [`window_labels`] of every window of an `h x w` map, `(nW, N)`.
 pub fn shift_regions(h: usize, w: usize, ws: usize) -> Vec<u8> {
-    let n = ws * ws;
-    let mut labels = vec![0u8; (h / ws) * (w / ws) * n];
+    rectangle_regions((h, w), (ws, ws))
+}
+
+/// [`rectangle_labels`] of every window of an `h x w` map, `(nW, N)`.
+pub fn rectangle_regions((h, w): (usize, usize), (hs, ws): (usize, usize)) -> Vec<u8> {
+    let n = hs * ws;
+    let mut labels = vec![0u8; (h / hs) * (w / ws) * n];
     for (win, out) in labels.chunks_exact_mut(n).enumerate() {
-        window_labels(h, w, ws, win, out);
+        rectangle_labels((h, w), (hs, ws), win, out);
     }
     labels
 }

@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use crate::ops::cpu::bf16::{Isa, PackedA, PackedB};
 use crate::ops::cpu::{attention_probs, cpu_slice, panels, product, use_kernel, Weights};
-use crate::ops::windows::RelativeBias;
+use crate::ops::windows::{rectangle_regions, RelativeBias};
 
 /// Shifted-window multi-head attention on the CPU, fused per window: both matmuls go to the
 /// GEMM directly from strided views of the `qkv` projection, and the bias, the mask and the
@@ -33,11 +33,11 @@ pub fn window_attention(
     let heads = bias.heads();
     let c = c3 / 3;
     let d = c / heads.max(1);
-    let ws = bias.window();
-    if c3 != 3 * c || c != heads * d || n != ws * ws {
+    if c3 != 3 * c || c != heads * d || n != bias.tokens() {
         candle_core::bail!(
-            "window attention: qkv {:?} for {heads} heads and window {ws}",
-            qkv.dims()
+            "window attention: qkv {:?} for {heads} heads and windows of {} tokens",
+            qkv.dims(),
+            bias.tokens()
         );
     }
     let nw = match regions {
@@ -560,4 +560,80 @@ pub(super) unsafe fn head_product(
             None,
         )
     }
+}
+
+/// One channel group's attention in rectangular windows of a token map, as DAT's spatial
+/// branches run it: the group's q, k and v channels of `qkv` `(b, h, w, 3c)` (q pre-scaled),
+/// zero-padded to `hp x wp` (multiples of the window), rolled back by half a window when
+/// `shifted` (then masked by region), are attended in `bias`'s windows by
+/// [`window_attention`], and the results land, rolled forward again and cropped, in the
+/// group's channels of `out` `(b, h, w, c)`. The gather and the scatter are one copy each,
+/// where candle's graph pads, rolls (two concatenations each way), partitions and reverses.
+pub(crate) fn rectangle_attention(
+    (qkv, (b, h, w, c)): (&[f32], (usize, usize, usize, usize)),
+    (first, count): (usize, usize),
+    bias: &RelativeBias,
+    (hp, wp): (usize, usize),
+    shifted: bool,
+    bf16: Option<Isa>,
+    out: &mut [f32],
+) -> Result<()> {
+    let (hs, ws) = (bias.tokens() / bias.window(), bias.window());
+    let n = hs * ws;
+    if hp % hs != 0 || wp % ws != 0 || hp < h || wp < w || first + count > c {
+        candle_core::bail!(
+            "rectangle attention: {h}x{w} padded to {hp}x{wp} for windows {hs}x{ws}"
+        );
+    }
+    assert!(qkv.len() == b * h * w * 3 * c && out.len() == b * h * w * c);
+    let (sy, sx) = if shifted { (hs / 2, ws / 2) } else { (0, 0) };
+    let (nwy, nwx) = (hp / hs, wp / ws);
+    // Window token (y, x) of the rolled map is token ((y + sy) mod hp, (x + sx) mod wp) of
+    // the padded one, which lies in the image or in the zero padding.
+    let source = |bi: usize, win: usize, t: usize| -> Option<usize> {
+        let (wy, wx) = (win / nwx, win % nwx);
+        let y = (wy * hs + t / ws + sy) % hp;
+        let x = (wx * ws + t % ws + sx) % wp;
+        (y < h && x < w).then(|| (bi * h + y) * w + x)
+    };
+    let windows = b * nwy * nwx;
+    let mut gathered = vec![0f32; windows * n * 3 * count];
+    gathered
+        .par_chunks_mut(n * 3 * count)
+        .enumerate()
+        .for_each(|(win, dst)| {
+            for (t, row) in dst.chunks_exact_mut(3 * count).enumerate() {
+                if let Some(token) = source(win / (nwy * nwx), win % (nwy * nwx), t) {
+                    let src = &qkv[token * 3 * c..][..3 * c];
+                    for (part, dst) in row.chunks_exact_mut(count).enumerate() {
+                        dst.copy_from_slice(&src[part * c + first..][..count]);
+                    }
+                }
+            }
+        });
+    let regions = shifted.then(|| rectangle_regions((hp, wp), (hs, ws)));
+    let gathered = Tensor::from_vec(gathered, (windows, n, 3 * count), &candle_core::Device::Cpu)?;
+    let Some(attended) = window_attention(&gathered, bias, regions.as_deref(), bf16)? else {
+        candle_core::bail!("rectangle attention: the window kernel refused its windows");
+    };
+    let (guard, layout) = attended.storage_and_layout();
+    let attended = cpu_slice(&guard, layout)?;
+    // SAFETY: every window token maps to a distinct token of the padded map, so each output
+    // token's group channels are written by one task only; `out` outlives the tasks.
+    let shared = unsafe { crate::ops::cpu::shared::Shared::new(out.as_mut_ptr()) };
+    attended
+        .par_chunks(n * count)
+        .enumerate()
+        .for_each(|(win, rows)| {
+            for (t, row) in rows.chunks_exact(count).enumerate() {
+                if let Some(token) = source(win / (nwy * nwx), win % (nwy * nwx), t) {
+                    // SAFETY: as above; token * c + first + count <= b * h * w * c.
+                    unsafe {
+                        let dst = shared.get().add(token * c + first);
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), dst, count);
+                    }
+                }
+            }
+        });
+    Ok(())
 }

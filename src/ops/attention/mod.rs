@@ -6,6 +6,7 @@
 //! fused window and overlapping attention (f32, and bf16 products) are in [`cpu`], the CUDA
 //! kernels' host code (kernels/window_attention.cu, with their scalar CPU twins) in [`cuda`].
 
+pub(crate) mod channel;
 pub(crate) mod cpu;
 pub mod cuda;
 

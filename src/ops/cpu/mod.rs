@@ -304,6 +304,7 @@ pub(crate) fn cpu_slice<'a>(
 
 pub mod bf16;
 mod copy;
+pub(crate) mod depthwise;
 pub(crate) mod isa;
 mod math;
 pub(crate) mod panels;

@@ -1,0 +1,135 @@
+//! Channel ("transposed") attention on the CPU, as DAT's odd blocks run it: per head, the
+//! `d` channels of q and k, each L2-normalised over all tokens of the image, give a `d x d`
+//! score matrix (times the head's temperature); its softmax mixes the head's channels of v.
+//! Two small products per head on the panels, straight from the qkv map, where candle's
+//! graph transposes q, k and v, normalises them in three passes each and runs a softmax with
+//! a scalar `exp`.
+
+use candle_core::{Result, Tensor};
+use rayon::prelude::*;
+
+use crate::ops::cpu::shared::Shared;
+use crate::ops::cpu::{attention_probs, cpu_slice, panels};
+
+/// `qkv`: `(B, N, 3C)` (q, k, v, each heads x head dim) on the CPU in f32, contiguous;
+/// `temperature`: one per head; `eps`: the norms' floor (as `F.normalize` clamps them).
+/// Returns `(B, N, C)`.
+pub(crate) fn channel_attention(
+    qkv: &Tensor,
+    heads: usize,
+    temperature: &[f32],
+    eps: f32,
+) -> Result<Tensor> {
+    let (b, n, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    if c3 != 3 * c || heads == 0 || c % heads != 0 || temperature.len() != heads {
+        candle_core::bail!("channel attention: qkv {:?} for {heads} heads", qkv.dims());
+    }
+    let d = c / heads;
+    let (guard, layout) = qkv.storage_and_layout();
+    let data = cpu_slice(&guard, layout)?;
+    let mut out = vec![0f32; b * n * c];
+    for (image, out) in data.chunks_exact(n * c3).zip(out.chunks_exact_mut(n * c)) {
+        attend_image(image, (n, c, heads, d), temperature, eps, out);
+    }
+    drop(guard);
+    Tensor::from_vec(out, (b, n, c), qkv.device())
+}
+
+/// One image's channel attention: `qkv` `n` rows of `3c`, into `out` `n` rows of `c`.
+fn attend_image(
+    qkv: &[f32],
+    (n, c, heads, d): (usize, usize, usize, usize),
+    temperature: &[f32],
+    eps: f32,
+    out: &mut [f32],
+) {
+    let c3 = 3 * c;
+    // qᵀ (channel-major) for the score products' left operand, and the squared norms of
+    // every channel of q and k over the tokens, in token order.
+    let mut q_t = vec![0f32; c * n];
+    let mut squares = vec![0f32; 2 * c];
+    for (t, row) in qkv.chunks_exact(c3).enumerate() {
+        for (ch, (&v, sq)) in row[..2 * c].iter().zip(squares.iter_mut()).enumerate() {
+            *sq += v * v;
+            if ch < c {
+                q_t[ch * n + t] = v;
+            }
+        }
+    }
+    let inverse: Vec<f32> = squares.iter().map(|s| 1.0 / s.sqrt().max(eps)).collect();
+    let (q_inv, k_inv) = inverse.split_at(c);
+
+    // Per head: scores = (q̂ · k̂ᵀ) · temperature, softmax, then out = v · pᵀ.
+    let mut probs_t = vec![0f32; heads * d * d];
+    probs_t
+        .par_chunks_mut(d * d)
+        .enumerate()
+        .for_each(|(h, probs_t)| {
+            let mut scores = vec![0f32; d * d];
+            let rhs = panels::Rhs::Strided {
+                ptr: qkv[c + h * d..].as_ptr(),
+                k: n,
+                n: d,
+                ld: c3,
+            };
+            // SAFETY: qᵀ's rows h*d.. hold d rows of n values; k's head holds n rows of d
+            // values c3 apart inside `qkv`; `scores` is d x d and this task's own.
+            unsafe {
+                panels::gemm(
+                    d,
+                    (q_t[h * d * n..].as_ptr(), n),
+                    rhs,
+                    (scores.as_mut_ptr(), d),
+                    panels::Start::ZERO,
+                    false,
+                    None,
+                )
+            };
+            for (i, row) in scores.chunks_exact_mut(d).enumerate() {
+                let qi = q_inv[h * d + i];
+                for (j, s) in row.iter_mut().enumerate() {
+                    *s = *s * qi * k_inv[h * d + j] * temperature[h];
+                }
+            }
+            attention_probs(&mut scores, None, None, d, None);
+            for (i, row) in scores.chunks_exact(d).enumerate() {
+                for (j, &p) in row.iter().enumerate() {
+                    probs_t[j * d + i] = p;
+                }
+            }
+        });
+
+    // out[t, h*d + i] = Σ_j v[t, h*d + j] · p[i, j]: each head's d columns of every row, the
+    // rows in blocks across threads.
+    let rows_per = 256;
+    // SAFETY: each task writes its own rows of `out` (its d columns of them per head) and
+    // reads `qkv` and `probs_t`, all of which outlive the tasks.
+    let shared = unsafe { Shared::new(out.as_mut_ptr()) };
+    (0..n.div_ceil(rows_per)).into_par_iter().for_each(|block| {
+        let t0 = block * rows_per;
+        let rows = rows_per.min(n - t0);
+        for h in 0..heads {
+            let rhs = panels::Rhs::Strided {
+                ptr: probs_t[h * d * d..].as_ptr(),
+                k: d,
+                n: d,
+                ld: d,
+            };
+            // SAFETY: v's head holds `rows` rows of d values c3 apart from row t0 inside
+            // `qkv`; pᵀ is d x d; the destination is rows t0.. of out, the head's d columns,
+            // c apart, written by this task only.
+            unsafe {
+                panels::gemm(
+                    rows,
+                    (qkv[t0 * c3 + 2 * c + h * d..].as_ptr(), c3),
+                    rhs,
+                    (shared.get().add(t0 * c + h * d), c),
+                    panels::Start::ZERO,
+                    false,
+                    None,
+                )
+            };
+        }
+    });
+}

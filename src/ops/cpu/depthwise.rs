@@ -1,0 +1,299 @@
+//! DAT's per-token element-wise work on the CPU, each in one parallel pass over the map: the
+//! channels-last depthwise 3x3 convolution with what follows it (GELU, or the product with the
+//! other half of the feed-forward's hidden features), and the adaptive interaction's gated
+//! sum. candle's graph makes two passes per tap (a broadcast product, then a sum) for the
+//! convolution and four for the sum, each followed by its thread pool's spin.
+
+use rayon::prelude::*;
+
+use super::math::gelu_body;
+
+/// An f32 map read in place: element `(t, c)` of token `t` is `data[t * ld + offset + c]`
+/// (a channel range of a wider projection, such as the v of a qkv map).
+#[derive(Clone, Copy)]
+pub(crate) struct Rows<'a> {
+    pub data: &'a [f32],
+    pub ld: usize,
+    pub offset: usize,
+}
+
+impl<'a> Rows<'a> {
+    /// Token `t`'s `c` channels.
+    fn token(&self, t: usize, c: usize) -> &'a [f32] {
+        &self.data[t * self.ld + self.offset..][..c]
+    }
+}
+
+/// What the convolution's sums go through before they are stored.
+#[derive(Clone, Copy)]
+pub(crate) enum Then<'a> {
+    /// The exact GELU.
+    Gelu,
+    /// Times the same token's channels of these rows.
+    Times(Rows<'a>),
+}
+
+/// The depthwise 3x3 convolution (zero padding 1) of `input`, `b` maps of `h x w` tokens of
+/// `c` channels, with taps `(9, c)` (tap `dy * 3 + dx`) and `bias` `(c)`: each output is the
+/// bias plus the taps' products in tap order, as candle's graph adds them. Returns the
+/// `(b, h, w, c)` result, contiguous.
+pub(crate) fn depthwise3x3(
+    input: Rows,
+    (b, h, w, c): (usize, usize, usize, usize),
+    (taps, bias): (&[f32], &[f32]),
+    then: Then,
+) -> Vec<f32> {
+    assert!(taps.len() == 9 * c && bias.len() == c);
+    let mut out = vec![0f32; b * h * w * c];
+    if out.is_empty() {
+        return out;
+    }
+    out.par_chunks_mut(w * c)
+        .enumerate()
+        .for_each(|(row, out)| {
+            let (image, y) = (row / h, row % h);
+            // The input rows above, at and below, absent outside the map.
+            let source = |dy: usize| {
+                (y + dy)
+                    .checked_sub(1)
+                    .filter(|&yy| yy < h)
+                    .map(|yy| (image * h + yy) * w)
+            };
+            let rows = [source(0), source(1), source(2)];
+            let geometry = Row { w, c, rows };
+            depthwise_row(out, &geometry, input, (taps, bias), then, row * w);
+        });
+    out
+}
+
+/// One output row's geometry: its width, channels, and the first token of each input row.
+struct Row {
+    w: usize,
+    c: usize,
+    rows: [Option<usize>; 3],
+}
+
+#[inline(always)]
+fn depthwise_row_body(
+    out: &mut [f32],
+    g: &Row,
+    input: Rows,
+    (taps, bias): (&[f32], &[f32]),
+    then: Then,
+    first: usize,
+) {
+    let c = g.c;
+    for (x, acc) in out.chunks_exact_mut(c).enumerate() {
+        acc.copy_from_slice(bias);
+        for (dy, start) in g.rows.iter().enumerate() {
+            let Some(start) = *start else { continue };
+            for dx in 0..3 {
+                let Some(xx) = (x + dx).checked_sub(1).filter(|&xx| xx < g.w) else {
+                    continue;
+                };
+                let src = input.token(start + xx, c);
+                let tap = &taps[(dy * 3 + dx) * c..][..c];
+                for ((a, &s), &t) in acc.iter_mut().zip(src).zip(tap) {
+                    *a += s * t;
+                }
+            }
+        }
+        if let Then::Times(other) = then {
+            for (a, &o) in acc.iter_mut().zip(other.token(first + x, c)) {
+                *a *= o;
+            }
+        }
+    }
+    if let Then::Gelu = then {
+        gelu_body(out);
+    }
+}
+
+widest_simd! {
+    fn depthwise_row(
+        out: &mut [f32],
+        g: &Row,
+        input: Rows,
+        weights: (&[f32], &[f32]),
+        then: Then,
+        first: usize,
+    ) = depthwise_row_body
+}
+
+/// A gate of [`gated_sum`]: one value per image and channel, or one per token.
+#[derive(Clone, Copy)]
+pub(crate) enum Gate<'a> {
+    /// `(b, c)`.
+    Channel(&'a [f32]),
+    /// `(b, tokens)`.
+    Token(&'a [f32]),
+}
+
+/// `a · ga + x · gx` of `b` images of `tokens` tokens of `c` channels, each gate broadcast as
+/// its kind says: the adaptive interaction's mix of the attention and the convolution.
+pub(crate) fn gated_sum(
+    (a, ga): (&[f32], Gate),
+    (x, gx): (&[f32], Gate),
+    (b, tokens, c): (usize, usize, usize),
+) -> Vec<f32> {
+    let n = b * tokens * c;
+    assert!(a.len() == n && x.len() == n);
+    let mut out = vec![0f32; n];
+    if n == 0 {
+        return out;
+    }
+    // A few dozen tokens a task.
+    let per = 64;
+    out.par_chunks_mut(per * c)
+        .enumerate()
+        .for_each(|(chunk, out)| {
+            let t0 = chunk * per;
+            let span = t0 * c..t0 * c + out.len();
+            gated_rows(out, (&a[span.clone()], ga), (&x[span], gx), (t0, tokens, c));
+        });
+    out
+}
+
+#[inline(always)]
+fn gated_rows_body(
+    out: &mut [f32],
+    (a, ga): (&[f32], Gate),
+    (x, gx): (&[f32], Gate),
+    (t0, tokens, c): (usize, usize, usize),
+) {
+    for (i, ((o, a), x)) in out
+        .chunks_exact_mut(c)
+        .zip(a.chunks_exact(c))
+        .zip(x.chunks_exact(c))
+        .enumerate()
+    {
+        let t = t0 + i;
+        match (ga, gx) {
+            (Gate::Channel(ga), Gate::Token(gx)) => {
+                let (ga, gx) = (&ga[(t / tokens) * c..][..c], gx[t]);
+                for (((o, &a), &x), &g) in o.iter_mut().zip(a).zip(x).zip(ga) {
+                    *o = a * g + x * gx;
+                }
+            }
+            (Gate::Token(ga), Gate::Channel(gx)) => {
+                let (ga, gx) = (ga[t], &gx[(t / tokens) * c..][..c]);
+                for (((o, &a), &x), &g) in o.iter_mut().zip(a).zip(x).zip(gx) {
+                    *o = a * ga + x * g;
+                }
+            }
+            (ga, gx) => {
+                for (j, ((o, &a), &x)) in o.iter_mut().zip(a).zip(x).enumerate() {
+                    *o = a * gate(ga, t, tokens, c, j) + x * gate(gx, t, tokens, c, j);
+                }
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn gate(g: Gate, t: usize, tokens: usize, c: usize, j: usize) -> f32 {
+    match g {
+        Gate::Channel(v) => v[(t / tokens) * c + j],
+        Gate::Token(v) => v[t],
+    }
+}
+
+widest_simd! {
+    fn gated_rows(
+        out: &mut [f32],
+        a: (&[f32], Gate),
+        x: (&[f32], Gate),
+        geometry: (usize, usize, usize),
+    ) = gated_rows_body
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn noise(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s as f32 / u32::MAX as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The convolution by its definition in f64, over a map embedded in wider rows.
+    #[test]
+    fn depthwise_matches_its_definition() {
+        let (b, h, w, c, ld, off) = (2, 5, 7, 19, 40, 13);
+        let data = noise(b * h * w * ld, 1);
+        let taps = noise(9 * c, 2);
+        let bias = noise(c, 3);
+        let other = noise(b * h * w * c, 4);
+        let input = Rows {
+            data: &data,
+            ld,
+            offset: off,
+        };
+        let times = Rows {
+            data: &other,
+            ld: c,
+            offset: 0,
+        };
+        for (which, then) in [Then::Gelu, Then::Times(times)].into_iter().enumerate() {
+            let got = depthwise3x3(input, (b, h, w, c), (&taps, &bias), then);
+            for (i, &g) in got.iter().enumerate() {
+                let (t, ch) = (i / c, i % c);
+                let (im, y, x) = (t / (h * w), (t / w) % h, t % w);
+                let mut want = bias[ch] as f64;
+                for dy in 0..3 {
+                    for dx in 0..3 {
+                        let (yy, xx) = (y as isize + dy - 1, x as isize + dx - 1);
+                        if yy < 0 || xx < 0 || yy >= h as isize || xx >= w as isize {
+                            continue;
+                        }
+                        let s = ((im * h + yy as usize) * w + xx as usize) * ld + off + ch;
+                        want += data[s] as f64 * taps[(dy * 3 + dx) as usize * c + ch] as f64;
+                    }
+                }
+                let want = match which {
+                    0 => 0.5 * want * (1.0 + libm_erf(want / std::f64::consts::SQRT_2)),
+                    _ => want * other[i] as f64,
+                };
+                assert!((g as f64 - want).abs() < 2e-6, "{which} {i}: {g} vs {want}");
+            }
+        }
+    }
+
+    /// erf by its series (plenty for |x| < 6 at the accuracy checked).
+    fn libm_erf(x: f64) -> f64 {
+        let mut term = x;
+        let mut sum = x;
+        for k in 1..200 {
+            term *= -x * x / k as f64;
+            sum += term / (2 * k + 1) as f64;
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    }
+
+    #[test]
+    fn gated_sum_broadcasts_each_gate_by_its_kind() {
+        let (b, tokens, c) = (2, 70, 5);
+        let n = b * tokens * c;
+        let (a, x) = (noise(n, 5), noise(n, 6));
+        let (gc, gt) = (noise(b * c, 7), noise(b * tokens, 8));
+        for (ga, gx) in [
+            (Gate::Channel(&gc), Gate::Token(&gt)),
+            (Gate::Token(&gt), Gate::Channel(&gc)),
+            (Gate::Token(&gt), Gate::Token(&gt)),
+        ] {
+            let got = gated_sum((&a, ga), (&x, gx), (b, tokens, c));
+            for (i, &g) in got.iter().enumerate() {
+                let (t, j) = (i / c, i % c);
+                let want = a[i] * gate(ga, t, tokens, c, j) + x[i] * gate(gx, t, tokens, c, j);
+                assert_eq!(g, want, "{i}");
+            }
+        }
+    }
+}
