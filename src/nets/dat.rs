@@ -710,15 +710,13 @@ impl Aim {
     /// gives the attention (the attention gives the convolution the other kind).
     fn mix(
         &self,
-        (attended, mode): (Vec<f32>, Mode),
+        (attended, mode): (Tensor, Mode),
         conv: Vec<f32>,
         (b, h, w, c): (usize, usize, usize, usize),
         device: &Device,
     ) -> Result<Tensor> {
-        let (attended, conv) = (
-            Tensor::from_vec(attended, (b, h, w, c), device)?,
-            Tensor::from_vec(conv, (b, h, w, c), device)?,
-        );
+        let attended = attended.reshape((b, h, w, c))?;
+        let conv = Tensor::from_vec(conv, (b, h, w, c), device)?;
         let i = &self.interaction;
         let (for_attention, for_conv) = match mode {
             Mode::ChannelFromConv => (i.channel_gate(&conv)?, i.spatial_gate(&attended)?),
@@ -726,11 +724,14 @@ impl Aim {
         };
         let (ga, gx) = (host(&for_attention)?, host(&for_conv)?);
         let channel_first = matches!(mode, Mode::ChannelFromConv);
+        let (a_guard, a_layout) = attended.storage_and_layout();
+        let (c_guard, c_layout) = conv.storage_and_layout();
         let mixed = gated_sum(
-            (&host(&attended)?, gate_of(&ga, channel_first)),
-            (&host(&conv)?, gate_of(&gx, !channel_first)),
+            (cpu_slice(&a_guard, a_layout)?, gate_of(&ga, channel_first)),
+            (cpu_slice(&c_guard, c_layout)?, gate_of(&gx, !channel_first)),
             (b, h * w, c),
         );
+        drop((a_guard, c_guard));
         self.proj
             .forward(&Tensor::from_vec(mixed, (b, h, w, c), device)?)
     }
@@ -852,6 +853,7 @@ impl SpatialAttention {
         let conv = self.aim.dwconv.on_cpu(v, (b, h, w, c), Then::Gelu);
         drop(guard);
         let conv = conv.expect("the caller checked the kernel's weights are on the CPU");
+        let attended = Tensor::from_vec(attended, (b, h, w, c), qkv.device())?;
         self.aim.mix(
             (attended, Mode::ChannelFromConv),
             conv,
@@ -920,7 +922,6 @@ impl ChannelAttention {
         let qkv = qkv.contiguous()?;
         let temperature = host(&self.temperature)?;
         let attended = channel_attention(&qkv, self.heads, &temperature, NORMALIZE_EPS as f32)?;
-        let attended = host(&attended)?;
         let (guard, layout) = qkv.storage_and_layout();
         let v = Rows {
             data: cpu_slice(&guard, layout)?,

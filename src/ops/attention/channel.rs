@@ -45,20 +45,20 @@ fn attend_image(
     out: &mut [f32],
 ) {
     let c3 = 3 * c;
-    // qᵀ (channel-major) for the score products' left operand, and the squared norms of
-    // every channel of q and k over the tokens, in token order.
-    let mut q_t = vec![0f32; c * n];
-    let mut squares = vec![0f32; 2 * c];
-    for (t, row) in qkv.chunks_exact(c3).enumerate() {
-        for (ch, (&v, sq)) in row[..2 * c].iter().zip(squares.iter_mut()).enumerate() {
-            *sq += v * v;
-            if ch < c {
-                q_t[ch * n + t] = v;
-            }
-        }
+    // kᵀ (channel-major, in registers 16 x 16 at a time) for the score products' left
+    // operand: the products give the scores transposed, q is read in place.
+    let mut k_t = vec![0f32; c * n];
+    panels::transpose_keys(qkv, (n, c), &mut k_t);
+    let mut q_inv = vec![0f32; c];
+    squares_of_q(qkv, c, &mut q_inv);
+    for s in q_inv.iter_mut() {
+        *s = 1.0 / s.sqrt().max(eps);
     }
-    let inverse: Vec<f32> = squares.iter().map(|s| 1.0 / s.sqrt().max(eps)).collect();
-    let (q_inv, k_inv) = inverse.split_at(c);
+    let mut k_inv = vec![0f32; c];
+    squares_of_rows(&k_t, n, &mut k_inv);
+    for s in k_inv.iter_mut() {
+        *s = 1.0 / s.sqrt().max(eps);
+    }
 
     // Per head: scores = (q̂ · k̂ᵀ) · temperature, softmax, then out = v · pᵀ.
     let mut probs_t = vec![0f32; heads * d * d];
@@ -66,30 +66,31 @@ fn attend_image(
         .par_chunks_mut(d * d)
         .enumerate()
         .for_each(|(h, probs_t)| {
-            let mut scores = vec![0f32; d * d];
+            let mut scores_t = vec![0f32; d * d];
             let rhs = panels::Rhs::Strided {
-                ptr: qkv[c + h * d..].as_ptr(),
+                ptr: qkv[h * d..].as_ptr(),
                 k: n,
                 n: d,
                 ld: c3,
             };
-            // SAFETY: qᵀ's rows h*d.. hold d rows of n values; k's head holds n rows of d
-            // values c3 apart inside `qkv`; `scores` is d x d and this task's own.
+            // SAFETY: kᵀ's rows h*d.. hold d rows of n values; q's head holds n rows of d
+            // values c3 apart inside `qkv`; `scores_t` is d x d and this task's own.
             unsafe {
                 panels::gemm(
                     d,
-                    (q_t[h * d * n..].as_ptr(), n),
+                    (k_t[h * d * n..].as_ptr(), n),
                     rhs,
-                    (scores.as_mut_ptr(), d),
+                    (scores_t.as_mut_ptr(), d),
                     panels::Start::ZERO,
                     false,
                     None,
                 )
             };
+            let mut scores = vec![0f32; d * d];
             for (i, row) in scores.chunks_exact_mut(d).enumerate() {
                 let qi = q_inv[h * d + i];
                 for (j, s) in row.iter_mut().enumerate() {
-                    *s = *s * qi * k_inv[h * d + j] * temperature[h];
+                    *s = scores_t[j * d + i] * qi * k_inv[h * d + j] * temperature[h];
                 }
             }
             attention_probs(&mut scores, None, None, d, None);
@@ -132,4 +133,39 @@ fn attend_image(
             };
         }
     });
+}
+
+/// The squares of each of the first `c` channels of the rows of `qkv` (`3c` values each),
+/// summed over the rows in row order, into `out`.
+#[inline(always)]
+fn squares_of_q_body(qkv: &[f32], c: usize, out: &mut [f32]) {
+    for row in qkv.chunks_exact(3 * c) {
+        for (s, &v) in out.iter_mut().zip(&row[..c]) {
+            *s += v * v;
+        }
+    }
+}
+
+crate::ops::cpu::widest_simd! {
+    fn squares_of_q(qkv: &[f32], c: usize, out: &mut [f32]) = squares_of_q_body
+}
+
+/// The sum of squares of each length-`n` row of `data`, into `out`, in 16 lanes.
+#[inline(always)]
+fn squares_of_rows_body(data: &[f32], n: usize, out: &mut [f32]) {
+    for (row, s) in data.chunks_exact(n).zip(out.iter_mut()) {
+        let mut lanes = [0f32; 16];
+        let mut chunks = row.chunks_exact(16);
+        for chunk in &mut chunks {
+            for (l, &v) in lanes.iter_mut().zip(chunk) {
+                *l += v * v;
+            }
+        }
+        let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+        *s = lanes.iter().sum::<f32>() + tail;
+    }
+}
+
+crate::ops::cpu::widest_simd! {
+    fn squares_of_rows(data: &[f32], n: usize, out: &mut [f32]) = squares_of_rows_body
 }

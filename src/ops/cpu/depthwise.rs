@@ -7,6 +7,7 @@
 use rayon::prelude::*;
 
 use super::math::gelu_body;
+use super::LANES;
 
 /// An f32 map read in place: element `(t, c)` of token `t` is `data[t * ld + offset + c]`
 /// (a channel range of a wider projection, such as the v of a qkv map).
@@ -84,19 +85,42 @@ fn depthwise_row_body(
 ) {
     let c = g.c;
     for (x, acc) in out.chunks_exact_mut(c).enumerate() {
-        acc.copy_from_slice(bias);
+        // The (up to) nine input tokens under the taps, in tap order.
+        let mut sources: [Option<&[f32]>; 9] = [None; 9];
         for (dy, start) in g.rows.iter().enumerate() {
             let Some(start) = *start else { continue };
             for dx in 0..3 {
-                let Some(xx) = (x + dx).checked_sub(1).filter(|&xx| xx < g.w) else {
-                    continue;
-                };
-                let src = input.token(start + xx, c);
-                let tap = &taps[(dy * 3 + dx) * c..][..c];
-                for ((a, &s), &t) in acc.iter_mut().zip(src).zip(tap) {
-                    *a += s * t;
+                if let Some(xx) = (x + dx).checked_sub(1).filter(|&xx| xx < g.w) {
+                    sources[dy * 3 + dx] = Some(input.token(start + xx, c));
                 }
             }
+        }
+        // Sixteen channels at a time with their sums in registers through all nine taps.
+        let mut c0 = 0;
+        while c0 < c {
+            let width = LANES.min(c - c0);
+            if width == LANES {
+                let mut sums: [f32; LANES] = bias[c0..c0 + LANES].try_into().expect("16");
+                for (tap, src) in sources.iter().enumerate() {
+                    let Some(src) = src else { continue };
+                    let (s, t) = (&src[c0..c0 + LANES], &taps[tap * c + c0..][..LANES]);
+                    for ((a, &s), &t) in sums.iter_mut().zip(s).zip(t) {
+                        *a += s * t;
+                    }
+                }
+                acc[c0..c0 + LANES].copy_from_slice(&sums);
+            } else {
+                let sums = &mut acc[c0..];
+                sums.copy_from_slice(&bias[c0..]);
+                for (tap, src) in sources.iter().enumerate() {
+                    let Some(src) = src else { continue };
+                    let (s, t) = (&src[c0..], &taps[tap * c + c0..][..width]);
+                    for ((a, &s), &t) in sums.iter_mut().zip(s).zip(t) {
+                        *a += s * t;
+                    }
+                }
+            }
+            c0 += width;
         }
         if let Then::Times(other) = then {
             for (a, &o) in acc.iter_mut().zip(other.token(first + x, c)) {
