@@ -706,15 +706,16 @@ impl Aim {
     }
 
     /// The interaction's mix of the attention's output and the convolution's (both `(b, h,
-    /// w, c)`, on the CPU), then the projection: `mode` says which gate the convolution
+    /// w, c)`, on the CPU), then the projection onto `residual`: `mode` says which gate the convolution
     /// gives the attention (the attention gives the convolution the other kind).
     fn mix(
         &self,
         (attended, mode): (Tensor, Mode),
         conv: Vec<f32>,
         (b, h, w, c): (usize, usize, usize, usize),
-        device: &Device,
+        residual: &Tensor,
     ) -> Result<Tensor> {
+        let device = residual.device();
         let attended = attended.reshape((b, h, w, c))?;
         let conv = Tensor::from_vec(conv, (b, h, w, c), device)?;
         let i = &self.interaction;
@@ -732,8 +733,8 @@ impl Aim {
             (b, h * w, c),
         );
         drop((a_guard, c_guard));
-        self.proj
-            .forward(&Tensor::from_vec(mixed, (b, h, w, c), device)?)
+        let mixed = Tensor::from_vec(mixed, (b, h, w, c), device)?;
+        self.proj.forward_residual(&mixed, residual)
     }
 }
 
@@ -767,7 +768,8 @@ struct SpatialAttention {
 }
 
 impl SpatialAttention {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `residual` plus the attention of `x`.
+    fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let qkv = self.qkv.forward(x)?;
         // Zero padding after the projection, as the official model pads q, k and v.
@@ -776,7 +778,7 @@ impl SpatialAttention {
             w.div_ceil(self.pad) * self.pad,
         );
         if self.aim.dwconv.host.is_some() && on_cpu_f32(&qkv) && c % 2 == 0 {
-            return self.forward_cpu(&qkv, (b, h, w, c), (hp, wp));
+            return self.forward_cpu(&qkv, (b, h, w, c), (hp, wp), residual);
         }
         let v = qkv.narrow(3, 2 * c, c)?.contiguous()?;
         let padded = qkv
@@ -816,7 +818,7 @@ impl SpatialAttention {
         let mixed = (attended.broadcast_mul(&i.channel_gate(&conv)?)?
             + conv.broadcast_mul(&i.spatial_gate(&attended)?)?)?;
         debug_assert_eq!(mixed.dims(), [b, h, w, c]);
-        self.aim.proj.forward(&mixed)
+        self.aim.proj.forward_residual(&mixed, residual)
     }
 
     /// [`Self::forward`] on the CPU kernels, from the projection `qkv` on: each branch's
@@ -827,6 +829,7 @@ impl SpatialAttention {
         qkv: &Tensor,
         (b, h, w, c): (usize, usize, usize, usize),
         padded: (usize, usize),
+        residual: &Tensor,
     ) -> Result<Tensor> {
         let qkv = qkv.contiguous()?;
         let mut attended = vec![0f32; b * h * w * c];
@@ -858,7 +861,7 @@ impl SpatialAttention {
             (attended, Mode::ChannelFromConv),
             conv,
             (b, h, w, c),
-            qkv.device(),
+            residual,
         )
     }
 }
@@ -873,13 +876,14 @@ struct ChannelAttention {
 }
 
 impl ChannelAttention {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `residual` plus the attention of `x`.
+    fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let (heads, n) = (self.heads, h * w);
         let d = c / heads;
         let qkv = self.qkv.forward(x)?.reshape((b, n, 3 * c))?;
         if self.aim.dwconv.host.is_some() && on_cpu_f32(&qkv) {
-            return self.forward_cpu(&qkv, (b, h, w, c));
+            return self.forward_cpu(&qkv, (b, h, w, c), residual);
         }
         // (B, heads, d, N): each head's channels as rows over all tokens.
         let rows = |j: usize| {
@@ -910,7 +914,7 @@ impl ChannelAttention {
         let i = &self.aim.interaction;
         let mixed = (attended.broadcast_mul(&i.spatial_gate(&conv)?)?
             + conv.broadcast_mul(&i.channel_gate(&attended)?)?)?;
-        self.aim.proj.forward(&mixed)
+        self.aim.proj.forward_residual(&mixed, residual)
     }
 
     /// [`Self::forward`] on the CPU kernels, from the projection `qkv` `(B, N, 3C)` on.
@@ -918,6 +922,7 @@ impl ChannelAttention {
         &self,
         qkv: &Tensor,
         (b, h, w, c): (usize, usize, usize, usize),
+        residual: &Tensor,
     ) -> Result<Tensor> {
         let qkv = qkv.contiguous()?;
         let temperature = host(&self.temperature)?;
@@ -935,7 +940,7 @@ impl ChannelAttention {
             (attended, Mode::TokenFromConv),
             conv,
             (b, h, w, c),
-            qkv.device(),
+            residual,
         )
     }
 }
@@ -954,7 +959,8 @@ struct Sgfn {
 }
 
 impl Sgfn {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `residual` plus the network's output for `x`.
+    fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let hidden = self.fc1.forward_gelu(x)?;
         let half = hidden.dim(3)? / 2;
         let gate = hidden.narrow(3, half, half)?.contiguous()?;
@@ -978,12 +984,12 @@ impl Sgfn {
             let gated = self.conv.on_cpu(gate_rows, dims, Then::Times(first_half));
             drop((hg, gg));
             let gated = gated.expect("checked above");
-            return self
-                .fc2
-                .forward(&Tensor::from_vec(gated, (b, h, w, half), x.device())?);
+            let gated = Tensor::from_vec(gated, (b, h, w, half), x.device())?;
+            return self.fc2.forward_residual(&gated, residual);
         }
         let gate = self.conv.forward(&gate)?;
-        self.fc2.forward(&(hidden.narrow(3, 0, half)? * gate)?)
+        self.fc2
+            .forward_residual(&(hidden.narrow(3, 0, half)? * gate)?, residual)
     }
 }
 
@@ -996,14 +1002,13 @@ struct Block {
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // Each residual sum is made by its last linear layer's GEMM, onto the residual.
         let n = layer_norm(&self.norm1, x)?;
-        let a = match &self.attn {
-            Attention::Spatial(s) => s.forward(&n)?,
-            Attention::Channel(c) => c.forward(&n)?,
+        let x = match &self.attn {
+            Attention::Spatial(s) => s.forward(&n, x)?,
+            Attention::Channel(c) => c.forward(&n, x)?,
         };
-        let x = add(x, &a)?;
-        let f = self.ffn.forward(&layer_norm(&self.norm2, &x)?)?;
-        add(&x, &f)
+        self.ffn.forward(&layer_norm(&self.norm2, &x)?, &x)
     }
 }
 

@@ -27,54 +27,74 @@ struct Params<'a> {
 }
 
 impl Params<'_> {
-    /// The variance over the real channels of the `n` values `f(i)` with mean `mean`.
+    /// The mean and the inverse standard deviation (with epsilon) over the real channels of
+    /// `row`.
     #[inline(always)]
-    fn variance(&self, n: usize, mean: f32, f: impl Fn(usize) -> f32) -> f32 {
+    fn stats(&self, row: &[f32]) -> (f32, f32) {
+        let mean = lane_sum(row, row, |v, _| v) / self.count;
         let sum = match self.mask {
-            None => lane_sum(n, |i| (f(i) - mean) * (f(i) - mean)),
-            Some(m) => {
-                let m = &m[..n];
-                // A padded channel holds 0 and is centred at 0.
-                lane_sum(n, |i| (f(i) - mean * m[i]) * (f(i) - mean * m[i]))
-            }
+            None => lane_sum(row, row, |v, _| (v - mean) * (v - mean)),
+            // A padded channel holds 0 and is centred at 0.
+            Some(m) => lane_sum(row, m, |v, m| (v - mean * m) * (v - mean * m)),
         };
-        sum / self.count
+        let var = sum / self.count;
+        (mean, 1.0 / (var + self.eps).sqrt())
+    }
+
+    /// `dst = (row - mean) * inv * weight + bias`.
+    #[inline(always)]
+    fn normalise(&self, row: &[f32], (mean, inv): (f32, f32), dst: &mut [MaybeUninit<f32>]) {
+        for (((d, s), w), b) in dst.iter_mut().zip(row).zip(self.weight).zip(self.bias) {
+            d.write((s - mean) * inv * w + b);
+        }
     }
 }
 
-/// Sum of `n` values produced by `f`, in [`LANES`] independent accumulators so that it
-/// vectorises.
+/// The sum of `f(a[i], b[i])` over `a`'s length, in [`LANES`] independent accumulators (lane
+/// `l` takes the elements `l`, `l + LANES`, ...) so that it vectorises; then the tail, then
+/// the lanes.
 #[inline(always)]
-fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let b = &b[..a.len()];
     let mut acc = [0f32; LANES];
-    let full = n / LANES * LANES;
-    for base in (0..full).step_by(LANES) {
-        for (l, a) in acc.iter_mut().enumerate() {
-            *a += f(base + l);
+    let (a_full, a_tail) = a.as_chunks::<LANES>();
+    let (b_full, b_tail) = b.as_chunks::<LANES>();
+    for (x, y) in a_full.iter().zip(b_full) {
+        for ((acc, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+            *acc += f(x, y);
         }
     }
-    (full..n).map(f).sum::<f32>() + acc.iter().sum::<f32>()
+    a_tail
+        .iter()
+        .zip(b_tail)
+        .map(|(&x, &y)| f(x, y))
+        .sum::<f32>()
+        + acc.iter().sum::<f32>()
+}
+
+/// Viewed as initialised: every element of `row` has been written.
+///
+/// # Safety
+/// The caller wrote all of `row`.
+#[inline(always)]
+unsafe fn written(row: &[MaybeUninit<f32>]) -> &[f32] {
+    // SAFETY: MaybeUninit<f32> has f32's layout; the caller wrote every element.
+    unsafe { std::slice::from_raw_parts(row.as_ptr().cast::<f32>(), row.len()) }
 }
 
 /// `dst = LayerNorm(src)` for one row. Two passes (mean, then the variance of the centred
 /// values): no cancellation, unlike the one-pass `E[x²] - E[x]²`.
 #[inline(always)]
 fn norm_row_body(p: &Params, src: &[f32], dst: &mut [MaybeUninit<f32>]) {
-    let n = src.len();
-    let mean = lane_sum(n, |i| src[i]) / p.count;
-    let var = p.variance(n, mean, |i| src[i]);
-    let inv = 1.0 / (var + p.eps).sqrt();
-    for (((d, s), w), b) in dst.iter_mut().zip(src).zip(p.weight).zip(p.bias) {
-        d.write((s - mean) * inv * w + b);
-    }
+    p.normalise(src, p.stats(src), dst);
 }
 
 widest_simd! {
     fn norm_row(p: &Params, src: &[f32], dst: &mut [MaybeUninit<f32>]) = norm_row_body
 }
 
-/// `sum = x + y` and `dst = LayerNorm(sum)` for one row; the sum is recomputed rather than
-/// read back from the uninitialised output.
+/// `sum = x + y` and `dst = LayerNorm(sum)` for one row, the norm read from the sum just
+/// written.
 #[inline(always)]
 fn add_norm_row_body(
     p: &Params,
@@ -84,16 +104,13 @@ fn add_norm_row_body(
     dst: &mut [MaybeUninit<f32>],
 ) {
     let n = x.len();
-    let y = &y[..n];
+    let (y, sum) = (&y[..n], &mut sum[..n]);
     for ((s, a), b) in sum.iter_mut().zip(x).zip(y) {
         s.write(a + b);
     }
-    let mean = lane_sum(n, |i| x[i] + y[i]) / p.count;
-    let var = p.variance(n, mean, |i| x[i] + y[i]);
-    let inv = 1.0 / (var + p.eps).sqrt();
-    for ((((d, a), b), w), bias) in dst.iter_mut().zip(x).zip(y).zip(p.weight).zip(p.bias) {
-        d.write((a + b - mean) * inv * w + bias);
-    }
+    // SAFETY: all n values of `sum` were written above.
+    let row = unsafe { written(sum) };
+    p.normalise(row, p.stats(row), dst);
 }
 
 widest_simd! {
@@ -118,17 +135,13 @@ fn add_scaled_norm_row_body(
     dst: &mut [MaybeUninit<f32>],
 ) {
     let n = x.len();
-    let (z, s, y) = (&z[..n], &s[..n], &y[..n]);
-    let v = |i: usize| (x[i] + z[i] * s[i]) + y[i];
-    for (i, out) in sum[..n].iter_mut().enumerate() {
-        out.write(v(i));
+    let (z, s, y, sum) = (&z[..n], &s[..n], &y[..n], &mut sum[..n]);
+    for ((((out, &x), &z), &s), &y) in sum.iter_mut().zip(x).zip(z).zip(s).zip(y) {
+        out.write((x + z * s) + y);
     }
-    let mean = lane_sum(n, v) / p.count;
-    let var = p.variance(n, mean, v);
-    let inv = 1.0 / (var + p.eps).sqrt();
-    for (i, ((d, w), bias)) in dst[..n].iter_mut().zip(p.weight).zip(p.bias).enumerate() {
-        d.write((v(i) - mean) * inv * w + bias);
-    }
+    // SAFETY: all n values of `sum` were written above.
+    let row = unsafe { written(sum) };
+    p.normalise(row, p.stats(row), dst);
 }
 
 widest_simd! {
