@@ -55,7 +55,7 @@ use crate::ops::linear::Dense;
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
 use crate::ops::windows::{RelativeBias, MASK_VALUE};
-use crate::ops::{add, gelu_erf, mean_hw, LoadPlan};
+use crate::ops::{add, build_layers, gelu_erf, mean_hw, LoadPlan};
 
 /// BatchNorm's and LayerNorm's epsilon in the official model (torch's defaults).
 const EPS: f64 = 1e-5;
@@ -553,8 +553,8 @@ struct Branch {
     heads: usize,
     hs: usize,
     ws: usize,
-    /// `(heads, N, N)`.
-    bias: Tensor,
+    /// `(heads, N, N)`, gathered at load off the CPU.
+    bias: Option<Tensor>,
     /// The same bias as its table, which the CPU kernel reads.
     table: RelativeBias,
 }
@@ -562,30 +562,23 @@ struct Branch {
 impl Branch {
     fn new((c, heads): (usize, usize), (hs, ws): (usize, usize), vb: VarBuilder) -> Result<Self> {
         let table = position_table(c, heads, (hs, ws), vb.pp("pos"))?;
-        let n = hs * ws;
-        let mut bias = vec![0f32; heads * n * n];
-        let rows = 2 * ws - 1;
-        let table32: Vec<f32> = table.iter().map(|&v| v as f32).collect();
-        let table32 = Tensor::from_vec(table32, (table.len() / heads, heads), &Device::Cpu)?;
-        for i in 0..n {
-            for j in 0..n {
-                let dy = i / ws + hs - 1 - j / ws;
-                let dx = i % ws + ws - 1 - j % ws;
-                let row = &table[(dy * rows + dx) * heads..][..heads];
-                for (h, &v) in row.iter().enumerate() {
-                    bias[(h * n + i) * n + j] = v as f32;
-                }
-            }
-        }
-        let bias = Tensor::from_vec(bias, (heads, n, n), &Device::Cpu)?
-            .to_dtype(vb.dtype())?
-            .to_device(vb.device())?;
+        let table: Vec<f32> = table.iter().map(|&v| v as f32).collect();
+        let rows = table.len() / heads;
+        let table = RelativeBias::rectangular(
+            &Tensor::from_vec(table, (rows, heads), &Device::Cpu)?,
+            (hs, ws),
+        )?;
+        // The CPU kernel reads the table; candle's graph elsewhere takes it gathered.
+        let bias = match vb.device().is_cpu() {
+            true => None,
+            false => Some(table.tensor(vb.dtype(), vb.device())?),
+        };
         Ok(Self {
             heads,
             hs,
             ws,
             bias,
-            table: RelativeBias::rectangular(&table32, (hs, ws))?,
+            table,
         })
     }
 
@@ -602,7 +595,11 @@ impl Branch {
                 .reshape((b * nh * nw, heads, n, d))
         };
         let (q, k, v) = (windows(q)?, windows(k)?, windows(v)?);
-        let scores = q.matmul(&k.t()?.contiguous()?)?.broadcast_add(&self.bias)?;
+        let bias = match &self.bias {
+            Some(b) => b.clone(),
+            None => self.table.tensor(q.dtype(), q.device())?,
+        };
+        let scores = q.matmul(&k.t()?.contiguous()?)?.broadcast_add(&bias)?;
         let scores = match mask {
             Some(m) => scores
                 .reshape((b, nh * nw, heads, n, n))?
@@ -634,9 +631,11 @@ fn position_table(
             .flatten_all()?
             .to_vec1::<f64>()
     };
+    // Each weight transposed, `(cin, cout)`: the products below then run along contiguous
+    // output rows (vectorised) instead of one serial dot product per output.
     let linear = |vb: VarBuilder, cin: usize, cout: usize| -> Result<(Vec<f64>, Vec<f64>)> {
         Ok((
-            host(vb.get((cout, cin), "weight")?)?,
+            host(vb.get((cout, cin), "weight")?.t()?)?,
             host(vb.get(cout, "bias")?)?,
         ))
     };
@@ -644,16 +643,12 @@ fn position_table(
         Ok((host(vb.get(p, "weight")?)?, host(vb.get(p, "bias")?)?))
     };
     let apply = |x: &[f64], (w, b): &(Vec<f64>, Vec<f64>)| -> Vec<f64> {
-        b.iter()
-            .enumerate()
-            .map(|(o, &bo)| {
-                bo + x
-                    .iter()
-                    .zip(&w[o * x.len()..])
-                    .map(|(a, b)| a * b)
-                    .sum::<f64>()
-            })
-            .collect()
+        let mut y = vec![0f64; b.len()];
+        for (&xi, row) in x.iter().zip(w.chunks_exact(b.len())) {
+            y.iter_mut().zip(row).for_each(|(y, w)| *y += xi * w);
+        }
+        y.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+        y
     };
     // LayerNorm, then ReLU.
     let norm_relu = |x: &[f64], (g, b): &(Vec<f64>, Vec<f64>)| -> Vec<f64> {
@@ -1053,55 +1048,69 @@ impl Dat {
         };
         let e = cfg.embed_dim;
         let masks = MaskCache::default();
-        let mut groups = Vec::with_capacity(cfg.depths.len());
-        for (i, (&depth, &heads)) in cfg.depths.iter().zip(&cfg.heads).enumerate() {
-            let gvb = vb.pp(format!("layers.{i}"));
-            let mut blocks = Vec::with_capacity(depth);
-            for j in 0..depth {
-                let vb = gvb.pp(format!("blocks.{j}"));
-                let avb = vb.pp("attn");
-                let attn = if j.is_multiple_of(2) {
-                    let bh = cfg.branch_heads(i);
-                    let scale = ((e / 2 / bh) as f64).powf(-0.5);
-                    let [a, b] = cfg.split;
-                    let branch =
-                        |k: usize, hw| Branch::new((e / 2, bh), hw, avb.pp(format!("attns.{k}")));
-                    Attention::Spatial(SpatialAttention {
-                        qkv: qkv(e, cfg.qkv_bias, scale, plan, avb.pp("qkv"))?,
-                        branches: [branch(0, (a, b))?, branch(1, (b, a))?],
-                        aim: Aim::new(e, plan, &avb)?,
-                        shifted: shifted(i, j),
-                        pad: cfg.pad_multiple(),
-                        masks: masks.clone(),
-                        bf16: plan.bf16.filter(|_| vb.device().is_cpu()),
-                    })
-                } else {
-                    Attention::Channel(ChannelAttention {
-                        qkv: qkv(e, cfg.qkv_bias, 1.0, plan, avb.pp("qkv"))?,
-                        heads,
-                        temperature: avb.get((heads, 1, 1), "temperature")?,
-                        aim: Aim::new(e, plan, &avb)?,
-                    })
-                };
-                let h = cfg.ffn_hidden;
-                let fvb = vb.pp("ffn");
-                blocks.push(Block {
-                    norm1: load_layer_norm(e, vb.pp("norm1"))?,
-                    attn,
-                    norm2: load_layer_norm(e, vb.pp("norm2"))?,
-                    ffn: Sgfn {
-                        fc1: Dense::load_unpadded(e, h, plan, fvb.pp("fc1"))?,
-                        norm: load_layer_norm(h / 2, fvb.pp("sg.norm"))?,
-                        conv: DepthwiseConv::new(h / 2, fvb.pp("sg.conv"), None)?,
-                        fc2: Dense::load_unpadded(h / 2, e, plan, fvb.pp("fc2"))?,
-                    },
-                });
-            }
-            groups.push(Group {
-                blocks,
-                conv: residual_conv(cfg, plan, gvb.pp("conv"))?,
-            });
-        }
+        // Every block of every group, built in parallel on the CPU (each rearranges its
+        // weights and evaluates its position MLPs at load).
+        let pairs: Vec<(usize, usize)> = cfg
+            .depths
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &depth)| (0..depth).map(move |j| (i, j)))
+            .collect();
+        let block = |k: usize| -> Result<Block> {
+            let (i, j) = pairs[k];
+            let heads = cfg.heads[i];
+            let vb = vb.pp(format!("layers.{i}")).pp(format!("blocks.{j}"));
+            let avb = vb.pp("attn");
+            let attn = if j.is_multiple_of(2) {
+                let bh = cfg.branch_heads(i);
+                let scale = ((e / 2 / bh) as f64).powf(-0.5);
+                let [a, b] = cfg.split;
+                let branch =
+                    |k: usize, hw| Branch::new((e / 2, bh), hw, avb.pp(format!("attns.{k}")));
+                Attention::Spatial(SpatialAttention {
+                    qkv: qkv(e, cfg.qkv_bias, scale, plan, avb.pp("qkv"))?,
+                    branches: [branch(0, (a, b))?, branch(1, (b, a))?],
+                    aim: Aim::new(e, plan, &avb)?,
+                    shifted: shifted(i, j),
+                    pad: cfg.pad_multiple(),
+                    masks: masks.clone(),
+                    bf16: plan.bf16.filter(|_| vb.device().is_cpu()),
+                })
+            } else {
+                Attention::Channel(ChannelAttention {
+                    qkv: qkv(e, cfg.qkv_bias, 1.0, plan, avb.pp("qkv"))?,
+                    heads,
+                    temperature: avb.get((heads, 1, 1), "temperature")?,
+                    aim: Aim::new(e, plan, &avb)?,
+                })
+            };
+            let h = cfg.ffn_hidden;
+            let fvb = vb.pp("ffn");
+            Ok(Block {
+                norm1: load_layer_norm(e, vb.pp("norm1"))?,
+                attn,
+                norm2: load_layer_norm(e, vb.pp("norm2"))?,
+                ffn: Sgfn {
+                    fc1: Dense::load_unpadded(e, h, plan, fvb.pp("fc1"))?,
+                    norm: load_layer_norm(h / 2, fvb.pp("sg.norm"))?,
+                    conv: DepthwiseConv::new(h / 2, fvb.pp("sg.conv"), None)?,
+                    fc2: Dense::load_unpadded(h / 2, e, plan, fvb.pp("fc2"))?,
+                },
+            })
+        };
+        let mut blocks = build_layers(vb.device(), pairs.len(), block)?.into_iter();
+        let convs = build_layers(vb.device(), cfg.depths.len(), |i| {
+            residual_conv(cfg, plan, vb.pp(format!("layers.{i}")).pp("conv"))
+        })?;
+        let groups = cfg
+            .depths
+            .iter()
+            .zip(convs)
+            .map(|(&depth, conv)| Group {
+                blocks: blocks.by_ref().take(depth).collect(),
+                conv,
+            })
+            .collect();
         let ep = Pad::OFF.one(e);
         let tail = match cfg.upsampler {
             Upsampler::PixelShuffle { num_feat: f } => {
