@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """ESRGAN x4 (64 filters, 23 blocks, 64x64 input), Real-ESRGAN Compact x4 (64 features,
-32 convolutions, 128x128 input) and SPAN x4 (48 features, 128x128 input) on the CPU: the
+32 convolutions, 128x128 input), SPAN x4 (48 features, 128x128 input) and DAT x4 (embed 180,
+6 groups of 6 blocks, 6 heads, split 8x32, 64x64 input) on the CPU: the
 `upscale` binary's whole process (`--device cpu --tile 0`, fp32) against PyTorch's warm
 forward of spandrel's module (fp32, the same threads), interleaved run by run so both see
 the same machine.
 
   python3 benches/esrgan_compact_cpu_vs_torch.py UPSCALE_BINARY [RUNS] [THREADS] [ONLY]
 
-ONLY, if given, keeps the cases whose name starts with it (`SPAN`, `ESRGAN`, `Compact`).
+ONLY, if given, keeps the cases whose name starts with it (`SPAN`, `ESRGAN`, `Compact`,
+`DAT`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
 
 Needs torch, spandrel, safetensors, numpy, Pillow. The models are random weights written to a
 temporary folder; the inputs are crops of tests/photos/coffee.png.
 """
 
 import copy
+import os
 import statistics
 import subprocess
 import sys
@@ -45,9 +48,9 @@ cases = [
                                                   num_conv=32, upscale=4), 128),
     ("SPAN x4, 48 features", SPAN(num_in_ch=3, num_out_ch=3, feature_channels=48, upscale=4),
      128),
-    ("DAT x4, embed 180, 6x6 blocks, split 8x32",
+    ("DAT x4 (DAT_x4's shape: embed 180, 6x6 blocks, split 8x32, expansion 4)",
      DAT(upscale=4, in_chans=3, img_size=64, img_range=1.0, depth=[6] * 6, embed_dim=180,
-         num_heads=[6] * 6, expansion_factor=2, resi_connection="1conv", split_size=[8, 32],
+         num_heads=[6] * 6, expansion_factor=4, resi_connection="1conv", split_size=[8, 32],
          upsampler="pixelshuffle"), 64),
 ]
 cases = [c for c in cases if c[0].startswith(only)]
@@ -63,6 +66,8 @@ with tempfile.TemporaryDirectory() as tmp:
         cmd = [binary, "-m", str(weights), "--device", "cpu", "--tile", "0", "--precision",
                "fp32", "-q", "--overwrite", "-o", str(Path(tmp) / "out.png"), str(image)]
         env = {"RAYON_NUM_THREADS": str(threads)}
+        # Held to AVX2 when asked (PyTorch then with ATEN_CPU_CAPABILITY=avx2).
+        env.update({k: os.environ[k] for k in ("UPSCALE_CPU_ISA",) if k in os.environ})
         ours, theirs, frozen_times = [], [], []
         with torch.inference_mode():
             model(x)

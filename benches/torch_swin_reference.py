@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""SwinIR, HAT, ESRGAN and Real-ESRGAN Compact in PyTorch (spandrel's modules, which match the
+"""SwinIR, HAT, ESRGAN, Real-ESRGAN Compact, SPAN and DAT in PyTorch (spandrel's modules, which match the
 official code), tiled as `upscale` tiles, for the GPU side by side: eager, then
 `torch.compile` with --compile, the same JSON lines as benches/torch_gpu_reference.py prints
 for DRCT.
@@ -39,7 +39,15 @@ PRESETS = {
     # realesr-general-x4v3 is (64 features, 32 convolutions, PReLU).
     "esrgan": dict(arch="esrgan", num_filters=64, num_blocks=23, window_size=1),
     "compact": dict(arch="compact", num_feat=64, num_conv=32, window_size=1),
+    # SPAN as 4xNomos8k_span_otf_strong (48 features); DAT as DAT_x4 (embed 180, 6 groups of
+    # 6 blocks, 6 heads, 8x32 windows). DAT pads inside its spatial blocks: no window here.
+    "span": dict(arch="span", feature_channels=48, window_size=1),
+    "dat": dict(arch="dat", embed_dim=180, depth=[6] * 6, num_heads=[6] * 6, split_size=[8, 32],
+                window_size=1),
     "esrgan-tiny": dict(arch="esrgan", num_filters=8, num_blocks=1, window_size=1),
+    "span-tiny": dict(arch="span", feature_channels=8, window_size=1),
+    "dat-tiny": dict(arch="dat", embed_dim=32, depth=[2], num_heads=[2], split_size=[4, 8],
+                     window_size=1),
     "compact-tiny": dict(arch="compact", num_feat=8, num_conv=2, window_size=1),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,6 +65,16 @@ def build_model(preset, seed):
         from spandrel.architectures.Compact import Compact
         return Compact(num_in_ch=3, num_out_ch=3, num_feat=p["num_feat"], num_conv=p["num_conv"],
                        upscale=4).eval()
+    if arch == "span":
+        from spandrel.architectures.SPAN import SPAN
+        return SPAN(num_in_ch=3, num_out_ch=3, feature_channels=p["feature_channels"],
+                    upscale=4).eval()
+    if arch == "dat":
+        from spandrel.architectures.DAT import DAT
+        return DAT(upscale=4, in_chans=3, img_size=64, img_range=1.0, depth=p["depth"],
+                   embed_dim=p["embed_dim"], num_heads=p["num_heads"], expansion_factor=4,
+                   resi_connection="1conv", split_size=p["split_size"],
+                   upsampler="pixelshuffle").eval()
     common = dict(img_size=64, patch_size=1, in_chans=3, mlp_ratio=2.0, upscale=4,
                   img_range=1.0, upsampler="pixelshuffle", resi_connection="1conv", **p)
     if arch == "hat":
@@ -71,10 +89,12 @@ def cmd_make_weights(a):
     from safetensors.torch import save_file
     model = build_model(a.preset, a.seed)
     # Parameters only for the Swin family (their index buffers are rebuilt by both programs);
-    # the whole state dict for the convolutional ones, whose files hold nothing else.
+    # the whole state dict for the convolutional ones, whose files hold nothing else; DAT's
+    # without its masks and index (rebuilt by both, 94 MB at these shapes), as released.
     state = model.named_parameters() if PRESETS[a.preset]["arch"] in ("swinir", "hat") \
         else model.state_dict().items()
-    params = {k: v.detach().contiguous() for k, v in state}
+    rebuilt = ("attn_mask_0", "attn_mask_1", "relative_position_index")
+    params = {k: v.detach().contiguous() for k, v in state if not k.endswith(rebuilt)}
     save_file(params, a.out, metadata={"preset": a.preset, "seed": str(a.seed)})
     print(json.dumps({"out": a.out, "preset": a.preset, "seed": a.seed, "tensors": len(params)}))
 

@@ -52,7 +52,7 @@ use crate::ops::cpu::bf16::Isa;
 use crate::ops::cpu::cpu_slice;
 use crate::ops::cpu::depthwise::{depthwise3x3, gated_sum, Gate, Rows, Then};
 use crate::ops::linear::Dense;
-use crate::ops::norm::{layer_norm, Norm};
+use crate::ops::norm::{layer_norm, layer_norm_of_channels, Norm};
 use crate::ops::pad::Pad;
 use crate::ops::windows::{RelativeBias, MASK_VALUE};
 use crate::ops::{add, build_layers, gelu_erf, mean_hw, LoadPlan};
@@ -958,9 +958,11 @@ impl Sgfn {
     fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let hidden = self.fc1.forward_gelu(x)?;
         let half = hidden.dim(3)? / 2;
-        let gate = hidden.narrow(3, half, half)?.contiguous()?;
-        let gate = layer_norm(&self.norm, &gate)?;
-        if self.conv.host.is_some() && on_cpu_f32(&gate) && on_cpu_f32(&hidden) {
+        let normed = match self.conv.host.is_some() {
+            true => layer_norm_of_channels(&self.norm, &hidden, (half, half))?,
+            false => None,
+        };
+        if let Some(gate) = normed {
             let (b, h, w, _) = hidden.dims4()?;
             let (hidden, gate) = (hidden.contiguous()?, gate.contiguous()?);
             let (hg, hl) = hidden.storage_and_layout();
@@ -982,6 +984,7 @@ impl Sgfn {
             let gated = Tensor::from_vec(gated, (b, h, w, half), x.device())?;
             return self.fc2.forward_residual(&gated, residual);
         }
+        let gate = layer_norm(&self.norm, &hidden.narrow(3, half, half)?.contiguous()?)?;
         let gate = self.conv.forward(&gate)?;
         self.fc2
             .forward_residual(&(hidden.narrow(3, 0, half)? * gate)?, residual)

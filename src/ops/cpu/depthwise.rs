@@ -49,6 +49,7 @@ pub(crate) fn depthwise3x3(
     if out.is_empty() {
         return out;
     }
+    let zeros = vec![0f32; c];
     out.par_chunks_mut(w * c)
         .enumerate()
         .for_each(|(row, out)| {
@@ -61,17 +62,24 @@ pub(crate) fn depthwise3x3(
                     .map(|yy| (image * h + yy) * w)
             };
             let rows = [source(0), source(1), source(2)];
-            let geometry = Row { w, c, rows };
+            let geometry = Row {
+                w,
+                c,
+                rows,
+                zeros: &zeros,
+            };
             depthwise_row(out, &geometry, input, (taps, bias), then, row * w);
         });
     out
 }
 
-/// One output row's geometry: its width, channels, and the first token of each input row.
-struct Row {
+/// One output row's geometry: its width, channels, the first token of each input row, and
+/// `c` zeros for the taps outside the map.
+struct Row<'a> {
     w: usize,
     c: usize,
     rows: [Option<usize>; 3],
+    zeros: &'a [f32],
 }
 
 #[inline(always)]
@@ -85,42 +93,37 @@ fn depthwise_row_body(
 ) {
     let c = g.c;
     for (x, acc) in out.chunks_exact_mut(c).enumerate() {
-        // The (up to) nine input tokens under the taps, in tap order.
-        let mut sources: [Option<&[f32]>; 9] = [None; 9];
+        // The nine input tokens under the taps, in tap order, zeros outside the map (as the
+        // graph's zero padding adds them).
+        let mut sources: [&[f32]; 9] = [g.zeros; 9];
         for (dy, start) in g.rows.iter().enumerate() {
             let Some(start) = *start else { continue };
             for dx in 0..3 {
                 if let Some(xx) = (x + dx).checked_sub(1).filter(|&xx| xx < g.w) {
-                    sources[dy * 3 + dx] = Some(input.token(start + xx, c));
+                    sources[dy * 3 + dx] = input.token(start + xx, c);
                 }
             }
         }
-        // Sixteen channels at a time with their sums in registers through all nine taps.
+        // 64 channels at a time (four vectors of AVX-512) with their sums in registers
+        // through all nine taps, then 16, then the rest.
         let mut c0 = 0;
-        while c0 < c {
-            let width = LANES.min(c - c0);
-            if width == LANES {
-                let mut sums: [f32; LANES] = bias[c0..c0 + LANES].try_into().expect("16");
-                for (tap, src) in sources.iter().enumerate() {
-                    let Some(src) = src else { continue };
-                    let (s, t) = (&src[c0..c0 + LANES], &taps[tap * c + c0..][..LANES]);
-                    for ((a, &s), &t) in sums.iter_mut().zip(s).zip(t) {
-                        *a += s * t;
-                    }
-                }
-                acc[c0..c0 + LANES].copy_from_slice(&sums);
-            } else {
-                let sums = &mut acc[c0..];
-                sums.copy_from_slice(&bias[c0..]);
-                for (tap, src) in sources.iter().enumerate() {
-                    let Some(src) = src else { continue };
-                    let (s, t) = (&src[c0..], &taps[tap * c + c0..][..width]);
-                    for ((a, &s), &t) in sums.iter_mut().zip(s).zip(t) {
-                        *a += s * t;
-                    }
+        while c0 + WIDE <= c {
+            chunk_sums::<WIDE>(&sources, (taps, bias), c, c0, acc);
+            c0 += WIDE;
+        }
+        while c0 + LANES <= c {
+            chunk_sums::<LANES>(&sources, (taps, bias), c, c0, acc);
+            c0 += LANES;
+        }
+        if c0 < c {
+            let sums = &mut acc[c0..];
+            sums.copy_from_slice(&bias[c0..]);
+            for (tap, src) in sources.iter().enumerate() {
+                let t = &taps[tap * c + c0..(tap + 1) * c];
+                for ((a, &s), &t) in sums.iter_mut().zip(&src[c0..c]).zip(t) {
+                    *a += s * t;
                 }
             }
-            c0 += width;
         }
         if let Then::Times(other) = then {
             for (a, &o) in acc.iter_mut().zip(other.token(first + x, c)) {
@@ -131,6 +134,31 @@ fn depthwise_row_body(
     if let Then::Gelu = then {
         gelu_body(out);
     }
+}
+
+/// The widest run of channels summed in registers at once.
+const WIDE: usize = 64;
+
+/// Channels `c0..c0 + W` of one output token: the bias plus the nine taps' products.
+#[inline(always)]
+fn chunk_sums<const W: usize>(
+    sources: &[&[f32]; 9],
+    (taps, bias): (&[f32], &[f32]),
+    c: usize,
+    c0: usize,
+    acc: &mut [f32],
+) {
+    let mut sums: [f32; W] = bias[c0..c0 + W].try_into().expect("W values");
+    for (tap, src) in sources.iter().enumerate() {
+        let s: &[f32; W] = src[c0..c0 + W].try_into().expect("W values");
+        let t: &[f32; W] = taps[tap * c + c0..tap * c + c0 + W]
+            .try_into()
+            .expect("W values");
+        for ((a, &s), &t) in sums.iter_mut().zip(s).zip(t) {
+            *a += s * t;
+        }
+    }
+    acc[c0..c0 + W].copy_from_slice(&sums);
 }
 
 widest_simd! {
@@ -250,7 +278,14 @@ mod tests {
     /// The convolution by its definition in f64, over a map embedded in wider rows.
     #[test]
     fn depthwise_matches_its_definition() {
-        let (b, h, w, c, ld, off) = (2, 5, 7, 19, 40, 13);
+        // 83 channels: one run of 64, one of 16 and a tail of 3.
+        for (c, ld, off) in [(19, 40, 13), (83, 100, 17)] {
+            depthwise_case(c, ld, off);
+        }
+    }
+
+    fn depthwise_case(c: usize, ld: usize, off: usize) {
+        let (b, h, w) = (2, 5, 7);
         let data = noise(b * h * w * ld, 1);
         let taps = noise(9 * c, 2);
         let bias = noise(c, 3);

@@ -256,6 +256,33 @@ pub fn layer_norm(norm: &Norm, x: &Tensor) -> Result<Tensor> {
     norm.forward(x)
 }
 
+/// `ln` of the `count` channels from `first` of each row of `x` `(.., C)`: `ln(x.narrow(-1,
+/// first, count))` without the copy the narrowing costs. `None` where the kernel does not apply.
+pub fn layer_norm_of_channels(
+    norm: &Norm,
+    x: &Tensor,
+    (first, count): (usize, usize),
+) -> Result<Option<Tensor>> {
+    if !use_kernel(x) {
+        return Ok(None);
+    }
+    let c = x.dim(candle_core::D::Minus1)?;
+    if first + count > c {
+        candle_core::bail!("layer norm of channels {first}..{} of {c}", first + count);
+    }
+    let rows = x.elem_count() / c.max(1);
+    let (g, l) = x.storage_and_layout();
+    let xs = cpu_slice(&g, l)?;
+    let out = map_rows(norm, rows, count, |p, r, dst| {
+        norm_row(p, &xs[r * c + first..][..count], dst)
+    })?;
+    drop(g);
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("a last dimension") = count;
+    out.map(|out| Tensor::from_vec(out, dims, x.device()))
+        .transpose()
+}
+
 /// `ln(x)` with its tokens put in `order`: `x` is `(B, T, C)`, `order` holds `T'` token
 /// indices; returns `(B, T', C)`, i.e. `index_select(ln(x), order, 1)`.
 pub fn norm_gather(norm: &Norm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
