@@ -29,7 +29,7 @@ use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::add;
 use crate::ops::conv::{Act as ConvAct, Conv3x3};
 use crate::ops::pad::Pad;
-use crate::ops::LoadPlan;
+use crate::ops::{build_layers, LoadPlan};
 
 /// The reference's LeakyReLU slope (`act_type="leakyrelu"`).
 const LEAKY_SLOPE: f64 = 0.1;
@@ -173,14 +173,13 @@ impl Compact {
     /// The network stored under `vb`, built as `plan` says.
     pub fn new(cfg: &CompactConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         let (c, f, s) = (cfg.channels, cfg.features, cfg.scale);
-        let layers = (0..=cfg.convs)
-            .map(|k| {
-                let cin = if k == 0 { c } else { f };
-                let conv = Conv3x3::unpadded(cin, f, plan, vb.pp(format!("body.{}", 2 * k)))?;
-                let act = Act::new(cfg.activation, f, vb.pp(format!("body.{}", 2 * k + 1)))?;
-                Ok((conv, act))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        // In parallel on the CPU: each convolution moves its weights to the Winograd domain.
+        let layers = build_layers(vb.device(), cfg.convs + 1, |k| {
+            let cin = if k == 0 { c } else { f };
+            let conv = Conv3x3::unpadded(cin, f, plan, vb.pp(format!("body.{}", 2 * k)))?;
+            let act = Act::new(cfg.activation, f, vb.pp(format!("body.{}", 2 * k + 1)))?;
+            Ok((conv, act))
+        })?;
         let vb_last = vb.pp(format!("body.{}", cfg.last()));
         let last = if s == 1 {
             Conv3x3::unpadded(f, c, plan, vb_last)?

@@ -128,6 +128,9 @@ pub(crate) struct Panels {
     start: usize,
 }
 
+/// Operands of at least this many values are packed in parallel.
+const PARALLEL_PACK: usize = 1 << 18;
+
 impl Panels {
     /// Packs `b[r][c] = src[r * rs + c * cs]` for `r < k`, `c < n`, a panel per task.
     pub(crate) fn new(src: &[f32], (k, n): (usize, usize), (rs, cs): (usize, usize)) -> Self {
@@ -141,8 +144,13 @@ impl Panels {
         let mut data: Vec<f32> = vec![0.0; len + 15];
         let start = data.as_ptr().align_offset(64).min(15);
         if k > 0 {
+            // Small operands (a Winograd position's 64 x 64, packed 36 at a time per
+            // convolution) on the calling thread: a parallel pass per panel cost more in
+            // handing out the work than the copy.
+            let min_len = if len < PARALLEL_PACK { usize::MAX } else { 1 };
             data[start..start + len]
                 .par_chunks_mut(k * PANEL)
+                .with_min_len(min_len)
                 .enumerate()
                 .for_each(|(p, out)| {
                     let width = out.len() / k;
