@@ -32,10 +32,11 @@ use serde_json::json;
 use crate::nets::infer::{check_shapes, isqrt, out_width, tensor, ConfigError, Shapes};
 use crate::nets::registry::Architecture;
 use crate::nets::{ArchConfig, Net, NetConfig};
-use crate::ops::conv::Conv3x3;
+use crate::ops::conv::{Act, Conv3x3};
+use crate::ops::cpu::scaled_add_f64;
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::pad::Pad;
-use crate::ops::{build_layers, sigmoid_gate, silu, LoadPlan};
+use crate::ops::{build_layers, LoadPlan};
 
 /// The reference's RGB mean (`rgb_mean`), as the float32 values its module holds.
 const RGB_MEAN: [f32; 3] = [0.4488, 0.4371, 0.4040];
@@ -139,37 +140,43 @@ fn fold(cin: usize, cout: usize, vb: &VarBuilder) -> Result<(Vec<f64>, Vec<f64>)
     let b3 = values(vb, &[cout], "conv.2.bias")?;
     let sk = values(vb, &[cout, cin, 1, 1], "sk.weight")?;
     let sk_b = values(vb, &[cout], "sk.bias")?;
-    // a[m, i, k] = Σ_n w2[m, n, k] w1[n, i]; c[m] = Σ_{n,k} w2[m, n, k] b1[n] + b2[m]
-    let mut a = vec![0.0; m2 * cin * 9];
+    // a[m, k, i] = Σ_n w2[m, n, k] w1[n, i]; c[m] = Σ_{n,k} w2[m, n, k] b1[n] + b2[m]. The
+    // input channel innermost, so that each step is a scaled row added along cin values.
+    let mut a = vec![0.0; m2 * 9 * cin];
     let mut c = b2;
     for m in 0..m2 {
         for n in 0..n1 {
             let taps = &w2[(m * n1 + n) * 9..][..9];
             c[m] += taps.iter().sum::<f64>() * b1[n];
-            for i in 0..cin {
-                let w = w1[n * cin + i];
-                let row = &mut a[(m * cin + i) * 9..][..9];
-                for (r, t) in row.iter_mut().zip(taps) {
-                    *r += t * w;
-                }
+            let w1_row = &w1[n * cin..][..cin];
+            for (k, &t) in taps.iter().enumerate() {
+                scaled_add_f64(&mut a[(m * 9 + k) * cin..][..cin], t, w1_row);
             }
         }
     }
-    let mut weight = vec![0.0; cout * cin * 9];
+    // weight[o, k, i] = Σ_m w3[o, m] a[m, k, i] (+ sk at the centre tap), then reordered to
+    // the checkpoint's (o, i, k).
+    let mut by_tap = vec![0.0; cout * 9 * cin];
     let mut bias = b3;
     for o in 0..cout {
+        let out = &mut by_tap[o * 9 * cin..][..9 * cin];
         for m in 0..m2 {
             let w = w3[o * m2 + m];
             bias[o] += w * c[m];
-            let rows = &a[m * cin * 9..][..cin * 9];
-            for (r, v) in weight[o * cin * 9..][..cin * 9].iter_mut().zip(rows) {
-                *r += w * v;
-            }
+            scaled_add_f64(out, w, &a[m * 9 * cin..][..9 * cin]);
         }
         for i in 0..cin {
-            weight[(o * cin + i) * 9 + 4] += sk[o * cin + i];
+            out[4 * cin + i] += sk[o * cin + i];
         }
         bias[o] += sk_b[o];
+    }
+    let mut weight = vec![0.0; cout * cin * 9];
+    for o in 0..cout {
+        for k in 0..9 {
+            for i in 0..cin {
+                weight[(o * cin + i) * 9 + k] = by_tap[(o * 9 + k) * cin + i];
+            }
+        }
     }
     Ok((weight, bias))
 }
@@ -200,11 +207,11 @@ struct Spab {
 impl Spab {
     /// `(out, silu(o1))`: the block's output and its first convolution's, activated.
     fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        // Each activation (and the attention) as its convolution's outputs are written.
         let [c1, c2, c3] = &self.convs;
-        let a1 = silu(&c1.forward(x)?)?;
-        let o2 = c2.forward(&a1)?;
-        let o3 = c3.forward(&silu(&o2)?)?;
-        Ok((sigmoid_gate(&o3, x)?, a1))
+        let a1 = c1.forward_act(x, Act::Silu)?;
+        let a2 = c2.forward_act(&a1, Act::Silu)?;
+        Ok((c3.forward_act(&a2, Act::Gate(x))?, a1))
     }
 }
 

@@ -37,7 +37,7 @@ use attention::Attention;
 
 /// Element-wise operations the networks call directly; each picks its implementation from
 /// its input (our CPU kernel for contiguous f32 on the CPU, candle's op elsewhere).
-pub(crate) use cpu::{gelu_erf, mean_hw, sigmoid_gate, silu};
+pub(crate) use cpu::{gelu_erf, mean_hw};
 
 /// `a + b`: the CPU kernel where it applies, else candle's op (the same sum either way).
 pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {

@@ -197,6 +197,11 @@ pub(crate) enum Act<'a> {
     Leaky(f32),
     /// PReLU: a negative slope per channel, `(cout)`.
     PRelu(&'a Tensor),
+    /// SiLU, `v · sigmoid(v)`.
+    Silu,
+    /// SPAN's attention with this tensor (shaped as the output): `(v + x) · (sigmoid(v) -
+    /// 0.5)`.
+    Gate(&'a Tensor),
 }
 
 impl Conv3x3 {
@@ -212,6 +217,8 @@ impl Conv3x3 {
             Act::Leaky(slope) => candle_nn::ops::leaky_relu(&y, f64::from(slope)),
             // Exactly PyTorch's `x if x > 0 else slope·x`: one of the two terms is zero.
             Act::PRelu(slope) => y.relu()? + y.minimum(0.0)?.broadcast_mul(slope)?,
+            Act::Silu => kernels::silu(&y),
+            Act::Gate(x) => kernels::sigmoid_gate(&y, x),
         }
     }
 

@@ -18,10 +18,10 @@ use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
 use super::Act;
-use crate::ops::cpu::cpu_slice;
 use crate::ops::cpu::panels::{self, Panels, Start};
 use crate::ops::cpu::shared::Shared;
 use crate::ops::cpu::widest_simd;
+use crate::ops::cpu::{cpu_slice, sigmoid, sigmoid_gate_of};
 
 /// Output blocks per task: their transformed inputs (36 x `BLOCKS` x cin) and products
 /// (36 x `BLOCKS` x cout) stay in the core's L2 cache while the 36 products run.
@@ -134,6 +134,7 @@ impl Winograd {
             Finish::Residuals(_, r1, _, r2) => {
                 assert!(r1.len() == batch * h * w * cout && r2.len() == r1.len())
             }
+            Finish::Gate(x) => assert_eq!(x.len(), batch * h * w * cout),
             _ => {}
         }
         let (bh, bw) = (h.div_ceil(4), w.div_ceil(4));
@@ -212,6 +213,7 @@ impl Winograd {
                                 scaled_add(row, s1, &r1[at..at + cols * cout]);
                                 scaled_add(row, s2, &r2[at..at + cols * cout]);
                             }
+                            Finish::Gate(x) => gate(row, &x[at..at + cols * cout]),
                             act => activate(row, act, cout),
                         }
                         // SAFETY: the block's output pixels (rows x cols from (y0, x0) of
@@ -375,6 +377,10 @@ pub(crate) enum Finish<'a> {
     Residual(f32, &'a [f32]),
     /// `s2 · (s1 · v + r1) + r2`.
     Residuals(f32, &'a [f32], f32, &'a [f32]),
+    /// `v · sigmoid(v)` (SiLU).
+    Silu,
+    /// `(v + x) · (sigmoid(v) - 0.5)`, `x` shaped as the output: SPAN's attention.
+    Gate(&'a [f32]),
 }
 
 /// [`Winograd::forward`] on tensors: `x` `(B, H, W, cin)` f32 on the CPU, contiguous; `b`
@@ -399,6 +405,17 @@ pub(crate) fn forward(
         (None, None) => w.forward(xs, (batch, h, wd), bs, Finish::Plain),
         (Some(Act::Relu), None) => w.forward(xs, (batch, h, wd), bs, Finish::Relu),
         (Some(Act::Leaky(s)), None) => w.forward(xs, (batch, h, wd), bs, Finish::Leaky(s)),
+        (Some(Act::Silu), None) => w.forward(xs, (batch, h, wd), bs, Finish::Silu),
+        (Some(Act::Gate(other)), None) => {
+            if other.dims() != [batch, h, wd, w.cout] {
+                candle_core::bail!("conv3x3: gate input {:?} for {:?}", other.dims(), x.dims());
+            }
+            let other = other.contiguous()?;
+            let (g, l) = other.storage_and_layout();
+            let out = w.forward(xs, (batch, h, wd), bs, Finish::Gate(cpu_slice(&g, l)?));
+            drop(g);
+            out
+        }
         (Some(Act::PRelu(slopes)), None) => {
             let slopes = slopes.contiguous()?;
             let (g, l) = slopes.storage_and_layout();
@@ -458,7 +475,20 @@ fn activate_body(row: &mut [f32], act: Finish, cout: usize) {
                 }
             }
         }
-        Finish::Plain | Finish::Residual(..) | Finish::Residuals(..) => {}
+        Finish::Silu => row.iter_mut().for_each(|v| *v *= sigmoid(*v)),
+        Finish::Plain | Finish::Residual(..) | Finish::Residuals(..) | Finish::Gate(_) => {}
+    }
+}
+
+widest_simd! {
+    /// SPAN's attention of `row` (the convolution's outputs) with `x`, in place.
+    fn gate(row: &mut [f32], x: &[f32]) = gate_body
+}
+
+#[inline(always)]
+fn gate_body(row: &mut [f32], x: &[f32]) {
+    for (v, &x) in row.iter_mut().zip(x) {
+        *v = sigmoid_gate_of(*v, x);
     }
 }
 

@@ -36,9 +36,13 @@ pub(crate) fn cpu_isa() -> CpuIsa {
         return isa.min(detected());
     }
     // The process's switch, not a thread's override of it: every kernel of a run, on every
-    // thread, takes the same instructions.
-    let cap = crate::switches::from_env().unwrap_or_default().cpu_isa;
-    cap.map_or(detected(), |cap| cap.min(detected()))
+    // thread, takes the same instructions. Kept once decided: the vector functions ask on
+    // every call (a row at a time, in places), and reading the switches clones them.
+    static CAPPED: std::sync::OnceLock<CpuIsa> = std::sync::OnceLock::new();
+    *CAPPED.get_or_init(|| {
+        let cap = crate::switches::from_env().unwrap_or_default().cpu_isa;
+        cap.map_or(detected(), |cap| cap.min(detected()))
+    })
 }
 
 #[cfg(test)]

@@ -231,7 +231,7 @@ impl CustomOp1 for MeanHw {
 /// sigmoid(x) = 1 / (1 + e^-x), from `e = exp(-|x|)` so that the exponential never
 /// overflows: `1 / (1 + e)` for x >= 0, `e / (1 + e)` below.
 #[inline(always)]
-fn sigmoid(x: f32) -> f32 {
+pub(crate) fn sigmoid(x: f32) -> f32 {
     let e = exp_nonpositive(-x.abs());
     let s = 1.0 / (1.0 + e);
     if x < 0.0 {
@@ -258,10 +258,16 @@ widest_simd! {
 #[inline(always)]
 fn sigmoid_gate_body(out: &mut [f32], o: &[f32], x: &[f32]) {
     for ((out, &o), &x) in out.iter_mut().zip(o).zip(x) {
-        let e = exp_nonpositive(-o.abs());
-        let h = 0.5 * (1.0 - e) / (1.0 + e);
-        *out = (o + x) * if o < 0.0 { -h } else { h };
+        *out = sigmoid_gate_of(o, x);
     }
+}
+
+/// SPAN's attention of one element, `(o + x) · (sigmoid(o) - 0.5)`.
+#[inline(always)]
+pub(crate) fn sigmoid_gate_of(o: f32, x: f32) -> f32 {
+    let e = exp_nonpositive(-o.abs());
+    let h = 0.5 * (1.0 - e) / (1.0 + e);
+    (o + x) * if o < 0.0 { -h } else { h }
 }
 
 widest_simd! {
@@ -307,4 +313,14 @@ pub fn sigmoid_gate(o: &Tensor, x: &Tensor) -> Result<Tensor> {
         .for_each(|(out, (o, x))| sigmoid_gate_into(out, o, x));
     drop((o_guard, x_guard));
     Tensor::from_vec(out, o.dims(), o.device())
+}
+
+#[inline(always)]
+fn scaled_add_f64_body(acc: &mut [f64], scale: f64, x: &[f64]) {
+    acc.iter_mut().zip(x).for_each(|(a, x)| *a += scale * x);
+}
+
+widest_simd! {
+    /// `acc += scale · x`, element by element, in f64: the load-time folds of weights.
+    pub(crate) fn scaled_add_f64(acc: &mut [f64], scale: f64, x: &[f64]) = scaled_add_f64_body
 }
