@@ -33,7 +33,7 @@ use crate::nets::infer::{check_shapes, isqrt, out_width, tensor, ConfigError, Sh
 use crate::nets::registry::Architecture;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::conv::{Act, Conv3x3};
-use crate::ops::cpu::scaled_add_f64;
+use crate::ops::cpu::gemm_f64;
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::pad::Pad;
 use crate::ops::{build_layers, LoadPlan};
@@ -140,35 +140,35 @@ fn fold(cin: usize, cout: usize, vb: &VarBuilder) -> Result<(Vec<f64>, Vec<f64>)
     let b3 = values(vb, &[cout], "conv.2.bias")?;
     let sk = values(vb, &[cout, cin, 1, 1], "sk.weight")?;
     let sk_b = values(vb, &[cout], "sk.bias")?;
-    // a[m, k, i] = Σ_n w2[m, n, k] w1[n, i]; c[m] = Σ_{n,k} w2[m, n, k] b1[n] + b2[m]. The
-    // input channel innermost, so that each step is a scaled row added along cin values.
-    let mut a = vec![0.0; m2 * 9 * cin];
+    // a[m, k, i] = Σ_n w2[m, n, k] w1[n, i] (a product of (m2·9 x n1) by (n1 x cin), the
+    // input channel innermost); c[m] = Σ_{n,k} w2[m, n, k] b1[n] + b2[m].
+    let mut w2_t = vec![0.0; m2 * 9 * n1];
     let mut c = b2;
     for m in 0..m2 {
         for n in 0..n1 {
             let taps = &w2[(m * n1 + n) * 9..][..9];
             c[m] += taps.iter().sum::<f64>() * b1[n];
-            let w1_row = &w1[n * cin..][..cin];
             for (k, &t) in taps.iter().enumerate() {
-                scaled_add_f64(&mut a[(m * 9 + k) * cin..][..cin], t, w1_row);
+                w2_t[(m * 9 + k) * n1 + n] = t;
             }
         }
     }
+    let mut a = vec![0.0; m2 * 9 * cin];
+    gemm_f64(&w2_t, &w1, (m2 * 9, n1, cin), &mut a);
     // weight[o, k, i] = Σ_m w3[o, m] a[m, k, i] (+ sk at the centre tap), then reordered to
     // the checkpoint's (o, i, k).
     let mut by_tap = vec![0.0; cout * 9 * cin];
-    let mut bias = b3;
+    gemm_f64(&w3, &a, (cout, m2, 9 * cin), &mut by_tap);
+    let bias: Vec<f64> = (0..cout)
+        .map(|o| {
+            let mixed: f64 = (0..m2).map(|m| w3[o * m2 + m] * c[m]).sum();
+            b3[o] + mixed + sk_b[o]
+        })
+        .collect();
     for o in 0..cout {
-        let out = &mut by_tap[o * 9 * cin..][..9 * cin];
-        for m in 0..m2 {
-            let w = w3[o * m2 + m];
-            bias[o] += w * c[m];
-            scaled_add_f64(out, w, &a[m * 9 * cin..][..9 * cin]);
-        }
         for i in 0..cin {
-            out[4 * cin + i] += sk[o * cin + i];
+            by_tap[(o * 9 + 4) * cin + i] += sk[o * cin + i];
         }
-        bias[o] += sk_b[o];
     }
     let mut weight = vec![0.0; cout * cin * 9];
     for o in 0..cout {

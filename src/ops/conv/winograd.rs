@@ -79,7 +79,9 @@ impl Winograd {
                 }
             }
         });
+        // The 36 positions' packings in parallel (each is small; see `Panels::new`).
         let panels = (0..36)
+            .into_par_iter()
             .map(|e| Panels::new(&u[e * cout..], (cin, cout), (36 * cout, 1)))
             .collect();
         Self { cin, cout, panels }

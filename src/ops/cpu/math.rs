@@ -316,11 +316,16 @@ pub fn sigmoid_gate(o: &Tensor, x: &Tensor) -> Result<Tensor> {
 }
 
 #[inline(always)]
-fn scaled_add_f64_body(acc: &mut [f64], scale: f64, x: &[f64]) {
-    acc.iter_mut().zip(x).for_each(|(a, x)| *a += scale * x);
+fn gemm_f64_body(a: &[f64], b: &[f64], (m, k, n): (usize, usize, usize), c: &mut [f64]) {
+    for (row, c) in a.chunks_exact(k).zip(c.chunks_exact_mut(n)).take(m) {
+        for (&s, b) in row.iter().zip(b.chunks_exact(n)) {
+            c.iter_mut().zip(b).for_each(|(c, b)| *c += s * b);
+        }
+    }
 }
 
 widest_simd! {
-    /// `acc += scale · x`, element by element, in f64: the load-time folds of weights.
-    pub(crate) fn scaled_add_f64(acc: &mut [f64], scale: f64, x: &[f64]) = scaled_add_f64_body
+    /// `c += a · b` in f64 for row-major `a` (`m x k`), `b` (`k x n`) and `c` (`m x n`),
+    /// along contiguous rows of `b` and `c`: the load-time folds of weights.
+    pub(crate) fn gemm_f64(a: &[f64], b: &[f64], dims: (usize, usize, usize), c: &mut [f64]) = gemm_f64_body
 }
