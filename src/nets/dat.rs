@@ -1461,6 +1461,50 @@ impl NetConfig for DatConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::windows::rectangle_regions;
+
+    /// The CPU kernel's region labels mask exactly the pairs the graph's stored mask does,
+    /// for both branches' window shapes on a padded map of several windows each way.
+    #[test]
+    fn region_labels_mask_what_the_stored_mask_masks() {
+        for (hs, ws) in [(8, 16), (16, 8), (4, 8)] {
+            let (hp, wp) = (3 * hs, 2 * ws);
+            let mask = shift_mask((hp, wp, hs, ws));
+            let labels = rectangle_regions((hp, wp), (hs, ws));
+            let n = hs * ws;
+            assert_eq!(labels.len(), (hp / hs) * (wp / ws) * n);
+            for (win, l) in labels.chunks_exact(n).enumerate() {
+                for i in 0..n {
+                    for j in 0..n {
+                        let masked = mask[(win * n + i) * n + j] != 0.0;
+                        assert_eq!(masked, l[i] != l[j], "{hs}x{ws} window {win}: {i}, {j}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The rectangular table reads the bias the branch's gather wrote before: query (yi,
+    /// xi) and key (yj, xj) take row (yi - yj + hs - 1) * (2ws - 1) + (xi - xj + ws - 1).
+    #[test]
+    fn the_rectangular_table_gathers_the_official_index() -> Result<()> {
+        let (hs, ws, heads) = (3, 5, 2);
+        let rows = (2 * hs - 1) * (2 * ws - 1);
+        let values: Vec<f32> = (0..rows * heads).map(|v| v as f32 * 0.25 - 7.0).collect();
+        let table = Tensor::from_vec(values.clone(), (rows, heads), &Device::Cpu)?;
+        let gathered = RelativeBias::rectangular(&table, (hs, ws))?.gathered();
+        let n = hs * ws;
+        for h in 0..heads {
+            for i in 0..n {
+                for j in 0..n {
+                    let row = (i / ws + hs - 1 - j / ws) * (2 * ws - 1) + i % ws + ws - 1 - j % ws;
+                    assert_eq!(gathered[(h * n + i) * n + j], values[row * heads + h]);
+                }
+            }
+        }
+        assert!(RelativeBias::rectangular(&table, (hs + 1, ws)).is_err());
+        Ok(())
+    }
 
     #[test]
     fn the_shifted_blocks_are_the_official_ones() {

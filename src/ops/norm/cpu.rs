@@ -452,6 +452,22 @@ mod tests {
         Ok(())
     }
 
+    /// A range of channels normalised in place is the norm of the narrowed copy, bit for
+    /// bit, and a range past the row is refused.
+    #[test]
+    fn layer_norm_of_channels_is_the_norm_of_the_narrowed_copy() -> Result<()> {
+        crate::ops::cpu::isa::on_each_isa(|| {
+            let (ln, _) = norms(37)?;
+            let x = tokens((2, 5, 90), 2.0)?;
+            let ours = layer_norm_of_channels(&ln, &x, (41, 37))?.expect("the CPU kernel");
+            let want = layer_norm(&ln, &x.narrow(2, 41, 37)?.contiguous()?)?;
+            assert_eq!(ours.dims(), [2, 5, 37]);
+            assert_eq!(max_abs_diff(&ours, &want), 0.0);
+            assert!(layer_norm_of_channels(&ln, &x, (54, 37)).is_err());
+            Ok(())
+        })
+    }
+
     #[test]
     fn norm_gather_matches_gathered_float64_norm() -> Result<()> {
         crate::ops::cpu::isa::on_each_isa(norm_gather_matches_gathered_float64_norm_on_one_isa)
