@@ -1,7 +1,7 @@
 use super::*;
 use crate::ops::attention::cpu::window_attention;
 use crate::ops::conv::cpu::{conv3x3, conv3x3_bf16, conv3x3_shuffled, conv3x3_shuffled_bf16};
-use crate::ops::linear::cpu::{linear, linear_bf16, After};
+use crate::ops::linear::cpu::{linear, linear_bf16, pack, After};
 use candle_core::Device;
 
 /// Largest absolute difference, in f64, between a result and its reference.
@@ -297,13 +297,23 @@ fn linear_matches_matmul_plus_bias_on_one_isa() -> Result<()> {
             (None, Some(&r)),
             (Some(&b), Some(&r)),
         ] {
+            // Packed per call and packed once at load (where the panels run) alike.
             let ours = linear(
                 &x,
-                &w,
+                (&w, None),
                 bias,
                 residual.map_or(After::Nothing, After::Residual),
             )?
             .expect("the CPU f32 kernel applies");
+            let prepacked = pack(&w)?;
+            let again = linear(
+                &x,
+                (&w, prepacked.as_ref()),
+                bias,
+                residual.map_or(After::Nothing, After::Residual),
+            )?
+            .expect("the CPU f32 kernel applies");
+            assert_eq!(max_abs_diff(&ours, &again)?, 0.0);
             let mut want = want.clone();
             if let Some(b) = bias {
                 want = want.broadcast_add(&b.to_dtype(DType::F64)?)?;
@@ -317,7 +327,7 @@ fn linear_matches_matmul_plus_bias_on_one_isa() -> Result<()> {
             assert!(diff < 1e-5, "{dims:?} (bias, residual) {case:?}: {diff}");
         }
         let wrong = Tensor::zeros(3, DType::F32, &dev)?;
-        assert!(linear(&x, &w, Some(&b), After::Residual(&wrong)).is_err());
+        assert!(linear(&x, (&w, None), Some(&b), After::Residual(&wrong)).is_err());
     }
     Ok(())
 }
@@ -341,8 +351,8 @@ fn linear_gelu_epilogue_matches_gelu_of_the_product_on_one_isa() -> Result<()> {
         assert!(diff < 1e-6, "{what}: {diff}");
         Ok(())
     };
-    let gelu = linear(&x, &w, Some(&b), After::Gelu)?.expect("the CPU f32 kernel applies");
-    let plain = linear(&x, &w, Some(&b), After::Nothing)?.expect("as above");
+    let gelu = linear(&x, (&w, None), Some(&b), After::Gelu)?.expect("the CPU f32 kernel applies");
+    let plain = linear(&x, (&w, None), Some(&b), After::Nothing)?.expect("as above");
     check(&gelu, &plain, "f32")?;
     let wt = w.t()?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
     let packed = PackedB::new(&wt, (k, n), (n, 1));
@@ -560,7 +570,7 @@ fn layer_throughput_on_one_isa() -> Result<()> {
             1 => After::Gelu,
             _ => After::Residual(&r),
         };
-        let run = || Ok(linear(&x, &w, Some(&b), after)?.expect("f32 on the CPU"));
+        let run = || Ok(linear(&x, (&w, None), Some(&b), after)?.expect("f32 on the CPU"));
         let g = time(&run, 2.0 * (m * k * n) as f64)?;
         eprintln!("linear {m}x{k}x{n}: {g:.0} GFLOP/s");
     }

@@ -31,11 +31,29 @@ pub(super) fn gelu_rows(rows: &mut [f32]) {
     gelu_in_place(rows)
 }
 
+/// `w` `(n, k)` (f32, on the CPU, contiguous) as the panels' `k x n` operand, where the panel
+/// kernels run; `None` elsewhere.
+pub(crate) fn pack(w: &Tensor) -> Result<Option<panels::Panels>> {
+    if !use_kernel(w) || !panels::available() {
+        return Ok(None);
+    }
+    let (n, k) = w.dims2()?;
+    let (guard, layout) = w.storage_and_layout();
+    let packed = panels::Panels::new(cpu_slice(&guard, layout)?, (k, n), (1, k));
+    Ok(Some(packed))
+}
+
 /// `x · wᵀ + b (+ residual)` on the CPU with the bias (plus the residual) written first and
 /// accumulated by the GEMM, so the output is written once instead of written, reread and
-/// rewritten by separate adds. `x`: `(.., k)`; `w`: `(n, k)` as stored; `b`: `(n)`;
-/// `residual`: the output's shape. `None` where the kernel does not apply.
-pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, after: After) -> Result<Option<Tensor>> {
+/// rewritten by separate adds. `x`: `(.., k)`; `w`: `(n, k)` as stored, with its panels
+/// when they were packed at load ([`pack`]); `b`: `(n)`; `residual`: the output's shape.
+/// `None` where the kernel does not apply.
+pub fn linear(
+    x: &Tensor,
+    (w, packed): (&Tensor, Option<&panels::Panels>),
+    b: Option<&Tensor>,
+    after: After,
+) -> Result<Option<Tensor>> {
     let residual = after.residual();
     if ![Some(x), Some(w), b, residual]
         .into_iter()
@@ -48,7 +66,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, after: After) -> Resul
     let (w_guard, w_layout) = w.storage_and_layout();
     let ws = cpu_slice(&w_guard, w_layout)?;
     // wᵀ is read through w's strides.
-    let y = linear_with(x, Weights::F32(ws), (k, n), (1, k), b, after)?;
+    let y = linear_with(x, (Weights::F32(ws), packed), (k, n), (1, k), b, after)?;
     drop(w_guard);
     Ok(Some(y))
 }
@@ -66,7 +84,7 @@ pub fn linear_bf16(x: &Tensor, isa: Isa, w: &PackedB, b: &Tensor, after: After) 
     }
     linear_with(
         x,
-        Weights::Bf16(isa, w),
+        (Weights::Bf16(isa, w), None),
         (w.rows(), w.cols()),
         (0, 0),
         Some(b),
@@ -76,7 +94,7 @@ pub fn linear_bf16(x: &Tensor, isa: Isa, w: &PackedB, b: &Tensor, after: After) 
 
 pub(super) fn linear_with(
     x: &Tensor,
-    w: Weights,
+    (w, packed): (Weights, Option<&panels::Panels>),
     (k, n): (usize, usize),
     f32_strides: (usize, usize),
     b: Option<&Tensor>,
@@ -102,7 +120,14 @@ pub(super) fn linear_with(
     *shape.last_mut().expect("checked above") = n;
     if let (Weights::F32(ws), true, true) = (w, panels::available(), m > 0 && n > 0) {
         // The bias and the residual go into the accumulators: the output is written once.
-        let packed = panels::Panels::new(ws, (k, n), f32_strides);
+        let fresh;
+        let packed = match packed {
+            Some(p) => p,
+            None => {
+                fresh = panels::Panels::new(ws, (k, n), f32_strides);
+                &fresh
+            }
+        };
         let bias = b.map(|b| b.storage_and_layout());
         let res = residual.map(|r| r.storage_and_layout());
         let bs = bias.as_ref().map(|(g, l)| cpu_slice(g, l)).transpose()?;

@@ -16,6 +16,7 @@ use candle_nn::{Linear, VarBuilder};
 use super::{Backend, LoadPlan};
 use crate::ops::cpu as kernels;
 use crate::ops::cpu::bf16::{Isa, PackedB};
+use crate::ops::cpu::panels::Panels;
 use crate::ops::pad::{Channels, Pad};
 use cpu::After;
 use rowwise::Act;
@@ -28,8 +29,9 @@ pub(crate) fn spread2(w: &Tensor, rows: &Channels, cols: &Channels) -> Result<Te
 /// A linear layer, in the form its device runs fastest.
 pub enum Dense {
     /// f32 weights on the CPU: the bias and what follows are folded into our GEMM
-    /// ([`cpu::linear`]).
-    Cpu(Linear),
+    /// ([`cpu::linear`]), whose weight panels are packed once at load where the panel
+    /// kernels run (packing them per call copied every weight on every forward).
+    Cpu(Linear, Option<Panels>),
     /// bf16 products with f32 sums on the CPU, the weight packed once at load.
     CpuBf16 {
         isa: Isa,
@@ -59,7 +61,10 @@ impl Dense {
         }
         let linear = Linear::new(weight, Some(bias));
         Ok(match backend {
-            Backend::Cpu => Self::Cpu(linear),
+            Backend::Cpu => {
+                let packed = cpu::pack(linear.weight())?;
+                Self::Cpu(linear, packed)
+            }
             Backend::Cuda => Self::Cuda(linear),
             Backend::Other => Self::Candle(linear),
         })
@@ -90,7 +95,7 @@ impl Dense {
     #[cfg(test)]
     pub(crate) fn gemm_dims(&self) -> Result<(usize, usize)> {
         match self {
-            Self::Cpu(l) | Self::Cuda(l) | Self::Candle(l) => {
+            Self::Cpu(l, _) | Self::Cuda(l) | Self::Candle(l) => {
                 let (n, k) = l.weight().dims2()?;
                 Ok((k, n))
             }
@@ -144,10 +149,12 @@ impl Dense {
 
     fn forward_then(&self, x: &Tensor, after: After) -> Result<Tensor> {
         match self {
-            Self::Cpu(inner) => match cpu::linear(x, inner.weight(), inner.bias(), after)? {
-                Some(y) => Ok(y),
-                None => reference(inner, x, after),
-            },
+            Self::Cpu(inner, packed) => {
+                match cpu::linear(x, (inner.weight(), packed.as_ref()), inner.bias(), after)? {
+                    Some(y) => Ok(y),
+                    None => reference(inner, x, after),
+                }
+            }
             Self::CpuBf16 { isa, weight, bias } => {
                 let residual;
                 let after = match after {
