@@ -95,7 +95,7 @@ fn depthwise_row_body(
     for (x, acc) in out.chunks_exact_mut(c).enumerate() {
         // The nine input tokens under the taps, in tap order, zeros outside the map (as the
         // graph's zero padding adds them).
-        let mut sources: [&[f32]; 9] = [g.zeros; 9];
+        let mut sources: [&[f32]; 9] = [&g.zeros[..c]; 9];
         for (dy, start) in g.rows.iter().enumerate() {
             let Some(start) = *start else { continue };
             for dx in 0..3 {
@@ -104,31 +104,25 @@ fn depthwise_row_body(
                 }
             }
         }
-        // 64 channels at a time (four vectors of AVX-512) with their sums in registers
-        // through all nine taps, then 16, then the rest.
+        let other = match then {
+            Then::Times(other) => Some(other.token(first + x, c)),
+            Then::Gelu => None,
+        };
+        // A vector of channels at a time, its sum in a register through all nine taps and
+        // the product, then half a vector, then one channel at a time. (Four vectors at once
+        // spilled their sums to the stack; 360 channels left a tail of 8 for the scalar loop.)
         let mut c0 = 0;
-        while c0 + WIDE <= c {
-            chunk_sums::<WIDE>(&sources, (taps, bias), c, c0, acc);
-            c0 += WIDE;
-        }
         while c0 + LANES <= c {
-            chunk_sums::<LANES>(&sources, (taps, bias), c, c0, acc);
+            chunk::<LANES>(&sources, (taps, bias), other, c0, acc);
             c0 += LANES;
         }
-        if c0 < c {
-            let sums = &mut acc[c0..];
-            sums.copy_from_slice(&bias[c0..]);
-            for (tap, src) in sources.iter().enumerate() {
-                let t = &taps[tap * c + c0..(tap + 1) * c];
-                for ((a, &s), &t) in sums.iter_mut().zip(&src[c0..c]).zip(t) {
-                    *a += s * t;
-                }
-            }
+        if c0 + LANES / 2 <= c {
+            chunk::<{ LANES / 2 }>(&sources, (taps, bias), other, c0, acc);
+            c0 += LANES / 2;
         }
-        if let Then::Times(other) = then {
-            for (a, &o) in acc.iter_mut().zip(other.token(first + x, c)) {
-                *a *= o;
-            }
+        while c0 < c {
+            chunk::<1>(&sources, (taps, bias), other, c0, acc);
+            c0 += 1;
         }
     }
     if let Then::Gelu = then {
@@ -136,18 +130,18 @@ fn depthwise_row_body(
     }
 }
 
-/// The widest run of channels summed in registers at once.
-const WIDE: usize = 64;
-
-/// Channels `c0..c0 + W` of one output token: the bias plus the nine taps' products.
+/// Channels `c0..c0 + W` of one output token: the bias plus the nine taps' products (each
+/// rounded, then added in tap order, as the graph's separate multiply and add do), times
+/// `other`'s same channels where given.
 #[inline(always)]
-fn chunk_sums<const W: usize>(
+fn chunk<const W: usize>(
     sources: &[&[f32]; 9],
     (taps, bias): (&[f32], &[f32]),
-    c: usize,
+    other: Option<&[f32]>,
     c0: usize,
     acc: &mut [f32],
 ) {
+    let c = acc.len();
     let mut sums: [f32; W] = bias[c0..c0 + W].try_into().expect("W values");
     for (tap, src) in sources.iter().enumerate() {
         let s: &[f32; W] = src[c0..c0 + W].try_into().expect("W values");
@@ -156,6 +150,12 @@ fn chunk_sums<const W: usize>(
             .expect("W values");
         for ((a, &s), &t) in sums.iter_mut().zip(s).zip(t) {
             *a += s * t;
+        }
+    }
+    if let Some(other) = other {
+        let o: &[f32; W] = other[c0..c0 + W].try_into().expect("W values");
+        for (a, &o) in sums.iter_mut().zip(o) {
+            *a *= o;
         }
     }
     acc[c0..c0 + W].copy_from_slice(&sums);
