@@ -4,6 +4,8 @@
 //! sum. candle's graph makes two passes per tap (a broadcast product, then a sum) for the
 //! convolution and four for the sum, each followed by its thread pool's spin.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use super::math::gelu_body;
@@ -45,12 +47,15 @@ pub(crate) fn depthwise3x3(
     then: Then,
 ) -> Vec<f32> {
     assert!(taps.len() == 9 * c && bias.len() == c);
-    let mut out = vec![0f32; b * h * w * c];
-    if out.is_empty() {
+    let n = b * h * w * c;
+    // Written once by the rows below: a zeroed buffer would be a pass of its own.
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    if n == 0 {
         return out;
     }
     let zeros = vec![0f32; c];
-    out.par_chunks_mut(w * c)
+    out.spare_capacity_mut()[..n]
+        .par_chunks_mut(w * c)
         .enumerate()
         .for_each(|(row, out)| {
             let (image, y) = (row / h, row % h);
@@ -70,6 +75,8 @@ pub(crate) fn depthwise3x3(
             };
             depthwise_row(out, &geometry, input, (taps, bias), then, row * w);
         });
+    // SAFETY: every row of the n values was handed to `depthwise_row`, which writes all of it.
+    unsafe { out.set_len(n) };
     out
 }
 
@@ -84,7 +91,7 @@ struct Row<'a> {
 
 #[inline(always)]
 fn depthwise_row_body(
-    out: &mut [f32],
+    out: &mut [MaybeUninit<f32>],
     g: &Row,
     input: Rows,
     (taps, bias): (&[f32], &[f32]),
@@ -126,6 +133,9 @@ fn depthwise_row_body(
         }
     }
     if let Then::Gelu = then {
+        // SAFETY: MaybeUninit<f32> has f32's layout, and the loop above wrote every value of
+        // the row (each channel of each token, by exactly one `chunk`).
+        let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), out.len()) };
         gelu_body(out);
     }
 }
@@ -139,7 +149,7 @@ fn chunk<const W: usize>(
     (taps, bias): (&[f32], &[f32]),
     other: Option<&[f32]>,
     c0: usize,
-    acc: &mut [f32],
+    acc: &mut [MaybeUninit<f32>],
 ) {
     let c = acc.len();
     let mut sums: [f32; W] = bias[c0..c0 + W].try_into().expect("W values");
@@ -158,12 +168,14 @@ fn chunk<const W: usize>(
             *a *= o;
         }
     }
-    acc[c0..c0 + W].copy_from_slice(&sums);
+    for (d, &v) in acc[c0..c0 + W].iter_mut().zip(&sums) {
+        d.write(v);
+    }
 }
 
 widest_simd! {
     fn depthwise_row(
-        out: &mut [f32],
+        out: &mut [MaybeUninit<f32>],
         g: &Row,
         input: Rows,
         weights: (&[f32], &[f32]),
@@ -190,25 +202,29 @@ pub(crate) fn gated_sum(
 ) -> Vec<f32> {
     let n = b * tokens * c;
     assert!(a.len() == n && x.len() == n);
-    let mut out = vec![0f32; n];
+    // Written once by the rows below: a zeroed buffer would be a pass of its own.
+    let mut out: Vec<f32> = Vec::with_capacity(n);
     if n == 0 {
         return out;
     }
     // A few dozen tokens a task.
     let per = 64;
-    out.par_chunks_mut(per * c)
+    out.spare_capacity_mut()[..n]
+        .par_chunks_mut(per * c)
         .enumerate()
         .for_each(|(chunk, out)| {
             let t0 = chunk * per;
             let span = t0 * c..t0 * c + out.len();
             gated_rows(out, (&a[span.clone()], ga), (&x[span], gx), (t0, tokens, c));
         });
+    // SAFETY: every value was handed to `gated_rows`, which writes each of its tokens' values.
+    unsafe { out.set_len(n) };
     out
 }
 
 #[inline(always)]
 fn gated_rows_body(
-    out: &mut [f32],
+    out: &mut [MaybeUninit<f32>],
     (a, ga): (&[f32], Gate),
     (x, gx): (&[f32], Gate),
     (t0, tokens, c): (usize, usize, usize),
@@ -224,18 +240,18 @@ fn gated_rows_body(
             (Gate::Channel(ga), Gate::Token(gx)) => {
                 let (ga, gx) = (&ga[(t / tokens) * c..][..c], gx[t]);
                 for (((o, &a), &x), &g) in o.iter_mut().zip(a).zip(x).zip(ga) {
-                    *o = a * g + x * gx;
+                    o.write(a * g + x * gx);
                 }
             }
             (Gate::Token(ga), Gate::Channel(gx)) => {
                 let (ga, gx) = (ga[t], &gx[(t / tokens) * c..][..c]);
                 for (((o, &a), &x), &g) in o.iter_mut().zip(a).zip(x).zip(gx) {
-                    *o = a * ga + x * g;
+                    o.write(a * ga + x * g);
                 }
             }
             (ga, gx) => {
                 for (j, ((o, &a), &x)) in o.iter_mut().zip(a).zip(x).enumerate() {
-                    *o = a * gate(ga, t, tokens, c, j) + x * gate(gx, t, tokens, c, j);
+                    o.write(a * gate(ga, t, tokens, c, j) + x * gate(gx, t, tokens, c, j));
                 }
             }
         }
@@ -252,7 +268,7 @@ fn gate(g: Gate, t: usize, tokens: usize, c: usize, j: usize) -> f32 {
 
 widest_simd! {
     fn gated_rows(
-        out: &mut [f32],
+        out: &mut [MaybeUninit<f32>],
         a: (&[f32], Gate),
         x: (&[f32], Gate),
         geometry: (usize, usize, usize),
