@@ -63,6 +63,36 @@ fn gelu_matches_exact_gelu_and_not_tanh_on_one_isa() -> Result<()> {
 /// SiLU and SPAN's attention against their float64 definitions, over the range where the
 /// sigmoid saturates both ways (SiLU of -100 is 0 or a tiny negative, never NaN); the
 /// attention is not `(o + x) · sigmoid(o)`.
+/// The load-time f64 product against the plain triple loop in the same order, bit for bit:
+/// blocks of 4 x 16 and the row and column tails (m 7, n 37), accumulating onto `c`.
+#[test]
+fn gemm_f64_sums_in_k_order_on_every_isa() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(|| {
+        let (m, k, n) = (7, 5, 37);
+        let value = |i: usize| ((i * 7919) % 1013) as f64 / 97.0 - 5.0;
+        let a: Vec<f64> = (0..m * k).map(value).collect();
+        let b: Vec<f64> = (0..k * n).map(|i| value(i + 3)).collect();
+        let start: Vec<f64> = (0..m * n).map(|i| value(i + 11)).collect();
+        let mut want = start.clone();
+        for i in 0..m {
+            for p in 0..k {
+                for j in 0..n {
+                    want[i * n + j] += a[i * k + p] * b[p * n + j];
+                }
+            }
+        }
+        let mut got = start;
+        gemm_f64(&a, &b, (m, k, n), &mut got);
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(g, w)| g.to_bits() == w.to_bits()),
+            "gemm_f64 differs from the triple loop"
+        );
+        Ok(())
+    })
+}
+
 #[test]
 fn silu_and_sigmoid_gate_match_their_definitions() -> Result<()> {
     crate::ops::cpu::isa::on_each_isa(silu_and_sigmoid_gate_match_their_definitions_on_one_isa)
