@@ -915,9 +915,9 @@ int main(int argc, char** argv) {
 #define SCALAR_OVERLAP(T, NAME, DMAX, SHAPE, BOUND) \
     RUN_OVERLAP(T, NAME, overlap_scalar_launch((SHAPE).n(), DMAX), SHAPE, BOUND)
 
-    // Each emulated CUDA thread is an OS thread, and blocks of the tensor-core kernel have 512
-    // of them whatever the window: the cases are few and small, so that the sanitizer runs
-    // stay within their time limits.
+    // Blocks of the tensor-core kernel have 512 threads whatever the window, and every mma is
+    // a warp exchange between barriers: the cases are few and small, so that the sanitizer
+    // runs stay short.
     SCALAR_OVERLAP(float, overlap_attention_f32_d32, 32, hat, f32_bound);
     SCALAR_OVERLAP(__nv_bfloat16, overlap_attention_bf16_d32, 32, hat_s, bf16_bound);
     SCALAR_OVERLAP(float, overlap_attention_f32_d32, 32, oca_small, f32_bound);
