@@ -1,8 +1,8 @@
 // Runs the CUDA C++ in kernels/ on the CPU, so that CI (which has no GPU) checks what the
 // kernels compute: every CUDA thread of a block is a fiber (a stack of its own, switched to
-// by saving and loading the stack pointer) on the one OS thread, __syncthreads is a barrier of the block, warp shuffles
-// and the mma instructions exchange values through a per-warp staging area between two
-// barriers of the warp. A fiber runs until it reaches a barrier or ends; the fibers a barrier
+// by saving and loading the stack pointer) on the one OS thread, __syncthreads is a barrier
+// of the block, warp shuffles and the mma instructions exchange values through a per-warp
+// staging area between two barriers of the warp. A fiber runs until it reaches a barrier or ends; the fibers a barrier
 // releases run next, in thread order. Blocks run one after another, so one static buffer
 // serves as every block's shared memory. All threads of a block waiting while none can go on
 // is a deadlock (a barrier some thread never reaches): the launch throws.
