@@ -12,13 +12,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The emulator reports a barrier some thread never reaches at once (a deadlock of the block);
-/// the limits stop a kernel that loops forever instead. The address-sanitizer check takes
-/// about 20 s on one core of a 2-core machine and the thread sanitizer's about 80 s on the
-/// other: the limits leave room for a CPU three times slower with other builds beside it.
+/// the limits stop a kernel that loops forever instead. On a 2-core machine the address
+/// sanitizer's run takes about 20 s of one core and the thread sanitizer's two halves about
+/// 75 s each: the limits leave room for a CPU three times slower with other builds beside it.
 const LIMIT: Duration = Duration::from_secs(300);
 const LIMIT_TSAN: Duration = Duration::from_secs(600);
 
-/// The cases only the full set runs (tests/kernels/harness.cpp, `--quick` leaves them out).
+/// The widest heads' cases (tests/kernels/harness.cpp's `--quick` leaves them out).
 const WIDE: [&str; 5] = [
     "window_attention_f32_d128",
     "window_attention_mma_bf16_d128",
@@ -40,7 +40,7 @@ fn cuda_kernels_match_double_precision_references_on_the_cpu() {
             "-fno-sanitize-recover=alignment",
         ],
         LIMIT,
-        false,
+        1,
     );
 }
 
@@ -49,23 +49,22 @@ fn cuda_kernels_match_double_precision_references_on_the_cpu() {
 /// sanitizer sees the emulator's barriers and reports it every time, whatever order the
 /// emulator runs the threads in. A cp.async destination counts as written when the copy is
 /// issued (the earliest the GPU may land it), so refilling a buffer others may still be
-/// reading is a race too. It runs the harness's quick set: every kernel and template once,
-/// without the widest heads' second shapes, whose barriers are the same code with longer
-/// loops (half the run's time).
+/// reading is a race too. Every case runs, split between two processes (the harness's
+/// `--shard`), so that it takes both cores of a small machine beside the address check.
 #[test]
 fn cuda_kernels_share_memory_without_data_races() {
-    run_check("tsan", &["-O1", "-fsanitize=thread"], LIMIT_TSAN, true);
+    run_check("tsan", &["-O1", "-fsanitize=thread"], LIMIT_TSAN, 2);
 }
 
-/// Builds tests/kernels/harness.cpp with `flags`, runs it (its quick set if `quick`) within
-/// `limit` and checks that every kernel family passed.
-fn run_check(tag: &str, flags: &[&str], limit: Duration, quick: bool) {
+/// Builds tests/kernels/harness.cpp with `flags`, runs it as `shards` processes at once (each
+/// every `shards`-th case) within `limit` and checks that every kernel family passed.
+fn run_check(tag: &str, flags: &[&str], limit: Duration, shards: usize) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernels");
     let exe =
         std::env::temp_dir().join(format!("upscale-kernel-check-{tag}-{}", std::process::id()));
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let build = Command::new(&cxx)
-        .args(["-std=c++20", "-g", "-pthread", "-ffp-contract=off"])
+        .args(["-std=c++20", "-g", "-ffp-contract=off"])
         .args(flags)
         .arg(format!("-I{}", dir.join("include").display()))
         .arg("-include")
@@ -81,40 +80,49 @@ fn run_check(tag: &str, flags: &[&str], limit: Duration, quick: bool) {
         String::from_utf8_lossy(&build.stderr)
     );
 
-    // The first report ends the run, so its output stays small.
-    let mut child = Command::new(&exe)
-        .args(quick.then_some("--quick"))
-        .env("TSAN_OPTIONS", "halt_on_error=1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting the kernel check");
+    // The first report ends a run, so its output stays small.
+    let mut children: Vec<_> = (0..shards)
+        .map(|i| {
+            Command::new(&exe)
+                .args(["--shard", &format!("{i}/{shards}")])
+                .env("TSAN_OPTIONS", "halt_on_error=1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("starting the kernel check")
+        })
+        .collect();
     let start = Instant::now();
-    while child
-        .try_wait()
-        .expect("waiting for the kernel check")
-        .is_none()
-    {
+    while children.iter_mut().any(|c| {
+        c.try_wait()
+            .expect("waiting for the kernel check")
+            .is_none()
+    }) {
         if start.elapsed() > limit {
-            let _ = child.kill();
+            for c in &mut children {
+                let _ = c.kill();
+            }
             let _ = std::fs::remove_file(&exe);
             panic!("the kernel check ({tag}) ran past {limit:?}: a kernel loops forever");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    let out = child.wait_with_output().expect("kernel check output");
     let _ = std::fs::remove_file(&exe);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}");
-    assert!(
-        out.status.success(),
-        "kernel check ({tag}) failed:\n{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut stdout = String::new();
+    for child in children {
+        let out = child.wait_with_output().expect("kernel check output");
+        let text = String::from_utf8_lossy(&out.stdout);
+        eprintln!("{text}");
+        assert!(
+            out.status.success(),
+            "kernel check ({tag}) failed:\n{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout.push_str(&text);
+    }
     // Every attention variant family (window and overlapping), the blend kernel and each
-    // row-wise kernel reported, none skipped; the widest heads unless this is the quick set.
-    let wide = if quick { &[][..] } else { &WIDE[..] };
-    for name in wide.iter().copied().chain([
+    // row-wise kernel reported, none skipped, the widest heads included.
+    for name in WIDE.iter().copied().chain([
         "window_attention_f32_d32",
         "window_attention_bf16_d32",
         "window_attention_f16_d64",

@@ -5,7 +5,8 @@
 //   c++ -std=c++20 -O2 -pthread -ffp-contract=off -Itests/kernels/include \
 //       -include tests/kernels/emulator.h tests/kernels/harness.cpp -o kernel-check
 //
-// Prints one line per case and exits non-zero when any case is outside its bound.
+// Prints one line per case and exits non-zero when any case is outside its bound. `--quick`
+// leaves out the widest heads' second shapes; `--shard I/N` runs every Nth case from the Ith.
 #include "../../kernels/blend.cu"
 #include "../../kernels/rowwise.cu"
 #include "../../kernels/window_attention.cu"
@@ -121,11 +122,19 @@ Launch mma_launch(int n, int ws, int dp) {
 
 int failures = 0;
 
+// `--shard I/N`: this process runs the cases whose index is I modulo N (N processes, one per
+// core, share a sanitizer run); each top-level case asks as it starts.
+int shard = 0, shards = 1, case_index = 0;
+bool in_shard() { return case_index++ % shards == shard; }
+
 // Runs one kernel variant on random inputs of `s` and compares with the reference on the
 // same (rounded) inputs; `bound` is relative to the largest |v|.
 template <typename T, typename F>
 void attention_case(const char* name, F kernel, int dmax, bool mma, const Shape& s,
                     double bound, unsigned seed) {
+    if (!in_shard()) {
+        return;
+    }
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     const int n = s.n(), c = s.c();
@@ -311,6 +320,9 @@ Launch overlap_mma_launch(const OverlapShape& s, int dp) {
 template <typename T, typename F>
 void overlap_case(const char* name, F kernel, Launch l, const OverlapShape& s, double bound,
                   unsigned seed) {
+    if (!in_shard()) {
+        return;
+    }
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     const int n = s.n(), nk = s.nk(), c = s.c();
@@ -385,6 +397,9 @@ void overlap_case(const char* name, F kernel, Launch l, const OverlapShape& s, d
 // The blend kernel against the host accumulator's arithmetic (products and sums each rounded
 // once; compiled without FMA contraction).
 void blend_case(unsigned grid_y) {
+    if (!in_shard()) {
+        return;
+    }
     std::mt19937 rng(7);
     std::uniform_real_distribution<float> uni(0.0f, 1.0f);
     const unsigned channels = 3, th = 9, tw = 70, out_h = 20, out_w = 90, oy = 5, ox = 11;
@@ -473,6 +488,9 @@ void bias_act_cases(const char* suffix, void (*kernel)(const T*, const T*, const
                     void (*cat)(const T*, const T*, const T*, T*, unsigned, unsigned, unsigned,
                                 int, float),
                     double u) {
+    if (!in_shard()) {
+        return;
+    }
     // Widths of four (the quad path), odd widths, and quad widths at a start that is not a
     // quad (the element path again).
     for (const auto& [cols, pc, offset] : {std::tuple{37u, 45u, 0u}, std::tuple{36u, 44u, 0u},
@@ -574,6 +592,9 @@ void patches_case(const char* suffix, void (*kernel)(const T*, T*, unsigned, uns
 template <typename T>
 void patches_cases(const char* suffix, void (*kernel)(const T*, T*, unsigned, unsigned, unsigned,
                                                       unsigned, unsigned, unsigned)) {
+    if (!in_shard()) {
+        return;
+    }
     // The whole map, a chunk of rows in the middle, the last rows (bottom padding), an odd
     // channel count, and quad widths at a start that is not a quad.
     patches_case<T>(suffix, kernel, 2, 5, 7, 8, 0, 5, 0, false);
@@ -626,6 +647,9 @@ template <typename T>
 void narrow_cases(const char* suffix, void (*kernel)(const T*, const T*, const T*, T*, unsigned,
                                                      unsigned, unsigned, unsigned, unsigned),
                   double u) {
+    if (!in_shard()) {
+        return;
+    }
     // The released output layer (64 -> 3), channels fewer than a warp, four outputs, one.
     narrow_case<T>(suffix, kernel, u, 2, 5, 6, 64, 3, false);
     narrow_case<T>(suffix, kernel, u, 1, 4, 7, 20, 4, true);
@@ -698,6 +722,9 @@ struct NormKernels {
 template <typename T>
 void norm_cases(const char* suffix_in, NormKernels<T> kernels, NormKernels<T> regs, double u,
                 bool padded, bool wide = false) {
+    if (!in_shard()) {
+        return;
+    }
     const auto gather = kernels.gather;
     const auto add_gather = kernels.add_gather;
     const auto add_scaled = kernels.add_scaled;
@@ -847,7 +874,20 @@ void norm_cases(const char* suffix_in, NormKernels<T> kernels, NormKernels<T> re
 }  // namespace
 
 int main(int argc, char** argv) {
-    const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+    bool quick = false;
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        if (arg == "--quick") {
+            quick = true;
+        } else if (arg == "--shard" && i + 1 < argc &&
+                   std::sscanf(argv[i + 1], "%d/%d", &shard, &shards) == 2 && shards > 0 &&
+                   shard >= 0 && shard < shards) {
+            ++i;
+        } else {
+            std::fprintf(stderr, "usage: %s [--quick] [--shard I/N]\n", argv[0]);
+            return 2;
+        }
+    }
     // Shapes: the released window (16, n 256) with DRCT's head dims, plus windows whose token
     // count is not a multiple of the 16-row and 64-key tiles, and batches of two maps. Heads of
     // odd width (53, 77, 7) start at an odd element in every other head.
