@@ -271,8 +271,7 @@ inline void yield() {
 #ifdef EMU_TSAN
     __tsan_switch_to_fiber(scheduler.tsan, done ? 0 : __tsan_switch_to_fiber_no_sync);
 #endif
-    start_switch(done ? nullptr : &f.fake_stack, scheduler.stack_bottom,
-                                   scheduler.stack_size);
+    start_switch(done ? nullptr : &f.fake_stack, scheduler.stack_bottom, scheduler.stack_size);
     switch_context(f.context, scheduler.context);
     finish_switch(f.fake_stack, nullptr, nullptr);
 }
