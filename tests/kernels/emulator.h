@@ -25,6 +25,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -235,13 +236,7 @@ struct Scheduler {
 #ifdef EMU_TSAN
     void* tsan = nullptr;
 #endif
-    std::vector<Fiber*> fibers;  // kept between launches: stacks mapped once
-
-    ~Scheduler() {
-        for (Fiber* f : fibers) {
-            delete f;
-        }
-    }
+    std::vector<std::unique_ptr<Fiber>> fibers;  // kept between launches: stacks mapped once
 };
 inline Scheduler scheduler;
 
@@ -393,7 +388,7 @@ inline void launch(dim3 grid, dim3 threads, const std::function<void()>& kernel,
     scheduler.tsan = __tsan_get_current_fiber();
 #endif
     while (scheduler.fibers.size() < threads.x) {
-        scheduler.fibers.push_back(new Fiber());
+        scheduler.fibers.push_back(std::make_unique<Fiber>());
     }
     scheduler.kernel = &kernel;
     gridDim = grid;

@@ -2,7 +2,7 @@
 // double-precision references written from the model's definition, not from the kernels:
 // the shift mask from the reference's slices of the rolled map, the softmax in two passes.
 //
-//   c++ -std=c++20 -O2 -pthread -ffp-contract=off -Itests/kernels/include \
+//   c++ -std=c++20 -O2 -ffp-contract=off -Itests/kernels/include \
 //       -include tests/kernels/emulator.h tests/kernels/harness.cpp -o kernel-check
 //
 // Prints one line per case and exits non-zero when any case is outside its bound. `--quick`
