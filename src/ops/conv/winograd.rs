@@ -532,6 +532,20 @@ fn input_body(pixels: &[&[f32]; 36], dst: &mut [&mut [f32]; 36]) {
     }
 }
 
+/// `Bᵀ d` of one column of six values, its scaled terms as fused multiply-adds (Rust never
+/// contracts `a * b + c` by itself).
+#[inline(always)]
+fn bt_column([d0, d1, d2, d3, d4, d5]: [f32; 6]) -> [f32; 6] {
+    [
+        4f32.mul_add(d0, (-5f32).mul_add(d2, d4)),
+        (-4f32).mul_add(d1 + d2, d3 + d4),
+        4f32.mul_add(d1 - d2, d4 - d3),
+        2f32.mul_add(d3 - d1, d4 - d2),
+        2f32.mul_add(d1 - d3, d4 - d2),
+        4f32.mul_add(d1, (-5f32).mul_add(d3, d5)),
+    ]
+}
+
 /// `Bᵀ d B` of channels `c0..c0 + CH` of the 6x6 block whose rows start at `src`, each
 /// position `e`'s CH values written at `dst[e] + c0`.
 ///
@@ -551,12 +565,14 @@ unsafe fn input_chunk(
             std::array::from_fn(|i| unsafe { &*src[i * 6 + j].add(c0).cast() });
         for l in 0..CH {
             let [d0, d1, d2, d3, d4, d5] = [d[0][l], d[1][l], d[2][l], d[3][l], d[4][l], d[5][l]];
-            t[j][l] = 4.0 * d0 - 5.0 * d2 + d4;
-            t[6 + j][l] = -4.0 * (d1 + d2) + (d3 + d4);
-            t[12 + j][l] = 4.0 * (d1 - d2) + (d4 - d3);
-            t[18 + j][l] = 2.0 * (d3 - d1) + (d4 - d2);
-            t[24 + j][l] = 2.0 * (d1 - d3) + (d4 - d2);
-            t[30 + j][l] = 4.0 * d1 - 5.0 * d3 + d5;
+            [
+                t[j][l],
+                t[6 + j][l],
+                t[12 + j][l],
+                t[18 + j][l],
+                t[24 + j][l],
+                t[30 + j][l],
+            ] = bt_column([d0, d1, d2, d3, d4, d5]);
         }
     }
     for r in 0..6 {
@@ -566,12 +582,8 @@ unsafe fn input_chunk(
         let d = &t[r * 6..r * 6 + 6];
         for l in 0..CH {
             let [d0, d1, d2, d3, d4, d5] = [d[0][l], d[1][l], d[2][l], d[3][l], d[4][l], d[5][l]];
-            o[0][l] = 4.0 * d0 - 5.0 * d2 + d4;
-            o[1][l] = -4.0 * (d1 + d2) + (d3 + d4);
-            o[2][l] = 4.0 * (d1 - d2) + (d4 - d3);
-            o[3][l] = 2.0 * (d3 - d1) + (d4 - d2);
-            o[4][l] = 2.0 * (d1 - d3) + (d4 - d2);
-            o[5][l] = 4.0 * d1 - 5.0 * d3 + d5;
+            [o[0][l], o[1][l], o[2][l], o[3][l], o[4][l], o[5][l]] =
+                bt_column([d0, d1, d2, d3, d4, d5]);
         }
     }
 }
@@ -645,9 +657,9 @@ unsafe fn output_chunk(
             let [m0, m1, m2, m3, m4, m5] = [m[0][l], m[1][l], m[2][l], m[3][l], m[4][l], m[5][l]];
             let (a, b, c, d) = (m1 + m2, m3 + m4, m1 - m2, m3 - m4);
             q[j][l] = m0 + a + b;
-            q[6 + j][l] = c + 2.0 * d;
-            q[12 + j][l] = a + 4.0 * b;
-            q[18 + j][l] = c + 8.0 * d + m5;
+            q[6 + j][l] = 2f32.mul_add(d, c);
+            q[12 + j][l] = 4f32.mul_add(b, a);
+            q[18 + j][l] = 8f32.mul_add(d, c) + m5;
         }
     }
     for r in 0..4 {
@@ -659,9 +671,9 @@ unsafe fn output_chunk(
             let [m0, m1, m2, m3, m4, m5] = [m[0][l], m[1][l], m[2][l], m[3][l], m[4][l], m[5][l]];
             let (a, b, c, d) = (m1 + m2, m3 + m4, m1 - m2, m3 - m4);
             o[0][l] = m0 + a + b + bias[l];
-            o[1][l] = c + 2.0 * d + bias[l];
-            o[2][l] = a + 4.0 * b + bias[l];
-            o[3][l] = c + 8.0 * d + m5 + bias[l];
+            o[1][l] = 2f32.mul_add(d, c) + bias[l];
+            o[2][l] = 4f32.mul_add(b, a) + bias[l];
+            o[3][l] = 8f32.mul_add(d, c) + m5 + bias[l];
         }
     }
 }
