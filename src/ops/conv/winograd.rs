@@ -21,7 +21,7 @@ use super::Act;
 use crate::ops::cpu::panels::{self, Panels, Start};
 use crate::ops::cpu::shared::Shared;
 use crate::ops::cpu::widest_simd;
-use crate::ops::cpu::{cpu_slice, sigmoid, sigmoid_gate_of};
+use crate::ops::cpu::{cpu_slice, fmadd, sigmoid, sigmoid_gate_of};
 
 /// Output blocks per task: their transformed inputs (36 x `BLOCKS` x cin) and products
 /// (36 x `BLOCKS` x cout) stay in the core's L2 cache while the 36 products run.
@@ -460,11 +460,11 @@ fn scaled_add_body(row: &mut [f32], scale: f32, residual: &[f32]) {
 
 widest_simd! {
     /// `act` on each value of `row`, pixels of `cout` channels.
-    fn activate(row: &mut [f32], act: Finish, cout: usize) = activate_body
+    fn activate(row: &mut [f32], act: Finish, cout: usize) = fused activate_body
 }
 
 #[inline(always)]
-fn activate_body(row: &mut [f32], act: Finish, cout: usize) {
+fn activate_body<const FMA: bool>(row: &mut [f32], act: Finish, cout: usize) {
     match act {
         Finish::Relu => row.iter_mut().for_each(|v| *v = v.max(0.0)),
         Finish::Leaky(slope) => row
@@ -477,31 +477,31 @@ fn activate_body(row: &mut [f32], act: Finish, cout: usize) {
                 }
             }
         }
-        Finish::Silu => row.iter_mut().for_each(|v| *v *= sigmoid(*v)),
+        Finish::Silu => row.iter_mut().for_each(|v| *v *= sigmoid::<FMA>(*v)),
         Finish::Plain | Finish::Residual(..) | Finish::Residuals(..) | Finish::Gate(_) => {}
     }
 }
 
 widest_simd! {
     /// SPAN's attention of `row` (the convolution's outputs) with `x`, in place.
-    fn gate(row: &mut [f32], x: &[f32]) = gate_body
+    fn gate(row: &mut [f32], x: &[f32]) = fused gate_body
 }
 
 #[inline(always)]
-fn gate_body(row: &mut [f32], x: &[f32]) {
+fn gate_body<const FMA: bool>(row: &mut [f32], x: &[f32]) {
     for (v, &x) in row.iter_mut().zip(x) {
-        *v = sigmoid_gate_of(*v, x);
+        *v = sigmoid_gate_of::<FMA>(*v, x);
     }
 }
 
 widest_simd! {
     /// `Bᵀ d B` of one 6x6 input block (`pixels`, a channel vector each), each position's
     /// channels written to its row of `dst`.
-    fn transform_input(pixels: &[&[f32]; 36], dst: &mut [&mut [f32]; 36]) = input_body
+    fn transform_input(pixels: &[&[f32]; 36], dst: &mut [&mut [f32]; 36]) = fused input_body
 }
 
 #[inline(always)]
-fn input_body(pixels: &[&[f32]; 36], dst: &mut [&mut [f32]; 36]) {
+fn input_body<const FMA: bool>(pixels: &[&[f32]; 36], dst: &mut [&mut [f32]; 36]) {
     let cin = pixels[0].len();
     assert!(pixels.iter().all(|p| p.len() == cin) && dst.iter().all(|d| d.len() == cin));
     let src = pixels.map(<[f32]>::as_ptr);
@@ -512,7 +512,7 @@ fn input_body(pixels: &[&[f32]; 36], dst: &mut [&mut [f32]; 36]) {
     for c0 in (0..full).step_by(CH) {
         // SAFETY: every pixel and every row of dst holds cin values (asserted above);
         // c0 + CH <= cin.
-        unsafe { input_chunk(&src, &out, c0, &mut t) };
+        unsafe { input_chunk::<FMA>(&src, &out, c0, &mut t) };
     }
     if full < cin {
         // The last, partial chunk: its values copied beside zeros, transformed, copied out.
@@ -525,24 +525,24 @@ fn input_body(pixels: &[&[f32]; 36], dst: &mut [&mut [f32]; 36]) {
         let src = std::array::from_fn(|e| padded[e].as_ptr());
         let to: [*mut f32; 36] = std::array::from_fn(|e| res[e].as_mut_ptr());
         // SAFETY: CH values at each of the 36 rows of `padded` and of `res`.
-        unsafe { input_chunk(&src, &to, 0, &mut t) };
+        unsafe { input_chunk::<FMA>(&src, &to, 0, &mut t) };
         for (d, r) in dst.iter_mut().zip(&res) {
             d[full..].copy_from_slice(&r[..n]);
         }
     }
 }
 
-/// `Bᵀ d` of one column of six values, its scaled terms as fused multiply-adds (Rust never
-/// contracts `a * b + c` by itself).
+/// `Bᵀ d` of one column of six values, its scaled terms as [`fmadd`]s.
 #[inline(always)]
-fn bt_column([d0, d1, d2, d3, d4, d5]: [f32; 6]) -> [f32; 6] {
+fn bt_column<const FMA: bool>([d0, d1, d2, d3, d4, d5]: [f32; 6]) -> [f32; 6] {
+    let f = fmadd::<FMA>;
     [
-        4f32.mul_add(d0, (-5f32).mul_add(d2, d4)),
-        (-4f32).mul_add(d1 + d2, d3 + d4),
-        4f32.mul_add(d1 - d2, d4 - d3),
-        2f32.mul_add(d3 - d1, d4 - d2),
-        2f32.mul_add(d1 - d3, d4 - d2),
-        4f32.mul_add(d1, (-5f32).mul_add(d3, d5)),
+        f(4.0, d0, f(-5.0, d2, d4)),
+        f(-4.0, d1 + d2, d3 + d4),
+        f(4.0, d1 - d2, d4 - d3),
+        f(2.0, d3 - d1, d4 - d2),
+        f(2.0, d1 - d3, d4 - d2),
+        f(4.0, d1, f(-5.0, d3, d5)),
     ]
 }
 
@@ -552,7 +552,7 @@ fn bt_column([d0, d1, d2, d3, d4, d5]: [f32; 6]) -> [f32; 6] {
 /// # Safety
 /// Each `src[e]` and `dst[e]` holds `c0 + CH` values.
 #[inline(always)]
-unsafe fn input_chunk(
+unsafe fn input_chunk<const FMA: bool>(
     src: &[*const f32; 36],
     dst: &[*mut f32; 36],
     c0: usize,
@@ -572,7 +572,7 @@ unsafe fn input_chunk(
                 t[18 + j][l],
                 t[24 + j][l],
                 t[30 + j][l],
-            ] = bt_column([d0, d1, d2, d3, d4, d5]);
+            ] = bt_column::<FMA>([d0, d1, d2, d3, d4, d5]);
         }
     }
     for r in 0..6 {
@@ -583,7 +583,7 @@ unsafe fn input_chunk(
         for l in 0..CH {
             let [d0, d1, d2, d3, d4, d5] = [d[0][l], d[1][l], d[2][l], d[3][l], d[4][l], d[5][l]];
             [o[0][l], o[1][l], o[2][l], o[3][l], o[4][l], o[5][l]] =
-                bt_column([d0, d1, d2, d3, d4, d5]);
+                bt_column::<FMA>([d0, d1, d2, d3, d4, d5]);
         }
     }
 }
@@ -591,11 +591,11 @@ unsafe fn input_chunk(
 widest_simd! {
     /// `Aᵀ m A + bias` of one block's 6x6 sums (position `e` at `m[at + e * stride..]`): its
     /// 4x4 output pixels, row-major, into `y`.
-    fn transform_output(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32]) = output_body
+    fn transform_output(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32]) = fused output_body
 }
 
 #[inline(always)]
-fn output_body(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32]) {
+fn output_body<const FMA: bool>(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32]) {
     let cout = bias.len();
     assert!(m.len() >= at + 35 * stride + cout && y.len() >= 16 * cout);
     let src: [*const f32; 36] = std::array::from_fn(|e| m[at + e * stride..].as_ptr());
@@ -606,7 +606,7 @@ fn output_body(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32])
         // SAFETY: 36 rows of cout sums `stride` apart from `at` and 16 pixels of cout outputs
         // (asserted above); c0 + CH <= cout.
         unsafe {
-            output_chunk(
+            output_chunk::<FMA>(
                 &src,
                 c0,
                 bias[c0..c0 + CH].try_into().unwrap(),
@@ -626,7 +626,7 @@ fn output_body(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32])
         let mut out = [[0f32; CH]; 16];
         let src = std::array::from_fn(|e| padded[e].as_ptr());
         // SAFETY: CH values at each of the 36 rows of `padded` and the 16 of `out`.
-        unsafe { output_chunk(&src, 0, &padded[36], out.as_mut_ptr().cast(), CH, &mut q) };
+        unsafe { output_chunk::<FMA>(&src, 0, &padded[36], out.as_mut_ptr().cast(), CH, &mut q) };
         for (p, o) in out.iter().enumerate() {
             y[p * cout + full..][..n].copy_from_slice(&o[..n]);
         }
@@ -639,7 +639,7 @@ fn output_body(m: &[f32], at: usize, stride: usize, bias: &[f32], y: &mut [f32])
 /// # Safety
 /// Each `src[e]` holds `c0 + CH` values; `dst` 16 rows of CH values, `ld` apart.
 #[inline(always)]
-unsafe fn output_chunk(
+unsafe fn output_chunk<const FMA: bool>(
     src: &[*const f32; 36],
     c0: usize,
     bias: &[f32; CH],
@@ -657,9 +657,9 @@ unsafe fn output_chunk(
             let [m0, m1, m2, m3, m4, m5] = [m[0][l], m[1][l], m[2][l], m[3][l], m[4][l], m[5][l]];
             let (a, b, c, d) = (m1 + m2, m3 + m4, m1 - m2, m3 - m4);
             q[j][l] = m0 + a + b;
-            q[6 + j][l] = 2f32.mul_add(d, c);
-            q[12 + j][l] = 4f32.mul_add(b, a);
-            q[18 + j][l] = 8f32.mul_add(d, c) + m5;
+            q[6 + j][l] = fmadd::<FMA>(2.0, d, c);
+            q[12 + j][l] = fmadd::<FMA>(4.0, b, a);
+            q[18 + j][l] = fmadd::<FMA>(8.0, d, c) + m5;
         }
     }
     for r in 0..4 {
@@ -671,9 +671,9 @@ unsafe fn output_chunk(
             let [m0, m1, m2, m3, m4, m5] = [m[0][l], m[1][l], m[2][l], m[3][l], m[4][l], m[5][l]];
             let (a, b, c, d) = (m1 + m2, m3 + m4, m1 - m2, m3 - m4);
             o[0][l] = m0 + a + b + bias[l];
-            o[1][l] = 2f32.mul_add(d, c) + bias[l];
-            o[2][l] = 4f32.mul_add(b, a) + bias[l];
-            o[3][l] = 8f32.mul_add(d, c) + m5 + bias[l];
+            o[1][l] = fmadd::<FMA>(2.0, d, c) + bias[l];
+            o[2][l] = fmadd::<FMA>(4.0, b, a) + bias[l];
+            o[3][l] = fmadd::<FMA>(8.0, d, c) + m5 + bias[l];
         }
     }
 }

@@ -90,7 +90,7 @@ struct Row<'a> {
 }
 
 #[inline(always)]
-fn depthwise_row_body(
+fn depthwise_row_body<const FMA: bool>(
     out: &mut [MaybeUninit<f32>],
     g: &Row,
     input: Rows,
@@ -136,7 +136,7 @@ fn depthwise_row_body(
         // SAFETY: MaybeUninit<f32> has f32's layout, and the loop above wrote every value of
         // the row (each channel of each token, by exactly one `chunk`).
         let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), out.len()) };
-        gelu_body(out);
+        gelu_body::<FMA>(out);
     }
 }
 
@@ -181,7 +181,7 @@ widest_simd! {
         weights: (&[f32], &[f32]),
         then: Then,
         first: usize,
-    ) = depthwise_row_body
+    ) = fused depthwise_row_body
 }
 
 /// A gate of [`gated_sum`]: one value per image and channel, or one per token.

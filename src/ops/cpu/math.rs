@@ -5,29 +5,39 @@
 
 use super::*;
 
+/// `a · b + c`: one fused multiply-add with `FMA` (for bodies compiled where the vector
+/// units have it: `widest_simd!`'s `fused`), a multiply and an add without.
+#[inline(always)]
+pub(crate) fn fmadd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
 /// exp(x) for x <= 0: 2^n * p(r) with a Cody-Waite reduction and a degree-6 polynomial;
 /// relative error ~2e-7. Inputs below -87 return 0 exactly (no denormals downstream).
 ///
-/// Every step is an explicit `mul_add`: Rust never contracts `a * b + c` into an FMA, and
-/// separate multiplies and adds took twice the instructions on the polynomials' chains (the
-/// vector bodies are compiled with FMA; the scalar fallback calls libm's `fmaf`).
+/// Every step is an [`fmadd`]: Rust never contracts `a * b + c` into an FMA, and separate
+/// multiplies and adds took twice the instructions on the polynomials' chains.
 #[inline(always)]
-pub(super) fn exp_nonpositive(x: f32) -> f32 {
+pub(super) fn exp_nonpositive<const FMA: bool>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     // Adding and removing 1.5 * 2^23 rounds to nearest without a libm call.
     const ROUND: f32 = 12_582_912.0;
     let xc = x.max(-87.0);
-    let t = xc.mul_add(LOG2E, ROUND);
+    let t = fmadd::<FMA>(xc, LOG2E, ROUND);
     let n = t - ROUND;
     // t lies in [2^23, 2^24), where one ulp is 1, so its bits minus ROUND's are n as an
     // integer. Unlike `n as i32` (saturating, NaN-checked) this vectorises.
     let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
-    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, xc));
+    let r = fmadd::<FMA>(-n, LN2_LO, fmadd::<FMA>(-n, LN2_HI, xc));
     let p = [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0]
         .iter()
-        .fold(1.0 / 720.0, |acc: f32, &c| acc.mul_add(r, c));
+        .fold(1.0 / 720.0, |acc: f32, &c| fmadd::<FMA>(acc, r, c));
     let scale = f32::from_bits(((ni + 127) as u32) << 23);
     if x < -87.0 {
         0.0
@@ -38,13 +48,13 @@ pub(super) fn exp_nonpositive(x: f32) -> f32 {
 
 /// erf(x) by Abramowitz & Stegun 7.1.26 (max absolute error 1.5e-7), odd-extended.
 #[inline(always)]
-pub(super) fn erf(x: f32) -> f32 {
+pub(super) fn erf<const FMA: bool>(x: f32) -> f32 {
     let a = x.abs();
-    let t = 1.0 / a.mul_add(0.327_591_1, 1.0);
+    let t = 1.0 / fmadd::<FMA>(a, 0.327_591_1, 1.0);
     let poly = t * [-1.453_152_1, 1.421_413_8, -0.284_496_74, 0.254_829_6]
         .iter()
-        .fold(1.061_405_4, |acc: f32, &c| acc.mul_add(t, c));
-    let y = (-poly).mul_add(exp_nonpositive(-a * a), 1.0);
+        .fold(1.061_405_4, |acc: f32, &c| fmadd::<FMA>(acc, t, c));
+    let y = fmadd::<FMA>(-poly, exp_nonpositive::<FMA>(-a * a), 1.0);
     if x < 0.0 {
         -y
     } else {
@@ -62,8 +72,8 @@ pub(super) const SOFTMAX_CUTOFF: f32 = -80.0;
 
 /// `exp(x)` of a softmax argument `x <= 0`, or exactly 0 below [`SOFTMAX_CUTOFF`].
 #[inline(always)]
-pub(super) fn softmax_exp(x: f32) -> f32 {
-    let e = exp_nonpositive(x);
+pub(super) fn softmax_exp<const FMA: bool>(x: f32) -> f32 {
+    let e = exp_nonpositive::<FMA>(x);
     if x < SOFTMAX_CUTOFF {
         0.0
     } else {
@@ -73,7 +83,7 @@ pub(super) fn softmax_exp(x: f32) -> f32 {
 
 /// Softmax of each length-`n` row of `data`, in place.
 #[inline(always)]
-pub(super) fn softmax_rows_body(data: &mut [f32], n: usize) {
+pub(super) fn softmax_rows_body<const FMA: bool>(data: &mut [f32], n: usize) {
     for row in data.chunks_exact_mut(n) {
         let mut maxes = [f32::NEG_INFINITY; LANES];
         let mut chunks = row.chunks_exact(LANES);
@@ -91,13 +101,13 @@ pub(super) fn softmax_rows_body(data: &mut [f32], n: usize) {
         let mut chunks = row.chunks_exact_mut(LANES);
         for c in &mut chunks {
             for (s, v) in sums.iter_mut().zip(c) {
-                *v = softmax_exp(*v - max);
+                *v = softmax_exp::<FMA>(*v - max);
                 *s += *v;
             }
         }
         let mut sum = 0f32;
         for v in chunks.into_remainder() {
-            *v = softmax_exp(*v - max);
+            *v = softmax_exp::<FMA>(*v - max);
             sum += *v;
         }
         let inv = 1.0 / (sum + sums.iter().sum::<f32>());
@@ -106,7 +116,7 @@ pub(super) fn softmax_rows_body(data: &mut [f32], n: usize) {
 }
 
 #[inline(always)]
-pub(super) fn attention_probs_body(
+pub(super) fn attention_probs_body<const FMA: bool>(
     scores: &mut [f32],
     bias: Option<(&RelativeBias, usize)>,
     labels: Option<&[u8]>,
@@ -125,7 +135,7 @@ pub(super) fn attention_probs_body(
                 *s += if l == own { 0.0 } else { MASK_VALUE };
             }
         }
-        softmax_rows_body(row, n);
+        softmax_rows_body::<FMA>(row, n);
         if let Some(packed) = rounded.as_deref_mut() {
             packed.set_row(i, row);
         }
@@ -143,20 +153,20 @@ widest_simd! {
         labels: Option<&[u8]>,
         n: usize,
         rounded: Option<&mut PackedA>,
-    ) = attention_probs_body
+    ) = fused attention_probs_body
 }
 
 #[inline(always)]
-pub(super) fn gelu_body(data: &mut [f32]) {
+pub(super) fn gelu_body<const FMA: bool>(data: &mut [f32]) {
     data.iter_mut().for_each(|v| {
         let half = 0.5 * *v;
-        *v = half.mul_add(erf(*v * std::f32::consts::FRAC_1_SQRT_2), half);
+        *v = fmadd::<FMA>(half, erf::<FMA>(*v * std::f32::consts::FRAC_1_SQRT_2), half);
     });
 }
 
 widest_simd! {
     /// The exact GELU, in place.
-    pub(crate) fn gelu_in_place(data: &mut [f32]) = gelu_body
+    pub(crate) fn gelu_in_place(data: &mut [f32]) = fused gelu_body
 }
 
 pub(super) struct GeluErf;
@@ -235,8 +245,8 @@ impl CustomOp1 for MeanHw {
 /// sigmoid(x) = 1 / (1 + e^-x), from `e = exp(-|x|)` so that the exponential never
 /// overflows: `1 / (1 + e)` for x >= 0, `e / (1 + e)` below.
 #[inline(always)]
-pub(crate) fn sigmoid(x: f32) -> f32 {
-    let e = exp_nonpositive(-x.abs());
+pub(crate) fn sigmoid<const FMA: bool>(x: f32) -> f32 {
+    let e = exp_nonpositive::<FMA>(-x.abs());
     let s = 1.0 / (1.0 + e);
     if x < 0.0 {
         e * s
@@ -246,37 +256,37 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 }
 
 #[inline(always)]
-fn silu_body(out: &mut [f32], x: &[f32]) {
+fn silu_body<const FMA: bool>(out: &mut [f32], x: &[f32]) {
     out.iter_mut()
         .zip(x)
-        .for_each(|(o, &v)| *o = v * sigmoid(v));
+        .for_each(|(o, &v)| *o = v * sigmoid::<FMA>(v));
 }
 
 widest_simd! {
     /// `x · sigmoid(x)` of each element of `x`, into `out`.
-    fn silu_into(out: &mut [f32], x: &[f32]) = silu_body
+    fn silu_into(out: &mut [f32], x: &[f32]) = fused silu_body
 }
 
 /// `(o + x) · (sigmoid(o) - 0.5)`. The centred sigmoid is `±(1 - e) / (2 (1 + e))` with
 /// `e = exp(-|o|)`, which is exactly `sigmoid(o) - 0.5` without its cancellation near 0.
 #[inline(always)]
-fn sigmoid_gate_body(out: &mut [f32], o: &[f32], x: &[f32]) {
+fn sigmoid_gate_body<const FMA: bool>(out: &mut [f32], o: &[f32], x: &[f32]) {
     for ((out, &o), &x) in out.iter_mut().zip(o).zip(x) {
-        *out = sigmoid_gate_of(o, x);
+        *out = sigmoid_gate_of::<FMA>(o, x);
     }
 }
 
 /// SPAN's attention of one element, `(o + x) · (sigmoid(o) - 0.5)`.
 #[inline(always)]
-pub(crate) fn sigmoid_gate_of(o: f32, x: f32) -> f32 {
-    let e = exp_nonpositive(-o.abs());
+pub(crate) fn sigmoid_gate_of<const FMA: bool>(o: f32, x: f32) -> f32 {
+    let e = exp_nonpositive::<FMA>(-o.abs());
     let h = 0.5 * (1.0 - e) / (1.0 + e);
     (o + x) * if o < 0.0 { -h } else { h }
 }
 
 widest_simd! {
     /// SPAN's parameter-free attention on each element, into `out`.
-    fn sigmoid_gate_into(out: &mut [f32], o: &[f32], x: &[f32]) = sigmoid_gate_body
+    fn sigmoid_gate_into(out: &mut [f32], o: &[f32], x: &[f32]) = fused sigmoid_gate_body
 }
 
 /// SiLU (`x · sigmoid(x)`, `nn.SiLU`): one parallel pass on the CPU in f32, candle's op

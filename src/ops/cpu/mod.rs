@@ -37,17 +37,32 @@ fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f
 /// Elsewhere `$body` runs as compiled.
 macro_rules! widest_simd {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) = $body:ident) => {
+        $crate::ops::cpu::widest_simd!(
+            $(#[$meta])* $vis fn $name($($arg: $ty),*) = $body, $body, $body
+        );
+    };
+    // `fused body`: `body::<true>` (explicit FMAs, see `fmadd`) where the vector units have
+    // them, `body::<false>` (separate multiply and add) in the x86 fallback, which may run
+    // on CPUs without FMA (where `mul_add` would be a libm call per element).
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) = fused $body:ident) => {
+        $crate::ops::cpu::widest_simd!(
+            $(#[$meta])* $vis fn $name($($arg: $ty),*)
+                = $body::<true>, $body::<true>, $body::<{ cfg!(target_arch = "aarch64") }>
+        );
+    };
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?)
+        = $wide:path, $mid:path, $plain:path) => {
         $(#[$meta])*
         $vis fn $name($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f")]
                 unsafe fn avx512($($arg: $ty),*) {
-                    $body($($arg),*)
+                    $wide($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2($($arg: $ty),*) {
-                    $body($($arg),*)
+                    $mid($($arg),*)
                 }
                 use $crate::ops::cpu::isa::{cpu_isa, CpuIsa};
                 match cpu_isa() {
@@ -59,7 +74,7 @@ macro_rules! widest_simd {
                     CpuIsa::Scalar => {}
                 }
             }
-            $body($($arg),*)
+            $plain($($arg),*)
         }
     };
 }

@@ -14,13 +14,18 @@ fn max_abs_diff(ours: &Tensor, want: &Tensor) -> Result<f64> {
 }
 
 /// No probability leaves the softmax subnormal: a full window of equal scores plus one
-/// 86 below them would give e^-86 / 257 ≈ 1.6e-40 without the cutoff.
+/// 86 below them would give e^-86 / 257 ≈ 1.6e-40 without the cutoff. Both forms: with
+/// fused multiply-adds and without.
 #[test]
 fn softmax_never_outputs_subnormals() {
-    for offset in [-79.0f32, -80.5, -84.0, -86.0, -90.0, -100.0] {
+    let forms: [fn(&mut [f32], usize); 2] = [softmax_rows_body::<true>, softmax_rows_body::<false>];
+    for (offset, softmax) in [-79.0f32, -80.5, -84.0, -86.0, -90.0, -100.0]
+        .into_iter()
+        .flat_map(|o| forms.map(|f| (o, f)))
+    {
         let mut row = vec![0f32; 257];
         row[100] = offset;
-        softmax_rows_body(&mut row, 257);
+        softmax(&mut row, 257);
         for &p in &row {
             assert!(p == 0.0 || p.is_normal(), "offset {offset}: {p:e}");
         }
@@ -32,15 +37,17 @@ fn softmax_never_outputs_subnormals() {
 
 #[test]
 fn exp_is_accurate_over_the_softmax_range() {
-    let mut worst = 0f64;
-    for i in 0..=200_000 {
-        let x = -(i as f32) * 87.0 / 200_000.0;
-        let want = (x as f64).exp();
-        worst = worst.max(((exp_nonpositive(x) as f64 - want) / want).abs());
+    for exp in [exp_nonpositive::<true>, exp_nonpositive::<false>] {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -(i as f32) * 87.0 / 200_000.0;
+            let want = (x as f64).exp();
+            worst = worst.max(((exp(x) as f64 - want) / want).abs());
+        }
+        assert!(worst < 5e-7, "relative error {worst}");
+        assert_eq!(exp(-1000.0), 0.0);
+        assert_eq!(exp(0.0), 1.0);
     }
-    assert!(worst < 5e-7, "relative error {worst}");
-    assert_eq!(exp_nonpositive(-1000.0), 0.0);
-    assert_eq!(exp_nonpositive(0.0), 1.0);
 }
 
 #[test]
@@ -133,11 +140,14 @@ fn softmax_rows_match_candle_with_masked_entries_on_one_isa() -> Result<()> {
     let x = Tensor::randn(0f32, 3.0, (5, 7, 70), &Device::Cpu)?;
     let masked = (x.narrow(2, 0, 32)? - 100.0)?;
     let x = Tensor::cat(&[&masked, &x.narrow(2, 32, 38)?], 2)?;
-    let mut ours = x.flatten_all()?.to_vec1::<f32>()?;
-    softmax_rows_body(&mut ours, 70);
-    let ours = Tensor::from_vec(ours, (5, 7, 70), &Device::Cpu)?;
     let want = candle_nn::ops::softmax_last_dim(&x.to_dtype(DType::F64)?)?;
-    let d = max_abs_diff(&ours, &want)?;
+    let mut d = 0f64;
+    for softmax in [softmax_rows_body::<true>, softmax_rows_body::<false>] {
+        let mut ours = x.flatten_all()?.to_vec1::<f32>()?;
+        softmax(&mut ours, 70);
+        let ours = Tensor::from_vec(ours, (5, 7, 70), &Device::Cpu)?;
+        d = d.max(max_abs_diff(&ours, &want)?);
+    }
     assert!(d < 1e-6, "max abs error {d}");
     Ok(())
 }
