@@ -13,6 +13,7 @@ use super::linear::Dense;
 use super::LoadPlan;
 use crate::ops::pad::Pad;
 use crate::ops::windows::WindowCache;
+use crate::tests::normal;
 
 /// The plan without bf16 products and the one with them, or `None` on a CPU without bf16
 /// arithmetic (where a model asking for them is refused before any layer is built).
@@ -52,10 +53,7 @@ fn assert_bf16_products(f32: &Tensor, bf16: &Tensor, what: &str) -> Result<()> {
 fn weights(shapes: &[(&str, &[usize])]) -> Result<VarBuilder<'static>> {
     let mut map = HashMap::new();
     for (name, shape) in shapes {
-        map.insert(
-            name.to_string(),
-            Tensor::randn(0f32, 1.0, *shape, &Device::Cpu)?,
-        );
+        map.insert(name.to_string(), normal(0.0, 1.0, *shape, &Device::Cpu)?);
     }
     Ok(VarBuilder::from_tensors(map, DType::F32, &Device::Cpu))
 }
@@ -66,9 +64,9 @@ fn dense_packs_its_weight_when_built_for_bf16_products() -> Result<()> {
         return Ok(());
     };
     let dev = Device::Cpu;
-    let w = Tensor::randn(0f32, 1.0, (40, 48), &dev)?;
-    let b = Tensor::randn(0f32, 1.0, 40, &dev)?;
-    let x = Tensor::randn(0f32, 1.0, (2, 5, 48), &dev)?;
+    let w = normal(0.0, 1.0, (40, 48), &dev)?;
+    let b = normal(0.0, 1.0, 40, &dev)?;
+    let x = normal(0.0, 1.0, (2, 5, 48), &dev)?;
     let plain = Dense::new(w.clone(), b.clone(), &f32)?;
     assert!(matches!(plain, Dense::Cpu(..)));
     let packed = Dense::new(w, b, &bf16)?;
@@ -88,7 +86,7 @@ fn convolutions_pack_their_weights_when_built_for_bf16_products() -> Result<()> 
         ("rgb.weight", &[3, cin, 3, 3]),
         ("rgb.bias", &[3]),
     ])?;
-    let x = Tensor::randn(0f32, 1.0, (1, 6, 7, cin), &Device::Cpu)?;
+    let x = normal(0.0, 1.0, (1, 6, 7, cin), &Device::Cpu)?;
     let conv = |plan| Conv3x3::unpadded(cin, cout, plan, vb.pp("conv"));
     let (plain, packed) = (conv(&f32)?, conv(&bf16)?);
     assert_bf16_products(&plain.forward(&x)?, &packed.forward(&x)?, "3x3")?;
@@ -117,8 +115,8 @@ fn window_attention_takes_bf16_products_from_its_plan() -> Result<()> {
     let dev = Device::Cpu;
     let (ws, heads, d) = (4, 2, 8);
     let (h, w) = (2 * ws, 2 * ws);
-    let table = Tensor::randn(0f32, 1.0, ((2 * ws - 1) * (2 * ws - 1), heads), &dev)?;
-    let qkv = Tensor::randn(0f32, 1.0, (4, ws * ws, 3 * heads * d), &dev)?;
+    let table = normal(0.0, 1.0, ((2 * ws - 1) * (2 * ws - 1), heads), &dev)?;
+    let qkv = normal(0.0, 1.0, (4, ws * ws, 3 * heads * d), &dev)?;
     let windows = WindowCache::new(ws, DType::F32, &dev);
     let plain = Attend::new(&table, heads, d, ws, &f32)?;
     let packed = Attend::new(&table, heads, d, ws, &bf16)?;
@@ -139,8 +137,8 @@ fn overlap_attention_runs_our_kernel_on_the_cpu() -> Result<()> {
     let dev = Device::Cpu;
     let (ws, ows, heads, d) = (4, 6, 2, 8);
     let side = ws + ows - 1;
-    let table = Tensor::randn(0f32, 1.0, (side * side, heads), &dev)?;
-    let qkv = Tensor::randn(0f32, 0.5, (1, 2 * ws, 3 * ws, 3 * heads * d), &dev)?;
+    let table = normal(0.0, 1.0, (side * side, heads), &dev)?;
+    let qkv = normal(0.0, 0.5, (1, 2 * ws, 3 * ws, 3 * heads * d), &dev)?;
     let f32 = LoadPlan::default();
     let plain = OverlapAttend::new(&table, heads, (ws, ows), &f32)?.forward(&qkv)?;
     let bias = super::attention::overlap_bias(&table, ws, ows)?;

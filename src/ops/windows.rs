@@ -383,6 +383,7 @@ impl WindowCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tests::normal;
 
     /// Index into the `(2ws-1)^2` bias table for every (query, key) pair of a window,
     /// row-major, as the official code builds it.
@@ -407,7 +408,7 @@ mod tests {
         for (ws, heads) in [(4usize, 3usize), (8, 6), (16, 2), (7, 1)] {
             let n = ws * ws;
             let side = 2 * ws - 1;
-            let table = Tensor::randn(0f32, 1.0, (side * side, heads), &Device::Cpu)?;
+            let table = normal(0.0, 1.0, (side * side, heads), &Device::Cpu)?;
             let idx = Tensor::from_vec(relative_position_index(ws), n * n, &Device::Cpu)?;
             let want = table
                 .index_select(&idx, 0)?

@@ -311,6 +311,7 @@ pub(crate) fn overlap_attention_graph(
 mod tests {
     use super::cuda::{overlap_kernel_enabled, with_overlap_kernel};
     use super::*;
+    use crate::tests::normal;
     use candle_core::{DType, Device};
 
     /// Random `(qkv, bias)` for `b` maps of `h x w`, q scaled by `d^-0.5` as the model scales
@@ -321,10 +322,10 @@ mod tests {
     ) -> Result<(Tensor, Tensor)> {
         let dev = Device::Cpu;
         let c = heads * d;
-        let q = (Tensor::randn(0f32, 1.0, (b, h, w, c), &dev)? * (2.0 / (d as f64).sqrt()))?;
-        let kv = Tensor::randn(0f32, 1.0, (b, h, w, 2 * c), &dev)?;
+        let q = (normal(0.0, 1.0, (b, h, w, c), &dev)? * (2.0 / (d as f64).sqrt()))?;
+        let kv = normal(0.0, 1.0, (b, h, w, 2 * c), &dev)?;
         let side = ws + ows - 1;
-        let table = Tensor::randn(0f32, 1.0, (side * side, heads), &dev)?;
+        let table = normal(0.0, 1.0, (side * side, heads), &dev)?;
         Ok((Tensor::cat(&[q, kv], 3)?, overlap_bias(&table, ws, ows)?))
     }
 

@@ -2,6 +2,7 @@ use super::*;
 use crate::ops::attention::cpu::window_attention;
 use crate::ops::conv::cpu::{conv3x3, conv3x3_bf16, conv3x3_shuffled, conv3x3_shuffled_bf16};
 use crate::ops::linear::cpu::{linear, linear_bf16, pack, After};
+use crate::tests::normal;
 use candle_core::Device;
 
 /// Largest absolute difference, in f64, between a result and its reference.
@@ -137,7 +138,7 @@ fn softmax_rows_match_candle_with_masked_entries() -> Result<()> {
 
 fn softmax_rows_match_candle_with_masked_entries_on_one_isa() -> Result<()> {
     // Rows of 70: four full lanes of 16 and a remainder of 6.
-    let x = Tensor::randn(0f32, 3.0, (5, 7, 70), &Device::Cpu)?;
+    let x = normal(0.0, 3.0, (5, 7, 70), &Device::Cpu)?;
     let masked = (x.narrow(2, 0, 32)? - 100.0)?;
     let x = Tensor::cat(&[&masked, &x.narrow(2, 32, 38)?], 2)?;
     let want = candle_nn::ops::softmax_last_dim(&x.to_dtype(DType::F64)?)?;
@@ -210,9 +211,9 @@ fn attention_inputs(
 )> {
     let dev = Device::Cpu;
     let n = ws * ws;
-    let qkv = Tensor::randn(0f32, 1.0, (bw, n, 3 * heads * d), &dev)?;
+    let qkv = normal(0.0, 1.0, (bw, n, 3 * heads * d), &dev)?;
     let side = 2 * ws - 1;
-    let table = Tensor::randn(0f32, 1.0, (side * side, heads), &dev)?;
+    let table = normal(0.0, 1.0, (side * side, heads), &dev)?;
     let (regions, mask) = if nw > 0 {
         let mask = crate::ops::windows::shift_mask(ws, nw * ws, ws);
         (
@@ -322,15 +323,15 @@ fn linear_matches_matmul_plus_bias() -> Result<()> {
 fn linear_matches_matmul_plus_bias_on_one_isa() -> Result<()> {
     let dev = Device::Cpu;
     for dims in [vec![2usize, 3, 5, 7], vec![4, 7], vec![1, 7]] {
-        let x = Tensor::randn(0f32, 1.0, dims.as_slice(), &dev)?;
-        let w = Tensor::randn(0f32, 1.0, (11, 7), &dev)?;
-        let b = Tensor::randn(0f32, 1.0, 11, &dev)?;
+        let x = normal(0.0, 1.0, dims.as_slice(), &dev)?;
+        let w = normal(0.0, 1.0, (11, 7), &dev)?;
+        let b = normal(0.0, 1.0, 11, &dev)?;
         let want = x
             .to_dtype(DType::F64)?
             .broadcast_matmul(&w.to_dtype(DType::F64)?.t()?)?;
         let mut out_dims = dims.clone();
         *out_dims.last_mut().expect("non-empty") = 11;
-        let r = Tensor::randn(0f32, 1.0, out_dims.as_slice(), &dev)?;
+        let r = normal(0.0, 1.0, out_dims.as_slice(), &dev)?;
         for (bias, residual) in [
             (None, None),
             (Some(&b), None),
@@ -382,9 +383,9 @@ fn linear_gelu_epilogue_matches_gelu_of_the_product() -> Result<()> {
 fn linear_gelu_epilogue_matches_gelu_of_the_product_on_one_isa() -> Result<()> {
     let dev = Device::Cpu;
     let (m, k, n) = (2 * EPILOGUE_ROWS + 45, 40, 37);
-    let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
-    let w = Tensor::randn(0f32, 0.3, (n, k), &dev)?;
-    let b = Tensor::randn(0f32, 1.0, n, &dev)?;
+    let x = normal(0.0, 1.0, (m, k), &dev)?;
+    let w = normal(0.0, 0.3, (n, k), &dev)?;
+    let b = normal(0.0, 1.0, n, &dev)?;
     let check = |ours: &Tensor, plain: &Tensor, what: &str| -> Result<()> {
         let want = plain.to_dtype(DType::F64)?.gelu_erf()?;
         let diff = max_abs_diff(ours, &want)?;
@@ -427,9 +428,9 @@ fn conv3x3_matches_candle_conv2d_on_one_isa() -> Result<()> {
         (2, 2, 11, 33, 2, 1 << 20),
         (1, 5, 3, 64, 4, 1 << 20),
     ] {
-        let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
-        let weight = Tensor::randn(0f32, 1.0, (cout, cin, 3, 3), &dev)?;
-        let bias = Tensor::randn(0f32, 1.0, cout, &dev)?;
+        let x = normal(0.0, 1.0, (b, h, w, cin), &dev)?;
+        let weight = normal(0.0, 1.0, (cout, cin, 3, 3), &dev)?;
+        let bias = normal(0.0, 1.0, cout, &dev)?;
         let w9 = weight
             .permute((2, 3, 1, 0))?
             .reshape((9 * cin, cout))?
@@ -465,9 +466,9 @@ fn bf16_conv_matches_the_rounded_convolution() -> Result<()> {
             (1, 4, 5, 5, 32),
             (1, 2, 3, 64, 64),
         ] {
-            let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
-            let weight = Tensor::randn(0f32, 1.0, (cout, cin, 3, 3), &dev)?;
-            let bias = Tensor::randn(0f32, 1.0, cout, &dev)?;
+            let x = normal(0.0, 1.0, (b, h, w, cin), &dev)?;
+            let weight = normal(0.0, 1.0, (cout, cin, 3, 3), &dev)?;
+            let bias = normal(0.0, 1.0, cout, &dev)?;
             let w9 = weight.permute((2, 3, 1, 0))?.reshape((9 * cin, cout))?;
             let ws = w9.flatten_all()?.to_vec1::<f32>()?;
             let packed = PackedB::new(&ws, (9 * cin, cout), (cout, 1));
@@ -505,9 +506,9 @@ fn shuffled_conv_matches_conv_then_shuffle_on_one_isa() -> Result<()> {
         (1, 2, 100, 8, 16, 2, 1 << 20),
     ] {
         let cout = r * r * c;
-        let x = Tensor::randn(0f32, 1.0, (b, h, w, cin), &dev)?;
-        let w9 = Tensor::randn(0f32, 0.3, (9 * cin, cout), &dev)?;
-        let bias = Tensor::randn(0f32, 1.0, cout, &dev)?;
+        let x = normal(0.0, 1.0, (b, h, w, cin), &dev)?;
+        let w9 = normal(0.0, 0.3, (9 * cin, cout), &dev)?;
+        let bias = normal(0.0, 1.0, cout, &dev)?;
         let plain = conv3x3(&x, &w9, &bias, chunk)?.expect("f32 kernel");
         let want = pixel_shuffle_reordered(&plain, r)?.expect("f32 kernel");
         let ours = conv3x3_shuffled(&x, &w9, &bias, r, chunk)?.expect("f32 kernel");
@@ -532,8 +533,8 @@ fn shuffled_conv_matches_conv_then_shuffle_on_one_isa() -> Result<()> {
 fn dense_concatenation_and_shuffle_match_candle() -> Result<()> {
     let dev = Device::Cpu;
     // Channel counts off the vector width, and a negative zero and exact zeros in y.
-    let x = Tensor::randn(0f32, 1.0, (2, 3, 37), &dev)?;
-    let y = Tensor::randn(0f32, 1.0, (2, 3, 19), &dev)?;
+    let x = normal(0.0, 1.0, (2, 3, 37), &dev)?;
+    let y = normal(0.0, 1.0, (2, 3, 19), &dev)?;
     let y = y.slice_assign(
         &[0..1, 0..1, 0..2],
         &Tensor::new(&[[[-0.0f32, 0.0]]], &dev)?,
@@ -549,7 +550,7 @@ fn dense_concatenation_and_shuffle_match_candle() -> Result<()> {
 
     for r in [2, 3] {
         let (b, h, w, c) = (2, 3, 4, 5);
-        let x = Tensor::randn(0f32, 1.0, (b, h, w, r * r * c), &dev)?;
+        let x = normal(0.0, 1.0, (b, h, w, r * r * c), &dev)?;
         let ours = pixel_shuffle_reordered(&x, r)?.expect("the CPU f32 kernel applies");
         let want = x
             .reshape((b, h, w, r, r, c))?
@@ -568,8 +569,8 @@ fn dense_concatenation_and_shuffle_match_candle() -> Result<()> {
 #[test]
 fn add_matches_candle_and_checks_shapes() -> Result<()> {
     let dev = Device::Cpu;
-    let a = Tensor::randn(0f32, 1.0, (3, CHUNK + 77), &dev)?;
-    let b = Tensor::randn(0f32, 1.0, (3, CHUNK + 77), &dev)?;
+    let a = normal(0.0, 1.0, (3, CHUNK + 77), &dev)?;
+    let b = normal(0.0, 1.0, (3, CHUNK + 77), &dev)?;
     let ours = add(&a, &b)?.expect("f32 on the CPU");
     assert_eq!(max_abs_diff(&ours, &(&a + &b)?)?, 0.0);
     assert!(add(&a, &b.narrow(1, 0, 5)?.contiguous()?).is_err());
@@ -601,10 +602,10 @@ fn layer_throughput_on_one_isa() -> Result<()> {
         Ok(flops * reps as f64 / t.elapsed().as_secs_f64() / 1e9)
     };
     for (k, n, after) in [(180, 540, 0), (180, 180, 0), (180, 360, 1), (360, 180, 2)] {
-        let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
-        let w = Tensor::randn(0f32, 0.1, (n, k), &dev)?;
-        let b = Tensor::randn(0f32, 1.0, n, &dev)?;
-        let r = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
+        let x = normal(0.0, 1.0, (m, k), &dev)?;
+        let w = normal(0.0, 0.1, (n, k), &dev)?;
+        let b = normal(0.0, 1.0, n, &dev)?;
+        let r = normal(0.0, 1.0, (m, n), &dev)?;
         let after = match after {
             0 => After::Nothing,
             1 => After::Gelu,
@@ -615,9 +616,9 @@ fn layer_throughput_on_one_isa() -> Result<()> {
         eprintln!("linear {m}x{k}x{n}: {g:.0} GFLOP/s");
     }
     for (side, cin, cout) in [(64, 180, 180), (64, 180, 64), (128, 64, 256)] {
-        let x = Tensor::randn(0f32, 1.0, (1, side, side, cin), &dev)?;
-        let w = Tensor::randn(0f32, 0.1, (9 * cin, cout), &dev)?;
-        let b = Tensor::randn(0f32, 1.0, cout, &dev)?;
+        let x = normal(0.0, 1.0, (1, side, side, cin), &dev)?;
+        let w = normal(0.0, 0.1, (9 * cin, cout), &dev)?;
+        let b = normal(0.0, 1.0, cout, &dev)?;
         let run = || Ok(conv3x3(&x, &w, &b, 16 << 20)?.expect("f32 on the CPU"));
         let g = time(&run, 2.0 * (side * side * 9 * cin * cout) as f64)?;
         eprintln!("conv3x3 {side}x{side} {cin}->{cout}: {g:.0} GFLOP/s");
@@ -630,7 +631,7 @@ fn layer_throughput_on_one_isa() -> Result<()> {
 #[test]
 fn mean_over_height_and_width_matches_candle() -> Result<()> {
     for dims in [(2, 5, 7, 33), (2, 64, 64, 180), (1, 1, 1, 3)] {
-        let x = (Tensor::randn(0f32, 1.0, dims, &Device::Cpu)? + 0.5)?;
+        let x = (normal(0.0, 1.0, dims, &Device::Cpu)? + 0.5)?;
         let ours = mean_hw(&x)?;
         assert_eq!(ours.dims(), [dims.0, 1, 1, dims.3]);
         let want = x.to_dtype(DType::F64)?.mean_keepdim(1)?.mean_keepdim(2)?;

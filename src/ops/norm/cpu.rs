@@ -380,10 +380,11 @@ pub fn add_gather_norm(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Shape, D};
+    use candle_core::{Device, D};
 
     use crate::ops::pad::{Channels, Pad};
     use crate::tests::fixtures::max_abs_diff;
+    use crate::tests::normal;
 
     /// The layer norm in f64, written out (candle's fused op has no f64 kernel).
     struct Reference {
@@ -401,36 +402,6 @@ mod tests {
                 .broadcast_mul(&self.weight)?
                 .broadcast_add(&self.bias)
         }
-    }
-
-    thread_local! {
-        /// Draws so far on this thread: each test runs on a thread of its own, so its values
-        /// are the same on every run (a rare draw failing a bound now fails it every time).
-        static DRAWS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    }
-
-    /// Values of mean `mean` and spread `std` (the sum of four uniforms, centred and scaled
-    /// to unit variance), from a generator seeded by the test's count of draws.
-    fn normal(mean: f32, std: f32, shape: impl Into<Shape>, dev: &Device) -> Result<Tensor> {
-        let shape = shape.into();
-        let draw = DRAWS.with(|d| {
-            d.set(d.get() + 1);
-            d.get()
-        });
-        let mut state = draw.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        let mut uniform = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 24) as f32
-        };
-        let values: Vec<f32> = (0..shape.elem_count())
-            .map(|_| {
-                let sum: f32 = (0..4).map(|_| uniform()).sum();
-                mean + std * (sum - 2.0) * 3f32.sqrt()
-            })
-            .collect();
-        Tensor::from_vec(values, shape, dev)
     }
 
     /// A layer norm over the real channels of `channels` with random affine parameters, and
