@@ -6,10 +6,9 @@
 #
 # The CUDA sources of dependencies (candle's elementwise PTX, its quantized and MoE static
 # library) are not compiled at all: each output nvcc would write is left empty (an empty
-# archive for `--lib`). CI's CUDA step is `cargo clippy`, a check that links nothing and runs
-# nothing, so those outputs are never read as code; compiling them took about 3.5 minutes of
-# the step. A build that links (a release binary, the GPU pack) must use the real nvcc, never
-# this script.
+# archive for `--lib`). CI type-checks with them and links its CUDA test binaries against them
+# but runs nothing on a GPU; compiling them took about 3.5 minutes of the step. A build meant
+# to run (a release binary, the GPU pack) must use the real nvcc, never this script.
 set -euo pipefail
 real=${UPSCALE_REAL_NVCC:-${CUDA_HOME:?set CUDA_HOME or UPSCALE_REAL_NVCC}/bin/nvcc}
 ours="$(cd "$(dirname "$0")/.." && pwd)/kernels/"
