@@ -114,6 +114,12 @@ def cmd_time(a):
             sys.exit(f"{a.weights}: does not match {a.preset} ({bad[:5]})")
     dtype = DTYPES[a.dtype]
     model = model.to(dev, dtype)
+    # SwinIR builds the shift mask of a tile size other than img_size on the fly in f32, and
+    # `attn + mask` then promotes the scores to f32, which the bf16 `attn @ v` refuses: the
+    # mask in the model's dtype, as a user casting the model would need.
+    for m in model.modules():
+        if PRESETS[a.preset]["arch"] == "swinir" and hasattr(m, "calculate_mask"):
+            m.calculate_mask = (lambda f: lambda x_size: f(x_size).to(dtype))(m.calculate_mask)
     ws = PRESETS[a.preset]["window_size"]
     tile = a.tile or (256 if cuda else max(2 * ws, 16))
     overlap = a.overlap if a.overlap is not None else (32 if cuda else max(ws // 2, 4))

@@ -7,9 +7,7 @@
 //   the concatenation costs no pass of its own.
 // - gather_norm / add_gather_norm: the window partition (a token permutation) fused with the
 //   layer norm beside it, one warp per token row; add_scaled_gather_norm also adds HAT's
-//   channel-attention branch, scaled per image and channel, to the residual sum. The `_regs`
-//   variants hold each lane's values of the row in registers (rows up to 32 * ROW_REGS
-//   wide), so the row is read once instead of once per pass; same arithmetic, same results.
+//   channel-attention branch, scaled per image and channel, to the residual sum.
 // - patches3x3: the patch matrix of a 3x3 convolution in one pass, where candle's zero
 //   padding, nine strided tap copies and their concatenation took eleven.
 // - conv3x3_narrow: a 3x3 convolution with at most four outputs (the RGB output layer at the
@@ -182,73 +180,19 @@ __device__ void norm_row(const T *src, const T *__restrict__ gamma, const T *__r
     }
 }
 
-// Values of a row each lane holds in the `_regs` variants: column lane + 32 k in v[k]. Ten
-// cover every released width (DRCT's dense groups reach 308 channels, 320 padded to 64) at
-// 56 registers a thread (64 with HAT's scaled term); 16 took 72-82, halving the warps an SM
-// can hold. Wider rows take the per-pass path.
-constexpr unsigned int ROW_REGS = 10;
-
-// norm_row on a row already in registers (v[k] is column lane + 32 k, for those below
-// cols): the same sums in the same order, without reading the row again.
-template <typename T>
-__device__ void norm_regs(const float (&v)[ROW_REGS], const T *__restrict__ gamma,
-                          const T *__restrict__ beta, const T *__restrict__ mask,
-                          T *__restrict__ dst, unsigned int cols, unsigned int count, int masked,
-                          float eps) {
-    const unsigned int lane = threadIdx.x % 32;
-    float s = 0.0f;
-#pragma unroll
-    for (unsigned int k = 0; k < ROW_REGS; ++k) {
-        if (lane + 32 * k < cols) {
-            s += v[k];
-        }
-    }
-    const float mean = warp_sum(s) / count;
-    float q = 0.0f;
-#pragma unroll
-    for (unsigned int k = 0; k < ROW_REGS; ++k) {
-        const unsigned int c = lane + 32 * k;
-        if (c < cols) {
-            const float d = v[k] - (masked ? mean * to_f32(mask[c]) : mean);
-            q += d * d;
-        }
-    }
-    const float inv = rsqrtf(warp_sum(q) / count + eps);
-#pragma unroll
-    for (unsigned int k = 0; k < ROW_REGS; ++k) {
-        const unsigned int c = lane + 32 * k;
-        if (c < cols) {
-            dst[c] = from_f32<T>((v[k] - mean) * inv * to_f32(gamma[c]) + to_f32(beta[c]));
-        }
-    }
-}
-
 // out[b, t] = ln(x[b, order[t]]): x is batch x tokens_in x cols, out batch x tokens x cols.
-// Regs: the row in registers where it fits (norm_regs), else read per pass (norm_row).
-template <typename T, bool Regs>
+template <typename T>
 __device__ void gather_norm(const T *__restrict__ x, const unsigned int *__restrict__ order,
                             const T *__restrict__ gamma, const T *__restrict__ beta,
                             const T *__restrict__ mask, T *__restrict__ out, unsigned int rows,
                             unsigned int tokens, unsigned int tokens_in, unsigned int cols,
                             unsigned int count, int masked, float eps) {
     const unsigned int warps = blockDim.x / 32;
-    const unsigned int lane = threadIdx.x % 32;
     for (unsigned int r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += gridDim.x * warps) {
         const unsigned int b = r / tokens;
         const unsigned int src = b * tokens_in + order[r - b * tokens];
-        const T *row = x + (size_t)src * cols;
-        T *dst = out + (size_t)r * cols;
-        if (Regs && cols <= 32 * ROW_REGS) {
-            float v[ROW_REGS];
-#pragma unroll
-            for (unsigned int k = 0; k < ROW_REGS; ++k) {
-                const unsigned int c = lane + 32 * k;
-                v[k] = c < cols ? to_f32(row[c]) : 0.0f;
-            }
-            norm_regs(v, gamma, beta, mask, dst, cols, count, masked, eps);
-        } else {
-            norm_row(row, gamma, beta, mask, dst, cols, count, masked, eps);
-        }
+        norm_row(x + (size_t)src * cols, gamma, beta, mask, out + (size_t)r * cols, cols, count,
+                 masked, eps);
     }
 }
 
@@ -257,7 +201,7 @@ __device__ void gather_norm(const T *__restrict__ x, const unsigned int *__restr
 // scale s (batch x cols), HAT's channel attention, the sum is x + z * s[b] + y[b, back[t]],
 // in f32 and rounded once: the product and the first sum cost no passes of their own. z and
 // s are null without it. The norm reads the rounded sum, which is what the next layers see.
-template <typename T, bool Regs>
+template <typename T>
 __device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ z,
                                 const T *__restrict__ s, const T *__restrict__ y,
                                 const unsigned int *__restrict__ back,
@@ -272,30 +216,6 @@ __device__ void add_gather_norm(const T *__restrict__ x, const T *__restrict__ z
         const T *xr = x + (size_t)r * cols;
         const T *yr = y + ((size_t)b * tokens_y + back[r - b * tokens]) * cols;
         T *sr = sum + (size_t)r * cols;
-        if (Regs && cols <= 32 * ROW_REGS) {
-            // The rounded sum stays in registers for the norm, which reads what was stored.
-            float v[ROW_REGS];
-            const T *zr = z != nullptr ? z + (size_t)r * cols : nullptr;
-            const T *sb = z != nullptr ? s + (size_t)b * cols : nullptr;
-#pragma unroll
-            for (unsigned int k = 0; k < ROW_REGS; ++k) {
-                const unsigned int c = lane + 32 * k;
-                v[k] = 0.0f;
-                if (c < cols) {
-                    T stored;
-                    if (zr != nullptr) {
-                        const float t = to_f32(xr[c]) + to_f32(zr[c]) * to_f32(sb[c]);
-                        stored = from_f32<T>(t + to_f32(yr[c]));
-                    } else {
-                        stored = from_f32<T>(to_f32(xr[c]) + to_f32(yr[c]));
-                    }
-                    sr[c] = stored;
-                    v[k] = to_f32(stored);
-                }
-            }
-            norm_regs(v, gamma, beta, mask, normed + (size_t)r * cols, cols, count, masked, eps);
-            continue;
-        }
         if (z != nullptr) {
             const T *zr = z + (size_t)r * cols;
             const T *sb = s + (size_t)b * cols;
@@ -413,31 +333,29 @@ __device__ void conv3x3_narrow(const T *__restrict__ x, const T *__restrict__ wt
 
 }  // namespace rowwise
 
-// The three norm kernels of type T, reading the row per pass (REGS false) or holding it in
-// registers (REGS true, names ending in VARIANT).
-#define NORMS(T, SUFFIX, REGS, VARIANT)                                                        \
-    extern "C" __global__ void gather_norm##VARIANT##_##SUFFIX(                                \
+// The three norm kernels of type T.
+#define NORMS(T, SUFFIX)                                                                       \
+    extern "C" __global__ void gather_norm_##SUFFIX(                                           \
         const T *x, const unsigned int *order, const T *gamma, const T *beta, const T *mask,   \
         T *out, unsigned int rows, unsigned int tokens, unsigned int tokens_in,                \
         unsigned int cols, unsigned int count, int masked, float eps) {                        \
-        rowwise::gather_norm<T, REGS>(x, order, gamma, beta, mask, out, rows, tokens,          \
-                                      tokens_in, cols, count, masked, eps);                    \
+        rowwise::gather_norm(x, order, gamma, beta, mask, out, rows, tokens, tokens_in, cols,  \
+                             count, masked, eps);                                              \
     }                                                                                          \
-    extern "C" __global__ void add_gather_norm##VARIANT##_##SUFFIX(                            \
+    extern "C" __global__ void add_gather_norm_##SUFFIX(                                       \
         const T *x, const T *y, const unsigned int *back, const T *gamma, const T *beta,       \
         const T *mask, T *sum, T *normed, unsigned int rows, unsigned int tokens,              \
         unsigned int tokens_y, unsigned int cols, unsigned int count, int masked, float eps) { \
-        rowwise::add_gather_norm<T, REGS>(x, nullptr, nullptr, y, back, gamma, beta, mask,     \
-                                          sum, normed, rows, tokens, tokens_y, cols, count,    \
-                                          masked, eps);                                        \
+        rowwise::add_gather_norm<T>(x, nullptr, nullptr, y, back, gamma, beta, mask, sum,      \
+                                    normed, rows, tokens, tokens_y, cols, count, masked, eps); \
     }                                                                                          \
-    extern "C" __global__ void add_scaled_gather_norm##VARIANT##_##SUFFIX(                     \
+    extern "C" __global__ void add_scaled_gather_norm_##SUFFIX(                                \
         const T *x, const T *z, const T *s, const T *y, const unsigned int *back,              \
         const T *gamma, const T *beta, const T *mask, T *sum, T *normed, unsigned int rows,    \
         unsigned int tokens, unsigned int tokens_y, unsigned int cols, unsigned int count,     \
         int masked, float eps) {                                                               \
-        rowwise::add_gather_norm<T, REGS>(x, z, s, y, back, gamma, beta, mask, sum, normed,    \
-                                          rows, tokens, tokens_y, cols, count, masked, eps);   \
+        rowwise::add_gather_norm(x, z, s, y, back, gamma, beta, mask, sum, normed, rows,       \
+                                 tokens, tokens_y, cols, count, masked, eps);                  \
     }
 
 #define ROWWISE(T, SUFFIX)                                                                     \
@@ -452,8 +370,7 @@ __device__ void conv3x3_narrow(const T *__restrict__ x, const T *__restrict__ wt
                                                      float slope) {                            \
         rowwise::cat_bias_act(prev, y, bias, out, n, pc, cols, act, slope);                    \
     }                                                                                          \
-    NORMS(T, SUFFIX, false, )                                                                  \
-    NORMS(T, SUFFIX, true, _regs)                                                              \
+    NORMS(T, SUFFIX)                                                                           \
     extern "C" __global__ void patches3x3_##SUFFIX(const T *x, T *out, unsigned int n,         \
                                                    unsigned int h, unsigned int w,             \
                                                    unsigned int c, unsigned int y0,            \

@@ -2,19 +2,20 @@
 # Everything a GPU session must prove and measure, in one command on the GPU machine (which has
 # no Rust and no network), from the repository root, with the folder scripts/gpu-pack.sh made:
 #
-#   scripts/gpu-run.sh PACK OUTDIR [proof|check|bench|matrix|ab|all]   on the GPU machine (default: all)
+#   scripts/gpu-run.sh PACK OUTDIR [proof|check|bench|matrix|ab|all|steps STEP...]   on the GPU machine (default: all)
 #   scripts/gpu-run.sh --smoke PACK OUTDIR [part]        any machine, CPU, tiny shapes (CI)
 #
 # proof: the one call for a session with a few minutes of device time. The issue's evidence in
 #   the order it is needed (the CUDA tests; a probe that, if our kernels fail on the GPU,
 #   picks the fallback every later step runs with; precision parity; the speed switches
-#   (UPSCALE_PAD_CHANNELS 8, 16, 64, UPSCALE_CUDA_GELU_EPILOGUE, UPSCALE_CUDA_NORM_REGS and
-#   the three together: each held to the CPU, then timed); the side by side with
-#   PyTorch, eager and torch.compile, and the matmul peak for utilisation; a kernel-by-kernel
-#   profile with the three switches on; SwinIR-M and HAT-L
-#   against the same; the same with cudarc's event tracking on; a round of before/after against the earlier builds in the
-#   pack, if any; DRCT-L at 1080p; the profile without the switches; streams; the sanitizers; a folder run; the start-up cost of the
-#   driver compiling PTX, with our SASS and without; rows of the precision x batch matrix), each step given at most
+#   (UPSCALE_CUDA_PINNED, UPSCALE_PAD_CHANNELS off, 8 and 64 against the default 16: each
+#   held to the CPU, then timed); the side by side with PyTorch, eager and torch.compile,
+#   and the matmul peak for utilisation; SwinIR-M and HAT-L against the same; the
+#   sanitizers; folder runs; ESRGAN, Compact, SPAN and DAT; DRCT-L at 1080p; a
+#   kernel-by-kernel profile; cudarc's event tracking on; a round of before/after against
+#   the earlier builds in the pack, if any; streams; the start-up cost of the driver
+#   compiling PTX, with our SASS and without; rows of the precision x batch matrix), each
+#   step given at most
 #   what is left of UPSCALE_PROOF_BUDGET_S seconds (default 520) and skipped, with a line
 #   saying so, when its least useful time is no longer left. Give the device call about 80 s
 #   more than the budget (a 10-minute call for the default).
@@ -402,23 +403,17 @@ switch_rows() {
   unset "$var"
 }
 
-# The speed switches that are off by default until a GPU has measured them: UPSCALE_PAD_CHANNELS
-# (src/ops/pad.rs: every linear and convolution's channels padded with zeros at
-# load, so that cuBLASLt can take its aligned kernels) at each multiple, and
-# UPSCALE_CUDA_GELU_EPILOGUE (src/ops/linear/cuda.rs: the MLP's first layer and its
-# GELU in one cuBLASLt call, with the tanh GELU), UPSCALE_CUDA_NORM_REGS
-# (src/ops/norm/cuda.rs: the norm kernels holding each row in registers), then all
-# three together.
+# The speed switches against the defaults: UPSCALE_PAD_CHANNELS (src/ops/pad.rs: every linear
+# and convolution's channels padded with zeros at load; 16 by default on a GPU in bf16 and
+# fp16) off and at 8 and 64, and UPSCALE_CUDA_PINNED (src/tile/device.rs: canvases back
+# through page-locked buffers), which no GPU has timed yet.
 switches() {
   echo "== speed switches: parity with the CPU, then DRCT-L and DRCT bf16"
   local pad
-  for pad in 8 16 64; do
+  switch_rows pinned UPSCALE_CUDA_PINNED 1 || return
+  for pad in 0 8 64; do
     switch_rows pad UPSCALE_PAD_CHANNELS "$pad" || return
   done
-  switch_rows gelu UPSCALE_CUDA_GELU_EPILOGUE 1 || return
-  switch_rows normregs UPSCALE_CUDA_NORM_REGS 1 || return
-  UPSCALE_PAD_CHANNELS=8 UPSCALE_CUDA_GELU_EPILOGUE=1 switch_rows pad8-gelu-normregs \
-    UPSCALE_CUDA_NORM_REGS 1
 }
 
 # swin_family REPS: SwinIR-M and HAT-L x4 (random weights of the released shapes, the same
@@ -642,27 +637,25 @@ proof_part() {
   probe
   parity tensor-core fused
   measure_peak
-  # The levers the profile ranks first, before the PyTorch rows (whose torch.compile takes a
-  # minute per model) can use up the budget.
-  switches
-  # The folder pipeline's levers (one encoder thread, the old default, against four, each
-  # with the output canvas finished on the model thread or the finisher): short runs.
-  folder_runs "1 1 0" "1 4 0" "1 4 1" "1 1 1"
+  # The issue's side by side with the defaults: DRCT-L and DRCT, then SwinIR-M and HAT-L,
+  # each against eager and torch.compile (about a minute of compiling per model).
   side_by_side 3
-  # Which GEMM kernels cuBLASLt takes once the rows are aligned (channels padded to 8, the
-  # GELU epilogue and the norms' register variants on), and what is left around them: what
-  # the next change must aim at, so before the Swin family's torch.compile rows can use up
-  # the budget.
-  profile profile_pad8 UPSCALE_PAD_CHANNELS=8 UPSCALE_CUDA_GELU_EPILOGUE=1 UPSCALE_CUDA_NORM_REGS=1
   swin_family 3
+  sanitizers 120 90
+  # The switches against the defaults, then the folder pipeline's levers (one encoder
+  # thread against four, the output canvas finished on the model thread or the finisher).
+  switches
+  folder_runs "1 1 0" "1 4 0" "1 4 1" "1 1 1"
+  # ESRGAN, Compact, SPAN and DAT: four more torch.compile rows, seldom reached in one call;
+  # a second call runs them with `steps "conv_family 3"`.
   conv_family 3
+  auto1080
+  # The kernel table only: Nsight Compute's attention sections took over two minutes.
+  UPSCALE_PROFILE_SECTIONS=0 profile profile
   event_tracking
   # Earlier builds in the pack (UPSCALE_BASES) against this one: one round of before/after.
   ab_part 1
-  auto1080
-  profile profile
   streams 1 2
-  sanitizers 120 90
   folder_runs "2 4 0" "2 4 1"
   jit
   matrix_rows "bf16 8" "bf16 1" "fp16 4" "fp32 4"
@@ -747,6 +740,18 @@ case $part in
   ab) ab_part ;;
   all) check; bench_part; matrix_part ;;
   rest) models; gemm_bounds; streams 4; matrix_part ;;
+  # steps: named steps of this script (a function and its arguments, one word-split argument
+  # each), after the probe, under proof's budget: a short second call for what proof skipped.
+  steps)
+    deadline=$(( $(date +%s) + ${UPSCALE_PROOF_BUDGET_S:-520} ))
+    models
+    probe
+    shift 3
+    for step in "$@"; do
+      # shellcheck disable=SC2086
+      $step
+    done
+    ;;
   *) echo "unknown part '$part' (proof, check, bench, matrix, ab, rest or all)" >&2; exit 2 ;;
 esac
 "$PY" scripts/gpu_summary.py "$results" > "$out/summary.md"

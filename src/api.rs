@@ -176,6 +176,11 @@ impl Upscaler {
         self.lanes.count()
     }
 
+    /// Whether the model runs on a GPU (what `DeviceChoice::Auto` found, for one).
+    pub fn on_gpu(&self) -> bool {
+        self.lanes.devices().iter().any(|d| d.is_cuda())
+    }
+
     /// The model's upscaling factor.
     pub fn scale(&self) -> usize {
         self.lanes.primary().scale()

@@ -54,15 +54,23 @@ impl Model {
         };
         let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
         let switches = crate::switches::checked().map_err(|e| build_error(e.into()))?;
-        let mut pad = Pad::from_switch(switches.pad_channels).map_err(|e| build_error(e.into()))?;
-        if !ck.config.pads_channels() && pad != Pad::OFF {
-            // Only DRCT's layers know how to pad; the others run as they are.
-            log::warn!(
-                "{}: applies to DRCT models; this one runs unpadded",
-                crate::switches::PAD_VAR
-            );
-            pad = Pad::OFF;
-        }
+        let pad = match switches.pad_channels {
+            Some(multiple) => {
+                let pad = Pad::from_switch(multiple).map_err(|e| build_error(e.into()))?;
+                if !ck.config.pads_channels() && pad != Pad::OFF {
+                    // Only DRCT's layers know how to pad; the others run as they are.
+                    log::warn!(
+                        "{}: applies to DRCT models; this one runs unpadded",
+                        crate::switches::PAD_VAR
+                    );
+                    Pad::OFF
+                } else {
+                    pad
+                }
+            }
+            None if ck.config.pads_channels() => Pad::choose(device, dtype),
+            None => Pad::OFF,
+        };
         let plan = LoadPlan {
             attention,
             pad,

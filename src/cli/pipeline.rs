@@ -223,12 +223,18 @@ pub(crate) enum Up {
     Banded(Banded),
 }
 
-/// `UPSCALE_DEFER_FINISH=1`: the model thread leaves bringing each output canvas back from
-/// the device, blending it and resampling it to the requested size to the finisher thread,
-/// so the device is not idle while the host does that work. Off by default until a GPU run
-/// has measured it (each kept output canvas holds device memory until it is finished).
-pub(crate) fn defer_finish() -> bool {
-    std::env::var("UPSCALE_DEFER_FINISH").is_ok_and(|v| v == "1")
+/// Whether the model thread leaves bringing each output canvas back from the device,
+/// blending it and resampling it to the requested size to the finisher thread, so the device
+/// is not idle while the host does that work: on a GPU unless `UPSCALE_DEFER_FINISH=0`
+/// (`1` asks for it on the CPU too). On an H200 a folder of 12 photos ran at 12.0 images/s
+/// with it and 10.2 without (one encoder thread; 11.0 and 10.4 with four); each kept output
+/// canvas holds device memory until it is finished.
+pub(crate) fn defer_finish(on_gpu: bool) -> bool {
+    match std::env::var("UPSCALE_DEFER_FINISH").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => on_gpu,
+    }
 }
 
 impl Stages for FileStages<'_> {

@@ -4,8 +4,9 @@
 //! kernels instead of Ampere's 2-element-aligned ones for DRCT's widths (180 + 32k).
 //!
 //! The padding is exact: padded weights and biases are zero, so the padded channels of every
-//! activation stay exactly zero, and the layer norms count only the real channels. Off by
-//! default until a GPU run has measured it; on the CPU it only adds work.
+//! activation stay exactly zero, and the layer norms count only the real channels. Without
+//! the variable, [`Pad::choose`] pads to 16 on a GPU in bf16 and fp16, the one place a GPU
+//! run has measured it to pay; on the CPU it only adds work.
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -41,6 +42,18 @@ impl Pad {
         match multiple {
             0 => Ok(Pad::OFF),
             m => Pad::to(m),
+        }
+    }
+
+    /// The padding a model gets without `UPSCALE_PAD_CHANNELS`: 16 on CUDA in bf16 and f16,
+    /// none elsewhere. On an H200 (bf16, tile 256, batch 4) 16 made DRCT-L 1.51x and DRCT
+    /// 1.30x faster, 8 1.46x and 1.25x, 64 1.31x and 1.14x (docs/performance-history.md).
+    /// f32 rows are 16-byte aligned already and its GEMMs were not measured padded.
+    pub fn choose(device: &Device, dtype: DType) -> Pad {
+        if device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) {
+            Pad(16)
+        } else {
+            Pad::OFF
         }
     }
 
@@ -138,7 +151,11 @@ mod tests {
     /// `spec` as the switch reads it.
     fn parse(spec: &str) -> std::result::Result<Pad, EnvError> {
         let on = |n| (n == PAD_VAR).then(|| Ok(spec.to_string()));
-        Pad::from_switch(crate::switches::Switches::parse(on)?.pad_channels)
+        Pad::from_switch(
+            crate::switches::Switches::parse(on)?
+                .pad_channels
+                .unwrap_or(0),
+        )
     }
 
     #[test]
@@ -157,6 +174,13 @@ mod tests {
         assert_eq!(parse("8").unwrap().width(180), 184);
         assert_eq!(parse("64").unwrap().width(180), 192);
         assert_eq!(parse("8").unwrap().width(32), 32);
+    }
+
+    #[test]
+    fn the_cpu_never_pads_by_default() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            assert_eq!(Pad::choose(&Device::Cpu, dtype), Pad::OFF);
+        }
     }
 
     #[test]

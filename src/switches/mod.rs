@@ -7,10 +7,8 @@
 //! | variable | field | values |
 //! |---|---|---|
 //! | `UPSCALE_CUDA_OFF` | [`Switches::cuda_off`] | parts of our CUDA path to leave out ([`cuda_off`]) |
-//! | `UPSCALE_PAD_CHANNELS` | [`Switches::pad_channels`] | `0`, `8`, `16`, `64`: DRCT's channels padded to that multiple |
+//! | `UPSCALE_PAD_CHANNELS` | [`Switches::pad_channels`] | `0`, `8`, `16`, `64`: DRCT's channels padded to that multiple (unset: 16 on a GPU in bf16 and fp16, none elsewhere) |
 //! | `UPSCALE_CUDA_OCA` | [`Switches::overlap_kernel`] | `0`/`off`/`false`: HAT's cross-attention on candle's graph |
-//! | `UPSCALE_CUDA_NORM_REGS` | [`Switches::norm_regs`] | `1`: layer-norm kernels hold rows in registers |
-//! | `UPSCALE_CUDA_GELU_EPILOGUE` | [`Switches::gelu_epilogue`] | `1`: the MLP's GELU in cuBLASLt's epilogue |
 //! | `UPSCALE_CUDA_PINNED` | [`Switches::pinned_downloads`] | `1`: canvases come back through page-locked buffers |
 //! | `UPSCALE_CUDA_EVENT_TRACKING` | [`Switches::event_tracking`] | `1`: keep cudarc's event tracking |
 //! | `UPSCALE_CPU_GEMM` | [`Switches::gemm_crate`] | `crate`: f32 products on the `gemm` crate, not our panels |
@@ -74,14 +72,11 @@ impl CpuIsa {
 pub struct Switches {
     /// Parts of our CUDA path left out, each falling back to candle's ops.
     pub cuda_off: Off,
-    /// The multiple DRCT's channel widths are padded to; 0 for none.
-    pub pad_channels: usize,
+    /// The multiple DRCT's channel widths are padded to; 0 for none, `None` for the model's
+    /// choice by device and precision ([`crate::ops::pad::Pad::choose`]).
+    pub pad_channels: Option<usize>,
     /// HAT's overlapping cross-attention may take our CUDA kernel (on unless turned off).
     pub overlap_kernel: bool,
-    /// The CUDA layer-norm kernels keep each row in registers.
-    pub norm_regs: bool,
-    /// The MLP's first layer takes cuBLASLt's GELU epilogue.
-    pub gelu_epilogue: bool,
     /// Canvases come back from a GPU through page-locked staging buffers.
     pub pinned_downloads: bool,
     /// cudarc's per-buffer event tracking stays on.
@@ -105,10 +100,8 @@ impl Default for Switches {
     fn default() -> Self {
         Self {
             cuda_off: Off::default(),
-            pad_channels: 0,
+            pad_channels: None,
             overlap_kernel: true,
-            norm_regs: false,
-            gelu_epilogue: false,
             pinned_downloads: false,
             event_tracking: false,
             gemm_crate: false,
@@ -131,17 +124,11 @@ impl Switches {
             s.cuda_off = Off::parse(&v?)?;
         }
         if let Some(v) = var(PAD_VAR) {
-            s.pad_channels = parse_pad(&v?)?;
+            s.pad_channels = Some(parse_pad(&v?)?);
         }
         if let Some(v) = var("UPSCALE_CUDA_OCA") {
             let v = v?.trim().to_ascii_lowercase();
             s.overlap_kernel = !matches!(v.as_str(), "0" | "off" | "false");
-        }
-        if let Some(v) = var("UPSCALE_CUDA_NORM_REGS") {
-            s.norm_regs = on(&v?);
-        }
-        if let Some(v) = var("UPSCALE_CUDA_GELU_EPILOGUE") {
-            s.gelu_epilogue = on(&v?);
         }
         if let Some(v) = var("UPSCALE_CUDA_PINNED") {
             s.pinned_downloads = on(&v?);
@@ -310,8 +297,6 @@ mod tests {
             ("UPSCALE_CUDA_OFF", "rowwise"),
             ("UPSCALE_PAD_CHANNELS", "16"),
             ("UPSCALE_CUDA_OCA", "Off"),
-            ("UPSCALE_CUDA_NORM_REGS", "1"),
-            ("UPSCALE_CUDA_GELU_EPILOGUE", "1"),
             ("UPSCALE_CUDA_PINNED", "1"),
             ("UPSCALE_CUDA_EVENT_TRACKING", "1"),
             ("UPSCALE_CPU_GEMM", "crate"),
@@ -323,11 +308,9 @@ mod tests {
         .unwrap();
         let d = Switches::default();
         assert!(all.cuda_off.rowwise && !d.cuda_off.rowwise);
-        assert_eq!((all.pad_channels, d.pad_channels), (16, 0));
+        assert_eq!((all.pad_channels, d.pad_channels), (Some(16), None));
         assert!(!all.overlap_kernel && d.overlap_kernel);
         for (on, off) in [
-            (all.norm_regs, d.norm_regs),
-            (all.gelu_epilogue, d.gelu_epilogue),
             (all.pinned_downloads, d.pinned_downloads),
             (all.event_tracking, d.event_tracking),
             (all.gemm_crate, d.gemm_crate),
@@ -342,7 +325,7 @@ mod tests {
             assert_eq!(vars(&[("UPSCALE_STREAM", v)]).unwrap().stream, stream);
         }
         assert!(vars(&[("UPSCALE_STREAM", "sometimes")]).is_err());
-        assert!(vars(&[("UPSCALE_CUDA_NORM_REGS", "0")]).unwrap() == d);
+        assert!(vars(&[("UPSCALE_CUDA_PINNED", "0")]).unwrap() == d);
         for (v, isa) in [("native", None), (" avx512 ", Some(CpuIsa::Avx512))] {
             assert_eq!(vars(&[("UPSCALE_CPU_ISA", v)]).unwrap().cpu_isa, isa);
         }
@@ -372,16 +355,16 @@ mod tests {
     fn an_override_holds_inside_and_is_undone_after() {
         let before = current();
         let inside = with(
-            |s| s.pad_channels = 8,
+            |s| s.pad_channels = Some(8),
             || {
                 (
                     current().pad_channels,
-                    with(|s| s.norm_regs = true, current),
+                    with(|s| s.pinned_downloads = true, current),
                 )
             },
         );
-        assert_eq!(inside.0, 8);
-        assert!(inside.1.norm_regs && inside.1.pad_channels == 8);
+        assert_eq!(inside.0, Some(8));
+        assert!(inside.1.pinned_downloads && inside.1.pad_channels == Some(8));
         assert_eq!(current(), before);
     }
 }

@@ -91,7 +91,7 @@ fn padded_outputs(dtype: DType) -> Vec<PaddedRun> {
             let (input, expected) = load_io(&io);
             let run = |pad: Pad| {
                 let model = crate::switches::with(
-                    |s| s.pad_channels = pad.multiple(),
+                    |s| s.pad_channels = Some(pad.multiple()),
                     || Model::from_checkpoint(ck.clone(), dtype, &Device::Cpu),
                 )
                 .unwrap_or_else(|e| panic!("{name}: {e}"));

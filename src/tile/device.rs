@@ -139,7 +139,9 @@ pub(crate) mod staged {
     use std::cell::RefCell;
     use std::sync::Arc;
 
-    use candle_core::cuda_backend::cudarc::driver::{CudaContext, PinnedHostSlice};
+    use candle_core::cuda_backend::cudarc::driver::{
+        result, CudaContext, CudaStream, CudaView, DevicePtr, HostSlice, PinnedHostSlice,
+    };
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{Result, Tensor};
 
@@ -180,16 +182,16 @@ pub(crate) mod staged {
                 unreachable!("filled above")
             };
             if let Some(&(start, len)) = chunks.first() {
-                stream
-                    .memcpy_dtoh(&view.slice(start..start + len), &mut bufs[0])
-                    .w()?;
+                copy_chunk(&stream, &view.slice(start..start + len), &mut bufs[0])?;
             }
             for (i, &(_, len)) in chunks.iter().enumerate() {
                 // The next chunk's copy goes into the buffer the host finished with last.
                 if let Some(&(start, next)) = chunks.get(i + 1) {
-                    stream
-                        .memcpy_dtoh(&view.slice(start..start + next), &mut bufs[(i + 1) % 2])
-                        .w()?;
+                    copy_chunk(
+                        &stream,
+                        &view.slice(start..start + next),
+                        &mut bufs[(i + 1) % 2],
+                    )?;
                 }
                 // Waits for this buffer's copy only.
                 out.extend_from_slice(&bufs[i % 2].as_slice().w()?[..len]);
@@ -197,6 +199,25 @@ pub(crate) mod staged {
             Ok(())
         })?;
         Ok(out)
+    }
+
+    /// Queues the copy of `src` into the front of `buf` on `stream`. cudarc's `memcpy_dtoh`
+    /// copies as many bytes as the whole destination holds, which reads past a chunk shorter
+    /// than the buffer (the driver answers CUDA_ERROR_INVALID_VALUE), so the copy is sized
+    /// here from the source.
+    fn copy_chunk(
+        stream: &Arc<CudaStream>,
+        src: &CudaView<'_, f32>,
+        buf: &mut PinnedHostSlice<f32>,
+    ) -> Result<()> {
+        let (src_ptr, _read) = src.device_ptr(stream);
+        // SAFETY: the slice is used by this copy on `stream` alone; `_write` records the
+        // buffer's event on `stream` when dropped, after the copy is queued, so a later
+        // `as_slice` waits for it. `src.len() <= CHUNK`, the buffer's length.
+        let (dst, _write) = unsafe { buf.stream_synced_mut_slice(stream) };
+        // SAFETY: `src_ptr` holds `src.len()` f32 values of the same context, alive while
+        // `src` borrows them; the destination is exactly that long.
+        unsafe { result::memcpy_dtoh_async(&mut dst[..src.len()], src_ptr, stream.cu_stream()) }.w()
     }
 }
 

@@ -690,21 +690,7 @@ void check_padding_zero(const std::string& name, const std::vector<T>& out,
     std::printf("%s %-40s %zu padded values not 0\n", bad ? "FAIL" : "ok  ", name.c_str(), bad);
 }
 
-// Counts a failure unless the register variant's output is the per-pass kernel's, byte for
-// byte: the two run the same arithmetic in the same order.
-template <typename T>
-void check_same_bytes(const std::string& name, const std::vector<T>& regs,
-                      const std::vector<T>& plain) {
-    size_t differ = 0;
-    for (size_t i = 0; i < regs.size(); ++i) {
-        differ += std::memcmp(&regs[i], &plain[i], sizeof(T)) != 0;
-    }
-    failures += differ ? 1 : 0;
-    std::printf("%s %-40s %zu values differ from the per-pass kernel\n", differ ? "FAIL" : "ok  ",
-                name.c_str(), differ);
-}
-
-// The three norm kernels of one type and variant.
+// The three norm kernels of one type.
 template <typename T>
 struct NormKernels {
     void (*gather)(const T*, const unsigned*, const T*, const T*, const T*, T*, unsigned,
@@ -716,12 +702,11 @@ struct NormKernels {
                        unsigned, int, float);
 };
 
-// The norm kernels (per pass) against the references, and their register variants (`regs`)
-// against the same references and byte for byte against them. `wide` rows (330 channels)
-// exceed what the register variants hold, so they take their per-pass path.
+// The norm kernels against the references; `wide` rows (330 channels) span more than ten
+// warp strides.
 template <typename T>
-void norm_cases(const char* suffix_in, NormKernels<T> kernels, NormKernels<T> regs, double u,
-                bool padded, bool wide = false) {
+void norm_cases(const char* suffix_in, NormKernels<T> kernels, double u, bool padded,
+                bool wide = false) {
     if (!in_shard()) {
         return;
     }
@@ -772,20 +757,14 @@ void norm_cases(const char* suffix_in, NormKernels<T> kernels, NormKernels<T> re
         norm_ref(row.data(), gamma, beta, eps, &want[r * cols], real);
     }
     for (bool one_block : {false, true}) {
-        std::vector<T> out(rows * cols, convert<T>(NAN)), twin(rows * cols, convert<T>(NAN));
+        std::vector<T> out(rows * cols, convert<T>(NAN));
         emu::launch(rowwise_grid(rows, 8, one_block), dim3{256, 1, 1}, [&] {
             gather(x.data(), order.data(), g.data(), b.data(), mask_arg, out.data(), rows, tokens,
                    tokens_in, cols, count, masked, eps);
         });
-        emu::launch(rowwise_grid(rows, 8, one_block), dim3{256, 1, 1}, [&] {
-            regs.gather(x.data(), order.data(), g.data(), b.data(), mask_arg, twin.data(), rows,
-                        tokens, tokens_in, cols, count, masked, eps);
-        });
         const std::string at = suffix + (one_block ? " one block" : "");
         report("gather_norm_" + at, out, want, u, 1e-5);
         check_padding_zero("gather_norm_" + at, out, real);
-        report("gather_norm_regs_" + at, twin, want, u, 1e-5);
-        check_same_bytes("gather_norm_regs_" + at, twin, out);
     }
 
     // add_gather_norm: x (batch, tokens, cols) + y (batch, tokens_in, cols) gathered by back.
@@ -810,15 +789,6 @@ void norm_cases(const char* suffix_in, NormKernels<T> kernels, NormKernels<T> re
     report("add_gather_norm_" + suffix + " sum", sum, want_sum, u, 1e-6);
     report("add_gather_norm_" + suffix + " normed", normed, want_norm, u, 1e-5);
     check_padding_zero("add_gather_norm_" + suffix + " normed", normed, real);
-    std::vector<T> sum_twin(rows * cols, convert<T>(NAN)), normed_twin(rows * cols, convert<T>(NAN));
-    emu::launch(rowwise_grid(rows, 8, false), dim3{256, 1, 1}, [&] {
-        regs.add_gather(xs.data(), x.data(), order.data(), g.data(), b.data(), mask_arg,
-                        sum_twin.data(), normed_twin.data(), rows, tokens, tokens_in, cols, count,
-                        masked, eps);
-    });
-    report("add_gather_norm_regs_" + suffix + " normed", normed_twin, want_norm, u, 1e-5);
-    check_same_bytes("add_gather_norm_regs_" + suffix + " sum", sum_twin, sum);
-    check_same_bytes("add_gather_norm_regs_" + suffix + " normed", normed_twin, normed);
 
     // add_scaled_gather_norm: the same step with HAT's channel-attention term z * s[b] added,
     // z (batch, tokens, cols) and s (batch, cols), against the exact sum in double. The kernel
@@ -859,16 +829,6 @@ void norm_cases(const char* suffix_in, NormKernels<T> kernels, NormKernels<T> re
     report("add_scaled_gather_norm_" + suffix + " sum", sum, want_sum, u, noise);
     report("add_scaled_gather_norm_" + suffix + " normed", normed, want_norm, u, 1e-5);
     check_padding_zero("add_scaled_gather_norm_" + suffix + " normed", normed, real);
-    std::fill(sum_twin.begin(), sum_twin.end(), convert<T>(NAN));
-    std::fill(normed_twin.begin(), normed_twin.end(), convert<T>(NAN));
-    emu::launch(rowwise_grid(rows, 8, padded), dim3{256, 1, 1}, [&] {
-        regs.add_scaled(xs.data(), z.data(), sc.data(), x.data(), order.data(), g.data(),
-                        b.data(), mask_arg, sum_twin.data(), normed_twin.data(), rows, tokens,
-                        tokens_in, cols, count, masked, eps);
-    });
-    report("add_scaled_gather_norm_regs_" + suffix + " normed", normed_twin, want_norm, u, 1e-5);
-    check_same_bytes("add_scaled_gather_norm_regs_" + suffix + " sum", sum_twin, sum);
-    check_same_bytes("add_scaled_gather_norm_regs_" + suffix + " normed", normed_twin, normed);
 }
 
 }  // namespace
@@ -985,21 +945,15 @@ int main(int argc, char** argv) {
     bias_act_cases<__nv_bfloat16>("bf16", bias_act_bf16, cat_bias_act_bf16, 1.0 / 256);
     bias_act_cases<__half>("f16", bias_act_f16, cat_bias_act_f16, 1.0 / 2048);
     const NormKernels<float> f32{gather_norm_f32, add_gather_norm_f32, add_scaled_gather_norm_f32};
-    const NormKernels<float> f32_regs{gather_norm_regs_f32, add_gather_norm_regs_f32,
-                                      add_scaled_gather_norm_regs_f32};
     const NormKernels<__nv_bfloat16> bf16{gather_norm_bf16, add_gather_norm_bf16,
                                           add_scaled_gather_norm_bf16};
-    const NormKernels<__nv_bfloat16> bf16_regs{gather_norm_regs_bf16, add_gather_norm_regs_bf16,
-                                               add_scaled_gather_norm_regs_bf16};
     const NormKernels<__half> f16{gather_norm_f16, add_gather_norm_f16, add_scaled_gather_norm_f16};
-    const NormKernels<__half> f16_regs{gather_norm_regs_f16, add_gather_norm_regs_f16,
-                                       add_scaled_gather_norm_regs_f16};
     for (bool padded : {false, true}) {
-        norm_cases<float>("f32", f32, f32_regs, 0.0, padded);
-        norm_cases<__nv_bfloat16>("bf16", bf16, bf16_regs, 1.0 / 256, padded);
-        norm_cases<__half>("f16", f16, f16_regs, 1.0 / 2048, padded);
+        norm_cases<float>("f32", f32, 0.0, padded);
+        norm_cases<__nv_bfloat16>("bf16", bf16, 1.0 / 256, padded);
+        norm_cases<__half>("f16", f16, 1.0 / 2048, padded);
     }
-    norm_cases<__nv_bfloat16>("bf16", bf16, bf16_regs, 1.0 / 256, false, true);
+    norm_cases<__nv_bfloat16>("bf16", bf16, 1.0 / 256, false, true);
     patches_cases<float>("f32", patches3x3_f32);
     patches_cases<__nv_bfloat16>("bf16", patches3x3_bf16);
     patches_cases<__half>("f16", patches3x3_f16);

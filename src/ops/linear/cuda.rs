@@ -8,16 +8,9 @@
 //! onto that residual in place. f32 stays on candle's GEMM, because cuBLASLt's f32 here
 //! computes in TF32 and the f32 path is held to the CPU within 1e-4.
 //!
-//! [`linear_bias_gelu`] puts the MLP's first layer and its GELU in one GEMM too, but
-//! cuBLASLt's GELU is the tanh approximation (within 5e-4 of the exact erf GELU the model was
-//! trained with, far below a bf16 rounding at the outputs' sizes), so the network takes it only
-//! with `UPSCALE_CUDA_GELU_EPILOGUE=1` ([`gelu_epilogue`]) until a GPU run has measured both.
-
-/// Whether the network's MLPs take [`linear_bias_gelu`] on CUDA:
-/// `UPSCALE_CUDA_GELU_EPILOGUE=1` ([`crate::switches`]).
-pub fn gelu_epilogue() -> bool {
-    crate::switches::current().gelu_epilogue
-}
+//! The MLP's first layer keeps its exact (erf) GELU in a pass of its own
+//! ([`crate::ops::rowwise`]): cuBLASLt's GELU epilogue is the tanh approximation, and on an
+//! H200 it made DRCT-L 1.33x slower at unaligned widths (docs/performance-history.md).
 
 use candle_core::{Result, Tensor};
 
@@ -43,18 +36,7 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>>
     check(x, w, b, "linear_bias")?;
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() && !crate::switches::current().cuda_off.cublaslt {
-        return cublaslt::linear_bias(x, w, b, false);
-    }
-    Ok(None)
-}
-
-/// `gelu(x · wᵀ + b)` with cuBLASLt's GELU (the tanh approximation), as [`linear_bias`]
-/// otherwise: `None` where this path does not apply.
-pub fn linear_bias_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
-    check(x, w, b, "linear_bias_gelu")?;
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && !crate::switches::current().cuda_off.cublaslt {
-        return cublaslt::linear_bias(x, w, b, true);
+        return cublaslt::linear_bias(x, w, b);
     }
     Ok(None)
 }
@@ -84,9 +66,7 @@ mod cublaslt {
 
     use candle_core::cuda_backend::cudarc::cublaslt::result::CublasError;
     use candle_core::cuda_backend::cudarc::cublaslt::sys::cublasStatus_t;
-    use candle_core::cuda_backend::cudarc::cublaslt::{
-        Activation, CudaBlasLT, Matmul, MatmulConfig,
-    };
+    use candle_core::cuda_backend::cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
     use candle_core::cuda_backend::cudarc::driver::{
         CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
     };
@@ -186,7 +166,7 @@ mod cublaslt {
         }
     }
 
-    /// `out = x · wᵀ + b + beta · out` over `t` tokens (then its GELU with `gelu`); `false`
+    /// `out = x · wᵀ + b + beta · out` over `t` tokens; `false`
     /// when a buffer is not aligned as an allocation or cuBLASLt declines the shape, and then
     /// nothing was launched; an error when cuBLASLt fails otherwise.
     fn gemm<T, O>(
@@ -194,7 +174,7 @@ mod cublaslt {
         (x, w, b): (&CudaView<T>, &CudaView<T>, &CudaView<T>),
         out: &mut O,
         (t, k, n): (usize, usize, usize),
-        (beta, gelu): (f32, bool),
+        beta: f32,
     ) -> Result<bool>
     where
         T: CudaDType,
@@ -236,8 +216,7 @@ mod cublaslt {
         };
         // SAFETY: the views hold K x N, K x T and N elements and `out` N x T, as the config
         // describes them.
-        let act = gelu.then_some(Activation::Gelu);
-        match unsafe { lt.matmul(cfg, w, x, out, Some(b), act.as_ref()) } {
+        match unsafe { lt.matmul(cfg, w, x, out, Some(b), None) } {
             Ok(()) => Ok(true),
             Err(e) if declined(&e) => Ok(false),
             Err(e) => candle_core::bail!("cuBLASLt linear layer ({t} x {k} -> {n}): {e}"),
@@ -249,20 +228,15 @@ mod cublaslt {
         (matches!(d, DType::BF16 | DType::F16) && ts.iter().all(|t| t.dtype() == d)).then_some(d)
     }
 
-    pub(super) fn linear_bias(
-        x: &Tensor,
-        w: &Tensor,
-        b: &Tensor,
-        gelu: bool,
-    ) -> Result<Option<Tensor>> {
+    pub(super) fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
         match same_16bit(&[x, w, b]) {
-            Some(DType::BF16) => typed::<bf16>(x, w, b, gelu),
-            Some(DType::F16) => typed::<f16>(x, w, b, gelu),
+            Some(DType::BF16) => typed::<bf16>(x, w, b),
+            Some(DType::F16) => typed::<f16>(x, w, b),
             _ => Ok(None),
         }
     }
 
-    fn typed<T>(x: &Tensor, w: &Tensor, b: &Tensor, gelu: bool) -> Result<Option<Tensor>>
+    fn typed<T>(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>>
     where
         T: CudaDType + DeviceRepr + WithDType,
         CudaBlasLT: Matmul<T>,
@@ -282,7 +256,7 @@ mod cublaslt {
         let dev = cs.device.clone();
         // SAFETY: with beta 0 cuBLASLt writes every element of `out` and reads none.
         let mut out = unsafe { dev.alloc::<T>(t * n) }?;
-        if !gemm(&dev, (&xv, &wv, &bv), &mut out, (t, k, n), (0.0, gelu))? {
+        if !gemm(&dev, (&xv, &wv, &bv), &mut out, (t, k, n), 0.0)? {
             // No algorithm for this shape or alignment: the caller's GEMM and bias pass.
             return Ok(None);
         }
@@ -359,13 +333,8 @@ mod cublaslt {
             };
             let dev = dst.device.clone();
             let mut out = dst.as_cuda_slice_mut::<T>()?.slice_mut(0..end);
-            self.ran.set(gemm(
-                &dev,
-                (&xv, &wv, &bv),
-                &mut out,
-                (t, k, n),
-                (1.0, false),
-            )?);
+            self.ran
+                .set(gemm(&dev, (&xv, &wv, &bv), &mut out, (t, k, n), 1.0)?);
             Ok(())
         }
     }

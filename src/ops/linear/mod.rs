@@ -39,8 +39,8 @@ pub enum Dense {
         weight: PackedB,
         bias: Tensor,
     },
-    /// On CUDA: one GEMM over all tokens with the bias (and GELU) in cuBLASLt's epilogue,
-    /// or our row-wise kernels after it.
+    /// On CUDA: one GEMM over all tokens with the bias in cuBLASLt's epilogue, or our
+    /// row-wise kernels after it.
     Cuda(Linear),
     /// On any other device: candle's layer and ops.
     Candle(Linear),
@@ -178,15 +178,12 @@ impl Module for Dense {
     }
 }
 
-/// The CUDA half: cuBLASLt with the bias (and GELU, when switched on) in its epilogue where
-/// it takes the shapes, else one GEMM over all tokens and our row-wise kernel after it.
+/// The CUDA half: cuBLASLt with the bias in its epilogue where it takes the shapes, else one
+/// GEMM over all tokens and our row-wise kernel (the bias and the exact GELU) after it.
 fn forward_cuda(inner: &Linear, x: &Tensor, after: After) -> Result<Tensor> {
     let bias = dense_bias(inner)?;
     let fused = match after {
         After::Nothing => cuda::linear_bias(&rows(x)?, inner.weight(), bias)?,
-        After::Gelu if cuda::gelu_epilogue() => {
-            cuda::linear_bias_gelu(&rows(x)?, inner.weight(), bias)?
-        }
         _ => None,
     };
     if let Some(y) = fused {

@@ -6,36 +6,8 @@
 //! composition of the same ops, which is also what the GPU tests hold the kernels to; the CPU
 //! runs its own kernels ([`super::cpu`]) first. The launch helpers are shared with the other
 //! row-wise kernels ([`crate::ops::rowwise`]).
-//!
-//! With `UPSCALE_CUDA_NORM_REGS=1` ([`norm_regs`]) the kernels' `_regs` variants run: each
-//! lane holds its values of the row in registers, so the row is read once rather than once per
-//! pass, at more registers per thread. Same arithmetic and results; off until a GPU run has
-//! timed both.
 
 use candle_core::{Module, Result, Tensor};
-
-/// Whether the norm kernels hold each row in registers: `UPSCALE_CUDA_NORM_REGS=1`
-/// ([`crate::switches`]), or a test's override ([`with_norm_regs`]).
-pub fn norm_regs() -> bool {
-    crate::switches::current().norm_regs
-}
-
-/// Runs `f` with [`norm_regs`] saying `on` on this thread (the GPU tests run both variants in
-/// one process), then restores what it said before.
-#[cfg(all(test, feature = "cuda"))]
-pub fn with_norm_regs<R>(on: bool, f: impl FnOnce() -> R) -> R {
-    crate::switches::with(|s| s.norm_regs = on, f)
-}
-
-/// The kernel `name` runs as: its register variant where [`norm_regs`] says so.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn variant(name: &str) -> String {
-    if norm_regs() {
-        format!("{name}_regs")
-    } else {
-        name.to_string()
-    }
-}
 
 use super::Norm;
 #[cfg(feature = "cuda")]
@@ -199,7 +171,7 @@ mod launch {
             // Unpadded rows: the kernel never reads the mask argument.
             let mv = hm.as_ref().unwrap_or(&hg).view::<T>()?;
             let out = alloc::<T>(&dev, b * t * c)?;
-            let f = func::<T>(&dev, &super::variant("gather_norm"))?;
+            let f = func::<T>(&dev, "gather_norm")?;
             let stream = dev.cuda_stream();
             let mut bld = stream.launch_builder(&f);
             bld.arg(&xv).arg(&ov).arg(&gv).arg(&bv).arg(&mv).arg(&out);
@@ -250,7 +222,7 @@ mod launch {
                 None => None,
             };
             let name = if zs.is_some() { "add_scaled_gather_norm" } else { "add_gather_norm" };
-            let f = func::<T>(&dev, &super::variant(name))?;
+            let f = func::<T>(&dev, name)?;
             let stream = dev.cuda_stream();
             let mut bld = stream.launch_builder(&f);
             bld.arg(&xv);

@@ -118,6 +118,27 @@ fn rms_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
         .sqrt()
 }
 
+/// Without `UPSCALE_PAD_CHANNELS`, DRCT on CUDA pads to 16 in bf16 and f16 (the measured
+/// winner) and not in f32; `0` turns it off.
+#[test]
+fn cuda_pads_to_16_in_16_bit_unless_told_otherwise() {
+    use crate::ops::pad::Pad;
+    let gpu = super::gpu();
+    let case = &cases()[0];
+    let load = |dtype: DType, pad: Option<usize>| {
+        let model = crate::switches::with(
+            |s| s.pad_channels = pad,
+            || Model::load(&case.weights, dtype, &gpu),
+        );
+        model.unwrap().net.padding()
+    };
+    assert_eq!(load(DType::BF16, None), Pad::to(16).unwrap());
+    assert_eq!(load(DType::F16, None), Pad::to(16).unwrap());
+    assert_eq!(load(DType::F32, None), Pad::OFF);
+    assert_eq!(load(DType::BF16, Some(0)), Pad::OFF);
+    assert_eq!(load(DType::BF16, Some(8)), Pad::to(8).unwrap());
+}
+
 /// `UPSCALE_PAD_CHANNELS` on CUDA: every channel width padded to 8, 16 and 64 with zeros, on
 /// our kernels and with all of them off (candle's ops, the norms written out over the real
 /// channels). f32 within the reference bound and near the unpadded GPU output (only the
@@ -132,7 +153,7 @@ fn cuda_padded_channels_match_the_reference() {
         let x = input.to_device(&gpu).unwrap();
         let run = |pad: Pad, dtype: DType, off: Off| {
             let model = crate::switches::with(
-                |s| s.pad_channels = pad.multiple(),
+                |s| s.pad_channels = Some(pad.multiple()),
                 || Model::load(&case.weights, dtype, &gpu),
             );
             let model = model.unwrap();
