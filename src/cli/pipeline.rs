@@ -207,34 +207,20 @@ pub(crate) struct FileStages<'a> {
     /// Details for `-v` (metadata an output could not take).
     pub detail: &'a (dyn Fn(String) + Sync),
     pub writer: Option<WriteFn<'a>>,
-    /// [`defer_finish`], read once for the run.
+    /// [`upscale::Upscaler::defers_finish`], asked once for the run.
     pub defer_finish: bool,
 }
 
 /// When each job started, so a job's time covers all three stages.
 pub(crate) type Timed = (Instant, Decoded);
 
-/// What the model thread hands the finisher: the image, or (with [`defer_finish`]) its
+/// What the model thread hands the finisher: the image, or (with `defer_finish`) its
 /// canvases, which the finisher brings back and blends while the model starts the next.
 pub(crate) enum Up {
     Done(Upscaled),
     Pending(Pending),
     /// Already written, in bands as it was computed.
     Banded(Banded),
-}
-
-/// Whether the model thread leaves bringing each output canvas back from the device,
-/// blending it and resampling it to the requested size to the finisher thread, so the device
-/// is not idle while the host does that work: on a GPU unless `UPSCALE_DEFER_FINISH=0`
-/// (`1` asks for it on the CPU too). On an H200 a folder of 12 photos ran at 12.0 images/s
-/// with it and 10.2 without (one encoder thread; 11.0 and 10.4 with four); each kept output
-/// canvas holds device memory until it is finished.
-pub(crate) fn defer_finish(on_gpu: bool) -> bool {
-    match std::env::var("UPSCALE_DEFER_FINISH").as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
-        _ => on_gpu,
-    }
 }
 
 impl Stages for FileStages<'_> {
@@ -472,7 +458,7 @@ mod tests {
         plan_outputs(&walk(inputs, false).unwrap(), &naming).unwrap()
     }
 
-    /// Finishing on the finisher thread (`UPSCALE_DEFER_FINISH=1`) writes the same bytes as
+    /// Finishing on the finisher thread (`Upscaler::defers_finish`) writes the same bytes as
     /// finishing on the model thread: tiled colour, an alpha channel run through the
     /// network, and a resampled output size.
     #[test]

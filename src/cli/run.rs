@@ -55,7 +55,7 @@ pub fn run(args: RunArgs, log: &Logger) -> Result<ExitCode> {
         warn: &warn,
         detail: &detail,
         writer: None,
-        defer_finish: pipeline::defer_finish(up.on_gpu()),
+        defer_finish: up.defers_finish(),
     };
     let progress = progress_bar(jobs.len(), log, args.json);
     let start = Instant::now();

@@ -15,6 +15,7 @@
 //! | `UPSCALE_BF16_ISA` | [`Switches::bf16_vector`] | `avx512`: CPU bf16 on the vector kernel even where AMX is |
 //! | `UPSCALE_CPU_ISA` | [`Switches::cpu_isa`] | `native`, `avx512`, `avx2`, `scalar`: the widest instructions our CPU kernels use |
 //! | `UPSCALE_CPU_WINOGRAD` | [`Switches::winograd`] | `auto`, `always`, `never`: f32 3x3 convolutions on the CPU by Winograd's F(4x4, 3x3) |
+//! | `UPSCALE_DEFER_FINISH` | [`Switches::defer_finish`] | `auto`, `1`/`always`, `0`/`never`: folder runs finish each image off the model's thread (auto: on a GPU) |
 //! | `UPSCALE_STREAM` | [`Switches::stream`] | `auto`, `always`, `never`: PNG and TIFF outputs written in bands of rows as tiles finish |
 
 pub mod cuda_off;
@@ -90,6 +91,9 @@ pub struct Switches {
     /// Whether f32 3x3 convolutions on the CPU run by Winograd's F(4x4, 3x3) (`None`: where
     /// both sides have enough channels for it to pay; see [`crate::ops::conv`]).
     pub winograd: Option<bool>,
+    /// Whether folder runs finish each image off the model's thread (`None`: on a GPU; see
+    /// [`crate::Upscaler::defers_finish`]).
+    pub defer_finish: Option<bool>,
     /// Whether PNG and TIFF outputs are written in bands as tiles finish (`None`: when the
     /// whole image would take much memory; see [`crate::fit`]).
     pub stream: Option<bool>,
@@ -108,6 +112,7 @@ impl Default for Switches {
             bf16_vector: false,
             cpu_isa: None,
             winograd: None,
+            defer_finish: None,
             stream: None,
         }
     }
@@ -147,6 +152,9 @@ impl Switches {
         }
         if let Some(v) = var("UPSCALE_CPU_WINOGRAD") {
             s.winograd = auto_always_never("UPSCALE_CPU_WINOGRAD", &v?)?;
+        }
+        if let Some(v) = var("UPSCALE_DEFER_FINISH") {
+            s.defer_finish = auto_always_never("UPSCALE_DEFER_FINISH", &v?)?;
         }
         if let Some(v) = var("UPSCALE_STREAM") {
             s.stream = auto_always_never("UPSCALE_STREAM", &v?)?;
@@ -304,6 +312,7 @@ mod tests {
             ("UPSCALE_CPU_ISA", "AVX2"),
             ("UPSCALE_CPU_WINOGRAD", "never"),
             ("UPSCALE_STREAM", "Always"),
+            ("UPSCALE_DEFER_FINISH", "0"),
         ])
         .unwrap();
         let d = Switches::default();
@@ -320,6 +329,7 @@ mod tests {
         }
         assert_eq!((all.cpu_isa, d.cpu_isa), (Some(CpuIsa::Avx2), None));
         assert_eq!((all.stream, d.stream), (Some(true), None));
+        assert_eq!((all.defer_finish, d.defer_finish), (Some(false), None));
         assert_eq!((all.winograd, d.winograd), (Some(false), None));
         for (v, stream) in [("never", Some(false)), (" auto", None), ("0", Some(false))] {
             assert_eq!(vars(&[("UPSCALE_STREAM", v)]).unwrap().stream, stream);
