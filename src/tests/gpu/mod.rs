@@ -5,6 +5,7 @@
 //! saying so; none passes by skipping.
 
 mod epilogue;
+mod families;
 mod kernels;
 mod lanes;
 mod overlap;
