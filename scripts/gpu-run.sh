@@ -31,6 +31,9 @@
 #   in turns, on the side-by-side shapes (not part of all).
 # rest: the steps of all that proof does not run (the GEMM shapes, streams 4, the whole
 #   matrix): CI's smoke runs proof and rest, which together run every step once.
+# steps STEP...: the probe, then the named steps (a function of this script and its arguments,
+#   one argument each: steps "conv_family 3" "sanitizers 120 90") under proof's budget; for a
+#   second call on a machine still warm from the first, with what the first left out.
 # Each part is planned to finish inside one 10-minute call. With only minutes of device time,
 # run proof alone; with more, check first (if it fails, fix that before measuring anything).
 # Every step's output goes to OUTDIR/logs/<step>.log (packed into OUTDIR/logs.tar.gz on the
