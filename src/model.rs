@@ -55,21 +55,21 @@ impl Model {
         let vb_dtype = if cpu_bf16 { DType::F32 } else { dtype };
         let switches = crate::switches::checked().map_err(|e| build_error(e.into()))?;
         let pad = match switches.pad_channels {
-            Some(multiple) => {
-                let pad = Pad::from_switch(multiple).map_err(|e| build_error(e.into()))?;
-                if !ck.config.pads_channels() && pad != Pad::OFF {
-                    // Only DRCT's layers know how to pad; the others run as they are.
-                    log::warn!(
-                        "{}: applies to DRCT models; this one runs unpadded",
-                        crate::switches::PAD_VAR
-                    );
-                    Pad::OFF
-                } else {
-                    pad
-                }
+            Some(multiple) => Pad::from_switch(multiple).map_err(|e| build_error(e.into()))?,
+            None => Pad::choose(device, dtype),
+        };
+        // Only DRCT's layers know how to pad; the others run as they are (a warning only when
+        // the variable asked for it).
+        let pad = if pad == Pad::OFF || ck.config.pads_channels() {
+            pad
+        } else {
+            if switches.pad_channels.is_some() {
+                log::warn!(
+                    "{}: applies to DRCT models; this one runs unpadded",
+                    crate::switches::PAD_VAR
+                );
             }
-            None if ck.config.pads_channels() => Pad::choose(device, dtype),
-            None => Pad::OFF,
+            Pad::OFF
         };
         let plan = LoadPlan {
             attention,

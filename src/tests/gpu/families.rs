@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::DType;
 
 use crate::checkpoint::Checkpoint;
 use crate::model::Model;
@@ -13,21 +13,6 @@ use crate::nets::config_of;
 use crate::tests::fixtures::*;
 
 const FAMILIES: [&str; 6] = ["swinir", "hat", "esrgan", "compact", "span", "dat"];
-
-/// The root-mean-square difference of two same-shape tensors, on any devices.
-fn rms(a: &Tensor, b: &Tensor) -> f64 {
-    let f = |t: &Tensor| {
-        t.to_device(&Device::Cpu)
-            .and_then(|t| t.to_dtype(DType::F64))
-            .unwrap()
-    };
-    (f(a) - f(b))
-        .and_then(|d| d.sqr())
-        .and_then(|d| d.mean_all())
-        .and_then(|m| m.to_scalar::<f64>())
-        .unwrap()
-        .sqrt()
-}
 
 /// The fixture's checkpoint, read as `upscale` reads it, except that Compact's LeakyReLU
 /// fixture (which a file cannot tell from ReLU) is set to what it was made with.
@@ -77,7 +62,10 @@ fn every_family_matches_the_reference_on_cuda_in_each_precision() {
                         continue;
                     }
                 };
-                let (max, rms) = (max_abs_diff(&out, &expected), rms(&out, &expected));
+                let (max, rms) = (
+                    max_abs_diff(&out, &expected),
+                    super::rms_diff(&out, &expected),
+                );
                 eprintln!("{what:<48} max {max:.3e}, rms {rms:.3e} vs the float64 reference");
                 // f32: the CPU's bound (only the order of the sums differs). bf16 and fp16 keep
                 // 8 and 11 significant bits (about 4e-3 and 5e-4 relative per rounding); a wrong

@@ -31,3 +31,18 @@ fn gpu() -> Device {
 fn within(d: f64, bound: f64) -> bool {
     d <= bound
 }
+
+/// The root-mean-square difference of two same-shape tensors, on any devices.
+fn rms_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
+    let f = |t: &candle_core::Tensor| {
+        t.to_device(&Device::Cpu)
+            .and_then(|t| t.to_dtype(candle_core::DType::F64))
+            .unwrap()
+    };
+    (f(a) - f(b))
+        .and_then(|d| d.sqr())
+        .and_then(|d| d.mean_all())
+        .and_then(|m| m.to_scalar::<f64>())
+        .unwrap()
+        .sqrt()
+}

@@ -44,7 +44,7 @@ fn cuda_f32_and_bf16_match_the_reference() {
                 .all(|v| v.is_finite()),
             "bf16 NaN"
         );
-        let rms = rms_diff(&out16, &expected);
+        let rms = super::rms_diff(&out16, &expected);
         eprintln!(
             "{:<28} cuda bf16: max {:.3e}, rms {rms:.3e} vs reference",
             case.name,
@@ -89,7 +89,7 @@ fn cuda_with_our_paths_off_still_matches_the_reference() {
                 out.to_device(&Device::Cpu).unwrap()
             };
             let d32 = max_abs_diff(&run(DType::F32), &expected);
-            let rms16 = rms_diff(&run(DType::BF16), &expected);
+            let rms16 = super::rms_diff(&run(DType::BF16), &expected);
             eprintln!(
                 "{:<28} off {:<16} f32 {d32:.3e} max, bf16 {rms16:.3e} rms vs reference",
                 case.name,
@@ -105,17 +105,6 @@ fn cuda_with_our_paths_off_still_matches_the_reference() {
             assert!(rms16 < 2e-2, "{} with {} off: bf16", case.name, off.names());
         }
     }
-}
-
-fn rms_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
-    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
-    d.sqr()
-        .unwrap()
-        .mean_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-        .sqrt()
 }
 
 /// Without `UPSCALE_PAD_CHANNELS`, DRCT on CUDA pads to 16 in bf16 and f16 (the measured
@@ -169,7 +158,7 @@ fn cuda_padded_channels_match_the_reference() {
                 let out = run(pad, DType::F32, off);
                 let d_ref = max_abs_diff(&out, &expected);
                 let d_plain = max_abs_diff(&out, &plain);
-                let rms16 = rms_diff(&run(pad, DType::BF16, off), &expected);
+                let rms16 = super::rms_diff(&run(pad, DType::BF16, off), &expected);
                 eprintln!(
                     "{:<28} pad {m:>2} off {:<24} f32 {d_ref:.3e} vs reference, \
                      {d_plain:.3e} vs unpadded; bf16 {rms16:.3e} rms",
