@@ -173,7 +173,7 @@ impl Compact {
     /// The network stored under `vb`, built as `plan` says.
     pub fn new(cfg: &CompactConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         let (c, f, s) = (cfg.channels, cfg.features, cfg.scale);
-        // In parallel on the CPU: each convolution moves its weights to the Winograd domain.
+        // In parallel on the CPU: each convolution reorders its weights.
         let layers = build_layers(vb.device(), cfg.convs + 1, |k| {
             let cin = if k == 0 { c } else { f };
             let conv = Conv3x3::unpadded(cin, f, plan, vb.pp(format!("body.{}", 2 * k)))?;

@@ -56,7 +56,7 @@ pub struct Conv3x3 {
     cin: usize,
     /// The weight in bf16, for bf16 products on the CPU.
     bf16: Option<(Isa, PackedB)>,
-    /// The weight in the Winograd domain, for f32 on the CPU ([`winograd`]).
+    /// The weight for Winograd's algorithm, for f32 on the CPU ([`winograd`]).
     winograd: Option<Winograd>,
     backend: Backend,
 }
@@ -109,7 +109,7 @@ impl Conv3x3 {
 
     /// The layer of `weight` `(9 * cin, cout)` and `bias`, in the form `plan` asks for: on
     /// the CPU with bf16 products, the weight packed now and the f32 one dropped; in f32,
-    /// the weight moved to the Winograd domain where [`use_winograd`] says so. Narrow
+    /// the weight kept for Winograd's algorithm where [`use_winograd`] says so. Narrow
     /// convolutions (the RGB output) keep f32: they are computed directly, not as a GEMM.
     fn prepared(weight: Tensor, bias: Tensor, cin: usize, plan: &LoadPlan) -> Result<Self> {
         let backend = Backend::of(weight.device());
@@ -125,7 +125,7 @@ impl Conv3x3 {
                 && use_winograd(cin, cout) =>
             {
                 let w = weight.flatten_all()?.to_vec1::<f32>()?;
-                (none()?, None, Some(Winograd::new(&w, cin, cout)))
+                (none()?, None, Some(Winograd::new(w, cin, cout)))
             }
             _ => (weight, None, None),
         };

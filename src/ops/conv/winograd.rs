@@ -3,7 +3,7 @@
 //!
 //! Each 4x4 block of outputs is computed from the 6x6 block of inputs around it: the input
 //! block is transformed (`Bᵀ d B`), multiplied element by element with the transformed
-//! kernel (`G g Gᵀ`, done once at load) and summed over the input channels, and the 6x6 sums
+//! kernel (`G g Gᵀ`, done per call: see [`Winograd`]) and summed over the input channels, and the 6x6 sums
 //! transformed back (`Aᵀ m A`). Summed over channels, the 36 element-wise products are 36
 //! GEMMs of (blocks x cin) by (cin x cout), on the same panel kernels as the direct
 //! convolution: 36 multiplications per block and channel pair instead of 144, a quarter.
@@ -46,45 +46,52 @@ const G: [[f64; 3]; 6] = [
     [0.0, 0.0, 1.0],
 ];
 
-/// A 3x3 convolution's kernel in the Winograd domain: for each of the 36 positions `e` of
-/// the 6x6 block, the `cin x cout` matrix of transformed taps, packed for the panel kernels.
+/// A 3x3 convolution's kernel, kept as its nine taps and moved to the Winograd domain on
+/// each call ([`Winograd::panels`]): the transformed kernel is four times the size (36
+/// positions for 9 taps), and building and keeping it for every layer at load cost ESRGAN a
+/// quarter of a small image's whole run in allocation and page faults, more than the
+/// transform does per call.
 pub(crate) struct Winograd {
     cin: usize,
     cout: usize,
-    panels: Vec<Panels>,
+    /// The taps, `9 cin x cout` row-major with rows ordered (dy, dx, cin).
+    taps: Vec<f32>,
 }
 
 impl Winograd {
-    /// From `w`, `9 cin x cout` row-major with rows ordered (dy, dx, cin). The transform is
-    /// taken in f64 and rounded once.
-    pub(crate) fn new(w: &[f32], cin: usize, cout: usize) -> Self {
-        assert_eq!(w.len(), 9 * cin * cout, "a 3x3 kernel of {cin} x {cout}");
-        // u[ci][e][co], an input channel per task; the panels then read it strided.
-        let mut u = vec![0f32; cin * 36 * cout];
-        u.par_chunks_mut(36 * cout).enumerate().for_each(|(ci, u)| {
-            for co in 0..cout {
-                let g = |dy: usize, dx: usize| f64::from(w[((dy * 3 + dx) * cin + ci) * cout + co]);
-                // t = G g (6x3), then u = t Gᵀ (6x6).
-                let mut t = [[0f64; 3]; 6];
-                for (r, row) in t.iter_mut().enumerate() {
-                    for (k, v) in row.iter_mut().enumerate() {
-                        *v = (0..3).map(|j| G[r][j] * g(j, k)).sum();
-                    }
-                }
-                for r in 0..6 {
-                    for s in 0..6 {
-                        let v: f64 = (0..3).map(|k| t[r][k] * G[s][k]).sum();
-                        u[(r * 6 + s) * cout + co] = v as f32;
-                    }
-                }
-            }
-        });
-        // The 36 positions' packings in parallel (each is small; see `Panels::new`).
-        let panels = (0..36)
+    /// From `w`, `9 cin x cout` row-major with rows ordered (dy, dx, cin).
+    pub(crate) fn new(taps: Vec<f32>, cin: usize, cout: usize) -> Self {
+        assert_eq!(taps.len(), 9 * cin * cout, "a 3x3 kernel of {cin} x {cout}");
+        Self { cin, cout, taps }
+    }
+
+    /// The kernel in the Winograd domain: for each of the 36 positions `e = 6r + s` of the
+    /// 6x6 block, `G g Gᵀ` at (r, s) as a `cin x cout` matrix, packed for the panel kernels.
+    /// The transform is taken in f64 and rounded once. A task per row `r`: `t = G g` (its
+    /// three columns, over every channel pair at once), then the row's six positions.
+    fn panels(&self) -> Vec<Panels> {
+        let (cin, cout) = (self.cin, self.cout);
+        let n = cin * cout;
+        let tap = |j: usize, k: usize| &self.taps[(j * 3 + k) * n..][..n];
+        let rows: Vec<Vec<Panels>> = (0..6)
             .into_par_iter()
-            .map(|e| Panels::new(&u[e * cout..], (cin, cout), (36 * cout, 1)))
+            .map(|r| {
+                KERNEL.with_borrow_mut(|(t, u)| {
+                    t.resize(3 * n, 0.0);
+                    u.resize(n, 0.0);
+                    for (k, t) in t.chunks_exact_mut(n).enumerate() {
+                        kernel_column(t, G[r], [tap(0, k), tap(1, k), tap(2, k)]);
+                    }
+                    (0..6)
+                        .map(|s| {
+                            kernel_row(u, G[s], t);
+                            Panels::new(u, (cin, cout), (cout, 1))
+                        })
+                        .collect()
+                })
+            })
             .collect();
-        Self { cin, cout, panels }
+        rows.into_iter().flatten().collect()
     }
 
     /// The input channels.
@@ -147,6 +154,7 @@ impl Winograd {
         let dst = unsafe { Shared::new(out.as_mut_ptr()) };
         let zeros = vec![0f32; cin];
         let tasks = blocks.div_ceil(BLOCKS);
+        let panels = self.panels();
         (0..tasks).into_par_iter().for_each(|task| {
             SCRATCH.with_borrow_mut(|scratch| {
                 let need = 36 * BLOCKS * (cin + cout) + 16 * cout;
@@ -189,7 +197,7 @@ impl Winograd {
                         panels::gemm(
                             n,
                             (rows, lda),
-                            self.panels[e].rhs(),
+                            panels[e].rhs(),
                             (m[e * BLOCKS * cout..].as_mut_ptr(), cout),
                             Start::ZERO,
                             false,
@@ -245,6 +253,41 @@ enum Source<'a> {
     Image(&'a [f32]),
     /// Already transformed ([`Winograd::on_transformed`]).
     Transformed { v: &'a [f32], ld: usize },
+}
+
+thread_local! {
+    /// [`Winograd::panels`]' scratch per worker: `G g`'s three columns (f64) and one
+    /// position's matrix before packing.
+    static KERNEL: std::cell::RefCell<(Vec<f64>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+widest_simd! {
+    /// `t = Σ_j g_row[j] · taps[j]` over every channel pair: one row of `G` times a column
+    /// of the kernel's taps, in f64.
+    fn kernel_column(t: &mut [f64], g_row: [f64; 3], taps: [&[f32]; 3]) = kernel_column_body
+}
+
+#[inline(always)]
+fn kernel_column_body(t: &mut [f64], g: [f64; 3], [a, b, c]: [&[f32]; 3]) {
+    for (((t, a), b), c) in t.iter_mut().zip(a).zip(b).zip(c) {
+        *t = g[0] * f64::from(*a) + g[1] * f64::from(*b) + g[2] * f64::from(*c);
+    }
+}
+
+widest_simd! {
+    /// `u = Σ_k t[k] · g_row[k]` rounded to f32, with `t` three columns of `u.len()`.
+    fn kernel_row(u: &mut [f32], g_row: [f64; 3], t: &[f64]) = kernel_row_body
+}
+
+#[inline(always)]
+fn kernel_row_body(u: &mut [f32], g: [f64; 3], t: &[f64]) {
+    let n = u.len();
+    let (t0, rest) = t.split_at(n);
+    let (t1, t2) = rest.split_at(n);
+    for (((u, a), b), c) in u.iter_mut().zip(t0).zip(t1).zip(t2) {
+        *u = (a * g[0] + b * g[1] + c * g[2]) as f32;
+    }
 }
 
 /// The 6x6 input block around output block `block` (row-major over a `batch x h x w` image
@@ -753,8 +796,12 @@ mod tests {
                 let x = noise(batch * h * w * cin, seed + 1, 1.0);
                 let wt = noise(9 * cin * cout, seed + 2, 0.2);
                 let bias = noise(cout, seed + 3, 0.5);
-                let got =
-                    Winograd::new(&wt, cin, cout).forward(&x, (batch, h, w), &bias, Finish::Plain);
+                let got = Winograd::new(wt.clone(), cin, cout).forward(
+                    &x,
+                    (batch, h, w),
+                    &bias,
+                    Finish::Plain,
+                );
                 let want = direct(&x, (batch, h, w, cin), &wt, &bias);
                 // The magnitude the sum is built from: |x| · |w| summed, with |bias|.
                 let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
