@@ -20,6 +20,7 @@
 //! metadata is not: a `DynamicImage` holds no ICC profile or EXIF, so carrying them is the
 //! caller's part (the command-line tool carries both).
 
+use crate::switches::Switches;
 use std::path::Path;
 
 use image::DynamicImage;
@@ -98,6 +99,8 @@ pub struct Upscaler {
     settings: TileSettings,
     size: OutputSize,
     warnings: Vec<String>,
+    /// The tuning switches the model was opened with (checked by then).
+    switches: Switches,
 }
 
 impl Upscaler {
@@ -158,6 +161,8 @@ impl Upscaler {
             settings,
             size: opts.size,
             warnings,
+            // Opening the model checked them: a refused value stopped it.
+            switches: crate::switches::current(),
         })
     }
 
@@ -184,7 +189,7 @@ impl Upscaler {
     /// until it is finished.
     pub fn defers_finish(&self) -> bool {
         let on_gpu = self.lanes.devices().iter().any(|d| d.is_cuda());
-        crate::switches::current().defer_finish.unwrap_or(on_gpu)
+        self.switches.defer_finish.unwrap_or(on_gpu)
     }
 
     /// The model's upscaling factor.
@@ -287,7 +292,7 @@ impl Upscaler {
         to_file: bool,
     ) -> Result<Writing, Error> {
         let need = self.output_need(dec, opts, to_file);
-        let stream = crate::switches::current().stream;
+        let stream = self.switches.stream;
         Ok(crate::fit::plan(
             &need,
             crate::tile::auto::available_ram(),

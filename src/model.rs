@@ -75,6 +75,7 @@ impl Model {
             attention,
             pad,
             bf16: isa,
+            switches,
         };
         let vb = VarBuilder::from_tensors(ck.tensors, vb_dtype, device);
         let net = ck

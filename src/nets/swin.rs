@@ -221,9 +221,9 @@ impl SwinBlock {
         vb: VarBuilder,
     ) -> Result<Self> {
         Ok(Self {
-            norm1: load_norm(dim, vb.pp("norm1"))?,
+            norm1: load_norm(dim, vb.pp("norm1"))?.with_cuda_off(plan.switches.cuda_off),
             attn: WindowAttention::new(dim, s.heads, s.window, plan, vb.pp("attn"))?,
-            norm2: load_norm(dim, vb.pp("norm2"))?,
+            norm2: load_norm(dim, vb.pp("norm2"))?.with_cuda_off(plan.switches.cuda_off),
             mlp: Mlp::new(dim, &plan.pad.one(s.mlp_hidden), plan, vb.pp("mlp"))?,
             window: s.window,
             shifted: s.shifted,

@@ -33,6 +33,7 @@ use rayon::prelude::*;
 
 use crate::ops::cpu::bf16::Isa;
 use crate::ops::pad::Pad;
+use crate::switches::Switches;
 use attention::Attention;
 
 /// Element-wise operations the networks call directly; each picks its implementation from
@@ -59,6 +60,9 @@ pub struct LoadPlan {
     /// bf16 products with f32 sums on the CPU, on these instructions: the layers on the CPU
     /// pack their weights for them at construction. Layers elsewhere ignore it.
     pub bf16: Option<Isa>,
+    /// The tuning switches ([`crate::switches`]) the layers choose their implementation by:
+    /// which of our CUDA kernels they leave out, HAT's overlap kernel, Winograd on the CPU.
+    pub switches: Switches,
 }
 
 /// Where a layer's weights live, which decides its implementation.

@@ -11,9 +11,12 @@
 
 use candle_core::{Result, Tensor};
 
-/// Whether `t`'s op runs our kernel: on CUDA, unless `UPSCALE_CUDA_OFF` names `rowwise`.
-pub fn ours(t: &Tensor) -> bool {
-    t.device().is_cuda() && !crate::switches::current().cuda_off.rowwise
+use crate::switches::cuda_off::Off;
+
+/// Whether `t`'s op runs our kernel: on CUDA, unless `off` (the load plan's
+/// `UPSCALE_CUDA_OFF`) names `rowwise`.
+pub fn ours(t: &Tensor, off: Off) -> bool {
+    t.device().is_cuda() && !off.rowwise
 }
 
 /// Threads per block of the CUDA kernels: whole warps; the norms give each row one warp.

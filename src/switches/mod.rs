@@ -1,8 +1,12 @@
 //! The tuning switches: the `UPSCALE_*` environment variables that choose between
 //! implementations of the same result, so that one binary can A/B them (on a GPU session
 //! especially) and a user can step around one that fails. [`from_env`] is the only place
-//! they are read, once per process, into one [`Switches`]; the model code asks
-//! [`current`], which tests override per thread to run both settings in one process.
+//! they are read, once per process, into one [`Switches`]. [`current`] (which tests override
+//! per thread, to run both settings in one process) is asked only where a run is set up:
+//! loading a model puts the switches into its [`crate::ops::LoadPlan`], and each layer
+//! chooses its implementation from the plan when it is built; the [`crate::Upscaler`] keeps
+//! the run's own (folder finishing, streamed writing); opening a CUDA device reads event
+//! tracking and SASS, and a canvas download the staging choice.
 //!
 //! | variable | field | values |
 //! |---|---|---|

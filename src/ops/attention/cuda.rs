@@ -689,21 +689,6 @@ impl FusedWindowAttention {
     }
 }
 
-/// Whether HAT's overlapping cross-attention may take [`FusedOverlapAttention`] on CUDA:
-/// unless `UPSCALE_CUDA_OCA=0` ([`crate::switches`]) sends it to candle's graph (pad,
-/// gather, matmul, bias, softmax, matmul), to measure one against the other in a single GPU
-/// session, or on a GPU where the kernel fails. `--attention reference` runs the graph too.
-pub fn overlap_kernel_enabled() -> bool {
-    crate::switches::current().overlap_kernel
-}
-
-/// Runs `f` with the overlap kernel on or off on this thread, whatever the switch says (a
-/// GPU test runs HAT both ways in one process).
-#[cfg(test)]
-pub fn with_overlap_kernel<R>(on: bool, f: impl FnOnce() -> R) -> R {
-    crate::switches::with(|s| s.overlap_kernel = on, f)
-}
-
 /// HAT's overlapping cross-attention (its OCAB) in one op: the queries of every `window x
 /// window` window of `(B, H, W)` token maps attend to the `overlap_window x overlap_window`
 /// tokens centred on that window, zero outside the map (as the official code's unfold with

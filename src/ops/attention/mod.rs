@@ -17,7 +17,7 @@ use candle_core::{Result, Tensor};
 use super::{Backend, LoadPlan};
 use crate::ops::cpu::bf16::Isa;
 use crate::ops::windows::{relative_position_bias, RelativeBias, WindowCache};
-use cuda::{overlap_kernel_enabled, FusedOverlapAttention, FusedWindowAttention};
+use cuda::{FusedOverlapAttention, FusedWindowAttention};
 
 /// The attention of one Swin block, between its qkv and proj layers.
 ///
@@ -153,9 +153,10 @@ impl Attend {
 ///
 /// On the CPU our kernel runs it ([`cpu::overlap_attention`]); on CUDA with a fused
 /// `--attention` choice, one kernel ([`FusedOverlapAttention`]) reads each neighbourhood
-/// straight from the token map, unless `UPSCALE_CUDA_OCA=0` turns it off (see
-/// [`overlap_kernel_enabled`]); elsewhere (and for inputs a kernel does not take) candle's
-/// graph runs ([`overlap_attention_graph`]).
+/// straight from the token map, unless the load plan's `UPSCALE_CUDA_OCA=0` turns it off (to
+/// measure one against the other in a single GPU session, or on a GPU where the kernel
+/// fails); elsewhere (and for inputs a kernel does not take) candle's graph runs
+/// ([`overlap_attention_graph`]).
 pub struct OverlapAttend {
     /// `(heads, ws², ows²)`, gathered from the table at load.
     bias: Tensor,
@@ -163,6 +164,8 @@ pub struct OverlapAttend {
     window: usize,
     overlap: usize,
     attention: Attention,
+    /// Whether CUDA may run [`FusedOverlapAttention`].
+    kernel: bool,
     /// bf16 products on the CPU, on these instructions.
     bf16: Option<Isa>,
     backend: Backend,
@@ -184,6 +187,7 @@ impl OverlapAttend {
             window,
             overlap,
             attention: plan.attention,
+            kernel: plan.switches.overlap_kernel,
             bf16: plan.bf16.filter(|_| backend == Backend::Cpu),
             backend,
         })
@@ -196,7 +200,7 @@ impl OverlapAttend {
         let fused = self.backend == Backend::Cuda
             && self.attention.is_fused()
             && head_dim <= MAX_HEAD_DIM
-            && overlap_kernel_enabled();
+            && self.kernel;
         if fused {
             let op = FusedOverlapAttention {
                 heads: self.heads,
@@ -309,7 +313,6 @@ pub(crate) fn overlap_attention_graph(
 
 #[cfg(test)]
 mod tests {
-    use super::cuda::{overlap_kernel_enabled, with_overlap_kernel};
     use super::*;
     use crate::tests::normal;
     use candle_core::{DType, Device};
@@ -478,18 +481,5 @@ mod tests {
         let bias16 = bias.to_dtype(DType::F16)?;
         assert!(op(2, 4, 6).apply(&qkv, &bias16).is_err());
         Ok(())
-    }
-
-    #[test]
-    fn the_overlap_switch_override_holds_inside_and_is_undone_after() {
-        let before = overlap_kernel_enabled();
-        let inside = with_overlap_kernel(false, || {
-            (
-                overlap_kernel_enabled(),
-                with_overlap_kernel(true, overlap_kernel_enabled),
-            )
-        });
-        assert_eq!(inside, (false, true));
-        assert_eq!(overlap_kernel_enabled(), before);
     }
 }

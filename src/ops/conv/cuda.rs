@@ -9,19 +9,23 @@
 
 use candle_core::{Result, Tensor, D};
 
+use crate::switches::cuda_off::Off;
+
 #[cfg(feature = "cuda")]
 use crate::ops::rowwise::ours;
 
 /// The patch matrix of a 3x3 convolution (stride 1, zero padding 1) for map rows
 /// `[y0, y0 + rows)` of `x` `(B, H, W, C)`: `(B * rows * W, 9 * C)`, each row the nine taps
-/// (dy, dx) in row-major order, zeros where a tap falls outside the map.
-pub fn patches3x3(x: &Tensor, y0: usize, rows: usize) -> Result<Tensor> {
+/// (dy, dx) in row-major order, zeros where a tap falls outside the map. Our kernel unless
+/// `off` names `rowwise`.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn patches3x3(x: &Tensor, y0: usize, rows: usize, off: Off) -> Result<Tensor> {
     let (b, h, w, c) = x.dims4()?;
     if rows == 0 || y0 + rows > h {
         candle_core::bail!("patches3x3: rows {y0}..{} of {h}", y0 + rows);
     }
     #[cfg(feature = "cuda")]
-    if ours(x) {
+    if ours(x, off) {
         return launch::patches3x3(&x.contiguous()?, y0, rows);
     }
     // The rows the taps read, with zero rows where they run off the map.
@@ -45,8 +49,8 @@ pub fn patches3x3(x: &Tensor, y0: usize, rows: usize) -> Result<Tensor> {
 /// A 3x3 convolution (stride 1, zero padding 1) with at most four outputs, computed directly
 /// on CUDA (no patch matrix: the RGB output layer runs at the full output size): `x`
 /// `(B, H, W, cin)`, `wt` `(9 * cin, cout)` with rows ordered (dy, dx, cin), `bias` `(cout)`;
-/// returns `(B, H, W, cout)`.
-pub fn conv3x3_narrow(x: &Tensor, wt: &Tensor, bias: &Tensor) -> Result<Tensor> {
+/// returns `(B, H, W, cout)`. Our kernel unless `off` names `rowwise`.
+pub fn conv3x3_narrow(x: &Tensor, wt: &Tensor, bias: &Tensor, off: Off) -> Result<Tensor> {
     let (b, h, w, cin) = x.dims4()?;
     let (k, cout) = wt.dims2()?;
     if k != 9 * cin || bias.dims() != [cout] || cout == 0 || cout > NARROW_CONV_MAX {
@@ -58,10 +62,10 @@ pub fn conv3x3_narrow(x: &Tensor, wt: &Tensor, bias: &Tensor) -> Result<Tensor> 
         );
     }
     #[cfg(feature = "cuda")]
-    if ours(x) {
+    if ours(x, off) {
         return launch::conv3x3_narrow(&x.contiguous()?, &wt.contiguous()?, &bias.contiguous()?);
     }
-    let out = patches3x3(x, 0, h)?.matmul(wt)?.broadcast_add(bias)?;
+    let out = patches3x3(x, 0, h, off)?.matmul(wt)?.broadcast_add(bias)?;
     out.reshape((b, h, w, cout))
 }
 
@@ -138,7 +142,7 @@ mod launch {
 
 #[cfg(test)]
 mod tests {
-    use super::patches3x3;
+    use super::{patches3x3, Off};
     use candle_core::{Device, Result, Tensor};
 
     /// Each chunk's patch matrix against the definition: out[(m, r, j), (tap, ch)] is
@@ -150,7 +154,7 @@ mod tests {
             .reshape((b, h, w, c))?;
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
         for (y0, rows) in [(0, 5), (0, 2), (2, 1), (3, 2)] {
-            let got = patches3x3(&x, y0, rows)?;
+            let got = patches3x3(&x, y0, rows, Off::default())?;
             assert_eq!(got.dims(), [b * rows * w, 9 * c]);
             let got = got.flatten_all()?.to_vec1::<f32>()?;
             for (i, v) in got.iter().enumerate() {
@@ -166,8 +170,8 @@ mod tests {
                 assert_eq!(*v, want, "rows {y0}+{rows}, element {i}");
             }
         }
-        assert!(patches3x3(&x, 4, 2).is_err());
-        assert!(patches3x3(&x, 0, 0).is_err());
+        assert!(patches3x3(&x, 4, 2, Off::default()).is_err());
+        assert!(patches3x3(&x, 0, 0, Off::default()).is_err());
         Ok(())
     }
 
@@ -178,7 +182,7 @@ mod tests {
         let x = Tensor::randn(0f32, 1.0, (2, 5, 6, 7), &Device::Cpu)?;
         let wt = Tensor::randn(0f32, 0.2, (63, 3), &Device::Cpu)?;
         let bias = Tensor::randn(0f32, 1.0, 3, &Device::Cpu)?;
-        let ours = super::conv3x3_narrow(&x, &wt, &bias)?;
+        let ours = super::conv3x3_narrow(&x, &wt, &bias, Off::default())?;
         let want = super::super::cpu::conv3x3(&x, &wt, &bias, 1 << 20)?
             .expect("the CPU runs f32 3x3 convolutions itself");
         assert_eq!(ours.dims(), [2, 5, 6, 3]);
@@ -186,7 +190,7 @@ mod tests {
         assert!(diff < 1e-5, "{diff}");
         let five = Tensor::zeros(5, candle_core::DType::F32, &Device::Cpu)?;
         let wide = Tensor::zeros((63, 5), candle_core::DType::F32, &Device::Cpu)?;
-        assert!(super::conv3x3_narrow(&x, &wide, &five).is_err());
+        assert!(super::conv3x3_narrow(&x, &wide, &five, Off::default()).is_err());
         Ok(())
     }
 }

@@ -20,6 +20,7 @@ use crate::ops::cpu as kernels;
 use crate::ops::cpu::bf16::{Isa, PackedB};
 use crate::ops::pad::{Channels, Pad};
 use crate::ops::rowwise::ours;
+use crate::switches::cuda_off::Off;
 use winograd::Winograd;
 
 /// Upper bound on the patch matrix of one convolution chunk, in elements (64 MiB in f32):
@@ -57,8 +58,10 @@ pub struct Conv3x3 {
     /// The weight in bf16, for bf16 products on the CPU.
     bf16: Option<(Isa, PackedB)>,
     /// The weight for Winograd's algorithm, for f32 on the CPU ([`winograd`]).
-    winograd: Option<Winograd>,
+    winograd: Option<Box<Winograd>>,
     backend: Backend,
+    /// Our CUDA kernels the load plan leaves out.
+    off: Off,
 }
 
 impl Conv3x3 {
@@ -122,10 +125,10 @@ impl Conv3x3 {
             }
             None if backend == Backend::Cpu
                 && weight.dtype() == DType::F32
-                && use_winograd(cin, cout) =>
+                && use_winograd(cin, cout, plan.switches.winograd) =>
             {
                 let w = weight.flatten_all()?.to_vec1::<f32>()?;
-                (none()?, None, Some(Winograd::new(w, cin, cout)))
+                (none()?, None, Some(Box::new(Winograd::new(w, cin, cout))))
             }
             _ => (weight, None, None),
         };
@@ -136,6 +139,7 @@ impl Conv3x3 {
             bf16,
             winograd,
             backend,
+            off: plan.switches.cuda_off,
         })
     }
 
@@ -176,8 +180,8 @@ impl Conv3x3 {
         let mut y = 0;
         while y < h {
             let n = rows.min(h - y);
-            let out = cuda::patches3x3(x, y, n)?.matmul(&self.weight)?;
-            let out = bias_act(&out, &self.bias, None, RowAct::None)?;
+            let out = cuda::patches3x3(x, y, n, self.off)?.matmul(&self.weight)?;
+            let out = bias_act(&out, &self.bias, None, RowAct::None, self.off)?;
             outs.push(out.reshape((b, n, w, ()))?);
             y += n;
         }
@@ -253,7 +257,7 @@ pub(crate) fn dense_block(
 ) -> Result<Option<Tensor>> {
     let Some(ws) = convs
         .iter()
-        .map(|c| c.winograd.as_ref())
+        .map(|c| c.winograd.as_deref())
         .collect::<Option<Vec<_>>>()
     else {
         return Ok(None);
@@ -315,8 +319,8 @@ impl Module for Conv3x3 {
                 }
             }
             (None, Backend::Cuda) => {
-                if ours(x) && self.bias.dim(0)? <= cuda::NARROW_CONV_MAX {
-                    return cuda::conv3x3_narrow(x, &self.weight, &self.bias);
+                if ours(x, self.off) && self.bias.dim(0)? <= cuda::NARROW_CONV_MAX {
+                    return cuda::conv3x3_narrow(x, &self.weight, &self.bias, self.off);
                 }
                 self.patch_gemm(x, CONV_CHUNK_ELEMS_GPU)
             }
@@ -330,13 +334,10 @@ impl Module for Conv3x3 {
 const WINOGRAD_MIN_CHANNELS: usize = 16;
 
 /// Whether an f32 convolution from `cin` to `cout` channels on the CPU runs by Winograd's
-/// F(4x4, 3x3): where the panel kernels run, as `UPSCALE_CPU_WINOGRAD` says, by default
-/// where both sides have [`WINOGRAD_MIN_CHANNELS`].
-fn use_winograd(cin: usize, cout: usize) -> bool {
-    kernels::panels::available()
-        && crate::switches::current()
-            .winograd
-            .unwrap_or(cin.min(cout) >= WINOGRAD_MIN_CHANNELS)
+/// F(4x4, 3x3): where the panel kernels run, as `switch` (`UPSCALE_CPU_WINOGRAD`) says, by
+/// default where both sides have [`WINOGRAD_MIN_CHANNELS`].
+fn use_winograd(cin: usize, cout: usize, switch: Option<bool>) -> bool {
+    kernels::panels::available() && switch.unwrap_or(cin.min(cout) >= WINOGRAD_MIN_CHANNELS)
 }
 
 /// PyTorch's PixelShuffle moves channel `c*r*r + i*r + j` of pixel (y, x) to pixel

@@ -14,6 +14,9 @@
 //! The transforms are those of Lavin and Gray (2016) with the interpolation points 0, ±1,
 //! ±2 and infinity.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
@@ -46,46 +49,65 @@ const G: [[f64; 3]; 6] = [
     [0.0, 0.0, 1.0],
 ];
 
-/// A 3x3 convolution's kernel, kept as its nine taps and moved to the Winograd domain on
-/// each call ([`Winograd::panels`]): the transformed kernel is four times the size (36
-/// positions for 9 taps), and building and keeping it for every layer at load cost ESRGAN a
-/// quarter of a small image's whole run in allocation and page faults, more than the
-/// transform does per call.
+/// A 3x3 convolution's kernel, kept as its nine taps and moved to the Winograd domain
+/// ([`Winograd::panels`]) when it first runs, into buffers that the next convolution reuses;
+/// from its second call on, the moved kernel is kept. The moved kernel is four times the size
+/// (36 positions for 9 taps): building all of them at load cost ESRGAN a quarter of a small
+/// image's whole run in allocation and page faults, and a run of one small image uses each
+/// once; doing it on every call cost a folder of small images a tenth of its time.
 pub(crate) struct Winograd {
     cin: usize,
     cout: usize,
     /// The taps, `9 cin x cout` row-major with rows ordered (dy, dx, cin).
     taps: Vec<f32>,
+    /// The calls so far.
+    calls: AtomicUsize,
+    /// The moved kernel, from the second call on.
+    kept: OnceLock<Vec<Panels>>,
 }
 
 impl Winograd {
     /// From `w`, `9 cin x cout` row-major with rows ordered (dy, dx, cin).
     pub(crate) fn new(taps: Vec<f32>, cin: usize, cout: usize) -> Self {
         assert_eq!(taps.len(), 9 * cin * cout, "a 3x3 kernel of {cin} x {cout}");
-        Self { cin, cout, taps }
+        Self {
+            cin,
+            cout,
+            taps,
+            calls: AtomicUsize::new(0),
+            kept: OnceLock::new(),
+        }
     }
 
     /// The kernel in the Winograd domain: for each of the 36 positions `e = 6r + s` of the
     /// 6x6 block, `G g Gᵀ` at (r, s) as a `cin x cout` matrix, packed for the panel kernels.
     /// The transform is taken in f64 and rounded once. A task per row `r`: `t = G g` (its
     /// three columns, over every channel pair at once), then the row's six positions.
-    fn panels(&self) -> Vec<Panels> {
+    /// The packings are made in `buffers` (36 of them, kept by the caller from one call to
+    /// the next: in fresh memory each call paid its page faults again).
+    fn panels(&self, buffers: Vec<Vec<f32>>) -> Vec<Panels> {
         let (cin, cout) = (self.cin, self.cout);
         let n = cin * cout;
         let tap = |j: usize, k: usize| &self.taps[(j * 3 + k) * n..][..n];
-        let rows: Vec<Vec<Panels>> = (0..6)
+        let mut buffers = buffers.into_iter();
+        let rows: Vec<(usize, Vec<Vec<f32>>)> = (0..6)
+            .map(|r| (r, buffers.by_ref().take(6).collect()))
+            .collect();
+        let rows: Vec<Vec<Panels>> = rows
             .into_par_iter()
-            .map(|r| {
+            .map(|(r, buffers)| {
                 KERNEL.with_borrow_mut(|(t, u)| {
                     t.resize(3 * n, 0.0);
                     u.resize(n, 0.0);
                     for (k, t) in t.chunks_exact_mut(n).enumerate() {
                         kernel_column(t, G[r], [tap(0, k), tap(1, k), tap(2, k)]);
                     }
+                    let mut buffers = buffers.into_iter();
                     (0..6)
                         .map(|s| {
                             kernel_row(u, G[s], t);
-                            Panels::new(u, (cin, cout), (cout, 1))
+                            let buffer = buffers.next().unwrap_or_default();
+                            Panels::reusing(buffer, u, (cin, cout), (cout, 1))
                         })
                         .collect()
                 })
@@ -154,7 +176,14 @@ impl Winograd {
         let dst = unsafe { Shared::new(out.as_mut_ptr()) };
         let zeros = vec![0f32; cin];
         let tasks = blocks.div_ceil(BLOCKS);
-        let panels = self.panels();
+        let first = self.kept.get().is_none() && self.calls.fetch_add(1, Ordering::Relaxed) == 0;
+        // The calling thread's buffers, taken for this call (a worker that waits in it may
+        // run another convolution's task, which then finds none).
+        let fresh = first.then(|| self.panels(PANEL_BUFFERS.with(std::cell::RefCell::take)));
+        let panels: &[Panels] = match &fresh {
+            Some(fresh) => fresh,
+            None => self.kept.get_or_init(|| self.panels(Vec::new())),
+        };
         (0..tasks).into_par_iter().for_each(|task| {
             SCRATCH.with_borrow_mut(|scratch| {
                 let need = 36 * BLOCKS * (cin + cout) + 16 * cout;
@@ -242,6 +271,13 @@ impl Winograd {
         });
         // SAFETY: the blocks cover every output pixel of every image, cout values each.
         unsafe { out.set_len(batch * h * w * cout) };
+        if let Some(fresh) = fresh {
+            PANEL_BUFFERS.with_borrow_mut(|b| {
+                if b.is_empty() {
+                    *b = fresh.into_iter().map(Panels::into_buffer).collect();
+                }
+            });
+        }
         out
     }
 }
@@ -256,6 +292,10 @@ enum Source<'a> {
 }
 
 thread_local! {
+    /// The allocations of the last convolution's 36 packed kernels on this thread, for the
+    /// next one to pack into ([`Winograd::panels`]).
+    static PANEL_BUFFERS: std::cell::RefCell<Vec<Vec<f32>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
     /// [`Winograd::panels`]' scratch per worker: `G g`'s three columns (f64) and one
     /// position's matrix before packing.
     static KERNEL: std::cell::RefCell<(Vec<f64>, Vec<f32>)> =

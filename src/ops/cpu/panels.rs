@@ -133,7 +133,18 @@ const PARALLEL_PACK: usize = 1 << 18;
 
 impl Panels {
     /// Packs `b[r][c] = src[r * rs + c * cs]` for `r < k`, `c < n`, a panel per task.
-    pub(crate) fn new(src: &[f32], (k, n): (usize, usize), (rs, cs): (usize, usize)) -> Self {
+    pub(crate) fn new(src: &[f32], dims: (usize, usize), strides: (usize, usize)) -> Self {
+        Self::reusing(Vec::new(), src, dims, strides)
+    }
+
+    /// [`Panels::new`] in `data`'s allocation where it is large enough (one that
+    /// [`Panels::into_buffer`] gave back: memory already paged in).
+    pub(crate) fn reusing(
+        mut data: Vec<f32>,
+        src: &[f32],
+        (k, n): (usize, usize),
+        (rs, cs): (usize, usize),
+    ) -> Self {
         if k > 0 && n > 0 {
             assert!(
                 (k - 1) * rs + (n - 1) * cs < src.len(),
@@ -141,7 +152,8 @@ impl Panels {
             );
         }
         let len = k * ((n / PANEL) * PANEL + (n % PANEL).next_multiple_of(16));
-        let mut data: Vec<f32> = vec![0.0; len + 15];
+        data.clear();
+        data.resize(len + 15, 0.0);
         let start = data.as_ptr().align_offset(64).min(15);
         if k > 0 {
             // Small operands (a Winograd position's 64 x 64, packed 36 at a time per
@@ -174,6 +186,11 @@ impl Panels {
                 });
         }
         Self { k, n, data, start }
+    }
+
+    /// The allocation, for [`Panels::reusing`].
+    pub(crate) fn into_buffer(self) -> Vec<f32> {
+        self.data
     }
 
     /// The packed panels, one after the other.

@@ -14,6 +14,8 @@
 
 use candle_core::{Result, Tensor};
 
+use crate::switches::cuda_off::Off;
+
 fn check(x: &Tensor, w: &Tensor, b: &Tensor, what: &str) -> Result<(usize, usize)> {
     let (t, k) = x.dims2()?;
     let (n, kw) = w.dims2()?;
@@ -30,12 +32,12 @@ fn check(x: &Tensor, w: &Tensor, b: &Tensor, what: &str) -> Result<(usize, usize
 
 /// `x · wᵀ + b` for `x` `(T, K)`, `w` `(N, K)` and `b` `(N)`, all contiguous, or `None` where
 /// this path does not apply (not CUDA, f32, a view that does not start its buffer, no
-/// cuBLASLt algorithm for the shape, or `UPSCALE_CUDA_OFF=cublaslt`) and the caller runs its
-/// own.
-pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+/// cuBLASLt algorithm for the shape, or `off` names `cublaslt`) and the caller runs its own.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor, off: Off) -> Result<Option<Tensor>> {
     check(x, w, b, "linear_bias")?;
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && !crate::switches::current().cuda_off.cublaslt {
+    if x.device().is_cuda() && !off.cublaslt {
         return cublaslt::linear_bias(x, w, b);
     }
     Ok(None)
@@ -44,7 +46,14 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Option<Tensor>>
 /// `acc += x · wᵀ + b` in place, for `acc` `(T, N)`; `false` where this path does not apply
 /// (as for [`linear_bias`], or an operand shares `acc`'s storage), and `acc` is then
 /// unchanged. Every tensor that shares `acc`'s storage sees the sum, so the caller must own it.
-pub fn accumulate_linear_bias(acc: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<bool> {
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn accumulate_linear_bias(
+    acc: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    off: Off,
+) -> Result<bool> {
     let (t, n) = check(x, w, b, "accumulate_linear_bias")?;
     if acc.dims() != [t, n] {
         candle_core::bail!(
@@ -53,7 +62,7 @@ pub fn accumulate_linear_bias(acc: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) 
         );
     }
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && !crate::switches::current().cuda_off.cublaslt {
+    if x.device().is_cuda() && !off.cublaslt {
         return cublaslt::accumulate_linear_bias(acc, x, w, b);
     }
     Ok(false)
@@ -377,7 +386,7 @@ mod cublaslt {
 
 #[cfg(test)]
 mod tests {
-    use super::linear_bias;
+    use super::{linear_bias, Off};
     use candle_core::{Device, Result, Tensor};
 
     #[test]
@@ -385,17 +394,17 @@ mod tests {
         let x = Tensor::ones((4, 3), candle_core::DType::F32, &Device::Cpu)?;
         let w = Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu)?;
         let b = Tensor::ones(2, candle_core::DType::F32, &Device::Cpu)?;
-        assert!(linear_bias(&x, &w, &b)?.is_none());
+        assert!(linear_bias(&x, &w, &b, Off::default())?.is_none());
         Ok(())
     }
 
     #[test]
     fn mismatched_shapes_are_errors() -> Result<()> {
         let t = |s: &[usize]| Tensor::ones(s, candle_core::DType::F32, &Device::Cpu);
-        assert!(linear_bias(&t(&[4, 3])?, &t(&[2, 4])?, &t(&[2])?).is_err());
-        assert!(linear_bias(&t(&[4, 3])?, &t(&[2, 3])?, &t(&[3])?).is_err());
-        assert!(linear_bias(&t(&[0, 3])?, &t(&[2, 3])?, &t(&[2])?).is_err());
-        assert!(linear_bias(&t(&[4, 3])?, &t(&[2, 3])?, &t(&[2])?).is_ok());
+        assert!(linear_bias(&t(&[4, 3])?, &t(&[2, 4])?, &t(&[2])?, Off::default()).is_err());
+        assert!(linear_bias(&t(&[4, 3])?, &t(&[2, 3])?, &t(&[3])?, Off::default()).is_err());
+        assert!(linear_bias(&t(&[0, 3])?, &t(&[2, 3])?, &t(&[2])?, Off::default()).is_err());
+        assert!(linear_bias(&t(&[4, 3])?, &t(&[2, 3])?, &t(&[2])?, Off::default()).is_ok());
         Ok(())
     }
 }

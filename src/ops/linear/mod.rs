@@ -18,6 +18,7 @@ use crate::ops::cpu as kernels;
 use crate::ops::cpu::bf16::{Isa, PackedB};
 use crate::ops::cpu::panels::Panels;
 use crate::ops::pad::{Channels, Pad};
+use crate::switches::cuda_off::Off;
 use cpu::After;
 use rowwise::Act;
 
@@ -40,8 +41,8 @@ pub enum Dense {
         bias: Tensor,
     },
     /// On CUDA: one GEMM over all tokens with the bias in cuBLASLt's epilogue, or our
-    /// row-wise kernels after it.
-    Cuda(Linear),
+    /// row-wise kernels after it, less the parts the load plan leaves out.
+    Cuda(Linear, Off),
     /// On any other device: candle's layer and ops.
     Candle(Linear),
 }
@@ -65,7 +66,7 @@ impl Dense {
                 let packed = cpu::pack(linear.weight())?;
                 Self::Cpu(linear, packed)
             }
-            Backend::Cuda => Self::Cuda(linear),
+            Backend::Cuda => Self::Cuda(linear, plan.switches.cuda_off),
             Backend::Other => Self::Candle(linear),
         })
     }
@@ -95,7 +96,7 @@ impl Dense {
     #[cfg(test)]
     pub(crate) fn gemm_dims(&self) -> Result<(usize, usize)> {
         match self {
-            Self::Cpu(l, _) | Self::Cuda(l) | Self::Candle(l) => {
+            Self::Cpu(l, _) | Self::Cuda(l, _) | Self::Candle(l) => {
                 let (n, k) = l.weight().dims2()?;
                 Ok((k, n))
             }
@@ -123,9 +124,10 @@ impl Dense {
         prev: &Tensor,
         slope: f64,
     ) -> Result<Tensor> {
-        if let Self::Cuda(inner) = self {
+        if let Self::Cuda(inner, off) = self {
             let y = unrows(&token_gemm(inner, x)?, prev)?;
-            return rowwise::cat_bias_act(prev, &y, dense_bias(inner)?, Act::Leaky(slope as f32));
+            let act = Act::Leaky(slope as f32);
+            return rowwise::cat_bias_act(prev, &y, dense_bias(inner)?, act, *off);
         }
         let y = self.forward(x)?;
         match kernels::cat_leaky(prev, &y, slope as f32)? {
@@ -138,12 +140,12 @@ impl Dense {
     /// [`epilogue`]); `None` elsewhere. The caller gives `acc` up: every tensor that shares
     /// its storage sees the sum.
     pub(crate) fn accumulate_onto(&self, x: &Tensor, acc: Tensor) -> Result<Option<Tensor>> {
-        let Self::Cuda(inner) = self else {
+        let Self::Cuda(inner, off) = self else {
             return Ok(None);
         };
         let acc2 = rows(&acc)?;
-        let done =
-            cuda::accumulate_linear_bias(&acc2, &rows(x)?, inner.weight(), dense_bias(inner)?)?;
+        let (w, b) = (inner.weight(), dense_bias(inner)?);
+        let done = cuda::accumulate_linear_bias(&acc2, &rows(x)?, w, b, *off)?;
         done.then(|| acc2.reshape(acc.shape())).transpose()
     }
 
@@ -166,7 +168,7 @@ impl Dense {
                 };
                 cpu::linear_bf16(&x.contiguous()?, *isa, weight, bias, after)
             }
-            Self::Cuda(inner) => forward_cuda(inner, x, after),
+            Self::Cuda(inner, off) => forward_cuda(inner, x, after, *off),
             Self::Candle(inner) => reference(inner, x, after),
         }
     }
@@ -180,10 +182,10 @@ impl Module for Dense {
 
 /// The CUDA half: cuBLASLt with the bias in its epilogue where it takes the shapes, else one
 /// GEMM over all tokens and our row-wise kernel (the bias and the exact GELU) after it.
-fn forward_cuda(inner: &Linear, x: &Tensor, after: After) -> Result<Tensor> {
+fn forward_cuda(inner: &Linear, x: &Tensor, after: After, off: Off) -> Result<Tensor> {
     let bias = dense_bias(inner)?;
     let fused = match after {
-        After::Nothing => cuda::linear_bias(&rows(x)?, inner.weight(), bias)?,
+        After::Nothing => cuda::linear_bias(&rows(x)?, inner.weight(), bias, off)?,
         _ => None,
     };
     if let Some(y) = fused {
@@ -195,7 +197,7 @@ fn forward_cuda(inner: &Linear, x: &Tensor, after: After) -> Result<Tensor> {
         After::Residual(r) => (Some(r.reshape(y.shape())?.contiguous()?), Act::None),
         After::Gelu => (None, Act::Gelu),
     };
-    let y = rowwise::bias_act(&y, bias, residual.as_ref(), act)?;
+    let y = rowwise::bias_act(&y, bias, residual.as_ref(), act, off)?;
     unrows(&y, x)
 }
 

@@ -10,6 +10,8 @@
 
 use candle_core::{Result, Tensor, D};
 
+use crate::switches::cuda_off::Off;
+
 #[cfg(feature = "cuda")]
 use crate::ops::rowwise::ours;
 
@@ -34,8 +36,16 @@ impl Act {
 }
 
 /// `act(y + bias) + residual` for `y` `(.., C)`, `bias` `(C)` and `residual` `y`'s shape.
-/// On CUDA strided inputs are made contiguous first (a copy), as for every op here.
-pub fn bias_act(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>, act: Act) -> Result<Tensor> {
+/// On CUDA strided inputs are made contiguous first (a copy), as for every op here; our
+/// kernel runs unless `off` names `rowwise`.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn bias_act(
+    y: &Tensor,
+    bias: &Tensor,
+    residual: Option<&Tensor>,
+    act: Act,
+    off: Off,
+) -> Result<Tensor> {
     let c = y.dim(D::Minus1)?;
     if bias.dims() != [c] {
         candle_core::bail!("bias_act: y {:?}, bias {:?}", y.dims(), bias.dims());
@@ -46,7 +56,7 @@ pub fn bias_act(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>, act: Act) 
         }
     }
     #[cfg(feature = "cuda")]
-    if ours(y) {
+    if ours(y, off) {
         let residual = residual.map(Tensor::contiguous).transpose()?;
         return cuda::bias_act(
             &y.contiguous()?,
@@ -62,8 +72,16 @@ pub fn bias_act(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>, act: Act) 
     }
 }
 
-/// `cat([prev, act(y + bias)], -1)` for `prev` `(.., Cp)`, `y` `(.., C)`, `bias` `(C)`.
-pub fn cat_bias_act(prev: &Tensor, y: &Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
+/// `cat([prev, act(y + bias)], -1)` for `prev` `(.., Cp)`, `y` `(.., C)`, `bias` `(C)`; our
+/// kernel unless `off` names `rowwise`.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn cat_bias_act(
+    prev: &Tensor,
+    y: &Tensor,
+    bias: &Tensor,
+    act: Act,
+    off: Off,
+) -> Result<Tensor> {
     let (dp, dy) = (prev.dims(), y.dims());
     let c = y.dim(D::Minus1)?;
     if dp.len() != dy.len() || dp[..dp.len() - 1] != dy[..dy.len() - 1] || bias.dims() != [c] {
@@ -73,7 +91,7 @@ pub fn cat_bias_act(prev: &Tensor, y: &Tensor, bias: &Tensor, act: Act) -> Resul
         );
     }
     #[cfg(feature = "cuda")]
-    if ours(y) {
+    if ours(y, off) {
         let (prev, y, bias) = (prev.contiguous()?, y.contiguous()?, bias.contiguous()?);
         return cuda::cat_bias_act(&prev, &y, &bias, act);
     }

@@ -17,7 +17,7 @@ use crate::ops::rowwise::ours;
 /// `T`; returns `(B, T', C)`.
 pub fn gather_norm(norm: &Norm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if ours(x) {
+    if ours(x, norm.cuda_off()) {
         return launch::gather_norm(norm, &x.contiguous()?, &order.contiguous()?);
     }
     norm.forward(x)?.index_select(order, 1)
@@ -26,7 +26,7 @@ pub fn gather_norm(norm: &Norm, x: &Tensor, order: &Tensor) -> Result<Tensor> {
 /// `sum = x + index_select(y, back, 1)` and `ln(sum)`: `x` `(B, T, C)`, `y` `(B, T', C)`,
 /// `back` `T` u32 indices below `T'`. With `scaled` `(z, s)`, `z` `(B, T, C)` and `s`
 /// `(B, C)`, the sum is `x + z * s + index_select(y, back, 1)` (HAT's channel attention),
-/// in the same kernel unless `UPSCALE_CUDA_OFF` names `cab`.
+/// in the same kernel unless the norm's plan ([`Norm::with_cuda_off`]) leaves out `cab`.
 pub fn add_gather_norm(
     norm: &Norm,
     x: &Tensor,
@@ -36,9 +36,9 @@ pub fn add_gather_norm(
 ) -> Result<(Tensor, Tensor)> {
     add_gather_dims(x, scaled, y, back)?;
     #[cfg(feature = "cuda")]
-    if ours(x) {
+    if ours(x, norm.cuda_off()) {
         let (y, back) = (y.contiguous()?, back.contiguous()?);
-        if let Some((z, s)) = scaled.filter(|_| !crate::switches::current().cuda_off.cab) {
+        if let Some((z, s)) = scaled.filter(|_| !norm.cuda_off().cab) {
             let (z, s) = (z.contiguous()?, s.contiguous()?);
             return launch::add_gather_norm(norm, &x.contiguous()?, Some((&z, &s)), &y, &back);
         }

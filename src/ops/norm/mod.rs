@@ -13,6 +13,7 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, VarBuilder};
 
 use crate::ops::pad::Channels;
+use crate::switches::cuda_off::Off;
 
 pub use cpu::{add_gather_norm, layer_norm, layer_norm_of_channels, norm_gather};
 
@@ -23,6 +24,8 @@ pub struct Norm {
     ln: LayerNorm,
     /// For padded rows: 1 on real channels and 0 on padded ones, and the real count.
     real: Option<(Tensor, usize)>,
+    /// Our CUDA kernels the gathers with this norm ([`cuda`]) leave out.
+    off: Off,
 }
 
 impl Norm {
@@ -50,7 +53,20 @@ impl Norm {
                 eps,
             ),
             real,
+            off: Off::default(),
         })
+    }
+
+    /// The same norm, its gathers on CUDA leaving out what `off` (the load plan's
+    /// `UPSCALE_CUDA_OFF`) names.
+    pub fn with_cuda_off(self, off: Off) -> Self {
+        Self { off, ..self }
+    }
+
+    /// Our CUDA kernels this norm's gathers leave out.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn cuda_off(&self) -> Off {
+        self.off
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

@@ -12,6 +12,7 @@
 
 use super::gpu;
 use crate::ops::linear::cuda::{accumulate_linear_bias, linear_bias};
+use crate::switches::cuda_off::Off;
 use candle_core::{DType, Device, Result, Tensor};
 
 fn randn(shape: &[usize], scale: f64) -> Result<Tensor> {
@@ -83,7 +84,7 @@ fn linear_bias_matches_the_cpu_in_bf16_and_f16() -> Result<()> {
             let product = xr.matmul(&wr.t()?)?;
             let want = product.broadcast_add(&br)?;
             let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(&dev);
-            match linear_bias(&on(&x)?, &on(&w)?, &on(&b)?)? {
+            match linear_bias(&on(&x)?, &on(&w)?, &on(&b)?, Off::default())? {
                 Some(ours) => {
                     let what = format!("{dtype:?} {t}x{k}x{n}");
                     assert_close(&what, &ours, &want, &[&product], u)?
@@ -110,15 +111,15 @@ fn linear_bias_leaves_f32_and_offset_views_to_the_caller() -> Result<()> {
     let (x, w, b) = small_layer()?;
     let f32s = (x.to_device(&dev)?, w.to_device(&dev)?, b.to_device(&dev)?);
     assert!(
-        linear_bias(&f32s.0, &f32s.1, &f32s.2)?.is_none(),
+        linear_bias(&f32s.0, &f32s.1, &f32s.2, Off::default())?.is_none(),
         "f32 must stay exact"
     );
     let bf = |t: &Tensor| t.to_dtype(DType::BF16)?.to_device(&dev);
     let (xb, wb, bb) = (bf(&x)?, bf(&w)?, bf(&b)?);
-    assert!(linear_bias(&xb, &wb, &bb)?.is_some());
+    assert!(linear_bias(&xb, &wb, &bb, Off::default())?.is_some());
     let view = xb.narrow(0, 1, 63)?;
     assert!(
-        linear_bias(&view, &wb, &bb)?.is_none(),
+        linear_bias(&view, &wb, &bb, Off::default())?.is_none(),
         "a view inside a buffer"
     );
     Ok(())
@@ -145,7 +146,7 @@ fn accumulate_linear_bias_adds_in_place_in_bf16_and_f16() -> Result<()> {
             let ours = on(&acc)?;
             // A second handle on the same storage: it must see the sum too.
             let alias = ours.clone();
-            let ran = accumulate_linear_bias(&ours, &on(&x)?, &on(&w)?, &on(&b)?)?;
+            let ran = accumulate_linear_bias(&ours, &on(&x)?, &on(&w)?, &on(&b)?, Off::default())?;
             let what = format!("{dtype:?} {t}x{k}x{n}");
             if ran {
                 assert_close(&what, &alias, &want, &[&product, &biased, &residual], u)?;
@@ -170,7 +171,8 @@ fn accumulate_linear_bias_leaves_f32_untouched() -> Result<()> {
         &ours,
         &on(&x)?,
         &on(&w)?,
-        &on(&b)?
+        &on(&b)?,
+        Off::default()
     )?);
     let back = ours.to_device(&Device::Cpu)?;
     let diff = (back - &acc)?.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -192,13 +194,20 @@ fn accumulate_linear_bias_leaves_operands_inside_the_accumulator_to_the_caller()
     let before = acc.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
     let own_w = bf(&w.narrow(1, 0, 16)?.contiguous()?)?;
     // x is the accumulator itself; then w is its first 16 rows (a view that starts the buffer).
-    assert!(!accumulate_linear_bias(&acc, &acc, &own_w, &bf(&b)?)?);
+    assert!(!accumulate_linear_bias(
+        &acc,
+        &acc,
+        &own_w,
+        &bf(&b)?,
+        Off::default()
+    )?);
     let w_in_acc = acc.narrow(0, 0, 16)?;
     assert!(!accumulate_linear_bias(
         &acc,
         &bf(&x.narrow(1, 0, 16)?.contiguous()?)?,
         &w_in_acc,
-        &bf(&b)?
+        &bf(&b)?,
+        Off::default()
     )?);
     let after = acc.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
     assert_close("aliased operands", &after, &before, &[], 0.0)?;
@@ -212,7 +221,7 @@ fn a_dropped_devices_cublaslt_handle_is_let_go() -> Result<()> {
     let (x, w, b) = small_layer()?;
     let run = |dev: &Device| -> Result<()> {
         let bf = |t: &Tensor| t.to_dtype(DType::BF16)?.to_device(dev);
-        assert!(linear_bias(&bf(&x)?, &bf(&w)?, &bf(&b)?)?.is_some());
+        assert!(linear_bias(&bf(&x)?, &bf(&w)?, &bf(&b)?, Off::default())?.is_some());
         dev.synchronize()
     };
     let gone = {

@@ -9,7 +9,7 @@ use std::time::Instant;
 use super::{gpu, max_abs, within};
 use crate::checkpoint::Checkpoint;
 use crate::model::Model;
-use crate::ops::attention::cuda::{with_overlap_kernel, FusedOverlapAttention};
+use crate::ops::attention::cuda::FusedOverlapAttention;
 use crate::ops::attention::Attention;
 use crate::ops::attention::{overlap_attention_graph, overlap_bias};
 use crate::tests::fixtures::{load_io, max_abs_diff, TOLERANCE};
@@ -283,8 +283,11 @@ fn hat_models_with_the_overlap_kernel_match_the_reference() {
         let x = input.to_device(&dev).unwrap();
         let run = |dtype, attention, kernel| {
             let ck = Checkpoint::load(&weights).unwrap();
-            let model = Model::from_checkpoint_with(ck, dtype, &dev, attention).unwrap();
-            with_overlap_kernel(kernel, || model.net.forward(&x)).unwrap()
+            let model = crate::switches::with(
+                |s| s.overlap_kernel = kernel,
+                || Model::from_checkpoint_with(ck, dtype, &dev, attention),
+            );
+            model.unwrap().net.forward(&x).unwrap()
         };
         let on = run(DType::F32, Attention::Fused, true);
         let off = run(DType::F32, Attention::Fused, false);

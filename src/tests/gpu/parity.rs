@@ -83,9 +83,11 @@ fn cuda_with_our_paths_off_still_matches_the_reference() {
         let x = input.to_device(&gpu).unwrap();
         for off in parts {
             let run = |dtype: DType| {
-                let model = Model::load(&case.weights, dtype, &gpu).unwrap();
-                let out =
-                    crate::switches::with(|s| s.cuda_off = off, || model.net.forward(&x)).unwrap();
+                let model = crate::switches::with(
+                    |s| s.cuda_off = off,
+                    || Model::load(&case.weights, dtype, &gpu),
+                );
+                let out = model.unwrap().net.forward(&x).unwrap();
                 out.to_device(&Device::Cpu).unwrap()
             };
             let d32 = max_abs_diff(&run(DType::F32), &expected);
@@ -142,13 +144,15 @@ fn cuda_padded_channels_match_the_reference() {
         let x = input.to_device(&gpu).unwrap();
         let run = |pad: Pad, dtype: DType, off: Off| {
             let model = crate::switches::with(
-                |s| s.pad_channels = Some(pad.multiple()),
+                |s| {
+                    s.pad_channels = Some(pad.multiple());
+                    s.cuda_off = off;
+                },
                 || Model::load(&case.weights, dtype, &gpu),
             );
             let model = model.unwrap();
             assert_eq!(model.net.padding(), pad);
-            let out =
-                crate::switches::with(|s| s.cuda_off = off, || model.net.forward(&x)).unwrap();
+            let out = model.net.forward(&x).unwrap();
             out.to_device(&Device::Cpu).unwrap()
         };
         let plain = run(Pad::OFF, DType::F32, Off::default());

@@ -11,6 +11,7 @@ use crate::ops::conv::cuda as conv_rw;
 use crate::ops::linear::rowwise::{self, Act};
 use crate::ops::norm::{cuda as norm_rw, Norm};
 use crate::ops::pad::{Channels, Pad};
+use crate::switches::cuda_off::Off;
 use crate::tests::fixtures::f32_values;
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -87,9 +88,11 @@ fn bias_act_matches_candle() {
             for &act in &acts {
                 for with_res in [false, true] {
                     let res = with_res.then_some(&r);
-                    let want = rowwise::bias_act(&y, &b, res, act).unwrap();
+                    let want = rowwise::bias_act(&y, &b, res, act, Off::default()).unwrap();
                     let res_gpu = res.map(on);
-                    let ours = rowwise::bias_act(&on(&y), &on(&b), res_gpu.as_ref(), act).unwrap();
+                    let ours =
+                        rowwise::bias_act(&on(&y), &on(&b), res_gpu.as_ref(), act, Off::default())
+                            .unwrap();
                     assert!(ours.device().is_cuda() && ours.dtype() == dtype);
                     let what = format!("{shape:?} {dtype:?} {act:?} residual {with_res}");
                     failures.extend(excess(&what, &ours, &want, u));
@@ -119,8 +122,9 @@ fn cat_bias_act_matches_candle() {
             );
             let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
             let act = Act::Leaky(0.2);
-            let want = rowwise::cat_bias_act(&prev, &y, &b, act).unwrap();
-            let ours = rowwise::cat_bias_act(&on(&prev), &on(&y), &on(&b), act).unwrap();
+            let want = rowwise::cat_bias_act(&prev, &y, &b, act, Off::default()).unwrap();
+            let ours =
+                rowwise::cat_bias_act(&on(&prev), &on(&y), &on(&b), act, Off::default()).unwrap();
             assert!(ours.device().is_cuda());
             let what = format!("{lead:?} prev {pc} + {c} {dtype:?}");
             failures.extend(excess(&what, &ours, &want, u));
@@ -242,7 +246,6 @@ fn add_gather_norm_matches_candle() {
 /// so the sum's bound grows by `u (|x| + 2 |z s|)`.
 #[test]
 fn add_gather_norm_with_a_scaled_term_matches_the_exact_sum() {
-    use crate::switches::cuda_off::Off;
     let dev = gpu();
     let seed = (randn(&[512]), randn(&[512]));
     let mut failures = Vec::new();
@@ -273,7 +276,6 @@ fn add_gather_norm_with_a_scaled_term_matches_the_exact_sum() {
                 .unwrap()
                 .to_scalar::<f64>()
                 .unwrap() as f32;
-            let (ln, ln32) = layer_norms(&ch, &seed, dtype, &dev);
             let on = |v: &Tensor| v.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
             let (xg, yg, zg, sg) = (on(&x), on(&y), on(&z), on(&s));
             for cab_off in [false, true] {
@@ -281,11 +283,10 @@ fn add_gather_norm_with_a_scaled_term_matches_the_exact_sum() {
                     cab: cab_off,
                     ..Off::default()
                 };
-                let (ours_sum, ours) = crate::switches::with(
-                    |s| s.cuda_off = off,
-                    || norm_rw::add_gather_norm(&ln, &xg, Some((&zg, &sg)), &yg, &back_gpu),
-                )
-                .unwrap();
+                let (ln, ln32) = layer_norms(&ch, &seed, dtype, &dev);
+                let ln = ln.with_cuda_off(off);
+                let (ours_sum, ours) =
+                    norm_rw::add_gather_norm(&ln, &xg, Some((&zg, &sg)), &yg, &back_gpu).unwrap();
                 assert!(ours.device().is_cuda() && ours.dtype() == dtype);
                 let stored = ours_sum
                     .to_device(&Device::Cpu)
@@ -330,8 +331,9 @@ fn patches3x3_matches_candle() -> Result<()> {
         for (dtype, _) in DTYPES {
             let xd = x.to_dtype(dtype)?;
             for (y0, rows) in chunks {
-                let want = conv_rw::patches3x3(&xd, y0, rows)?.to_dtype(DType::F32)?;
-                let ours = conv_rw::patches3x3(&xd.to_device(&dev)?, y0, rows)?;
+                let want =
+                    conv_rw::patches3x3(&xd, y0, rows, Off::default())?.to_dtype(DType::F32)?;
+                let ours = conv_rw::patches3x3(&xd.to_device(&dev)?, y0, rows, Off::default())?;
                 let what = format!("{dtype:?} {dims:?} rows {y0}+{rows}");
                 assert_eq!(excess_over(&what, &ours, &want, 0.0, 0.0), None);
             }
@@ -355,9 +357,9 @@ fn conv3x3_narrow_matches_candle() -> Result<()> {
                 rounded(&wt, dtype),
                 rounded(&bias, dtype),
             );
-            let want = conv_rw::conv3x3_narrow(&xr, &wr, &br)?;
+            let want = conv_rw::conv3x3_narrow(&xr, &wr, &br, Off::default())?;
             let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(&dev);
-            let ours = conv_rw::conv3x3_narrow(&on(&x)?, &on(&wt)?, &on(&bias)?)?;
+            let ours = conv_rw::conv3x3_narrow(&on(&x)?, &on(&wt)?, &on(&bias)?, Off::default())?;
             let what = format!("{dtype:?} {b}x{h}x{w}x{cin} -> {cout}");
             assert_eq!(excess_over(&what, &ours, &want, u, 1e-4), None);
         }
@@ -370,16 +372,23 @@ fn bad_inputs_are_errors() -> Result<()> {
     let dev = gpu();
     let y = Tensor::zeros((4, 6), DType::F32, &dev)?;
     let b = Tensor::zeros(5, DType::F32, &dev)?;
-    assert!(rowwise::bias_act(&y, &b, None, Act::None).is_err());
+    assert!(rowwise::bias_act(&y, &b, None, Act::None, Off::default()).is_err());
     let b = Tensor::zeros(6, DType::F32, &dev)?;
     let wrong_residual = Tensor::zeros((4, 5), DType::F32, &dev)?;
-    assert!(rowwise::bias_act(&y, &b, Some(&wrong_residual), Act::None).is_err());
+    assert!(rowwise::bias_act(&y, &b, Some(&wrong_residual), Act::None, Off::default()).is_err());
     // A strided input is copied, not refused.
     let strided = Tensor::ones((6, 4), DType::F32, &dev)?.t()?;
-    let out = rowwise::bias_act(&strided, &b, None, Act::Leaky(0.5))?;
+    let out = rowwise::bias_act(&strided, &b, None, Act::Leaky(0.5), Off::default())?;
     assert_eq!(out.sum_all()?.to_scalar::<f32>()?, 24.0);
     let ints = Tensor::zeros((4, 6), DType::U32, &dev)?;
-    assert!(rowwise::bias_act(&ints, &b.to_dtype(DType::U32)?, None, Act::None).is_err());
+    assert!(rowwise::bias_act(
+        &ints,
+        &b.to_dtype(DType::U32)?,
+        None,
+        Act::None,
+        Off::default()
+    )
+    .is_err());
     let ones = Tensor::ones(6, DType::F32, &dev)?;
     let ln = Norm::new(&Pad::OFF.one(6), ones, b.clone(), 1e-5)?;
     let x = Tensor::zeros((1, 4, 6), DType::F32, &dev)?;
@@ -395,7 +404,13 @@ fn a_dropped_devices_kernel_modules_are_let_go() -> Result<()> {
     gpu(); // checks that our kernels are on
     let (y, b) = (randn(&[4, 40]), randn(&[40]));
     let run = |dev: &Device| -> Result<()> {
-        let out = rowwise::bias_act(&y.to_device(dev)?, &b.to_device(dev)?, None, Act::Gelu)?;
+        let out = rowwise::bias_act(
+            &y.to_device(dev)?,
+            &b.to_device(dev)?,
+            None,
+            Act::Gelu,
+            Off::default(),
+        )?;
         out.to_device(&Device::Cpu).map(drop)
     };
     let gone = {
