@@ -47,10 +47,11 @@ use crate::nets::swin::load_layer_norm;
 use crate::nets::{uniform, ArchConfig, Net, NetConfig};
 use crate::ops::attention::channel::channel_attention;
 use crate::ops::attention::cpu::rectangle_attention;
+use crate::ops::conv::depthwise::Depthwise3x3;
 use crate::ops::conv::Conv3x3;
 use crate::ops::cpu::bf16::Isa;
 use crate::ops::cpu::cpu_slice;
-use crate::ops::cpu::depthwise::{depthwise3x3, gated_sum, Gate, Rows, Then};
+use crate::ops::cpu::depthwise::{gated_sum, Gate, Rows, Then};
 use crate::ops::linear::Dense;
 use crate::ops::norm::{layer_norm, layer_norm_of_channels, Norm};
 use crate::ops::pad::Pad;
@@ -315,69 +316,19 @@ pub(crate) fn offset_grid(hs: usize, ws: usize) -> Vec<f32> {
 // layers
 // ----------------------------------------------------------------------------------------
 
-/// A channels-last depthwise 3x3 convolution (zero padding 1), with the BatchNorm after it
-/// (when there is one) folded into its taps and bias.
-struct DepthwiseConv {
-    /// `(9, C)`: tap `dy * 3 + dx`, one weight per channel.
-    taps: Tensor,
-    bias: Tensor,
-    /// The taps and bias for the CPU kernel, where the layer is on the CPU in f32.
-    host: Option<(Vec<f32>, Vec<f32>)>,
-}
-
-impl DepthwiseConv {
-    fn new(c: usize, vb: VarBuilder, bn: Option<VarBuilder>) -> Result<Self> {
-        let w = vb.get((c, 1, 3, 3), "weight")?.reshape((c, 9))?;
-        let b = vb.get(c, "bias")?;
-        let (w, b) = match bn {
-            Some(bn) => {
-                let (s, t) = batch_norm(c, bn)?;
-                (w.broadcast_mul(&s.unsqueeze(1)?)?, ((b * &s)? + t)?)
-            }
-            None => (w, b),
-        };
-        let taps = w.t()?.contiguous()?;
-        let host = match on_cpu_f32(&taps) {
-            true => Some((taps.flatten_all()?.to_vec1::<f32>()?, b.to_vec1::<f32>()?)),
-            false => None,
-        };
-        Ok(Self {
-            taps,
-            bias: b,
-            host,
-        })
-    }
-
-    /// The CPU kernel on `input`'s `(b, h, w, c)` map, or `None` off the CPU.
-    fn on_cpu(
-        &self,
-        input: Rows,
-        dims: (usize, usize, usize, usize),
-        then: Then,
-    ) -> Option<Vec<f32>> {
-        let (taps, bias) = self.host.as_ref()?;
-        Some(depthwise3x3(input, dims, (taps, bias), then))
-    }
-
-    /// `x`: `(B, H, W, C)`.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, h, w, _) = x.dims4()?;
-        let p = x.pad_with_zeros(1, 1, 1)?.pad_with_zeros(2, 1, 1)?;
-        let mut acc = self.bias.reshape((1, 1, 1, ()))?.broadcast_as(x.shape())?;
-        for dy in 0..3 {
-            for dx in 0..3 {
-                let tap = self.taps.get(dy * 3 + dx)?;
-                let shifted = p.narrow(1, dy, h)?.narrow(2, dx, w)?;
-                acc = (acc + shifted.broadcast_mul(&tap)?)?;
-            }
+/// The channels-last depthwise 3x3 convolution under `vb`, with the BatchNorm after it (when
+/// there is one) folded into its taps and bias.
+fn depthwise(c: usize, vb: VarBuilder, bn: Option<VarBuilder>) -> Result<Depthwise3x3> {
+    let w = vb.get((c, 1, 3, 3), "weight")?.reshape((c, 9))?;
+    let b = vb.get(c, "bias")?;
+    let (w, b) = match bn {
+        Some(bn) => {
+            let (s, t) = batch_norm(c, bn)?;
+            (w.broadcast_mul(&s.unsqueeze(1)?)?, ((b * &s)? + t)?)
         }
-        Ok(acc)
-    }
-}
-
-/// Whether our CPU kernels take `t`'s layer (CPU, f32).
-fn on_cpu_f32(t: &Tensor) -> bool {
-    t.device().is_cpu() && t.dtype() == DType::F32
+        None => (w, b),
+    };
+    Depthwise3x3::new(&w, b)
 }
 
 /// `t`'s values (contiguous, CPU f32) as a vector.
@@ -568,11 +519,7 @@ impl Branch {
             &Tensor::from_vec(table, (rows, heads), &Device::Cpu)?,
             (hs, ws),
         )?;
-        // The CPU kernel reads the table; candle's graph elsewhere takes it gathered.
-        let bias = match vb.device().is_cpu() {
-            true => None,
-            false => Some(table.tensor(vb.dtype(), vb.device())?),
-        };
+        let bias = table.for_graph(vb.dtype(), vb.device())?;
         Ok(Self {
             heads,
             hs,
@@ -681,7 +628,7 @@ fn position_table(
 
 /// The depthwise convolution beside either attention, and its output projection.
 struct Aim {
-    dwconv: DepthwiseConv,
+    dwconv: Depthwise3x3,
     interaction: Interaction,
     proj: Dense,
 }
@@ -689,7 +636,7 @@ struct Aim {
 impl Aim {
     fn new(c: usize, plan: &LoadPlan, vb: &VarBuilder) -> Result<Self> {
         Ok(Self {
-            dwconv: DepthwiseConv::new(c, vb.pp("dwconv.0"), Some(vb.pp("dwconv.1")))?,
+            dwconv: depthwise(c, vb.pp("dwconv.0"), Some(vb.pp("dwconv.1")))?,
             interaction: Interaction::new(c, vb)?,
             proj: Dense::load_unpadded(c, c, plan, vb.pp("proj"))?,
         })
@@ -772,7 +719,7 @@ impl SpatialAttention {
             h.div_ceil(self.pad) * self.pad,
             w.div_ceil(self.pad) * self.pad,
         );
-        if self.aim.dwconv.host.is_some() && on_cpu_f32(&qkv) && c % 2 == 0 {
+        if self.aim.dwconv.takes(&qkv) && c % 2 == 0 {
             return self.forward_cpu(&qkv, (b, h, w, c), (hp, wp), residual);
         }
         let v = qkv.narrow(3, 2 * c, c)?.contiguous()?;
@@ -877,7 +824,7 @@ impl ChannelAttention {
         let (heads, n) = (self.heads, h * w);
         let d = c / heads;
         let qkv = self.qkv.forward(x)?.reshape((b, n, 3 * c))?;
-        if self.aim.dwconv.host.is_some() && on_cpu_f32(&qkv) {
+        if self.aim.dwconv.takes(&qkv) {
             return self.forward_cpu(&qkv, (b, h, w, c), residual);
         }
         // (B, heads, d, N): each head's channels as rows over all tokens.
@@ -949,7 +896,7 @@ enum Attention {
 struct Sgfn {
     fc1: Dense,
     norm: Norm,
-    conv: DepthwiseConv,
+    conv: Depthwise3x3,
     fc2: Dense,
 }
 
@@ -958,7 +905,7 @@ impl Sgfn {
     fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let hidden = self.fc1.forward_gelu(x)?;
         let half = hidden.dim(3)? / 2;
-        let normed = match self.conv.host.is_some() {
+        let normed = match self.conv.takes(&hidden) {
             true => layer_norm_of_channels(&self.norm, &hidden, (half, half))?,
             false => None,
         };
@@ -1077,7 +1024,7 @@ impl Dat {
                     shifted: shifted(i, j),
                     pad: cfg.pad_multiple(),
                     masks: masks.clone(),
-                    bf16: plan.bf16.filter(|_| vb.device().is_cpu()),
+                    bf16: plan.cpu_bf16(vb.device()),
                 })
             } else {
                 Attention::Channel(ChannelAttention {
@@ -1096,7 +1043,7 @@ impl Dat {
                 ffn: Sgfn {
                     fc1: Dense::load_unpadded(e, h, plan, fvb.pp("fc1"))?,
                     norm: load_layer_norm(h / 2, fvb.pp("sg.norm"))?,
-                    conv: DepthwiseConv::new(h / 2, fvb.pp("sg.conv"), None)?,
+                    conv: depthwise(h / 2, fvb.pp("sg.conv"), None)?,
                     fc2: Dense::load_unpadded(h / 2, e, plan, fvb.pp("fc2"))?,
                 },
             })

@@ -65,6 +65,13 @@ pub struct LoadPlan {
     pub switches: Switches,
 }
 
+impl LoadPlan {
+    /// [`LoadPlan::bf16`] for a layer on `device`: `None` off the CPU.
+    pub fn cpu_bf16(&self, device: &Device) -> Option<Isa> {
+        self.bf16.filter(|_| Backend::of(device) == Backend::Cpu)
+    }
+}
+
 /// Where a layer's weights live, which decides its implementation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Backend {

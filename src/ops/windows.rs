@@ -135,6 +135,15 @@ impl RelativeBias {
         bias
     }
 
+    /// What a layer on `device` keeps beside the table: nothing on the CPU, whose kernels
+    /// read the table itself; elsewhere [`Self::tensor`], for candle's graph.
+    pub fn for_graph(&self, dtype: DType, device: &Device) -> Result<Option<Tensor>> {
+        match super::Backend::of(device) {
+            super::Backend::Cpu => Ok(None),
+            super::Backend::Cuda | super::Backend::Other => self.tensor(dtype, device).map(Some),
+        }
+    }
+
     /// [`Self::gathered`] as a `(heads, N, N)` tensor in `dtype` on `device`.
     pub fn tensor(&self, dtype: DType, device: &Device) -> Result<Tensor> {
         let n = self.tokens();

@@ -8,6 +8,7 @@
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+pub mod depthwise;
 pub(crate) mod winograd;
 
 use candle_core::{DType, Module, Result, Tensor};

@@ -1,0 +1,66 @@
+//! [`Depthwise3x3`]: a channels-last depthwise 3x3 convolution (zero padding 1), DAT's
+//! local branch and spatial gate. On the CPU in f32 our kernel runs it together with what
+//! follows it ([`crate::ops::cpu::depthwise`]); elsewhere candle's ops, tap by tap, which are
+//! also its reference.
+
+use candle_core::{DType, Module, Result, Tensor};
+
+use crate::ops::cpu::depthwise::{depthwise3x3, Rows, Then};
+use crate::ops::Backend;
+
+/// A depthwise 3x3 convolution with a bias, in the form its device runs.
+pub struct Depthwise3x3 {
+    /// `(9, C)`: tap `dy * 3 + dx`, one weight per channel.
+    taps: Tensor,
+    bias: Tensor,
+    /// The taps and bias for the CPU kernel, where the layer is on the CPU in f32.
+    host: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl Depthwise3x3 {
+    /// The convolution of `weight` `(C, 9)` (a row of taps `dy * 3 + dx` per channel) and
+    /// `bias` `(C)`, on their device.
+    pub fn new(weight: &Tensor, bias: Tensor) -> Result<Self> {
+        let taps = weight.t()?.contiguous()?;
+        let host = match Backend::of(taps.device()) == Backend::Cpu && taps.dtype() == DType::F32 {
+            true => Some((taps.flatten_all()?.to_vec1()?, bias.to_vec1()?)),
+            false => None,
+        };
+        Ok(Self { taps, bias, host })
+    }
+
+    /// Whether the CPU kernel takes `x` ([`Depthwise3x3::on_cpu`]): the layer and `x` on
+    /// the CPU in f32. A network runs its fused CPU path where this says so.
+    pub fn takes(&self, x: &Tensor) -> bool {
+        self.host.is_some() && Backend::of(x.device()) == Backend::Cpu && x.dtype() == DType::F32
+    }
+
+    /// The CPU kernel on `input`'s `(b, h, w, c)` map, with `then` after it; `None` where
+    /// the layer is not on the CPU in f32.
+    pub fn on_cpu(
+        &self,
+        input: Rows,
+        dims: (usize, usize, usize, usize),
+        then: Then,
+    ) -> Option<Vec<f32>> {
+        let (taps, bias) = self.host.as_ref()?;
+        Some(depthwise3x3(input, dims, (taps, bias), then))
+    }
+}
+
+impl Module for Depthwise3x3 {
+    /// `x`: `(B, H, W, C)`; candle's ops, each tap's product added in tap order.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (_, h, w, _) = x.dims4()?;
+        let p = x.pad_with_zeros(1, 1, 1)?.pad_with_zeros(2, 1, 1)?;
+        let mut acc = self.bias.reshape((1, 1, 1, ()))?.broadcast_as(x.shape())?;
+        for dy in 0..3 {
+            for dx in 0..3 {
+                let tap = self.taps.get(dy * 3 + dx)?;
+                let shifted = p.narrow(1, dy, h)?.narrow(2, dx, w)?;
+                acc = (acc + shifted.broadcast_mul(&tap)?)?;
+            }
+        }
+        Ok(acc)
+    }
+}
