@@ -320,20 +320,23 @@ pub(crate) fn offset_grid(hs: usize, ws: usize) -> Vec<f32> {
 /// there is one) folded into its taps and bias.
 fn depthwise(c: usize, vb: VarBuilder, bn: Option<VarBuilder>) -> Result<Depthwise3x3> {
     let w = vb.get((c, 1, 3, 3), "weight")?.reshape((c, 9))?;
-    let b = vb.get(c, "bias")?;
-    let (w, b) = match bn {
-        Some(bn) => {
-            let (s, t) = batch_norm(c, bn)?;
-            (w.broadcast_mul(&s.unsqueeze(1)?)?, ((b * &s)? + t)?)
-        }
-        None => (w, b),
-    };
+    let (w, b) = folded(w, vb.get(c, "bias")?, bn)?;
     Depthwise3x3::new(&w, b)
 }
 
 /// `t`'s values (contiguous, CPU f32) as a vector.
 fn host(t: &Tensor) -> Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
+}
+
+/// A layer's weight `w` (an output channel per row) and bias `b` with the BatchNorm under `bn`
+/// after it (when there is one) folded in.
+fn folded(w: Tensor, b: Tensor, bn: Option<VarBuilder>) -> Result<(Tensor, Tensor)> {
+    let Some(bn) = bn else {
+        return Ok((w, b));
+    };
+    let (s, t) = batch_norm(b.dim(0)?, bn)?;
+    Ok((w.broadcast_mul(&s.unsqueeze(1)?)?, ((b * &s)? + t)?))
 }
 
 /// BatchNorm in eval mode as `x * scale + shift`, per channel.
@@ -350,14 +353,7 @@ fn batch_norm(c: usize, vb: VarBuilder) -> Result<(Tensor, Tensor)> {
 /// A 1x1 convolution on channels-last tokens, the BatchNorm after it (if any) folded in.
 fn pointwise_bn(cin: usize, cout: usize, vb: VarBuilder, bn: Option<VarBuilder>) -> Result<Dense> {
     let w = vb.get((cout, cin, 1, 1), "weight")?.reshape((cout, cin))?;
-    let b = vb.get(cout, "bias")?;
-    let (w, b) = match bn {
-        Some(bn) => {
-            let (s, t) = batch_norm(cout, bn)?;
-            (w.broadcast_mul(&s.unsqueeze(1)?)?, ((b * &s)? + t)?)
-        }
-        None => (w, b),
-    };
+    let (w, b) = folded(w, vb.get(cout, "bias")?, bn)?;
     // These run on one token per image (the pooled channel map) or to one channel: plain f32.
     Dense::new(w, b, &LoadPlan::default())
 }
