@@ -812,6 +812,44 @@ mod tests {
             .collect()
     }
 
+    /// The kernel a layer keeps from its second call, and the buffers a first call packs into
+    /// after another layer's (of other widths) left them, give the same bits as a first call
+    /// on fresh memory, on every ISA the CPU has.
+    #[test]
+    fn kept_and_reused_kernels_give_the_first_calls_bits() {
+        if !panels::available() {
+            eprintln!("skipped: no AVX2 here, the panel kernels do not run");
+            return;
+        }
+        crate::ops::cpu::isa::on_each_isa(|| {
+            let dims = (1, 9, 11);
+            let (cin, cout) = (24, 40);
+            let x = noise(9 * 11 * cin, 7, 1.0);
+            let wt = noise(9 * cin * cout, 8, 0.2);
+            let bias = noise(cout, 9, 0.5);
+            let run = |w: &Winograd| w.forward(&x, dims, &bias, Finish::Plain);
+            let fresh = run(&Winograd::new(wt.clone(), cin, cout));
+            // Another layer first, so that this thread's buffers hold its packings.
+            let other = Winograd::new(noise(9 * 16 * 56, 10, 0.2), 16, 56);
+            other.forward(
+                &noise(9 * 11 * 16, 11, 1.0),
+                dims,
+                &[0.0; 56],
+                Finish::Plain,
+            );
+            let layer = Winograd::new(wt.clone(), cin, cout);
+            let calls = [run(&layer), run(&layer), run(&layer)];
+            if layer.kept.get().is_none() {
+                return Err("no kernel kept after three calls".to_string());
+            }
+            match calls.iter().position(|c| c != &fresh) {
+                Some(i) => Err(format!("call {} differs from a fresh first call", i + 1)),
+                None => Ok(()),
+            }
+        })
+        .unwrap();
+    }
+
     /// Against the f64 definition, on every ISA the CPU has: sizes that are and are not
     /// multiples of the 4x4 block (one pixel, one row), channel counts below, at and past a
     /// vector, batches of two. The error is measured against the sum of the products'
