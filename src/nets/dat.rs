@@ -53,7 +53,7 @@ use crate::ops::cpu::bf16::Isa;
 use crate::ops::cpu::cpu_slice;
 use crate::ops::cpu::depthwise::{gated_sum, Gate, Rows, Then};
 use crate::ops::linear::Dense;
-use crate::ops::norm::{layer_norm, layer_norm_of_channels, Norm};
+use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
 use crate::ops::windows::{RelativeBias, MASK_VALUE};
 use crate::ops::{add, build_layers, gelu_erf, mean_hw, LoadPlan};
@@ -901,31 +901,32 @@ impl Sgfn {
     fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let hidden = self.fc1.forward_gelu(x)?;
         let half = hidden.dim(3)? / 2;
-        let normed = match self.conv.takes(&hidden) {
-            true => layer_norm_of_channels(&self.norm, &hidden, (half, half))?,
-            false => None,
-        };
-        if let Some(gate) = normed {
+        if self.conv.takes(&hidden) {
+            // On the CPU the second half is normalised as the convolution reads it, and the
+            // product with the first half made as its sums are stored.
             let (b, h, w, _) = hidden.dims4()?;
-            let (hidden, gate) = (hidden.contiguous()?, gate.contiguous()?);
+            let hidden = hidden.contiguous()?;
             let (hg, hl) = hidden.storage_and_layout();
-            let (gg, gl) = gate.storage_and_layout();
-            let gate_rows = Rows {
-                data: cpu_slice(&gg, gl)?,
-                ld: half,
-                offset: 0,
+            let data = cpu_slice(&hg, hl)?;
+            let second_half = Rows {
+                data,
+                ld: 2 * half,
+                offset: half,
             };
             let first_half = Rows {
-                data: cpu_slice(&hg, hl)?,
+                data,
                 ld: 2 * half,
                 offset: 0,
             };
             let dims = (b, h, w, half);
-            let gated = self.conv.on_cpu(gate_rows, dims, Then::Times(first_half));
-            drop((hg, gg));
-            let gated = gated.expect("checked above");
-            let gated = Tensor::from_vec(gated, (b, h, w, half), x.device())?;
-            return self.fc2.forward_residual(&gated, residual);
+            let gated =
+                self.conv
+                    .on_cpu_of_norm(&self.norm, second_half, dims, Then::Times(first_half))?;
+            drop(hg);
+            if let Some(gated) = gated {
+                let gated = Tensor::from_vec(gated, (b, h, w, half), x.device())?;
+                return self.fc2.forward_residual(&gated, residual);
+            }
         }
         let gate = layer_norm(&self.norm, &hidden.narrow(3, half, half)?.contiguous()?)?;
         let gate = self.conv.forward(&gate)?;

@@ -5,7 +5,9 @@
 
 use candle_core::{DType, Module, Result, Tensor};
 
-use crate::ops::cpu::depthwise::{depthwise3x3, Rows, Then};
+use crate::ops::cpu::depthwise::{depthwise3x3, depthwise3x3_of_norm, Rows, Then};
+use crate::ops::norm::cpu::with_row_norm;
+use crate::ops::norm::Norm;
 use crate::ops::Backend;
 
 /// A depthwise 3x3 convolution with a bias, in the form its device runs.
@@ -45,6 +47,24 @@ impl Depthwise3x3 {
     ) -> Option<Vec<f32>> {
         let (taps, bias) = self.host.as_ref()?;
         Some(depthwise3x3(input, dims, (taps, bias), then))
+    }
+
+    /// [`Self::on_cpu`] of `norm` applied to `input`, without the normalised map
+    /// ([`depthwise3x3_of_norm`]); `None` where the layer or the norm is not on the CPU in
+    /// f32.
+    pub fn on_cpu_of_norm(
+        &self,
+        norm: &Norm,
+        input: Rows,
+        dims: (usize, usize, usize, usize),
+        then: Then,
+    ) -> Result<Option<Vec<f32>>> {
+        let Some((taps, bias)) = self.host.as_ref() else {
+            return Ok(None);
+        };
+        with_row_norm(norm, dims.3, |norm| {
+            depthwise3x3_of_norm(input, norm, dims, (taps, bias), then)
+        })
     }
 }
 

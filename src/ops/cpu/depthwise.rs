@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use super::math::gelu_body;
 use super::LANES;
+use crate::ops::norm::cpu::RowNorm;
 
 /// An f32 map read in place: element `(t, c)` of token `t` is `data[t * ld + offset + c]`
 /// (a channel range of a wider projection, such as the v of a qkv map).
@@ -80,6 +81,85 @@ pub(crate) fn depthwise3x3(
     out
 }
 
+/// [`depthwise3x3`] of the layer norm of `input` (`norm`, over its `c` channels), without
+/// the normalised map: each task normalises its rows of the input, and the row on either
+/// side, into a ring of three rows as the convolution reaches them. The values are those of
+/// [`depthwise3x3`] on the normalised map, bit for bit.
+pub(crate) fn depthwise3x3_of_norm(
+    input: Rows,
+    norm: &RowNorm,
+    (b, h, w, c): (usize, usize, usize, usize),
+    (taps, bias): (&[f32], &[f32]),
+    then: Then,
+) -> Vec<f32> {
+    assert!(taps.len() == 9 * c && bias.len() == c);
+    let n = b * h * w * c;
+    // Written once by the rows below: a zeroed buffer would be a pass of its own.
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    if n == 0 {
+        return out;
+    }
+    let zeros = vec![0f32; c];
+    // Bands of rows: each normalises two rows more than it convolves.
+    let band = BAND_ROWS.min(h);
+    out.spare_capacity_mut()[..n]
+        .par_chunks_mut(h * w * c)
+        .enumerate()
+        .for_each(|(image, out)| {
+            out.par_chunks_mut(band * w * c)
+                .enumerate()
+                .for_each(|(k, out)| {
+                    let y0 = k * band;
+                    let mut ring = vec![0f32; 3 * w * c];
+                    let slot = |y: usize| (y % 3) * w;
+                    let normalise = |ring: &mut [f32], y: usize| {
+                        for x in 0..w {
+                            let src = input.token((image * h + y) * w + x, c);
+                            let dst = &mut ring[(slot(y) + x) * c..][..c];
+                            // SAFETY: MaybeUninit<f32> has f32's layout, and the norm writes
+                            // only initialised values.
+                            let dst =
+                                unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
+                            norm.row(src, dst);
+                        }
+                    };
+                    if y0 > 0 {
+                        normalise(&mut ring, y0 - 1);
+                    }
+                    normalise(&mut ring, y0);
+                    for (dy, out) in out.chunks_mut(w * c).enumerate() {
+                        let y = y0 + dy;
+                        if y + 1 < h {
+                            normalise(&mut ring, y + 1);
+                        }
+                        let geometry = Row {
+                            w,
+                            c,
+                            rows: [
+                                y.checked_sub(1).map(slot),
+                                Some(slot(y)),
+                                (y + 1 < h).then(|| slot(y + 1)),
+                            ],
+                            zeros: &zeros,
+                        };
+                        let normed = Rows {
+                            data: &ring,
+                            ld: c,
+                            offset: 0,
+                        };
+                        let first = (image * h + y) * w;
+                        depthwise_row(out, &geometry, normed, (taps, bias), then, first);
+                    }
+                });
+        });
+    // SAFETY: every row of the n values was handed to `depthwise_row`, which writes all of it.
+    unsafe { out.set_len(n) };
+    out
+}
+
+/// Rows a task of [`depthwise3x3_of_norm`] convolves.
+const BAND_ROWS: usize = 8;
+
 /// One output row's geometry: its width, channels, the first token of each input row, and
 /// `c` zeros for the taps outside the map.
 struct Row<'a> {
@@ -115,6 +195,17 @@ fn depthwise_row_body<const FMA: bool>(
             Then::Times(other) => Some(other.token(first + x, c)),
             Then::Gelu => None,
         };
+        // The values no earlier token brought into cache (the row below's next token, and
+        // the product's token) come from far away: asked for a few tokens ahead, their misses
+        // overlap the sums instead of stalling them.
+        if let Some(start) = g.rows[2].filter(|_| x + 1 + AHEAD < g.w) {
+            prefetch(input.token(start + x + 1 + AHEAD, c));
+        }
+        if let Then::Times(other) = then {
+            if x + AHEAD < g.w {
+                prefetch(other.token(first + x + AHEAD, c));
+            }
+        }
         // A vector of channels at a time, its sum in a register through all nine taps and
         // the product, then half a vector, then one channel at a time. (Four vectors at once
         // spilled their sums to the stack; 360 channels left a tail of 8 for the scalar loop.)
@@ -138,6 +229,22 @@ fn depthwise_row_body<const FMA: bool>(
         let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), out.len()) };
         gelu_body::<FMA>(out);
     }
+}
+
+/// How many tokens ahead [`depthwise_row`] asks for the values it will read.
+const AHEAD: usize = 2;
+
+/// Asks for the cache lines of `values` (a hint: no effect on what is computed).
+#[inline(always)]
+fn prefetch(values: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for i in (0..values.len()).step_by(64 / size_of::<f32>()) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch reads nothing and never faults; the address is inside `values`.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(values.as_ptr().add(i).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = values;
 }
 
 /// Channels `c0..c0 + W` of one output token: the bias plus the nine taps' products (each
@@ -346,6 +453,58 @@ mod tests {
         }
     }
 
+    /// The convolution that normalises as it reads gives the bits of the norm's pass followed
+    /// by the convolution, across band edges (19 rows: bands of 8, 8 and 3), a single row and
+    /// a last band of one row, on every instruction set.
+    #[test]
+    fn depthwise_of_norm_is_the_convolution_of_the_normalised_map() -> candle_core::Result<()> {
+        use crate::ops::norm::{cpu::with_row_norm, layer_norm, Norm};
+        use candle_core::{Device, Tensor};
+        crate::ops::cpu::isa::on_each_isa(|| {
+            let (c, ld, off) = (83, 200, 100);
+            let cpu = Device::Cpu;
+            let weight = Tensor::from_vec(noise(c, 11), c, &cpu)?;
+            let bias = Tensor::from_vec(noise(c, 12), c, &cpu)?;
+            let norm = Norm::new(&crate::ops::pad::Pad::OFF.one(c), weight, bias, 1e-5)?;
+            let (taps, tap_bias) = (noise(9 * c, 2), noise(c, 3));
+            for (b, h, w) in [(2, 19, 7), (1, 1, 5), (1, 9, 4)] {
+                // Far from zero, so that the norm matters.
+                let data: Vec<f32> = noise(b * h * w * ld, 1).iter().map(|v| 3.0 + v).collect();
+                let other = noise(b * h * w * c, 4);
+                let map = Tensor::from_vec(data.clone(), (b, h, w, ld), &cpu)?;
+                let normed = layer_norm(&norm, &map.narrow(3, off, c)?.contiguous()?)?;
+                let normed = normed.flatten_all()?.to_vec1::<f32>()?;
+                let input = Rows {
+                    data: &data,
+                    ld,
+                    offset: off,
+                };
+                let times = Rows {
+                    data: &other,
+                    ld: c,
+                    offset: 0,
+                };
+                for then in [Then::Gelu, Then::Times(times)] {
+                    let want = depthwise3x3(
+                        Rows {
+                            data: &normed,
+                            ld: c,
+                            offset: 0,
+                        },
+                        (b, h, w, c),
+                        (&taps, &tap_bias),
+                        then,
+                    );
+                    let got = with_row_norm(&norm, c, |n| {
+                        depthwise3x3_of_norm(input, n, (b, h, w, c), (&taps, &tap_bias), then)
+                    })?;
+                    assert_eq!(got.as_ref(), Some(&want), "{b}x{h}x{w}");
+                }
+            }
+            Ok(())
+        })
+    }
+
     /// erf by its series (plenty for |x| < 6 at the accuracy checked).
     fn libm_erf(x: f64) -> f64 {
         let mut term = x;
@@ -375,5 +534,81 @@ mod tests {
                 assert_eq!(g, want, "{i}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use crate::ops::norm::cpu::with_row_norm;
+    use crate::ops::norm::Norm;
+    use crate::ops::pad::Pad;
+    use candle_core::{DType, Device, Tensor};
+
+    /// DAT's SGFN gate at 64x64 (360 channels of a 720-wide map), alternating: the norm's
+    /// pass then the convolution, against the convolution normalising as it reads.
+    /// `cargo test --release --lib sgfn_gate_throughput -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn sgfn_gate_throughput() -> candle_core::Result<()> {
+        let (b, h, w, c) = (1, 64, 64, 360);
+        let hidden: Vec<f32> = (0..h * w * 2 * c).map(|i| (i % 89) as f32 * 0.01).collect();
+        let (taps, bias) = (vec![0.1f32; 9 * c], vec![0.2f32; c]);
+        let cpu = Device::Cpu;
+        let (ones, zeros) = (
+            Tensor::ones(c, DType::F32, &cpu)?,
+            Tensor::zeros(c, DType::F32, &cpu)?,
+        );
+        let norm = Norm::new(&Pad::OFF.one(c), ones, zeros, 1e-5)?;
+        let first = Rows {
+            data: &hidden,
+            ld: 2 * c,
+            offset: 0,
+        };
+        let second = Rows {
+            data: &hidden,
+            ld: 2 * c,
+            offset: c,
+        };
+        let (mut two, mut one) = (Vec::new(), Vec::new());
+        for _ in 0..60 {
+            let t = std::time::Instant::now();
+            // The norm's pass as the network ran it before: every row into a new map.
+            let mut normed = Vec::with_capacity(h * w * c);
+            with_row_norm(&norm, c, |n| {
+                normed.spare_capacity_mut()[..h * w * c]
+                    .par_chunks_mut(64 * c)
+                    .enumerate()
+                    .for_each(|(k, rows)| {
+                        for (r, dst) in rows.chunks_exact_mut(c).enumerate() {
+                            n.row(second.token(k * 64 + r, c), dst);
+                        }
+                    });
+                // SAFETY: every row was written above.
+                unsafe { normed.set_len(h * w * c) };
+            })?;
+            let gate = Rows {
+                data: &normed,
+                ld: c,
+                offset: 0,
+            };
+            let a = depthwise3x3(gate, (b, h, w, c), (&taps, &bias), Then::Times(first));
+            two.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            let fused = with_row_norm(&norm, c, |n| {
+                depthwise3x3_of_norm(second, n, (b, h, w, c), (&taps, &bias), Then::Times(first))
+            })?;
+            one.push(t.elapsed().as_secs_f64());
+            assert_eq!(Some(a), fused);
+        }
+        for (name, mut t) in [("norm, then the convolution", two), ("fused", one)] {
+            t.sort_by(f64::total_cmp);
+            println!(
+                "{name}: median {:.3} ms, fastest {:.3} ms",
+                t[30] * 1e3,
+                t[0] * 1e3
+            );
+        }
+        Ok(())
     }
 }

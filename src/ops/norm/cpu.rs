@@ -16,6 +16,7 @@ use super::Norm;
 use crate::ops::cpu::{cpu_slice, use_kernel, widest_simd, CHUNK, LANES};
 
 /// A layer norm's parameters as slices.
+#[derive(Clone, Copy)]
 struct Params<'a> {
     weight: &'a [f32],
     bias: &'a [f32],
@@ -199,6 +200,27 @@ fn with_params<R>(
     f(&p).map(Some)
 }
 
+/// A layer norm over rows of a fixed width, for kernels that normalise rows as they read them
+/// (DAT's spatial-gate convolution): the same arithmetic as [`layer_norm`].
+pub(crate) struct RowNorm<'a>(Params<'a>);
+
+impl RowNorm<'_> {
+    /// `dst = LayerNorm(src)`, both one row; writes every value of `dst`.
+    pub(crate) fn row(&self, src: &[f32], dst: &mut [MaybeUninit<f32>]) {
+        norm_row(&self.0, src, dst)
+    }
+}
+
+/// `f` with `norm` as a [`RowNorm`] over rows of `c` values, or `None` where the kernels do
+/// not apply to it.
+pub(crate) fn with_row_norm<R>(
+    norm: &Norm,
+    c: usize,
+    f: impl FnOnce(&RowNorm) -> R,
+) -> Result<Option<R>> {
+    with_params(norm, c, |p| Ok(f(&RowNorm(*p))))
+}
+
 /// Runs `f(params, row, out_row)` for every output row of `rows` rows of `c` values, in
 /// parallel, into a new buffer. `f` must write every element of its row.
 fn map_rows(
@@ -254,33 +276,6 @@ pub fn layer_norm(norm: &Norm, x: &Tensor) -> Result<Tensor> {
         }
     }
     norm.forward(x)
-}
-
-/// `ln` of the `count` channels from `first` of each row of `x` `(.., C)`: `ln(x.narrow(-1,
-/// first, count))` without the copy the narrowing costs. `None` where the kernel does not apply.
-pub fn layer_norm_of_channels(
-    norm: &Norm,
-    x: &Tensor,
-    (first, count): (usize, usize),
-) -> Result<Option<Tensor>> {
-    if !use_kernel(x) {
-        return Ok(None);
-    }
-    let c = x.dim(candle_core::D::Minus1)?;
-    if first + count > c {
-        candle_core::bail!("layer norm of channels {first}..{} of {c}", first + count);
-    }
-    let rows = x.elem_count() / c.max(1);
-    let (g, l) = x.storage_and_layout();
-    let xs = cpu_slice(&g, l)?;
-    let out = map_rows(norm, rows, count, |p, r, dst| {
-        norm_row(p, &xs[r * c + first..][..count], dst)
-    })?;
-    drop(g);
-    let mut dims = x.dims().to_vec();
-    *dims.last_mut().expect("a last dimension") = count;
-    out.map(|out| Tensor::from_vec(out, dims, x.device()))
-        .transpose()
 }
 
 /// `ln(x)` with its tokens put in `order`: `x` is `(B, T, C)`, `order` holds `T'` token
@@ -451,22 +446,6 @@ mod tests {
             }
         }
         Ok(())
-    }
-
-    /// A range of channels normalised in place is the norm of the narrowed copy, bit for
-    /// bit, and a range past the row is refused.
-    #[test]
-    fn layer_norm_of_channels_is_the_norm_of_the_narrowed_copy() -> Result<()> {
-        crate::ops::cpu::isa::on_each_isa(|| {
-            let (ln, _) = norms(37)?;
-            let x = tokens((2, 5, 90), 2.0)?;
-            let ours = layer_norm_of_channels(&ln, &x, (41, 37))?.expect("the CPU kernel");
-            let want = layer_norm(&ln, &x.narrow(2, 41, 37)?.contiguous()?)?;
-            assert_eq!(ours.dims(), [2, 5, 37]);
-            assert_eq!(max_abs_diff(&ours, &want), 0.0);
-            assert!(layer_norm_of_channels(&ln, &x, (54, 37)).is_err());
-            Ok(())
-        })
     }
 
     #[test]

@@ -15,7 +15,7 @@ use candle_nn::{LayerNorm, VarBuilder};
 use crate::ops::pad::Channels;
 use crate::switches::cuda_off::Off;
 
-pub use cpu::{add_gather_norm, layer_norm, layer_norm_of_channels, norm_gather};
+pub use cpu::{add_gather_norm, layer_norm, norm_gather};
 
 /// A layer norm over the real channels of rows that may carry zero padding
 /// ([`crate::ops::pad`]): the mean and variance count the real channels only, and the
