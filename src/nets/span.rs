@@ -24,7 +24,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::json;
@@ -295,9 +295,7 @@ impl Module for Span {
             candle_core::bail!("SPAN has {BLOCKS} blocks");
         };
         let b6 = self.last.forward(&t)?;
-        let y = self
-            .cat
-            .forward(&Tensor::cat(&[&f0, &b6, &b1, &b5], D::Minus1)?)?;
+        let y = self.cat.forward_cat(&[&f0, &b6, &b1, &b5])?;
         let y = if self.scale == 1 {
             self.up.forward(&y)?
         } else {

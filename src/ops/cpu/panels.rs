@@ -199,9 +199,30 @@ impl Panels {
         &self.data[self.start..self.start + len]
     }
 
+    /// `(k, n)`: the operand's rows and columns.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        (self.k, self.n)
+    }
+
     /// The product operand these panels are.
     pub(crate) fn rhs(&self) -> Rhs<'_> {
-        Rhs::Panels(self)
+        self.rows(0, self.k)
+    }
+
+    /// The product operand of rows `first..first + k` of these panels: the weight of a
+    /// range of input channels.
+    pub(crate) fn rows(&self, first: usize, k: usize) -> Rhs<'_> {
+        assert!(
+            first + k <= self.k,
+            "rows {first}..{} of {}",
+            first + k,
+            self.k
+        );
+        Rhs::Panels {
+            panels: self,
+            first,
+            k,
+        }
     }
 }
 
@@ -209,7 +230,12 @@ impl Panels {
 /// values at `ptr + r * ld` (attention's v in place, its kᵀ transposed into a buffer).
 #[derive(Clone, Copy)]
 pub(crate) enum Rhs<'a> {
-    Panels(&'a Panels),
+    /// Rows `first..first + k` of packed panels.
+    Panels {
+        panels: &'a Panels,
+        first: usize,
+        k: usize,
+    },
     Strided {
         ptr: *const f32,
         k: usize,
@@ -221,14 +247,13 @@ pub(crate) enum Rhs<'a> {
 impl Rhs<'_> {
     fn k(&self) -> usize {
         match self {
-            Self::Panels(p) => p.k,
-            Self::Strided { k, .. } => *k,
+            Self::Panels { k, .. } | Self::Strided { k, .. } => *k,
         }
     }
 
     fn n(&self) -> usize {
         match self {
-            Self::Panels(p) => p.n,
+            Self::Panels { panels, .. } => panels.n,
             Self::Strided { n, .. } => *n,
         }
     }
@@ -239,12 +264,13 @@ impl Rhs<'_> {
         let c0 = p * PANEL;
         let cols = (self.n() - c0).min(PANEL);
         match self {
-            Self::Panels(b) => (
-                c0,
-                cols,
-                b.packed()[c0 * b.k..].as_ptr(),
-                cols.next_multiple_of(16),
-            ),
+            Self::Panels { panels, first, .. } => {
+                // A panel's rows are `width` apart (a multiple of 16 values: rows from any
+                // `first` keep the panel's alignment).
+                let width = cols.next_multiple_of(16);
+                let at = c0 * panels.k + first * width;
+                (c0, cols, panels.packed()[at..].as_ptr(), width)
+            }
             Self::Strided { ptr, ld, .. } => (c0, cols, ptr.wrapping_add(c0), *ld),
         }
     }
@@ -703,7 +729,7 @@ unsafe fn row_block(
                     b.k(),
                     &a,
                     (bp, ldb),
-                    matches!(b, Rhs::Panels(_)),
+                    matches!(b, Rhs::Panels { .. }),
                     (dst.add(i0 * ldc + c0), ldc),
                     (n, cols),
                     start,

@@ -71,6 +71,89 @@ pub fn linear(
     Ok(Some(y))
 }
 
+/// `cat(parts, -1) · wᵀ + b` without the concatenation: each part's product with its rows of
+/// the packed weight accumulated onto the output in turn, in the order one product over the
+/// concatenation would add them. `parts`: the same leading shape, their channels adding up to
+/// `w`'s `k`. `None` where the kernel does not apply.
+pub fn linear_of_cat(
+    parts: &[&Tensor],
+    packed: &panels::Panels,
+    b: Option<&Tensor>,
+) -> Result<Option<Tensor>> {
+    let Some(first) = parts.first() else {
+        return Ok(None);
+    };
+    if !parts.iter().copied().chain(b).all(use_kernel) || !panels::available() {
+        return Ok(None);
+    }
+    let (k, n) = packed.dims();
+    let lead = &first.dims()[..first.rank().saturating_sub(1)];
+    let widths = parts
+        .iter()
+        .map(|p| match p.dims().split_last() {
+            Some((&c, l)) if l == lead => Some(c),
+            _ => None,
+        })
+        .collect::<Option<Vec<_>>>();
+    let Some(widths) = widths.filter(|w| w.iter().sum::<usize>() == k) else {
+        candle_core::bail!("linear of a concatenation: parts {parts:?} for {k} channels");
+    };
+    if k == 0 {
+        // No product would write the outputs.
+        return Ok(None);
+    }
+    if b.is_some_and(|b| b.dims() != [n]) {
+        candle_core::bail!(
+            "linear of a concatenation: bias {:?} for {n}",
+            b.map(|b| b.dims())
+        );
+    }
+    let m: usize = lead.iter().product();
+    let mut shape = lead.to_vec();
+    shape.push(n);
+    let bias = b.map(|b| b.storage_and_layout());
+    let bs = bias.as_ref().map(|(g, l)| cpu_slice(g, l)).transpose()?;
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
+    let dst = out.as_mut_ptr();
+    let mut k0 = 0;
+    for (part, &kp) in parts.iter().zip(&widths) {
+        let (guard, layout) = part.storage_and_layout();
+        let xs = cpu_slice(&guard, layout)?;
+        // The first product starts from the bias (or zero) and writes every output; the
+        // others add onto them.
+        let start = match k0 {
+            0 => panels::Start {
+                init: None,
+                bias: bs.map(|b| b.as_ptr()),
+            },
+            _ => panels::Start {
+                init: Some((dst.cast_const(), n)),
+                bias: None,
+            },
+        };
+        if m > 0 && n > 0 && kp > 0 {
+            // SAFETY: xs is m x kp, the weight rows k0..k0 + kp of k x n, the output m x n
+            // (read before written where it is the start), the bias n values.
+            unsafe {
+                panels::gemm(
+                    m,
+                    (xs.as_ptr(), kp),
+                    packed.rows(k0, kp),
+                    (dst, n),
+                    start,
+                    true,
+                    None,
+                )
+            };
+        }
+        k0 += kp;
+    }
+    drop(bias);
+    // SAFETY: the first part with channels (k > 0: there is one) wrote all m x n values.
+    unsafe { out.set_len(m * n) };
+    Ok(Some(Tensor::from_vec(out, shape, first.device())?))
+}
+
 /// [`linear`] with the weights packed in bf16 (`k x n`, already transposed); `x`, `b` and
 /// `residual` are f32 on the CPU.
 pub fn linear_bf16(x: &Tensor, isa: Isa, w: &PackedB, b: &Tensor, after: After) -> Result<Tensor> {
@@ -193,4 +276,51 @@ pub(super) fn linear_with(
     }
     drop(x_guard);
     Tensor::from_vec(out, shape, x.device())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tests::normal;
+    use candle_core::{Device, D};
+
+    /// The product over parts gives the bits of one product over their concatenation
+    /// (channels of 5, 0, 17 and 48: a part inside a vector, an empty one, one across
+    /// vectors, a whole panel; 50 outputs: a panel and a part), and both match f64.
+    #[test]
+    fn linear_of_cat_is_the_linear_of_the_concatenation() -> Result<()> {
+        crate::ops::cpu::isa::on_each_isa(|| {
+            let dev = Device::Cpu;
+            let (k, n) = (70, 50);
+            let w = normal(0.0, 1.0, (n, k), &dev)?;
+            let b = normal(0.0, 1.0, n, &dev)?;
+            let parts = [5, 0, 17, 48]
+                .map(|c| normal(0.0, 1.0, (2, 7, c), &dev))
+                .into_iter()
+                .collect::<Result<Vec<_>>>()?;
+            let parts: Vec<&Tensor> = parts.iter().collect();
+            let cat = Tensor::cat(&parts, D::Minus1)?;
+            let packed = panels::Panels::new(&w.flatten_all()?.to_vec1()?, (k, n), (1, k));
+            let got = linear_of_cat(&parts, &packed, Some(&b))?;
+            let Some(got) = got else {
+                // Only where the panel kernels do not run (no AVX2).
+                assert!(!panels::available());
+                return Ok(());
+            };
+            let one = linear(&cat, (&w, Some(&packed)), Some(&b), After::Nothing)?;
+            let one = one.expect("the panel kernels run");
+            let (got, one) = (got.flatten_all()?.to_vec1::<f32>()?, one.flatten_all()?);
+            assert_eq!(got, one.to_vec1::<f32>()?);
+            let f64 = |t: &Tensor| t.to_dtype(candle_core::DType::F64);
+            let want = f64(&cat)?
+                .broadcast_matmul(&f64(&w)?.t()?)?
+                .broadcast_add(&f64(&b)?)?
+                .flatten_all()?
+                .to_vec1::<f64>()?;
+            for (g, w) in got.iter().zip(&want) {
+                assert!((*g as f64 - w).abs() < 1e-4 * (1.0 + w.abs()), "{g} vs {w}");
+            }
+            Ok(())
+        })
+    }
 }

@@ -174,6 +174,19 @@ impl Dense {
     }
 }
 
+impl Dense {
+    /// `self(cat(parts, -1))`; on the CPU in f32 without the concatenation
+    /// ([`cpu::linear_of_cat`]), the same values.
+    pub(crate) fn forward_cat(&self, parts: &[&Tensor]) -> Result<Tensor> {
+        if let Self::Cpu(inner, Some(packed)) = self {
+            if let Some(y) = cpu::linear_of_cat(parts, packed, inner.bias())? {
+                return Ok(y);
+            }
+        }
+        self.forward(&Tensor::cat(parts, D::Minus1)?)
+    }
+}
+
 impl Module for Dense {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_then(x, After::Nothing)
