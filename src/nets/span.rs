@@ -111,12 +111,17 @@ impl SpanConfig {
     }
 }
 
-/// The values of tensor `name` under `vb` with shape `dims`, in f64 on the host.
-fn values(vb: &VarBuilder, dims: &[usize], name: &str) -> Result<Vec<f64>> {
-    vb.get_with_hints_dtype(dims, name, Default::default(), DType::F64)?
+/// The values of tensor `name` under `vb` with shape `dims`, in f32 on the host.
+fn values(vb: &VarBuilder, dims: &[usize], name: &str) -> Result<Vec<f32>> {
+    vb.get_with_hints_dtype(dims, name, Default::default(), DType::F32)?
         .to_device(&Device::Cpu)?
         .flatten_all()?
         .to_vec1()
+}
+
+/// The values of tensor `name` under `vb` with shape `dims`, in f64 on the host.
+fn values_f64(vb: &VarBuilder, dims: &[usize], name: &str) -> Result<Vec<f64>> {
+    Ok(values(vb, dims, name)?.into_iter().map(f64::from).collect())
 }
 
 /// Conv3XC under `vb`, from `cin` to `cout` channels, as one 3x3 convolution's weight
@@ -129,53 +134,56 @@ fn values(vb: &VarBuilder, dims: &[usize], name: &str) -> Result<Vec<f64>> {
 ///
 /// (w1: the first 1x1, w2: the 3x3, w3: the last 1x1). The 3x3 is unpadded in training,
 /// its input padded after the first 1x1; folded, the first 1x1's bias reaches the border
-/// taps too, as in the reference's eval mode.
+/// taps too, as in the reference's eval mode. One tap at a time, so that every intermediate
+/// is a few tens of kilobytes: the whole fold's products at once were megabytes of fresh
+/// memory per layer, paged in at load.
 fn fold(cin: usize, cout: usize, vb: &VarBuilder) -> Result<(Vec<f64>, Vec<f64>)> {
     let (n1, m2) = (GAIN * cin, GAIN * cout);
-    let w1 = values(vb, &[n1, cin, 1, 1], "conv.0.weight")?;
-    let b1 = values(vb, &[n1], "conv.0.bias")?;
+    let w1 = values_f64(vb, &[n1, cin, 1, 1], "conv.0.weight")?;
+    let b1 = values_f64(vb, &[n1], "conv.0.bias")?;
+    // The 3x3 stays in f32, read a tap at a time.
     let w2 = values(vb, &[m2, n1, 3, 3], "conv.1.weight")?;
-    let b2 = values(vb, &[m2], "conv.1.bias")?;
-    let w3 = values(vb, &[cout, m2, 1, 1], "conv.2.weight")?;
-    let b3 = values(vb, &[cout], "conv.2.bias")?;
-    let sk = values(vb, &[cout, cin, 1, 1], "sk.weight")?;
-    let sk_b = values(vb, &[cout], "sk.bias")?;
-    // a[m, k, i] = Σ_n w2[m, n, k] w1[n, i] (a product of (m2·9 x n1) by (n1 x cin), the
-    // input channel innermost); c[m] = Σ_{n,k} w2[m, n, k] b1[n] + b2[m].
-    let mut w2_t = vec![0.0; m2 * 9 * n1];
+    let b2 = values_f64(vb, &[m2], "conv.1.bias")?;
+    let w3 = values_f64(vb, &[cout, m2, 1, 1], "conv.2.weight")?;
+    let b3 = values_f64(vb, &[cout], "conv.2.bias")?;
+    let sk = values_f64(vb, &[cout, cin, 1, 1], "sk.weight")?;
+    let sk_b = values_f64(vb, &[cout], "sk.bias")?;
+    // c[m] = Σ_{n,k} w2[m, n, k] b1[n] + b2[m]: what the first 1x1's bias becomes.
     let mut c = b2;
-    for m in 0..m2 {
-        for n in 0..n1 {
+    for (m, c) in c.iter_mut().enumerate() {
+        for (n, &b) in b1.iter().enumerate() {
             let taps = &w2[(m * n1 + n) * 9..][..9];
-            c[m] += taps.iter().sum::<f64>() * b1[n];
-            for (k, &t) in taps.iter().enumerate() {
-                w2_t[(m * 9 + k) * n1 + n] = t;
-            }
+            *c += taps.iter().map(|&t| f64::from(t)).sum::<f64>() * b;
         }
     }
-    let mut a = vec![0.0; m2 * 9 * cin];
-    gemm_f64(&w2_t, &w1, (m2 * 9, n1, cin), &mut a);
-    // weight[o, k, i] = Σ_m w3[o, m] a[m, k, i] (+ sk at the centre tap), then reordered to
-    // the checkpoint's (o, i, k).
-    let mut by_tap = vec![0.0; cout * 9 * cin];
-    gemm_f64(&w3, &a, (cout, m2, 9 * cin), &mut by_tap);
     let bias: Vec<f64> = (0..cout)
         .map(|o| {
             let mixed: f64 = (0..m2).map(|m| w3[o * m2 + m] * c[m]).sum();
             b3[o] + mixed + sk_b[o]
         })
         .collect();
-    for o in 0..cout {
-        for i in 0..cin {
-            by_tap[(o * 9 + 4) * cin + i] += sk[o * cin + i];
-        }
-    }
     let mut weight = vec![0.0; cout * cin * 9];
-    for o in 0..cout {
-        for k in 0..9 {
-            for i in 0..cin {
-                weight[(o * cin + i) * 9 + k] = by_tap[(o * 9 + k) * cin + i];
+    let (mut tap, mut a, mut by_tap) = (
+        vec![0.0; m2 * n1],
+        vec![0.0; m2 * cin],
+        vec![0.0; cout * cin],
+    );
+    for k in 0..9 {
+        // tap[m, n] = w2[m, n, k]; a = tap · w1 (m2 x cin); by_tap = w3 · a (cout x cin).
+        for (t, &w) in tap.iter_mut().zip(w2.iter().skip(k).step_by(9)) {
+            *t = f64::from(w);
+        }
+        a.fill(0.0);
+        gemm_f64(&tap, &w1, (m2, n1, cin), &mut a);
+        by_tap.fill(0.0);
+        gemm_f64(&w3, &a, (cout, m2, cin), &mut by_tap);
+        if k == 4 {
+            for (t, &s) in by_tap.iter_mut().zip(&sk) {
+                *t += s;
             }
+        }
+        for (oi, &v) in by_tap.iter().enumerate() {
+            weight[oi * 9 + k] = v;
         }
     }
     Ok((weight, bias))
