@@ -152,8 +152,14 @@ impl Panels {
             );
         }
         let len = k * ((n / PANEL) * PANEL + (n % PANEL).next_multiple_of(16));
-        data.clear();
-        data.resize(len + 15, 0.0);
+        // Every value of the panels is written below (the padding columns too): a reused
+        // buffer is not cleared first, and a new one comes zeroed from the allocator, for
+        // its alignment slack. Clearing them cost a pass over every kernel packed.
+        if data.is_empty() {
+            data = vec![0.0; len + 15];
+        } else {
+            data.resize(len + 15, 0.0);
+        }
         let start = data.as_ptr().align_offset(64).min(15);
         if k > 0 {
             // Small operands (a Winograd position's 64 x 64, packed 36 at a time per
@@ -168,6 +174,11 @@ impl Panels {
                     let width = out.len() / k;
                     let c0 = p * PANEL;
                     let cols = (n - c0).min(width);
+                    if cols < width {
+                        for row in out.chunks_exact_mut(width) {
+                            row[cols..].fill(0.0);
+                        }
+                    }
                     if cs == 1 {
                         // Rows of the source are rows of the panel.
                         for (r, row) in out.chunks_exact_mut(width).enumerate() {
