@@ -22,6 +22,11 @@ pub(crate) struct Rows<'a> {
 }
 
 impl<'a> Rows<'a> {
+    /// Token `t` at `data[t * ld + offset..]`.
+    pub(crate) fn new(data: &'a [f32], ld: usize, offset: usize) -> Self {
+        Self { data, ld, offset }
+    }
+
     /// Token `t`'s `c` channels.
     fn token(&self, t: usize, c: usize) -> &'a [f32] {
         &self.data[t * self.ld + self.offset..][..c]
@@ -48,37 +53,31 @@ pub(crate) fn depthwise3x3(
     then: Then,
 ) -> Vec<f32> {
     assert!(taps.len() == 9 * c && bias.len() == c);
-    let n = b * h * w * c;
-    // Written once by the rows below: a zeroed buffer would be a pass of its own.
-    let mut out: Vec<f32> = Vec::with_capacity(n);
-    if n == 0 {
-        return out;
-    }
     let zeros = vec![0f32; c];
-    out.spare_capacity_mut()[..n]
-        .par_chunks_mut(w * c)
-        .enumerate()
-        .for_each(|(row, out)| {
-            let (image, y) = (row / h, row % h);
-            // The input rows above, at and below, absent outside the map.
-            let source = |dy: usize| {
-                (y + dy)
-                    .checked_sub(1)
-                    .filter(|&yy| yy < h)
-                    .map(|yy| (image * h + yy) * w)
-            };
-            let rows = [source(0), source(1), source(2)];
-            let geometry = Row {
-                w,
-                c,
-                rows,
-                zeros: &zeros,
-            };
-            depthwise_row(out, &geometry, input, (taps, bias), then, row * w);
-        });
-    // SAFETY: every row of the n values was handed to `depthwise_row`, which writes all of it.
-    unsafe { out.set_len(n) };
-    out
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        out.par_chunks_mut(w * c)
+            .enumerate()
+            .for_each(|(row, out)| {
+                let (image, y) = (row / h, row % h);
+                // The input rows above, at and below, absent outside the map.
+                let source = |dy: usize| {
+                    (y + dy)
+                        .checked_sub(1)
+                        .filter(|&yy| yy < h)
+                        .map(|yy| (image * h + yy) * w)
+                };
+                let rows = [source(0), source(1), source(2)];
+                let geometry = Row {
+                    w,
+                    c,
+                    rows,
+                    zeros: &zeros,
+                };
+                depthwise_row(out, &geometry, input, (taps, bias), then, row * w);
+            });
+    };
+    // SAFETY: every row was handed to `depthwise_row`, which writes all of it.
+    unsafe { filled(b * h * w * c, fill) }
 }
 
 /// [`depthwise3x3`] of the layer norm of `input` (`norm`, over its `c` channels), without
@@ -93,68 +92,58 @@ pub(crate) fn depthwise3x3_of_norm(
     then: Then,
 ) -> Vec<f32> {
     assert!(taps.len() == 9 * c && bias.len() == c);
-    let n = b * h * w * c;
-    // Written once by the rows below: a zeroed buffer would be a pass of its own.
-    let mut out: Vec<f32> = Vec::with_capacity(n);
-    if n == 0 {
-        return out;
-    }
     let zeros = vec![0f32; c];
     // Bands of rows: each normalises two rows more than it convolves.
     let band = BAND_ROWS.min(h);
-    out.spare_capacity_mut()[..n]
-        .par_chunks_mut(h * w * c)
-        .enumerate()
-        .for_each(|(image, out)| {
-            out.par_chunks_mut(band * w * c)
-                .enumerate()
-                .for_each(|(k, out)| {
-                    let y0 = k * band;
-                    let mut ring = vec![0f32; 3 * w * c];
-                    let slot = |y: usize| (y % 3) * w;
-                    let normalise = |ring: &mut [f32], y: usize| {
-                        for x in 0..w {
-                            let src = input.token((image * h + y) * w + x, c);
-                            let dst = &mut ring[(slot(y) + x) * c..][..c];
-                            // SAFETY: MaybeUninit<f32> has f32's layout, and the norm writes
-                            // only initialised values.
-                            let dst =
-                                unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
-                            norm.row(src, dst);
-                        }
-                    };
-                    if y0 > 0 {
-                        normalise(&mut ring, y0 - 1);
-                    }
-                    normalise(&mut ring, y0);
-                    for (dy, out) in out.chunks_mut(w * c).enumerate() {
-                        let y = y0 + dy;
-                        if y + 1 < h {
-                            normalise(&mut ring, y + 1);
-                        }
-                        let geometry = Row {
-                            w,
-                            c,
-                            rows: [
-                                y.checked_sub(1).map(slot),
-                                Some(slot(y)),
-                                (y + 1 < h).then(|| slot(y + 1)),
-                            ],
-                            zeros: &zeros,
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        out.par_chunks_mut(h * w * c)
+            .enumerate()
+            .for_each(|(image, out)| {
+                out.par_chunks_mut(band * w * c)
+                    .enumerate()
+                    .for_each(|(k, out)| {
+                        let y0 = k * band;
+                        let mut ring = vec![0f32; 3 * w * c];
+                        let slot = |y: usize| (y % 3) * w;
+                        let normalise = |ring: &mut [f32], y: usize| {
+                            for x in 0..w {
+                                let src = input.token((image * h + y) * w + x, c);
+                                let dst = &mut ring[(slot(y) + x) * c..][..c];
+                                // SAFETY: MaybeUninit<f32> has f32's layout, and the norm writes
+                                // only initialised values.
+                                let dst =
+                                    unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
+                                norm.row(src, dst);
+                            }
                         };
-                        let normed = Rows {
-                            data: &ring,
-                            ld: c,
-                            offset: 0,
-                        };
-                        let first = (image * h + y) * w;
-                        depthwise_row(out, &geometry, normed, (taps, bias), then, first);
-                    }
-                });
-        });
-    // SAFETY: every row of the n values was handed to `depthwise_row`, which writes all of it.
-    unsafe { out.set_len(n) };
-    out
+                        if y0 > 0 {
+                            normalise(&mut ring, y0 - 1);
+                        }
+                        normalise(&mut ring, y0);
+                        for (dy, out) in out.chunks_mut(w * c).enumerate() {
+                            let y = y0 + dy;
+                            if y + 1 < h {
+                                normalise(&mut ring, y + 1);
+                            }
+                            let geometry = Row {
+                                w,
+                                c,
+                                rows: [
+                                    y.checked_sub(1).map(slot),
+                                    Some(slot(y)),
+                                    (y + 1 < h).then(|| slot(y + 1)),
+                                ],
+                                zeros: &zeros,
+                            };
+                            let normed = Rows::new(&ring, c, 0);
+                            let first = (image * h + y) * w;
+                            depthwise_row(out, &geometry, normed, (taps, bias), then, first);
+                        }
+                    });
+            });
+    };
+    // SAFETY: every row was handed to `depthwise_row`, which writes all of it.
+    unsafe { filled(b * h * w * c, fill) }
 }
 
 /// Rows a task of [`depthwise3x3_of_norm`] convolves.
@@ -309,22 +298,32 @@ pub(crate) fn gated_sum(
 ) -> Vec<f32> {
     let n = b * tokens * c;
     assert!(a.len() == n && x.len() == n);
-    // Written once by the rows below: a zeroed buffer would be a pass of its own.
-    let mut out: Vec<f32> = Vec::with_capacity(n);
-    if n == 0 {
-        return out;
-    }
     // A few dozen tokens a task.
     let per = 64;
-    out.spare_capacity_mut()[..n]
-        .par_chunks_mut(per * c)
-        .enumerate()
-        .for_each(|(chunk, out)| {
-            let t0 = chunk * per;
-            let span = t0 * c..t0 * c + out.len();
-            gated_rows(out, (&a[span.clone()], ga), (&x[span], gx), (t0, tokens, c));
-        });
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        out.par_chunks_mut(per * c)
+            .enumerate()
+            .for_each(|(chunk, out)| {
+                let t0 = chunk * per;
+                let span = t0 * c..t0 * c + out.len();
+                gated_rows(out, (&a[span.clone()], ga), (&x[span], gx), (t0, tokens, c));
+            });
+    };
     // SAFETY: every value was handed to `gated_rows`, which writes each of its tokens' values.
+    unsafe { filled(n, fill) }
+}
+
+/// A new buffer of `n` values written by `fill`: never zeroed first, which would be a pass of
+/// its own.
+///
+/// # Safety
+/// `fill` writes every one of the `n` values of the slice it is given.
+unsafe fn filled(n: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    if n > 0 {
+        fill(&mut out.spare_capacity_mut()[..n]);
+    }
+    // SAFETY: the caller's contract: all n values were written.
     unsafe { out.set_len(n) };
     out
 }
@@ -423,11 +422,7 @@ mod tests {
             ld,
             offset: off,
         };
-        let times = Rows {
-            data: &other,
-            ld: c,
-            offset: 0,
-        };
+        let times = Rows::new(&other, c, 0);
         for (which, then) in [Then::Gelu, Then::Times(times)].into_iter().enumerate() {
             let got = depthwise3x3(input, (b, h, w, c), (&taps, &bias), then);
             for (i, &g) in got.iter().enumerate() {
@@ -479,18 +474,10 @@ mod tests {
                     ld,
                     offset: off,
                 };
-                let times = Rows {
-                    data: &other,
-                    ld: c,
-                    offset: 0,
-                };
+                let times = Rows::new(&other, c, 0);
                 for then in [Then::Gelu, Then::Times(times)] {
                     let want = depthwise3x3(
-                        Rows {
-                            data: &normed,
-                            ld: c,
-                            offset: 0,
-                        },
+                        Rows::new(&normed, c, 0),
                         (b, h, w, c),
                         (&taps, &tap_bias),
                         then,
@@ -560,16 +547,8 @@ mod timing {
             Tensor::zeros(c, DType::F32, &cpu)?,
         );
         let norm = Norm::new(&Pad::OFF.one(c), ones, zeros, 1e-5)?;
-        let first = Rows {
-            data: &hidden,
-            ld: 2 * c,
-            offset: 0,
-        };
-        let second = Rows {
-            data: &hidden,
-            ld: 2 * c,
-            offset: c,
-        };
+        let first = Rows::new(&hidden, 2 * c, 0);
+        let second = Rows::new(&hidden, 2 * c, c);
         let (mut two, mut one) = (Vec::new(), Vec::new());
         for _ in 0..60 {
             let t = std::time::Instant::now();
@@ -587,11 +566,7 @@ mod timing {
                 // SAFETY: every row was written above.
                 unsafe { normed.set_len(h * w * c) };
             })?;
-            let gate = Rows {
-                data: &normed,
-                ld: c,
-                offset: 0,
-            };
+            let gate = Rows::new(&normed, c, 0);
             let a = depthwise3x3(gate, (b, h, w, c), (&taps, &bias), Then::Times(first));
             two.push(t.elapsed().as_secs_f64());
             let t = std::time::Instant::now();
