@@ -345,11 +345,27 @@ impl Unfinished {
     /// Brings the canvases still on a device back, sums them and divides by the blend
     /// weights: the upscaled image.
     pub fn finish(self) -> candle_core::Result<Planar> {
-        let canvases = self
-            .canvases
+        let (c, h, w) = (self.channels, self.height, self.width);
+        let mut canvases = self.canvases;
+        if let [LaneCanvas::Whole(data)] = canvases.as_mut_slice() {
+            if data.len() != c * h * w {
+                candle_core::bail!(
+                    "the whole-image tile holds {} values, expected {}",
+                    data.len(),
+                    c * h * w
+                );
+            }
+            return Ok(Planar::new(c, h, w, std::mem::take(data)));
+        }
+        let canvases = canvases
             .into_iter()
-            .map(|c| match c {
+            .map(|canvas| match canvas {
                 LaneCanvas::Host(data) => Ok(data),
+                // As an accumulator would hold it: the sums, then weights of 1.
+                LaneCanvas::Whole(mut data) => {
+                    data.resize(data.len() + h * w, 1.0);
+                    Ok(data)
+                }
                 LaneCanvas::Device(canvas) => canvas.download(),
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -360,6 +376,8 @@ impl Unfinished {
 /// One lane's weighted sums for an image.
 enum LaneCanvas {
     Host(Vec<f32>),
+    /// The output of a plan of one whole-image tile ([`Plan::is_whole`]): the image itself.
+    Whole(Vec<f32>),
     Device(DeviceCanvas),
 }
 
@@ -375,6 +393,9 @@ struct Lane {
 /// The per-image state of a lane, made when it takes its first batch.
 enum LaneImage {
     Host(Accumulator),
+    /// A plan of one whole-image tile on the host: its output, once it has run. Accumulating
+    /// it would zero a canvas and a weight plane, add into them and divide by ones.
+    Whole(Option<Vec<f32>>),
     Device {
         input: DeviceInput,
         weights: Tensor,
@@ -387,6 +408,7 @@ impl LaneImage {
         let (device, scale) = (model.device(), model.scale());
         let (c, h, w) = (image.channels, image.height, image.width);
         Ok(match canvas {
+            Canvas::Host if plan.is_whole() => Self::Whole(None),
             Canvas::Host => Self::Host(Accumulator::new(c, h, w, scale, opts.blend)),
             Canvas::Device => {
                 let st = Self::Device {
@@ -404,6 +426,8 @@ impl LaneImage {
     fn into_canvas(self, defer_download: bool) -> candle_core::Result<LaneCanvas> {
         Ok(match self {
             Self::Host(acc) => LaneCanvas::Host(acc.into_canvas()),
+            Self::Whole(Some(data)) => LaneCanvas::Whole(data),
+            Self::Whole(None) => candle_core::bail!("the whole-image tile did not run"),
             Self::Device { canvas, .. } if defer_download => LaneCanvas::Device(canvas),
             Self::Device { canvas, .. } => LaneCanvas::Host(canvas.download()?),
         })
@@ -488,11 +512,18 @@ fn run_batch<M: TileModel>(
 ) -> candle_core::Result<()> {
     let group = &plan.tiles[range.clone()];
     let x = match st {
-        LaneImage::Host(_) => cut_on_host(image, plan, group, model.device())?,
+        LaneImage::Host(_) | LaneImage::Whole(_) => {
+            cut_on_host(image, plan, group, model.device())?
+        }
         LaneImage::Device { input, .. } => input.cut(plan, group)?,
     };
     let y = forward_checked(model, &x, plan)?;
     match st {
+        LaneImage::Whole(slot) => {
+            *slot = Some(y.flatten_all()?.to_vec1::<f32>()?);
+            *touched = true;
+            Ok(())
+        }
         LaneImage::Host(acc) => {
             let out = y.flatten_all()?.to_vec1::<f32>()?;
             *touched = true;

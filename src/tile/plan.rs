@@ -59,6 +59,18 @@ pub struct Plan {
     pub tiles: Vec<Tile>,
 }
 
+impl Plan {
+    /// Whether the plan is one tile over the whole image, which shares no pixels: its blend
+    /// weights are all 1, so the tile's output is the upscaled image.
+    pub fn is_whole(&self) -> bool {
+        let whole = |s: &Span, len: usize| s.start == 0 && s.len == len && s.lead + s.trail == 0;
+        match self.tiles.as_slice() {
+            [t] => whole(&t.y, self.height) && whole(&t.x, self.width),
+            _ => false,
+        }
+    }
+}
+
 /// Plans `tile`-sized tiles (0 = the whole image) with `overlap` pixels shared between
 /// neighbours. Tiles are clipped to the image, so a small image is a single tile.
 pub fn plan(height: usize, width: usize, tile: usize, overlap: usize) -> Result<Plan, PlanError> {

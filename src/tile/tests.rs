@@ -213,6 +213,29 @@ proptest! {
     }
 }
 
+/// A plan of one tile over the whole image skips the canvas: the values the accumulator
+/// gives that tile (all its weights are 1), and only such plans take that way.
+#[test]
+fn a_whole_image_tile_is_the_upscaled_image() -> candle_core::Result<()> {
+    let (c, h, w, s) = (3, 13, 37, 2);
+    let image = test_image(c, h, w, 5);
+    let model = Pointwise::new(s);
+    for blend in [BlendMode::Hann, BlendMode::Average, BlendMode::None] {
+        let (out, _) = run_tiled(&model, &image, &opts_for(0, 8, 1, blend)).unwrap();
+        let p = plan(h, w, 0, 8).unwrap();
+        assert!(p.is_whole());
+        let x = Tensor::from_vec(image.data.clone(), (1, c, h, w), &Device::Cpu)?;
+        let y = model.forward_batch(&x)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut acc = Accumulator::new(c, h, w, s, blend);
+        acc.add(&p.tiles[0], &y);
+        assert_eq!(acc.finish(), out, "{blend:?}");
+    }
+    assert!(plan(h, w, 64, 8).unwrap().is_whole());
+    assert!(!plan(h, w, 16, 4).unwrap().is_whole());
+    assert!(!plan(h, w, 13, 4).unwrap().is_whole());
+    Ok(())
+}
+
 #[test]
 fn groups_tiles_into_batches_with_a_ragged_last_one() {
     let model = Limited::new(2, usize::MAX);
