@@ -552,10 +552,14 @@ mod avx2 {
         start: Start,
     ) {
         let masks = [lanes(cols), lanes(cols.saturating_sub(8))];
+        // Whether vector v of a row is partial. The first vector of an edge strip of 9 to 15
+        // columns is whole: it takes plain loads and stores, since AMD's masked stores are
+        // microcoded, several times slower (attention's 30-wide heads end in such strips).
+        let partial = |v: usize| EDGE && 8 * (v + 1) > cols;
         // SAFETY (all three): `p + 8 v` is in the caller's bounds for the lanes the mask
-        // keeps, and whole vectors are only read or written when the strip is 16 wide.
+        // keeps, and whole vectors are only read or written when they lie in the strip.
         let load = |p: *const f32, v: usize| unsafe {
-            if EDGE {
+            if partial(v) {
                 _mm256_maskload_ps(p.add(8 * v), masks[v])
             } else {
                 _mm256_loadu_ps(p.add(8 * v))
@@ -569,7 +573,7 @@ mod avx2 {
             }
         };
         let store = |p: *mut f32, v: usize, x: __m256| unsafe {
-            if EDGE {
+            if partial(v) {
                 _mm256_maskstore_ps(p.add(8 * v), masks[v], x)
             } else {
                 _mm256_storeu_ps(p.add(8 * v), x)
@@ -628,7 +632,11 @@ mod avx2 {
                     // SAFETY: key j0 + j < n, its channels ch0.. below c (masked), in `qkv`.
                     *r = unsafe {
                         let src = qkv.as_ptr().add((j0 + j) * c3 + c + ch0);
-                        _mm256_maskload_ps(src, load)
+                        if chans == 8 {
+                            _mm256_loadu_ps(src)
+                        } else {
+                            _mm256_maskload_ps(src, load)
+                        }
                     };
                 }
                 let t = |i: usize| {
@@ -654,10 +662,16 @@ mod avx2 {
                     } else {
                         _mm256_permute2f128_ps::<0x31>(q0[l - 4], q1[l - 4])
                     };
-                    // SAFETY: row ch0 + l < c of `out`, keys j0.. below n (masked).
+                    // SAFETY: row ch0 + l < c of `out`, keys j0.. below n (masked). A full
+                    // block takes a plain store: AMD's masked stores are microcoded, several
+                    // times slower.
                     unsafe {
                         let dst = out.as_mut_ptr().add((ch0 + l) * n + j0);
-                        _mm256_maskstore_ps(dst, store, column)
+                        if keys == 8 {
+                            _mm256_storeu_ps(dst, column)
+                        } else {
+                            _mm256_maskstore_ps(dst, store, column)
+                        }
                     };
                 }
             }
