@@ -908,16 +908,10 @@ impl Sgfn {
             let hidden = hidden.contiguous()?;
             let (hg, hl) = hidden.storage_and_layout();
             let data = cpu_slice(&hg, hl)?;
-            let second_half = Rows {
-                data,
-                ld: 2 * half,
-                offset: half,
-            };
-            let first_half = Rows {
-                data,
-                ld: 2 * half,
-                offset: 0,
-            };
+            let (first_half, second_half) = (
+                Rows::new(data, 2 * half, 0),
+                Rows::new(data, 2 * half, half),
+            );
             let dims = (b, h, w, half);
             let gated =
                 self.conv

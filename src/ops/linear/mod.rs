@@ -172,9 +172,7 @@ impl Dense {
             Self::Candle(inner) => reference(inner, x, after),
         }
     }
-}
 
-impl Dense {
     /// `self(cat(parts, -1))`; on the CPU in f32 without the concatenation
     /// ([`cpu::linear_of_cat`]), the same values.
     pub(crate) fn forward_cat(&self, parts: &[&Tensor]) -> Result<Tensor> {
