@@ -6,6 +6,8 @@
 //! a scalar `exp`.
 
 use candle_core::{Result, Tensor};
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use crate::ops::cpu::shared::Shared;
@@ -28,10 +30,13 @@ pub(crate) fn channel_attention(
     let d = c / heads;
     let (guard, layout) = qkv.storage_and_layout();
     let data = cpu_slice(&guard, layout)?;
-    let mut out = vec![0f32; b * n * c];
-    for (image, out) in data.chunks_exact(n * c3).zip(out.chunks_exact_mut(n * c)) {
+    let mut out: Vec<f32> = Vec::with_capacity(b * n * c);
+    let spare = &mut out.spare_capacity_mut()[..b * n * c];
+    for (image, out) in data.chunks_exact(n * c3).zip(spare.chunks_exact_mut(n * c)) {
         attend_image(image, (n, c, heads, d), temperature, eps, out);
     }
+    // SAFETY: `attend_image` wrote every value of each image (all heads' columns of all rows).
+    unsafe { out.set_len(b * n * c) };
     drop(guard);
     Tensor::from_vec(out, (b, n, c), qkv.device())
 }
@@ -42,30 +47,27 @@ fn attend_image(
     (n, c, heads, d): (usize, usize, usize, usize),
     temperature: &[f32],
     eps: f32,
-    out: &mut [f32],
+    out: &mut [MaybeUninit<f32>],
 ) {
     let c3 = 3 * c;
-    // kᵀ (channel-major, in registers 16 x 16 at a time) for the score products' left
-    // operand: the products give the scores transposed, q is read in place.
-    let mut k_t = vec![0f32; c * n];
-    panels::transpose_keys(qkv, (n, c), &mut k_t);
-    let mut q_inv = vec![0f32; c];
-    squares_of_q(qkv, c, &mut q_inv);
-    for s in q_inv.iter_mut() {
-        *s = 1.0 / s.sqrt().max(eps);
-    }
-    let mut k_inv = vec![0f32; c];
-    squares_of_rows(&k_t, n, &mut k_inv);
-    for s in k_inv.iter_mut() {
-        *s = 1.0 / s.sqrt().max(eps);
-    }
-
-    // Per head: scores = (q̂ · k̂ᵀ) · temperature, softmax, then out = v · pᵀ.
+    // Per head, one task: scores = (q̂ · k̂ᵀ) · temperature, softmax; then out = v · pᵀ.
     let mut probs_t = vec![0f32; heads * d * d];
     probs_t
         .par_chunks_mut(d * d)
         .enumerate()
         .for_each(|(h, probs_t)| {
+            // The head's kᵀ (channel-major, in registers 16 x 16 at a time) for the score
+            // product's left operand: the product gives the scores transposed, q is read in
+            // place. Each task transposes and measures its own head's channels.
+            let mut k_t = vec![0f32; d * n];
+            panels::transpose((&qkv[c + h * d..], c3), (n, d), (&mut k_t, n));
+            let mut q_inv = vec![0f32; d];
+            squares_of_q(&qkv[h * d..], (c3, d), &mut q_inv);
+            let mut k_inv = vec![0f32; d];
+            squares_of_rows(&k_t, n, &mut k_inv);
+            for s in q_inv.iter_mut().chain(k_inv.iter_mut()) {
+                *s = 1.0 / s.sqrt().max(eps);
+            }
             let mut scores_t = vec![0f32; d * d];
             let rhs = panels::Rhs::Strided {
                 ptr: qkv[h * d..].as_ptr(),
@@ -73,12 +75,12 @@ fn attend_image(
                 n: d,
                 ld: c3,
             };
-            // SAFETY: kᵀ's rows h*d.. hold d rows of n values; q's head holds n rows of d
-            // values c3 apart inside `qkv`; `scores_t` is d x d and this task's own.
+            // SAFETY: kᵀ holds d rows of n values; q's head holds n rows of d values c3
+            // apart inside `qkv`; `scores_t` is d x d and this task's own.
             unsafe {
                 panels::gemm(
                     d,
-                    (k_t[h * d * n..].as_ptr(), n),
+                    (k_t.as_ptr(), n),
                     rhs,
                     (scores_t.as_mut_ptr(), d),
                     panels::Start::ZERO,
@@ -88,9 +90,9 @@ fn attend_image(
             };
             let mut scores = vec![0f32; d * d];
             for (i, row) in scores.chunks_exact_mut(d).enumerate() {
-                let qi = q_inv[h * d + i];
+                let qi = q_inv[i];
                 for (j, s) in row.iter_mut().enumerate() {
-                    *s = scores_t[j * d + i] * qi * k_inv[h * d + j] * temperature[h];
+                    *s = scores_t[j * d + i] * qi * k_inv[j] * temperature[h];
                 }
             }
             attention_probs(&mut scores, None, None, d, None);
@@ -106,7 +108,7 @@ fn attend_image(
     let rows_per = 256;
     // SAFETY: each task writes its own rows of `out` (its d columns of them per head) and
     // reads `qkv` and `probs_t`, all of which outlive the tasks.
-    let shared = unsafe { Shared::new(out.as_mut_ptr()) };
+    let shared = unsafe { Shared::new(out.as_mut_ptr().cast::<f32>()) };
     (0..n.div_ceil(rows_per)).into_par_iter().for_each(|block| {
         let t0 = block * rows_per;
         let rows = rows_per.min(n - t0);
@@ -119,7 +121,7 @@ fn attend_image(
             };
             // SAFETY: v's head holds `rows` rows of d values c3 apart from row t0 inside
             // `qkv`; pᵀ is d x d; the destination is rows t0.. of out, the head's d columns,
-            // c apart, written by this task only.
+            // c apart, written (never read) by this task only.
             unsafe {
                 panels::gemm(
                     rows,
@@ -135,19 +137,19 @@ fn attend_image(
     });
 }
 
-/// The squares of each of the first `c` channels of the rows of `qkv` (`3c` values each),
+/// The squares of each of the first `d` values of the rows of `rows` (rows `ld` apart),
 /// summed over the rows in row order, into `out`.
 #[inline(always)]
-fn squares_of_q_body(qkv: &[f32], c: usize, out: &mut [f32]) {
-    for row in qkv.chunks_exact(3 * c) {
-        for (s, &v) in out.iter_mut().zip(&row[..c]) {
+fn squares_of_q_body(rows: &[f32], (ld, d): (usize, usize), out: &mut [f32]) {
+    for row in rows.chunks(ld) {
+        for (s, &v) in out.iter_mut().zip(&row[..d]) {
             *s += v * v;
         }
     }
 }
 
 crate::ops::cpu::widest_simd! {
-    fn squares_of_q(qkv: &[f32], c: usize, out: &mut [f32]) = squares_of_q_body
+    fn squares_of_q(rows: &[f32], shape: (usize, usize), out: &mut [f32]) = squares_of_q_body
 }
 
 /// The sum of squares of each length-`n` row of `data`, into `out`, in 16 lanes.

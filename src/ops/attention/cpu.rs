@@ -52,24 +52,7 @@ pub fn window_attention(
     };
     let (qkv_guard, qkv_layout) = qkv.storage_and_layout();
     let qkv_data = cpu_slice(&qkv_guard, qkv_layout)?;
-
-    // Windows are independent: one task each, with a private score matrix. With fewer
-    // windows than threads the GEMMs themselves are split instead.
-    let inner = if bw >= rayon::current_num_threads() {
-        gemm::Parallelism::None
-    } else {
-        gemm::Parallelism::Rayon(0)
-    };
-    let products = match bf16 {
-        Some(isa) => Products::Bf16(isa),
-        None if panels::available() => Products::Panels,
-        None => Products::F32(inner),
-    };
-    // On panels the scores start from the bias: gathered once per call where all heads'
-    // `n x n` matrices stay in L2 across windows (the 8x8 windows of SwinIR: 96 KiB for 6
-    // heads), else added row by row from the compact table as the softmax reads them.
-    let gathered = (matches!(products, Products::Panels) && heads * n * n <= GATHERED_BIAS)
-        .then(|| bias.gathered());
+    let (products, gathered) = products_for(bw, bias, bf16);
     let shape = WindowShape {
         n,
         c,
@@ -106,6 +89,34 @@ pub fn window_attention(
 
 /// The most bias values (all heads' `n x n` matrices) gathered for scores to start from.
 const GATHERED_BIAS: usize = 32 << 10;
+
+/// How `windows` windows' products run, and the `(heads, n, n)` bias gathered for the scores
+/// to start from where that pays.
+fn products_for(
+    windows: usize,
+    bias: &RelativeBias,
+    bf16: Option<Isa>,
+) -> (Products, Option<Vec<f32>>) {
+    // Windows are independent: one task each, with a private score matrix. With fewer
+    // windows than threads the GEMMs themselves are split instead.
+    let inner = if windows >= rayon::current_num_threads() {
+        gemm::Parallelism::None
+    } else {
+        gemm::Parallelism::Rayon(0)
+    };
+    let products = match bf16 {
+        Some(isa) => Products::Bf16(isa),
+        None if panels::available() => Products::Panels,
+        None => Products::F32(inner),
+    };
+    // On panels the scores start from the bias: gathered once per call where all heads'
+    // `n x n` matrices stay in L2 across windows (the 8x8 windows of SwinIR: 96 KiB for 6
+    // heads), else added row by row from the compact table as the softmax reads them.
+    let n = bias.tokens();
+    let gathered = (matches!(products, Products::Panels) && bias.heads() * n * n <= GATHERED_BIAS)
+        .then(|| bias.gathered());
+    (products, gathered)
+}
 
 /// The sizes one window's attention needs.
 pub(super) struct WindowShape<'a> {
@@ -597,36 +608,70 @@ pub(crate) fn rectangle_attention(
         (y < h && x < w).then(|| (bi * h + y) * w + x)
     };
     let windows = b * nwy * nwx;
-    let mut gathered = vec![0f32; windows * n * 3 * count];
-    gathered
-        .par_chunks_mut(n * 3 * count)
-        .enumerate()
-        .for_each(|(win, dst)| {
-            for (t, row) in dst.chunks_exact_mut(3 * count).enumerate() {
-                if let Some(token) = source(win / (nwy * nwx), win % (nwy * nwx), t) {
-                    let src = &qkv[token * 3 * c..][..3 * c];
-                    for (part, dst) in row.chunks_exact_mut(count).enumerate() {
-                        dst.copy_from_slice(&src[part * c + first..][..count]);
-                    }
-                }
-            }
-        });
+    let heads = bias.heads();
+    if count % heads.max(1) != 0 {
+        candle_core::bail!("rectangle attention: {count} channels for {heads} heads");
+    }
     let regions = shifted.then(|| rectangle_regions((hp, wp), (hs, ws)));
-    let gathered = Tensor::from_vec(gathered, (windows, n, 3 * count), &candle_core::Device::Cpu)?;
-    let Some(attended) = window_attention(&gathered, bias, regions.as_deref(), bf16)? else {
-        candle_core::bail!("rectangle attention: the window kernel refused its windows");
+    let (products, gathered) = products_for(windows, bias, bf16);
+    let shape = WindowShape {
+        n,
+        c: count,
+        heads,
+        products,
+        gathered: gathered.as_deref(),
     };
-    let (guard, layout) = attended.storage_and_layout();
-    let attended = cpu_slice(&guard, layout)?;
+    // Each task gathers its window's q | k | v rows into its own buffer (zeros for padding
+    // tokens), attends, and scatters the output rows to their tokens, so that a window's
+    // operands are in cache when attended. (Gathering every window into one map first cost a
+    // fresh, zeroed map and a pass over it per call, 20% of the attention's time.)
+    let nw = nwy * nwx;
     // SAFETY: every window token maps to a distinct token of the padded map, so each output
     // token's group channels are written by one task only; `out` outlives the tasks.
     let shared = unsafe { crate::ops::cpu::shared::Shared::new(out.as_mut_ptr()) };
-    attended
-        .par_chunks(n * count)
-        .enumerate()
-        .for_each(|(win, rows)| {
-            for (t, row) in rows.chunks_exact(count).enumerate() {
-                if let Some(token) = source(win / (nwy * nwx), win % (nwy * nwx), t) {
+    (0..windows).into_par_iter().for_each_init(
+        || {
+            let scratch = Scratch {
+                scores: vec![0f32; n * n],
+                ..Scratch::default()
+            };
+            (
+                scratch,
+                vec![0f32; n * 3 * count],
+                Vec::with_capacity(n * count),
+            )
+        },
+        |(scratch, rows, attended): &mut (Scratch, Vec<f32>, Vec<f32>), win| {
+            let (bi, wi) = (win / nw, win % nw);
+            for (t, row) in rows.chunks_exact_mut(3 * count).enumerate() {
+                match source(bi, wi, t) {
+                    Some(token) => {
+                        let src = &qkv[token * 3 * c..][..3 * c];
+                        for (part, dst) in row.chunks_exact_mut(count).enumerate() {
+                            dst.copy_from_slice(&src[part * c + first..][..count]);
+                        }
+                    }
+                    None => row.fill(0.0),
+                }
+            }
+            // A window inside one region masks nothing.
+            let labels = regions
+                .as_deref()
+                .map(|r| &r[wi * n..(wi + 1) * n])
+                .filter(|l| l.iter().any(|&v| v != l[0]));
+            attended.clear();
+            attend_window(
+                &shape,
+                rows,
+                bias,
+                labels,
+                scratch,
+                &mut attended.spare_capacity_mut()[..n * count],
+            );
+            // SAFETY: `attend_window` wrote all n * count values.
+            unsafe { attended.set_len(n * count) };
+            for (t, row) in attended.chunks_exact(count).enumerate() {
+                if let Some(token) = source(bi, wi, t) {
                     // SAFETY: as above; token * c + first + count <= b * h * w * c.
                     unsafe {
                         let dst = shared.get().add(token * c + first);
@@ -634,6 +679,7 @@ pub(crate) fn rectangle_attention(
                     }
                 }
             }
-        });
+        },
+    );
     Ok(())
 }

@@ -359,15 +359,18 @@ mod avx512 {
         }
     }
 
-    /// [`super::transpose_keys`], in blocks of 16 keys by 16 channels: 16 loads, 64
+    /// [`super::transpose`], in blocks of 16 rows by 16 columns: 16 loads, 64
     /// two-source permutes (four stages, each swapping the off-diagonal blocks of every
     /// 2d x 2d block for d = 8, 4, 2, 1), 16 stores.
     ///
     /// # Safety
-    /// As [`super::transpose_keys`], whose asserts the bounds are.
+    /// As [`super::transpose`], whose asserts the bounds are.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn transpose_keys(qkv: &[f32], (n, c): (usize, usize), out: &mut [f32]) {
-        let c3 = 3 * c;
+    pub(super) unsafe fn transpose(
+        (src, ld): (&[f32], usize),
+        (n, c): (usize, usize),
+        (out, ldo): (&mut [f32], usize),
+    ) {
         let stage = |d: usize| -> (__m512i, __m512i) {
             let idx = |f: &dyn Fn(usize) -> usize| {
                 let v: [i32; 16] = std::array::from_fn(|l| f(l) as i32);
@@ -389,9 +392,9 @@ mod avx512 {
                 // Register j: channels ch0.. of key j0 + j (zero past the last key).
                 let mut r: [__m512; 16] = std::array::from_fn(|j| {
                     if j < keys {
-                        // SAFETY: key j0 + j < n, its channels ch0.. below c, in `qkv`.
+                        // SAFETY: row j0 + j < n, its columns ch0.. below c, in `src`.
                         unsafe {
-                            let src = qkv.as_ptr().add((j0 + j) * c3 + c + ch0);
+                            let src = src.as_ptr().add((j0 + j) * ld + ch0);
                             _mm512_maskz_loadu_ps(load, src)
                         }
                     } else {
@@ -408,9 +411,9 @@ mod avx512 {
                     }
                 }
                 for (l, row) in r.iter().enumerate().take(chans) {
-                    // SAFETY: row ch0 + l < c of `out`, keys j0.. below n.
+                    // SAFETY: row ch0 + l < c of `out`, columns j0.. below n.
                     unsafe {
-                        let dst = out.as_mut_ptr().add((ch0 + l) * n + j0);
+                        let dst = out.as_mut_ptr().add((ch0 + l) * ldo + j0);
                         _mm512_mask_storeu_ps(dst, store, *row)
                     };
                 }
@@ -612,14 +615,17 @@ mod avx2 {
         }
     }
 
-    /// [`super::transpose_keys`] in blocks of 8 keys by 8 channels: pairs of keys
-    /// interleaved, then pairs of pairs, then the 128-bit halves swapped across.
+    /// [`super::transpose`] in blocks of 8 rows by 8 columns: pairs of rows interleaved,
+    /// then pairs of pairs, then the 128-bit halves swapped across.
     ///
     /// # Safety
-    /// As [`super::transpose_keys`], whose asserts the bounds are; the CPU has AVX2.
+    /// As [`super::transpose`], whose asserts the bounds are; the CPU has AVX2.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn transpose_keys(qkv: &[f32], (n, c): (usize, usize), out: &mut [f32]) {
-        let c3 = 3 * c;
+    pub(super) unsafe fn transpose(
+        (src, ld): (&[f32], usize),
+        (n, c): (usize, usize),
+        (out, ldo): (&mut [f32], usize),
+    ) {
         for j0 in (0..n).step_by(8) {
             let keys = (n - j0).min(8);
             let store = lanes(keys);
@@ -629,9 +635,9 @@ mod avx2 {
                 // Register j: channels ch0.. of key j0 + j (zero past the last key).
                 let mut r = [_mm256_setzero_ps(); 8];
                 for (j, r) in r.iter_mut().enumerate().take(keys) {
-                    // SAFETY: key j0 + j < n, its channels ch0.. below c (masked), in `qkv`.
+                    // SAFETY: row j0 + j < n, its columns ch0.. below c (masked), in `src`.
                     *r = unsafe {
-                        let src = qkv.as_ptr().add((j0 + j) * c3 + c + ch0);
+                        let src = src.as_ptr().add((j0 + j) * ld + ch0);
                         if chans == 8 {
                             _mm256_loadu_ps(src)
                         } else {
@@ -662,11 +668,11 @@ mod avx2 {
                     } else {
                         _mm256_permute2f128_ps::<0x31>(q0[l - 4], q1[l - 4])
                     };
-                    // SAFETY: row ch0 + l < c of `out`, keys j0.. below n (masked). A full
+                    // SAFETY: row ch0 + l < c of `out`, columns j0.. below n (masked). A full
                     // block takes a plain store: AMD's masked stores are microcoded, several
                     // times slower.
                     unsafe {
-                        let dst = out.as_mut_ptr().add((ch0 + l) * n + j0);
+                        let dst = out.as_mut_ptr().add((ch0 + l) * ldo + j0);
                         if keys == 8 {
                             _mm256_storeu_ps(dst, column)
                         } else {
@@ -684,7 +690,7 @@ mod avx2 {
 mod avx512 {
     use super::{Start, MAX_MR};
 
-    pub(super) unsafe fn transpose_keys(_: &[f32], _: (usize, usize), _: &mut [f32]) {
+    pub(super) unsafe fn transpose(_: (&[f32], usize), _: (usize, usize), _: (&mut [f32], usize)) {
         unreachable!("AVX-512 kernels on another architecture")
     }
 
@@ -704,7 +710,7 @@ mod avx512 {
 mod avx2 {
     use super::{Start, MAX_MR};
 
-    pub(super) unsafe fn transpose_keys(_: &[f32], _: (usize, usize), _: &mut [f32]) {
+    pub(super) unsafe fn transpose(_: (&[f32], usize), _: (usize, usize), _: (&mut [f32], usize)) {
         unreachable!("AVX2 kernels on another architecture")
     }
 
@@ -883,24 +889,41 @@ pub(crate) unsafe fn conv3x3_pixels(
 }
 
 /// The keys of one window transposed: `out[ch * n + j]` is channel `ch` of key `j`, for the
-/// `n` rows of q | k | v (`3c` values each) in `qkv`. In registers, 16 x 16 (AVX-512) or
-/// 8 x 8 (AVX2) at a time: writing each key's values down a column of the result (a store
-/// every 4n bytes) took a sixth of the attention's time, and a gather per channel a tenth.
+/// `n` rows of q | k | v (`3c` values each) in `qkv`.
 pub(crate) fn transpose_keys(qkv: &[f32], (n, c): (usize, usize), out: &mut [f32]) {
-    assert!(qkv.len() >= n * 3 * c && out.len() >= n * c);
-    if n == 0 {
+    assert!(qkv.len() >= n * 3 * c);
+    if n > 0 && c > 0 {
+        transpose((&qkv[c..], 3 * c), (n, c), (out, n));
+    }
+}
+
+/// `out[j * ldo + i] = src[i * ld + j]` for the `n x c` matrix `src` (rows `ld` apart): `c`
+/// rows of `n` values, `ldo` apart. In registers, 16 x 16 (AVX-512) or 8 x 8 (AVX2) at a
+/// time: writing each row's values down a column of the result (a store every `4 ldo` bytes)
+/// took a sixth of the window attention's time, and a gather per column a tenth.
+pub(crate) fn transpose(
+    (src, ld): (&[f32], usize),
+    (n, c): (usize, usize),
+    (out, ldo): (&mut [f32], usize),
+) {
+    if n == 0 || c == 0 {
         return;
     }
+    assert!(
+        ld >= c && ldo >= n,
+        "transpose: strides {ld}, {ldo} for {n} x {c}"
+    );
+    assert!(src.len() >= (n - 1) * ld + c && out.len() >= (c - 1) * ldo + n);
     match Kernel::current() {
         // SAFETY: the CPU has the kernel's instructions (`cpu_isa` names no more than it
         // has); the bounds are asserted above.
-        Kernel::Avx512 => unsafe { avx512::transpose_keys(qkv, (n, c), out) },
+        Kernel::Avx512 => unsafe { avx512::transpose((src, ld), (n, c), (out, ldo)) },
         // SAFETY: as above.
-        Kernel::Avx2 => unsafe { avx2::transpose_keys(qkv, (n, c), out) },
+        Kernel::Avx2 => unsafe { avx2::transpose((src, ld), (n, c), (out, ldo)) },
         Kernel::Scalar => {
-            for (ch, row) in out.chunks_exact_mut(n).take(c).enumerate() {
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = qkv[j * 3 * c + c + ch];
+            for (ch, row) in out.chunks_mut(ldo).take(c).enumerate() {
+                for (j, v) in row[..n].iter_mut().enumerate() {
+                    *v = src[j * ld + ch];
                 }
             }
         }
