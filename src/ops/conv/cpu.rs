@@ -429,9 +429,10 @@ pub(super) fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 }
 
 /// One output row of a narrow 3x3 convolution, accumulated onto `dst` (prefilled with the
-/// bias). `wt`: `(cout, 9 cin)`, taps ordered (dy, dx, cin), `cout` at most [`NARROW_CONV`].
+/// bias), `P` output pixels at a time. `wt`: `(cout, 9 cin)`, taps ordered (dy, dx, cin),
+/// `cout` at most [`NARROW_CONV`].
 #[inline(always)]
-pub(super) fn conv_row_narrow_body(
+pub(super) fn conv_row_narrow_body<const P: usize>(
     image: &[f32],
     wt: &[f32],
     dst: &mut [f32],
@@ -442,21 +443,18 @@ pub(super) fn conv_row_narrow_body(
 ) {
     let shape = (y, h, wd, cin);
     match wt.len() / (9 * cin) {
-        1 => narrow_row::<1>(image, wt, dst, shape),
-        2 => narrow_row::<2>(image, wt, dst, shape),
-        3 => narrow_row::<3>(image, wt, dst, shape),
-        4 => narrow_row::<4>(image, wt, dst, shape),
+        1 => narrow_row::<1, P>(image, wt, dst, shape),
+        2 => narrow_row::<2, P>(image, wt, dst, shape),
+        3 => narrow_row::<3, P>(image, wt, dst, shape),
+        4 => narrow_row::<4, P>(image, wt, dst, shape),
         cout => unreachable!("{cout} output channels is not a narrow convolution"),
     }
 }
 
-/// Output pixels computed together by [`narrow_row`].
-pub(super) const NARROW_PIXELS: usize = 4;
-
-/// [`conv_row_narrow_body`] for `C` output channels, [`NARROW_PIXELS`] pixels at a time. Taps
-/// outside the image read a row of zeros, so every pixel runs the same loop.
+/// [`conv_row_narrow_body`] for `C` output channels, `P` pixels at a time. Taps outside the
+/// image read a row of zeros, so every pixel runs the same loop.
 #[inline(always)]
-pub(super) fn narrow_row<const C: usize>(
+pub(super) fn narrow_row<const C: usize, const P: usize>(
     image: &[f32],
     wt: &[f32],
     dst: &mut [f32],
@@ -467,11 +465,11 @@ pub(super) fn narrow_row<const C: usize>(
         std::array::from_fn(|tap| tap_source(image, (h, wd, cin), (y, x), tap).unwrap_or(&zeros))
     };
     let mut x = 0;
-    let mut groups = dst.chunks_exact_mut(NARROW_PIXELS * C);
+    let mut groups = dst.chunks_exact_mut(P * C);
     for group in &mut groups {
-        let pixels: [[&[f32]; 9]; NARROW_PIXELS] = std::array::from_fn(|p| taps(x + p));
-        narrow_pixels::<C, NARROW_PIXELS>(&pixels, wt, cin, group);
-        x += NARROW_PIXELS;
+        let pixels: [[&[f32]; 9]; P] = std::array::from_fn(|p| taps(x + p));
+        narrow_pixels::<C, P>(&pixels, wt, cin, group);
+        x += P;
     }
     for out in groups.into_remainder().chunks_exact_mut(C) {
         narrow_pixels::<C, 1>(&[taps(x)], wt, cin, out);
@@ -534,5 +532,9 @@ widest_simd! {
         h: usize,
         wd: usize,
         cin: usize,
-    ) = conv_row_narrow_body
+    ) = conv_row_narrow_body::<4>,
+    // 16 ymm registers: four pixels' sums (two registers per sum of 16 lanes) spilled to the
+    // stack, four times slower than one pixel at a time. Each pixel's sums are the same.
+        conv_row_narrow_body::<1>,
+        conv_row_narrow_body::<1>
 }

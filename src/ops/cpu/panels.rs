@@ -737,7 +737,7 @@ mod avx2 {
 unsafe fn row_block(
     kernel: Kernel,
     b: Rhs,
-    row: &dyn Fn(usize) -> *const f32,
+    row: &impl Fn(usize) -> *const f32,
     (r0, rows): (usize, usize),
     (dst, ldc): (*mut f32, usize),
     start: Start,

@@ -626,6 +626,42 @@ fn layer_throughput_on_one_isa() -> Result<()> {
     Ok(())
 }
 
+/// Milliseconds per call of two small kernels at SwinIR-M's 64x64 shapes, on each ISA: its
+/// window attention (64 windows of 8x8, 6 heads of 30, shifted) and its final RGB convolution
+/// (64 -> 3 channels at 256x256), the fastest of 30 calls on all threads.
+/// `cargo test --release --lib small_kernel_throughput -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn small_kernel_throughput() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(|| {
+        // The fastest of 30 calls: the least disturbed by other work on the machine.
+        let fastest = |run: &dyn Fn() -> Result<Tensor>| -> Result<f64> {
+            run()?;
+            let mut t = Vec::new();
+            for _ in 0..30 {
+                let start = std::time::Instant::now();
+                std::hint::black_box(run()?);
+                t.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+            Ok(t.into_iter().fold(f64::INFINITY, f64::min))
+        };
+        let (qkv, bias, regions, _, _) = attention_inputs((64, 8, 6, 30, 64))?;
+        let attention = fastest(&|| {
+            Ok(window_attention(&qkv, &bias, regions.as_deref(), None)?.expect("f32 on the CPU"))
+        })?;
+        let dev = Device::Cpu;
+        let x = normal(0.0, 1.0, (1, 256, 256, 64), &dev)?;
+        let w = normal(0.0, 0.1, (9 * 64, 3), &dev)?;
+        let b = normal(0.0, 1.0, 3, &dev)?;
+        let rgb = fastest(&|| Ok(conv3x3(&x, &w, &b, 16 << 20)?.expect("f32 on the CPU")))?;
+        eprintln!(
+            "{:?}: window attention {attention:.3} ms, RGB convolution {rgb:.3} ms",
+            crate::ops::cpu::isa::cpu_isa()
+        );
+        Ok(())
+    })
+}
+
 /// The spatial mean against candle's in f64: odd sizes, and a map of more rows than one
 /// task sums (the blocks' partial sums added together), over a batch of two.
 #[test]
