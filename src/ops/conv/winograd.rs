@@ -24,7 +24,7 @@ use super::Act;
 use crate::ops::cpu::panels::{self, Panels, Start};
 use crate::ops::cpu::shared::Shared;
 use crate::ops::cpu::widest_simd;
-use crate::ops::cpu::{cpu_slice, fmadd, sigmoid, sigmoid_gate_of};
+use crate::ops::cpu::{cpu_slice, fmadd, sigmoid, sigmoid_gate_of, use_kernel};
 
 /// Output blocks per task: their transformed inputs (36 x `BLOCKS` x cin) and products
 /// (36 x `BLOCKS` x cout) stay in the core's L2 cache while the 36 products run.
@@ -58,8 +58,9 @@ const G: [[f64; 3]; 6] = [
 pub(crate) struct Winograd {
     cin: usize,
     cout: usize,
-    /// The taps, `9 cin x cout` row-major with rows ordered (dy, dx, cin).
-    taps: Vec<f32>,
+    /// The taps, `9 cin x cout` row-major with rows ordered (dy, dx, cin): f32, contiguous,
+    /// on the CPU (checked in [`Self::new`]), kept as loaded rather than copied out.
+    taps: Tensor,
     /// The calls so far.
     calls: AtomicUsize,
     /// The moved kernel, from the second call on.
@@ -67,16 +68,23 @@ pub(crate) struct Winograd {
 }
 
 impl Winograd {
-    /// From `w`, `9 cin x cout` row-major with rows ordered (dy, dx, cin).
-    pub(crate) fn new(taps: Vec<f32>, cin: usize, cout: usize) -> Self {
-        assert_eq!(taps.len(), 9 * cin * cout, "a 3x3 kernel of {cin} x {cout}");
-        Self {
+    /// From `taps`, `(9 cin, cout)` with rows ordered (dy, dx, cin), f32 on the CPU.
+    pub(crate) fn new(taps: Tensor, cin: usize, cout: usize) -> Result<Self> {
+        if taps.dims() != [9 * cin, cout] || !use_kernel(&taps) {
+            candle_core::bail!(
+                "a 3x3 kernel of {cin} x {cout}: {:?} {:?} on {:?}",
+                taps.dims(),
+                taps.dtype(),
+                taps.device()
+            );
+        }
+        Ok(Self {
             cin,
             cout,
             taps,
             calls: AtomicUsize::new(0),
             kept: OnceLock::new(),
-        }
+        })
     }
 
     /// The kernel in the Winograd domain: for each of the 36 positions `e = 6r + s` of the
@@ -88,7 +96,9 @@ impl Winograd {
     fn panels(&self, buffers: Vec<Vec<f32>>) -> Vec<Panels> {
         let (cin, cout) = (self.cin, self.cout);
         let n = cin * cout;
-        let tap = |j: usize, k: usize| &self.taps[(j * 3 + k) * n..][..n];
+        let (guard, layout) = self.taps.storage_and_layout();
+        let taps = cpu_slice(&guard, layout).expect("f32 on the CPU, as `new` checked");
+        let tap = |j: usize, k: usize| &taps[(j * 3 + k) * n..][..n];
         let mut buffers = buffers.into_iter();
         let rows: Vec<(usize, Vec<Vec<f32>>)> = (0..6)
             .map(|r| (r, buffers.by_ref().take(6).collect()))
@@ -765,6 +775,12 @@ unsafe fn output_chunk<const FMA: bool>(
 mod tests {
     use super::*;
 
+    /// A layer's kernel from `9 cin x cout` taps.
+    fn kernel(taps: Vec<f32>, cin: usize, cout: usize) -> Winograd {
+        let taps = Tensor::from_vec(taps, (9 * cin, cout), &candle_core::Device::Cpu);
+        Winograd::new(taps.expect("the taps' shape"), cin, cout).expect("f32 taps on the CPU")
+    }
+
     /// The convolution in f64, straight from its definition.
     fn direct(
         x: &[f32],
@@ -828,16 +844,16 @@ mod tests {
             let wt = noise(9 * cin * cout, 8, 0.2);
             let bias = noise(cout, 9, 0.5);
             let run = |w: &Winograd| w.forward(&x, dims, &bias, Finish::Plain);
-            let fresh = run(&Winograd::new(wt.clone(), cin, cout));
+            let fresh = run(&kernel(wt.clone(), cin, cout));
             // Another layer first, so that this thread's buffers hold its packings.
-            let other = Winograd::new(noise(9 * 16 * 56, 10, 0.2), 16, 56);
+            let other = kernel(noise(9 * 16 * 56, 10, 0.2), 16, 56);
             other.forward(
                 &noise(9 * 11 * 16, 11, 1.0),
                 dims,
                 &[0.0; 56],
                 Finish::Plain,
             );
-            let layer = Winograd::new(wt.clone(), cin, cout);
+            let layer = kernel(wt.clone(), cin, cout);
             let calls = [run(&layer), run(&layer), run(&layer)];
             if layer.kept.get().is_none() {
                 return Err("no kernel kept after three calls".to_string());
@@ -874,12 +890,8 @@ mod tests {
                 let x = noise(batch * h * w * cin, seed + 1, 1.0);
                 let wt = noise(9 * cin * cout, seed + 2, 0.2);
                 let bias = noise(cout, seed + 3, 0.5);
-                let got = Winograd::new(wt.clone(), cin, cout).forward(
-                    &x,
-                    (batch, h, w),
-                    &bias,
-                    Finish::Plain,
-                );
+                let got =
+                    kernel(wt.clone(), cin, cout).forward(&x, (batch, h, w), &bias, Finish::Plain);
                 let want = direct(&x, (batch, h, w, cin), &wt, &bias);
                 // The magnitude the sum is built from: |x| · |w| summed, with |bias|.
                 let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
