@@ -184,9 +184,13 @@ impl Panels {
                         for (r, row) in out.chunks_exact_mut(width).enumerate() {
                             row[..cols].copy_from_slice(&src[r * rs + c0..][..cols]);
                         }
+                    } else if rs == 1 {
+                        // A linear layer's weight rows are the panel's columns: transposed in
+                        // registers (a value at a time, this was most of a transformer's load).
+                        transpose((&src[c0 * cs..], cs), (cols, k), (out, width));
                     } else {
-                        // Column by column (a linear layer's weight rows, `rs == 1`): the
-                        // source is read front to back, the panel (in L1) written across.
+                        // Column by column: the source is read front to back, the panel (in
+                        // L1) written across.
                         for j in 0..cols {
                             let column = (c0 + j) * cs;
                             for (r, row) in out.chunks_exact_mut(width).enumerate() {
