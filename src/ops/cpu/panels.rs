@@ -952,10 +952,21 @@ mod tests {
     }
 
     /// The layout both packings must produce: panel p holds columns 48p.., `k` rows of its
-    /// width (the last panel's width rounded up to whole vectors), zeros past `n`.
+    /// width (the last panel's width rounded up to whole vectors), zeros past `n`. On every
+    /// instruction set, whose transposes pack the strided source.
     #[test]
     fn strided_and_contiguous_sources_pack_alike_with_zero_padding() {
-        let (k, n) = (5, 53);
+        crate::ops::cpu::isa::on_each_isa(|| {
+            packs_alike(5);
+            // Whole 16 x 16 and 8 x 8 transpose blocks, and partial ones.
+            packs_alike(37);
+            Ok::<(), ()>(())
+        })
+        .expect("every ISA checked");
+    }
+
+    fn packs_alike(k: usize) {
+        let n = 53;
         let b = values(k * n, 1);
         let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
         let direct = Panels::new(&b, (k, n), (n, 1));
