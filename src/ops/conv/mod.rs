@@ -38,16 +38,14 @@ const CONV_CHUNK_ELEMS_GPU: usize = 128 << 20;
 /// bias of the convolution stored under `vb`, its inputs spread as `cin` says.
 fn read(cin: &Channels, cout: usize, vb: VarBuilder) -> Result<(Tensor, Tensor)> {
     let w = cin.spread(&vb.get((cout, cin.real(), 3, 3), "weight")?, 1)?;
-    let weight = match kernels::use_kernel(&w) {
-        true => {
-            let (guard, layout) = w.storage_and_layout();
-            let taps = tap_major(kernels::cpu_slice(&guard, layout)?, cout, cin.padded());
-            Tensor::from_vec(taps, (9 * cin.padded(), cout), w.device())?
-        }
-        false => w
-            .permute((2, 3, 1, 0))?
+    let weight = if kernels::use_kernel(&w) {
+        let (guard, layout) = w.storage_and_layout();
+        let taps = tap_major(kernels::cpu_slice(&guard, layout)?, cout, cin.padded());
+        Tensor::from_vec(taps, (9 * cin.padded(), cout), w.device())?
+    } else {
+        w.permute((2, 3, 1, 0))?
             .reshape((9 * cin.padded(), cout))?
-            .contiguous()?,
+            .contiguous()?
     };
     Ok((weight, vb.get(cout, "bias")?))
 }
