@@ -77,11 +77,13 @@ impl ModelFile {
             Error::new(ErrorKind::Convert, e)
         }
         let mut tensors = HashMap::new();
-        for (name, t) in &ck.tensors {
+        for name in ck.tensors.names() {
+            let t = ck.tensors.get(name).expect("a listed name");
             let t = t
+                .map_err(|e| failed(ck.source.to_string(), &format!("converting {name}"), e))?
                 .to_dtype(dtype)
                 .map_err(|e| failed(ck.source.to_string(), &format!("converting {name}"), e))?;
-            tensors.insert(name.clone(), t);
+            tensors.insert(name.to_string(), t);
         }
         let mut meta = HashMap::new();
         meta.insert("format".to_string(), "pt".to_string());

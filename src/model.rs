@@ -2,7 +2,6 @@
 //! says. Above both the checkpoint readers and the networks, so that neither needs the other.
 
 use candle_core::{DType, Device};
-use candle_nn::VarBuilder;
 
 use crate::checkpoint::{Checkpoint, ModelError};
 use crate::nets::{ArchConfig, BuildError, Net};
@@ -77,7 +76,7 @@ impl Model {
             bf16: isa,
             switches,
         };
-        let vb = VarBuilder::from_tensors(ck.tensors, vb_dtype, device);
+        let vb = ck.tensors.var_builder(vb_dtype, device);
         let net = ck
             .config
             .build(&plan, vb)

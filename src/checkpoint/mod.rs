@@ -6,18 +6,20 @@
 //! `module.` prefix), the official buffers are dropped (they are recomputed exactly at load),
 //! and every tensor is checked for NaN/Inf before the model sees it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 mod error;
 pub mod pth;
+mod weights;
 
 use candle_core::{DType, Device, Tensor};
-use rayon::prelude::*;
 
-use crate::checkpoint::pth::{read_state_dict, PthArchive};
+use crate::checkpoint::pth::{state_dict_infos, PthArchive};
 use crate::nets::ArchConfig;
 pub use error::{ModelError, TensorError};
+pub(crate) use weights::{Bytes, Weights};
+use weights::{Entry, Stored};
 
 /// Where the weights came from, for messages and `upscale info`.
 #[derive(Clone, Debug)]
@@ -35,12 +37,14 @@ impl std::fmt::Display for Source {
     }
 }
 
-/// A validated state dict of a supported architecture: f32 tensors on the CPU, official key names, no buffers.
+/// A validated state dict of a supported architecture: official key names, no buffers,
+/// every tensor checked to be readable and finite; each is converted to f32 on the CPU when a
+/// layer asks for it ([`Weights`]).
 #[derive(Clone)]
 pub struct Checkpoint {
     pub source: Source,
     pub config: ArchConfig,
-    pub tensors: HashMap<String, Tensor>,
+    pub tensors: Weights,
     /// safetensors metadata, when the file had any.
     pub metadata: BTreeMap<String, String>,
     /// The wrapper key the state dict came from in a `.pth` (e.g. `params_ema`); `upscale
@@ -51,6 +55,9 @@ pub struct Checkpoint {
 /// Wrapper keys in order of preference: EMA weights are what the authors evaluate.
 const PTH_KEYS: [&str; 5] = ["params_ema", "params", "state_dict", "model", "net"];
 
+/// Tensors found unreadable while a file's tensors were listed, each with why.
+type Failed = Vec<(String, TensorError)>;
+
 impl Checkpoint {
     pub fn load(path: &Path) -> Result<Self, ModelError> {
         let source = Source::File(path.to_path_buf());
@@ -58,14 +65,14 @@ impl Checkpoint {
             path: path.display().to_string(),
             source: e,
         };
-        let bytes = FileBytes::open(path).map_err(io)?;
+        let bytes = file_bytes(path).map_err(io)?;
         if bytes.is_empty() {
             return Err(ModelError::file(&source, "the file is empty"));
         }
         if bytes.starts_with(b"PK\x03\x04") {
-            Self::from_pth(path, source)
+            Self::from_pth(path, bytes, source)
         } else if looks_like_safetensors(&bytes) {
-            Self::from_safetensors_bytes(&bytes, source)
+            Self::from_safetensors(bytes, source)
         } else if bytes.first() == Some(&0x80) {
             Err(ModelError::file(
                 &source,
@@ -79,46 +86,31 @@ impl Checkpoint {
         }
     }
 
+    #[cfg(test)]
     pub fn from_safetensors_bytes(bytes: &[u8], source: Source) -> Result<Self, ModelError> {
+        Self::from_safetensors(Bytes::Owned(bytes.to_vec()), source)
+    }
+
+    /// A safetensors file's tensors, left in `bytes` until a layer asks for them.
+    pub(crate) fn from_safetensors(bytes: Bytes, source: Source) -> Result<Self, ModelError> {
         let st =
-            safetensors::SafeTensors::deserialize(bytes).map_err(|e| ModelError::Safetensors {
+            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| ModelError::Safetensors {
                 origin: source.to_string(),
                 source: e,
             })?;
-        let metadata = safetensors::SafeTensors::read_metadata(bytes)
+        let metadata = safetensors::SafeTensors::read_metadata(&bytes)
             .ok()
             .and_then(|(_, m)| m.metadata().clone())
             .map(|m| m.into_iter().collect())
             .unwrap_or_default();
-        // Converted on all threads: most of the cost is the page faults of the fresh tensors,
-        // which the cores take in parallel.
-        let mut views = st.tensors();
-        // Buffers are dropped unread, as they would be from a .pth: an official file's
-        // masks and indices are recomputed at load, whatever values they hold.
-        views.retain(|(name, _)| !is_buffer(name));
-        views.sort_by(|a, b| a.0.cmp(&b.0));
-        let converted: Vec<_> = views
-            .into_par_iter()
-            .map(|(name, view)| {
-                let t = f32_tensor(&view);
-                (name, t)
-            })
-            .collect();
-        // The first bad tensor by name is reported, whichever thread found it, so that the
-        // message does not change from run to run.
-        let raw = converted
-            .into_iter()
-            .map(|(name, t)| match t {
-                Ok(t) => Ok((name, t)),
-                Err(e) => Err(ModelError::tensor(&source, &name, e)),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut ck = Self::from_raw(raw, source, None)?;
+        let (entries, failed) = listed(&st, &bytes);
+        drop(st);
+        let mut ck = Self::from_entries(bytes, entries, failed, source, None)?;
         ck.metadata = metadata;
         Ok(ck)
     }
 
-    fn from_pth(path: &Path, source: Source) -> Result<Self, ModelError> {
+    fn from_pth(path: &Path, bytes: Bytes, source: Source) -> Result<Self, ModelError> {
         let mut archive = PthArchive::open(path).map_err(|e| ModelError::Archive {
             origin: source.to_string(),
             source: e,
@@ -129,19 +121,28 @@ impl Checkpoint {
         let wrappers = PTH_KEYS.iter().filter(|k| keys.iter().any(|key| key == *k));
         for key in wrappers.map(|k| Some(*k)).chain([None]) {
             // Buffers are dropped unread: they are recomputed at load.
-            let tensors = read_state_dict(&mut archive, key, is_buffer);
-            if tensors.is_empty() {
+            let infos = state_dict_infos(&archive, key, is_buffer);
+            if infos.is_empty() {
                 continue;
             }
-            let mut raw = Vec::with_capacity(tensors.len());
-            for (name, t) in tensors {
-                let t = t
-                    .map_err(TensorError::from)
-                    .and_then(checked_f32)
-                    .map_err(|e| ModelError::tensor(&source, &name, e))?;
-                raw.push((name, t));
+            let (mut entries, mut failed) = (Vec::new(), Failed::new());
+            for (name, info) in infos {
+                // Storages the archive keeps uncompressed (all of torch.save's) are read
+                // where they lie in the file; others are read out of the archive now.
+                let entry = info.and_then(|info| match archive.stored(&info, bytes.len())? {
+                    Some(stored) => Ok(Entry::Stored(stored)),
+                    None => Ok(Entry::Loaded(archive.tensor(&info)?)),
+                });
+                match entry.map_err(TensorError::from) {
+                    Ok(Entry::Loaded(t)) => match as_f32(t) {
+                        Ok(t) => entries.push((name, Entry::Loaded(t))),
+                        Err(e) => failed.push((name, e)),
+                    },
+                    Ok(e) => entries.push((name, e)),
+                    Err(e) => failed.push((name, e)),
+                }
             }
-            return Self::from_raw(raw, source, key.map(str::to_string));
+            return Self::from_entries(bytes, entries, failed, source, key.map(str::to_string));
         }
         Err(ModelError::file(
             &source,
@@ -149,26 +150,36 @@ impl Checkpoint {
         ))
     }
 
-    fn from_raw(
-        raw: Vec<(String, Tensor)>,
+    /// The checkpoint of `entries` (in `bytes`), refused with the first bad tensor by name
+    /// (of `failed` and of those holding a NaN or an infinity) so that the message does not
+    /// change from run to run, whichever thread found it.
+    fn from_entries(
+        bytes: Bytes,
+        mut entries: Vec<(String, Entry)>,
+        failed: Failed,
         source: Source,
         wrapper: Option<String>,
     ) -> Result<Self, ModelError> {
-        let mut tensors = HashMap::new();
-        for (name, t) in raw {
-            // Both readers have dropped the buffers already.
-            let name = name.strip_prefix("module.").unwrap_or(&name).to_string();
-            tensors.insert(name, t);
+        // In name order, so that of two names that are one without its `module.` prefix the
+        // same one wins every time.
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        let tensors = Weights::new(bytes, entries);
+        let first_bad = failed
+            .into_iter()
+            .chain(tensors.first_bad())
+            .min_by(|a, b| a.0.cmp(&b.0));
+        if let Some((name, e)) = first_bad {
+            return Err(ModelError::tensor(&source, &name, e));
         }
         if tensors.is_empty() {
             return Err(ModelError::file(&source, "the file holds no tensors"));
         }
         let shapes: BTreeMap<String, Vec<usize>> = tensors
-            .iter()
-            .map(|(k, v)| (k.clone(), v.dims().to_vec()))
+            .names()
+            .map(|k| (k.to_string(), tensors.dims(k).unwrap_or_default().to_vec()))
             .collect();
         let values = |name: &str| {
-            let t = tensors.get(name)?.flatten_all().ok()?;
+            let t = tensors.get(name)?.ok()?.flatten_all().ok()?;
             t.to_vec1::<f32>().ok()
         };
         let config = crate::nets::registry::infer_with(&shapes, &values).map_err(|e| {
@@ -187,40 +198,83 @@ impl Checkpoint {
     }
 }
 
-/// A weight file's bytes: mapped where the OS allows it, else read. Mapping saves a copy of
-/// the whole file and the page faults of a fresh buffer for it (about 20 ms of a 56 MB
-/// model's start-up); the tensors are copied out of it once, as from a read buffer.
-enum FileBytes {
-    Mapped(memmap2::Mmap),
-    Read(Vec<u8>),
-}
-
-impl FileBytes {
-    fn open(path: &Path) -> std::io::Result<Self> {
-        let file = std::fs::File::open(path)?;
-        // An empty file cannot be mapped, and pipes or devices are read instead.
-        if file.metadata()?.len() > 0 {
-            // SAFETY: the map is read-only and lives only while this checkpoint is parsed.
-            // Were the file truncated by another process meanwhile, reading the lost pages
-            // would fault (SIGBUS), as with any mapped model loader; a file replaced by a
-            // rename, the usual way to update one, keeps the mapped data intact.
-            if let Ok(map) = unsafe { memmap2::Mmap::map(&file) } {
-                return Ok(Self::Mapped(map));
+/// The tensors of `st` (parsed from `bytes`) but the buffers, as entries pointing into `bytes`;
+/// those in a format read by candle's loader are read now, and those it could not read are
+/// listed apart.
+fn listed(st: &safetensors::SafeTensors, bytes: &[u8]) -> (Vec<(String, Entry)>, Failed) {
+    let base = bytes.as_ptr() as usize;
+    let (mut entries, mut failed) = (Vec::new(), Failed::new());
+    // Buffers are dropped unread, as they would be from a .pth: an official file's masks and
+    // indices are recomputed at load, whatever values they hold.
+    for (name, view) in st.tensors() {
+        if is_buffer(&name) {
+            continue;
+        }
+        match candle_dtype(view.dtype()) {
+            Some(dtype) => {
+                let start = view.data().as_ptr() as usize - base;
+                let stored = Stored {
+                    dtype,
+                    dims: view.shape().to_vec(),
+                    range: start..start + view.data().len(),
+                    column_major: false,
+                };
+                entries.push((name, Entry::Stored(stored)));
             }
+            None => match candle_core::safetensors::Load::load(&view, &Device::Cpu)
+                .map_err(TensorError::from)
+                .and_then(as_f32)
+            {
+                Ok(t) => entries.push((name, Entry::Loaded(t))),
+                Err(e) => failed.push((name, e)),
+            },
         }
-        std::fs::read(path).map(Self::Read)
+    }
+    (entries, failed)
+}
+
+impl Checkpoint {
+    /// This checkpoint with its tensors in memory of their own ([`Weights::detached`]).
+    pub(crate) fn detached(&self) -> Self {
+        Self {
+            tensors: self.tensors.detached(),
+            ..self.clone()
+        }
     }
 }
 
-impl std::ops::Deref for FileBytes {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        match self {
-            Self::Mapped(map) => map,
-            Self::Read(bytes) => bytes,
+/// A weight file's bytes: mapped where the OS allows it, else read. Mapping saves a copy of
+/// the whole file and the page faults of a fresh buffer for it; the tensors are read out of
+/// it as the layers ask for them.
+fn file_bytes(path: &Path) -> std::io::Result<Bytes> {
+    let file = std::fs::File::open(path)?;
+    // An empty file cannot be mapped, and pipes or devices are read instead.
+    if file.metadata()?.len() > 0 {
+        // SAFETY: the map is read-only, and kept only while the model is built from it
+        // (weights kept longer are copied out: `Checkpoint::detached`). Were the file
+        // truncated by another process meanwhile, reading the lost pages would fault
+        // (SIGBUS), as with any mapped model loader; a file replaced by a rename, the usual
+        // way to update one, keeps the mapped data intact.
+        if let Ok(map) = unsafe { memmap2::Mmap::map(&file) } {
+            return Ok(Bytes::Mapped(map));
         }
     }
+    std::fs::read(path).map(Bytes::Owned)
+}
+
+/// candle's name for the safetensors dtypes read here without candle's loader.
+fn candle_dtype(dtype: safetensors::Dtype) -> Option<DType> {
+    use safetensors::Dtype;
+    Some(match dtype {
+        Dtype::F32 => DType::F32,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::F64 => DType::F64,
+        Dtype::U8 => DType::U8,
+        Dtype::U32 => DType::U32,
+        Dtype::I64 => DType::I64,
+        _ => return None,
+    })
 }
 
 /// Buffers the official model registers: derived data that we recompute, never weights.
@@ -240,52 +294,9 @@ fn looks_like_safetensors(bytes: &[u8]) -> bool {
     bytes.len() >= 9 && bytes[8] == b'{'
 }
 
-/// A safetensors tensor as f32, converted and checked for NaN/Inf in one copy out of the
-/// file's bytes; candle's loader would copy it, then `to_dtype` and the check read it again.
-fn f32_tensor(view: &safetensors::tensor::TensorView) -> Result<Tensor, TensorError> {
-    use safetensors::Dtype;
-    let data = view.data();
-    let values: Vec<f32> = match view.dtype() {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        _ => {
-            let t = candle_core::safetensors::Load::load(view, &Device::Cpu)?;
-            return checked_f32(t);
-        }
-    };
-    check_finite(&values)?;
-    Ok(Tensor::from_vec(values, view.shape(), &Device::Cpu)?)
-}
-
-/// `t` as f32, refused if it holds a NaN or an infinity.
-fn checked_f32(t: Tensor) -> Result<Tensor, TensorError> {
-    let t = t.to_dtype(DType::F32).and_then(|t| t.contiguous())?;
-    {
-        let (storage, layout) = t.storage_and_layout();
-        let values = crate::ops::cpu::cpu_slice(&storage, layout)?;
-        check_finite(values)?;
-    }
-    Ok(t)
-}
-
-fn check_finite(values: &[f32]) -> Result<(), TensorError> {
-    match values.iter().position(|x| !x.is_finite()) {
-        None => Ok(()),
-        Some(index) => Err(TensorError::NonFinite {
-            value: values[index],
-            index,
-        }),
-    }
+/// `t` as f32, contiguous ([`Weights::first_bad`] looks for non-finite values).
+fn as_f32(t: Tensor) -> Result<Tensor, TensorError> {
+    Ok(t.to_dtype(DType::F32).and_then(|t| t.contiguous())?)
 }
 
 #[cfg(test)]
@@ -293,10 +304,20 @@ mod tests {
     use super::*;
 
     /// The one-tensor safetensors file holding `t` in its own dtype, read back as a view.
+    /// As a checkpoint reads it: listed, checked, then converted when asked for.
     fn converted(t: &Tensor) -> Result<Tensor, TensorError> {
         let bytes = safetensors::serialize([("t", t)], None).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        f32_tensor(&st.tensor("t").unwrap())
+        let (entries, failed) = listed(&st, &bytes);
+        drop(st);
+        if let Some((_, e)) = failed.into_iter().next() {
+            return Err(e);
+        }
+        let weights = Weights::new(Bytes::Owned(bytes), entries);
+        if let Some((_, e)) = weights.first_bad() {
+            return Err(e);
+        }
+        weights.get("t").expect("the tensor is listed")
     }
 
     #[test]

@@ -20,7 +20,10 @@ use std::io::{BufReader, Read};
 use std::path::Path;
 
 use candle_core::pickle::{Object, Stack, TensorInfo};
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Layout, Tensor};
+use zip::CompressionMethod;
+
+use super::Stored;
 use zip::read::{ArchiveOffset, Config};
 use zip::ZipArchive;
 
@@ -172,26 +175,57 @@ impl PthArchive {
             .collect()
     }
 
+    /// Where the tensor `info` describes lies in the file (of `file_len` bytes), when its
+    /// storage is kept uncompressed, as torch.save keeps every one; `None` for a compressed
+    /// one, which [`PthArchive::tensor`] reads. Refused as [`PthArchive::tensor`] would.
+    pub fn stored(
+        &mut self,
+        info: &TensorInfo,
+        file_len: usize,
+    ) -> Result<Option<Stored>, PthTensorError> {
+        let column_major = check_layout(&info.layout)?;
+        let entry = self.zip.by_name_raw(info.path.as_bytes())?;
+        let start = match entry.data_start() {
+            Some(start)
+                if entry.compression() == CompressionMethod::Stored && !entry.encrypted() =>
+            {
+                start
+            }
+            _ => return Ok(None),
+        };
+        let have = entry.size();
+        if start.saturating_add(have) > file_len as u64 || entry.compressed_size() != have {
+            // A directory that disagrees with the file: the archive reader says how.
+            return Ok(None);
+        }
+        let need = needed(info);
+        if need > u128::from(have) {
+            return Err(PthTensorError::Short {
+                have: have as usize,
+                need,
+            });
+        }
+        let (start, offset) = (start as usize, info.layout.start_offset());
+        Ok(Some(Stored {
+            dtype: info.dtype,
+            dims: info.layout.dims().to_vec(),
+            range: start + offset..start + need as usize,
+            column_major: column_major && info.layout.dims().len() > 1,
+        }))
+    }
+
     /// The tensor `info` describes, in its own dtype, on the CPU. Each storage is read
     /// whole once per call; the tensors of a state dict rarely share one.
     pub fn tensor(&mut self, info: &TensorInfo) -> Result<Tensor, PthTensorError> {
         let layout = &info.layout;
-        let column_major = !layout.is_contiguous() && layout.is_fortran_contiguous();
-        if !layout.is_contiguous() && !column_major {
-            return Err(PthTensorError::Strided(layout.clone()));
-        }
+        let column_major = check_layout(layout)?;
         let mut entry = self.zip.by_name(&info.path)?;
         // The declared size only bounds what is reserved up front: a corrupt directory may
         // declare anything, and reading stops where the data does.
         let mut bytes = Vec::with_capacity(entry.size().min(1 << 30) as usize);
         entry.read_to_end(&mut bytes)?;
         let dims = layout.dims();
-        let size = info.dtype.size_in_bytes();
-        // In u128: a corrupt pickle may declare dims whose product overflows usize.
-        let need = dims
-            .iter()
-            .fold(size as u128, |n, &d| n.saturating_mul(d as u128))
-            .saturating_add(layout.start_offset() as u128);
+        let need = needed(info);
         if need > bytes.len() as u128 {
             return Err(PthTensorError::Short {
                 have: bytes.len(),
@@ -213,13 +247,13 @@ impl PthArchive {
     }
 }
 
-/// Every tensor of the state dict under `key` in `archive`, by name, in name order, each
-/// with its own error; `skip` as in [`PthArchive::tensor_infos`].
-pub fn read_state_dict(
-    archive: &mut PthArchive,
+/// The tensor descriptions of the state dict under `key` in `archive`, by name, in name
+/// order, each with its own error; `skip` as in [`PthArchive::tensor_infos`].
+pub fn state_dict_infos(
+    archive: &PthArchive,
     key: Option<&str>,
     skip: impl Fn(&str) -> bool,
-) -> Vec<(String, Result<Tensor, PthTensorError>)> {
+) -> Vec<(String, Result<TensorInfo, PthTensorError>)> {
     let mut infos = archive.tensor_infos(key, skip);
     // A crafted dict may repeat a key: the last value wins, as it would in Python. Reversed
     // then stably sorted, each name's last value comes first among its own.
@@ -227,10 +261,24 @@ pub fn read_state_dict(
     infos.sort_by(|a, b| a.0.cmp(&b.0));
     infos.dedup_by(|a, b| a.0 == b.0);
     infos
-        .into_iter()
-        .map(|(name, info)| {
-            let t = info.and_then(|info| archive.tensor(&info));
-            (name, t)
-        })
-        .collect()
+}
+
+/// Whether `layout` is column-major; refused unless it is that or row-major.
+fn check_layout(layout: &Layout) -> Result<bool, PthTensorError> {
+    let column_major = !layout.is_contiguous() && layout.is_fortran_contiguous();
+    if !layout.is_contiguous() && !column_major {
+        return Err(PthTensorError::Strided(layout.clone()));
+    }
+    Ok(column_major)
+}
+
+/// The bytes of its storage that the tensor `info` describes reaches to: its offset and its
+/// elements. In u128: a corrupt pickle may declare dims whose product overflows usize.
+fn needed(info: &TensorInfo) -> u128 {
+    let size = info.dtype.size_in_bytes();
+    info.layout
+        .dims()
+        .iter()
+        .fold(size as u128, |n, &d| n.saturating_mul(d as u128))
+        .saturating_add(info.layout.start_offset() as u128)
 }

@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::ops::attention::Attention;
 
-use crate::checkpoint::{Checkpoint, ModelError, Source};
+use crate::checkpoint::{Bytes, Checkpoint, ModelError, Source};
 
 use crate::model::Model;
 use crate::planar::Planar;
@@ -284,7 +284,7 @@ pub fn read_checkpoint(path: Option<&Path>) -> Result<Checkpoint, ModelError> {
         Some(p) => Checkpoint::load(p),
         None => match embedded_model() {
             Some((name, bytes)) => {
-                Checkpoint::from_safetensors_bytes(bytes, Source::Embedded(name))
+                Checkpoint::from_safetensors(Bytes::Static(bytes), Source::Embedded(name))
             }
             None => Err(ModelError::File {
                 origin: "(no model)".into(),
@@ -323,8 +323,9 @@ impl Engine {
         attention: Attention,
     ) -> Result<Self, ModelError> {
         // The SwinIR family is known to overflow in fp16 on some inputs; keep the weights
-        // (shared storage, no copy) so such a tile can be redone in fp32.
-        let fp32_weights = (dtype == DType::F16).then(|| ck.clone());
+        // (in memory of their own, not in the mapped file) so such a tile can be redone in
+        // fp32.
+        let fp32_weights = (dtype == DType::F16).then(|| ck.detached());
         let model = Model::from_checkpoint_with(ck, dtype, &device, attention)?;
         Ok(Self {
             model,

@@ -68,7 +68,10 @@ fn dense_packs_its_weight_when_built_for_bf16_products() -> Result<()> {
     let b = normal(0.0, 1.0, 40, &dev)?;
     let x = normal(0.0, 1.0, (2, 5, 48), &dev)?;
     let plain = Dense::new(w.clone(), b.clone(), &f32)?;
-    assert!(matches!(plain, Dense::Cpu(..)));
+    // Packed where the panel kernels run, and then without its f32 weight.
+    let packs = crate::ops::cpu::panels::available();
+    assert!(matches!(plain, Dense::CpuPacked { .. }) == packs);
+    assert!(matches!(plain, Dense::Cpu(..)) == !packs);
     let packed = Dense::new(w, b, &bf16)?;
     assert!(matches!(packed, Dense::CpuBf16 { .. }));
     assert_bf16_products(&plain.forward(&x)?, &packed.forward(&x)?, "linear")

@@ -260,3 +260,23 @@ fn of_several_bad_tensors_the_first_by_name_is_reported_every_time() {
         assert!(err.to_string().contains(&first), "{err}");
     }
 }
+
+#[test]
+fn detached_weights_leave_the_mapped_file() {
+    let ck = Checkpoint::load(&crate::tests::golden(crate::tests::FAST_MODEL)).unwrap();
+    assert!(ck.tensors.is_mapped());
+    let kept = ck.detached();
+    assert!(!kept.tensors.is_mapped());
+    let mut names: Vec<&str> = ck.tensors.names().collect();
+    names.sort();
+    let mut kept_names: Vec<&str> = kept.tensors.names().collect();
+    kept_names.sort();
+    assert_eq!(names, kept_names);
+    for name in names {
+        let read = |ck: &Checkpoint| {
+            let t = ck.tensors.get(name).unwrap().unwrap();
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        assert_eq!(read(&ck), read(&kept), "{name}");
+    }
+}

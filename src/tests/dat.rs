@@ -113,10 +113,10 @@ fn dat_params_ema_is_read_and_described() {
     let ck = Checkpoint::load(&dir().join("dat_x2_light_ema.pth")).unwrap();
     assert_eq!(ck.wrapper.as_deref(), Some("params_ema"));
     // The masks, indices and BatchNorm counters in the file are dropped; the grids kept.
-    assert!(ck.tensors.keys().all(|k| !k.contains("attn_mask")));
+    assert!(ck.tensors.names().all(|k| !k.contains("attn_mask")));
     assert!(ck
         .tensors
-        .keys()
+        .names()
         .all(|k| !k.ends_with("num_batches_tracked")));
     assert_eq!(ck.config.variant(), "DAT-light");
     assert_eq!(ck.config.family(), "DAT");

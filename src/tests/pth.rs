@@ -1,7 +1,7 @@
 //! PyTorch `.pth` archives as torch.save writes them, read by our own reader
 //! (`model::pth`) rather than candle's.
 
-use crate::checkpoint::pth::{read_state_dict, PthArchive};
+use crate::checkpoint::pth::{state_dict_infos, PthArchive};
 use crate::checkpoint::Checkpoint;
 use crate::nets::config_of;
 use crate::nets::swinir::SwinIrConfig;
@@ -50,7 +50,8 @@ fn a_pth_whose_first_directory_entry_is_76_bytes_loads() {
     assert!(c.scale == 2 && c.window == 2);
     assert_eq!(ck.wrapper.as_deref(), Some("params_ema"));
     // Every parameter holds ((i % 17) - 8) / 16 at flat index i.
-    let w = ck.tensors["conv_first.weight"].flatten_all().unwrap();
+    let w = ck.tensors.get("conv_first.weight").unwrap().unwrap();
+    let w = w.flatten_all().unwrap();
     let w = w.to_vec1::<f32>().unwrap();
     assert_eq!(w.len(), 6 * 3 * 3 * 3);
     for (i, v) in w.iter().enumerate() {
@@ -60,14 +61,43 @@ fn a_pth_whose_first_directory_entry_is_76_bytes_loads() {
 
 #[test]
 fn keys_and_tensor_descriptions_come_from_one_open_archive() {
-    let mut archive = PthArchive::open(&fixture()).unwrap();
+    let archive = PthArchive::open(&fixture()).unwrap();
     assert_eq!(archive.top_level_keys(), ["params_ema"]);
-    assert!(read_state_dict(&mut archive, Some("absent"), |_| false).is_empty());
+    assert!(state_dict_infos(&archive, Some("absent"), |_| false).is_empty());
     // A wrapped checkpoint's top level holds the wrapper, no tensors.
-    assert!(read_state_dict(&mut archive, None, |_| false).is_empty());
-    let all = read_state_dict(&mut archive, Some("params_ema"), |_| false);
-    let kept = read_state_dict(&mut archive, Some("params_ema"), |n| n.ends_with("_index"));
+    assert!(state_dict_infos(&archive, None, |_| false).is_empty());
+    let all = state_dict_infos(&archive, Some("params_ema"), |_| false);
+    let kept = state_dict_infos(&archive, Some("params_ema"), |n| n.ends_with("_index"));
     assert!(all.iter().all(|(_, t)| t.is_ok()));
     assert!(all.windows(2).all(|w| w[0].0 < w[1].0), "in name order");
     assert!(kept.len() < all.len() && kept.iter().all(|(n, _)| !n.ends_with("_index")));
+}
+
+#[test]
+fn storages_read_in_place_hold_what_the_archive_reader_reads() {
+    let path = fixture();
+    let ck = Checkpoint::load(&path).unwrap_or_else(|e| panic!("{e}"));
+    let len = std::fs::metadata(&path).unwrap().len() as usize;
+    let mut archive = PthArchive::open(&path).unwrap();
+    let infos = state_dict_infos(&archive, Some("params_ema"), crate::checkpoint::is_buffer);
+    assert!(infos.len() > 10, "{} tensors", infos.len());
+    for (name, info) in infos {
+        let info = info.unwrap();
+        // torch.save stores every storage uncompressed: each is read where it lies.
+        assert!(archive.stored(&info, len).unwrap().is_some(), "{name}");
+        let want = archive.tensor(&info).unwrap();
+        let want = want.to_dtype(candle_core::DType::F32).unwrap();
+        let got = ck.tensors.get(&name).unwrap().unwrap();
+        assert_eq!(got.dims(), want.dims(), "{name}");
+        let (got, want) = (got.flatten_all().unwrap(), want.flatten_all().unwrap());
+        assert_eq!(
+            got.to_vec1::<f32>().unwrap(),
+            want.to_vec1::<f32>().unwrap(),
+            "{name}"
+        );
+    }
+    // A directory that puts a storage past the end of the file is read by the archive
+    // reader instead, which says what is wrong.
+    let (_, info) = state_dict_infos(&archive, Some("params_ema"), |_| false).remove(0);
+    assert!(archive.stored(&info.unwrap(), 10).unwrap().is_none());
 }

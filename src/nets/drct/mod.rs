@@ -191,7 +191,7 @@ mod tests {
             pad,
             ..LoadPlan::default()
         };
-        let vb = VarBuilder::from_tensors(ck.tensors, DType::F32, &Device::Cpu);
+        let vb = ck.tensors.var_builder(DType::F32, &Device::Cpu);
         (Drct::new(&cfg, &plan, vb).unwrap(), cfg)
     }
 

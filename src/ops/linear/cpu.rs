@@ -45,15 +45,9 @@ pub(crate) fn pack(w: &Tensor) -> Result<Option<panels::Panels>> {
 
 /// `x · wᵀ + b (+ residual)` on the CPU with the bias (plus the residual) written first and
 /// accumulated by the GEMM, so the output is written once instead of written, reread and
-/// rewritten by separate adds. `x`: `(.., k)`; `w`: `(n, k)` as stored, with its panels
-/// when they were packed at load ([`pack`]); `b`: `(n)`; `residual`: the output's shape.
-/// `None` where the kernel does not apply.
-pub fn linear(
-    x: &Tensor,
-    (w, packed): (&Tensor, Option<&panels::Panels>),
-    b: Option<&Tensor>,
-    after: After,
-) -> Result<Option<Tensor>> {
+/// rewritten by separate adds. `x`: `(.., k)`; `w`: `(n, k)` as stored; `b`: `(n)`;
+/// `residual`: the output's shape. `None` where the kernel does not apply.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, after: After) -> Result<Option<Tensor>> {
     let residual = after.residual();
     if ![Some(x), Some(w), b, residual]
         .into_iter()
@@ -66,9 +60,23 @@ pub fn linear(
     let (w_guard, w_layout) = w.storage_and_layout();
     let ws = cpu_slice(&w_guard, w_layout)?;
     // wᵀ is read through w's strides.
-    let y = linear_with(x, (Weights::F32(ws), packed), (k, n), (1, k), b, after)?;
+    let y = linear_with(x, (Weights::F32(ws), None), (k, n), (1, k), b, after)?;
     drop(w_guard);
     Ok(Some(y))
+}
+
+/// [`linear`] with the weight packed at load ([`pack`]): `x`, `b` and the residual f32 on
+/// the CPU, contiguous.
+pub fn linear_packed(
+    x: &Tensor,
+    w: &panels::Panels,
+    b: Option<&Tensor>,
+    after: After,
+) -> Result<Tensor> {
+    let (k, n) = w.dims();
+    // The f32 weight is not read where the panels are given: the products go through them
+    // whenever there is one to compute (panels exist only where their kernels run).
+    linear_with(x, (Weights::F32(&[]), Some(w)), (k, n), (1, k), b, after)
 }
 
 /// `cat(parts, -1) · wᵀ + b` without the concatenation: each part's product with its rows of
@@ -307,8 +315,7 @@ mod tests {
                 assert!(!panels::available());
                 return Ok(());
             };
-            let one = linear(&cat, (&w, Some(&packed)), Some(&b), After::Nothing)?;
-            let one = one.expect("the panel kernels run");
+            let one = linear_packed(&cat, &packed, Some(&b), After::Nothing)?;
             let (got, one) = (got.flatten_all()?.to_vec1::<f32>()?, one.flatten_all()?);
             assert_eq!(got, one.to_vec1::<f32>()?);
             let f64 = |t: &Tensor| t.to_dtype(candle_core::DType::F64);

@@ -29,10 +29,14 @@ pub(crate) fn spread2(w: &Tensor, rows: &Channels, cols: &Channels) -> Result<Te
 
 /// A linear layer, in the form its device runs fastest.
 pub enum Dense {
-    /// f32 weights on the CPU: the bias and what follows are folded into our GEMM
-    /// ([`cpu::linear`]), whose weight panels are packed once at load where the panel
-    /// kernels run (packing them per call copied every weight on every forward).
-    Cpu(Linear, Option<Panels>),
+    /// f32 weights on the CPU where the panel kernels run: packed once at load (packing them
+    /// per call copied every weight on every forward), the bias and what follows folded into
+    /// our GEMM ([`cpu::linear_packed`]). The f32 weight is not kept: it would hold the
+    /// model's linear layers twice.
+    CpuPacked { panels: Panels, bias: Tensor },
+    /// f32 weights on the CPU without the panel kernels: our GEMM driver on the weight as
+    /// stored ([`cpu::linear`]).
+    Cpu(Linear),
     /// bf16 products with f32 sums on the CPU, the weight packed once at load.
     CpuBf16 {
         isa: Isa,
@@ -60,12 +64,14 @@ impl Dense {
                 bias: bias.to_dtype(DType::F32)?,
             });
         }
+        if backend == Backend::Cpu {
+            if let Some(panels) = cpu::pack(&weight)? {
+                return Ok(Self::CpuPacked { panels, bias });
+            }
+        }
         let linear = Linear::new(weight, Some(bias));
         Ok(match backend {
-            Backend::Cpu => {
-                let packed = cpu::pack(linear.weight())?;
-                Self::Cpu(linear, packed)
-            }
+            Backend::Cpu => Self::Cpu(linear),
             Backend::Cuda => Self::Cuda(linear, plan.switches.cuda_off),
             Backend::Other => Self::Candle(linear),
         })
@@ -96,7 +102,8 @@ impl Dense {
     #[cfg(test)]
     pub(crate) fn gemm_dims(&self) -> Result<(usize, usize)> {
         match self {
-            Self::Cpu(l, _) | Self::Cuda(l, _) | Self::Candle(l) => {
+            Self::CpuPacked { panels, .. } => Ok(panels.dims()),
+            Self::Cpu(l) | Self::Cuda(l, _) | Self::Candle(l) => {
                 let (n, k) = l.weight().dims2()?;
                 Ok((k, n))
             }
@@ -151,12 +158,23 @@ impl Dense {
 
     fn forward_then(&self, x: &Tensor, after: After) -> Result<Tensor> {
         match self {
-            Self::Cpu(inner, packed) => {
-                match cpu::linear(x, (inner.weight(), packed.as_ref()), inner.bias(), after)? {
-                    Some(y) => Ok(y),
-                    None => reference(inner, x, after),
-                }
+            Self::CpuPacked { panels, bias } => {
+                // The panels take f32 rows in order: anything else is made so first.
+                let residual;
+                let after = match after {
+                    After::Residual(r) => {
+                        residual = r.to_dtype(DType::F32)?.contiguous()?;
+                        After::Residual(&residual)
+                    }
+                    other => other,
+                };
+                let x = x.to_dtype(DType::F32)?.contiguous()?;
+                cpu::linear_packed(&x, panels, Some(bias), after)
             }
+            Self::Cpu(inner) => match cpu::linear(x, inner.weight(), inner.bias(), after)? {
+                Some(y) => Ok(y),
+                None => reference(inner, x, after),
+            },
             Self::CpuBf16 { isa, weight, bias } => {
                 let residual;
                 let after = match after {
@@ -176,8 +194,8 @@ impl Dense {
     /// `self(cat(parts, -1))`; on the CPU in f32 without the concatenation
     /// ([`cpu::linear_of_cat`]), the same values.
     pub(crate) fn forward_cat(&self, parts: &[&Tensor]) -> Result<Tensor> {
-        if let Self::Cpu(inner, Some(packed)) = self {
-            if let Some(y) = cpu::linear_of_cat(parts, packed, inner.bias())? {
+        if let Self::CpuPacked { panels, bias } = self {
+            if let Some(y) = cpu::linear_of_cat(parts, panels, Some(bias))? {
                 return Ok(y);
             }
         }
