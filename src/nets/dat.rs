@@ -56,7 +56,7 @@ use crate::ops::linear::Dense;
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
 use crate::ops::windows::{RelativeBias, MASK_VALUE};
-use crate::ops::{add, build_layers, gelu_erf, mean_hw, LoadPlan};
+use crate::ops::{add, build_layers, gelu_erf, mean_hw, scale_leading, LoadPlan};
 
 /// BatchNorm's and LayerNorm's epsilon in the official model (torch's defaults).
 const EPS: f64 = 1e-5;
@@ -404,8 +404,8 @@ fn qkv(c: usize, bias: bool, scale: f64, plan: &LoadPlan, vb: VarBuilder) -> Res
     } else {
         Tensor::zeros(3 * c, vb.dtype(), vb.device())?
     };
-    let w = Tensor::cat(&[(w.narrow(0, 0, c)? * scale)?, w.narrow(0, c, 2 * c)?], 0)?;
-    let b = Tensor::cat(&[(b.narrow(0, 0, c)? * scale)?, b.narrow(0, c, 2 * c)?], 0)?;
+    let w = scale_leading(&w, c, scale)?;
+    let b = scale_leading(&b, c, scale)?;
     Dense::new(w, b, plan)
 }
 

@@ -53,7 +53,7 @@ use crate::ops::linear::{pointwise, Dense};
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
 use crate::ops::windows::WindowCache;
-use crate::ops::LoadPlan;
+use crate::ops::{scale_leading, LoadPlan};
 
 /// The weight of the convolution branch in every released HAT model (not in the weights).
 pub const CONV_SCALE: f64 = 0.01;
@@ -269,8 +269,8 @@ impl Ocab {
         let scale = ((e / heads) as f64).powf(-0.5);
         let w = vb.pp("qkv").get((3 * e, e), "weight")?;
         let b = vb.pp("qkv").get(3 * e, "bias")?;
-        let w = Tensor::cat(&[(w.narrow(0, 0, e)? * scale)?, w.narrow(0, e, 2 * e)?], 0)?;
-        let b = Tensor::cat(&[(b.narrow(0, 0, e)? * scale)?, b.narrow(0, e, 2 * e)?], 0)?;
+        let w = scale_leading(&w, e, scale)?;
+        let b = scale_leading(&b, e, scale)?;
         let table = vb.get(
             (cfg.ocab_table_rows(), heads),
             "relative_position_bias_table",

@@ -13,7 +13,7 @@ use crate::ops::linear::{spread2, Dense};
 use crate::ops::norm::{add_gather_norm, norm_gather, Norm};
 use crate::ops::pad::{Channels, Pad};
 use crate::ops::windows::WindowCache;
-use crate::ops::LoadPlan;
+use crate::ops::{scale_leading, LoadPlan};
 
 /// The shapes behind a Swin-family network's analytic memory cost.
 pub(crate) struct SwinCost {
@@ -131,14 +131,10 @@ impl WindowAttention {
         let scale = (head_dim as f64).powf(-0.5);
         let w = vb.pp("qkv").get((3 * dim, dim), "weight")?;
         let b = vb.pp("qkv").get(3 * dim, "bias")?;
-        let w = Tensor::cat(
-            &[(w.narrow(0, 0, dim)? * scale)?, w.narrow(0, dim, 2 * dim)?],
-            0,
-        )?;
-        let b = Tensor::cat(
-            &[(b.narrow(0, 0, dim)? * scale)?, b.narrow(0, dim, 2 * dim)?],
-            0,
-        )?;
+        let (w, b) = (
+            scale_leading(&w, dim, scale)?,
+            scale_leading(&b, dim, scale)?,
+        );
         // Every head of q, k and v padded on its own, with zero columns that add nothing to
         // q·k and leave zeros in the output, which proj reads with zero weights.
         let head_channels = pad.parts(heads, head_dim);

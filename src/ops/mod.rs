@@ -48,6 +48,32 @@ pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `t` with its first `n` entries along axis 0 multiplied by `by`, the same values as
+/// `cat([t.narrow(0, 0, n) * by, t.narrow(0, n, ..)])`: a qkv projection with head_dim^-0.5
+/// folded into its query rows. One copy on the CPU in f32, where the narrow, the scaling and
+/// the concatenation made two.
+pub(crate) fn scale_leading(t: &Tensor, n: usize, by: f64) -> Result<Tensor> {
+    let rows = t.dim(0)?;
+    if n > rows {
+        candle_core::bail!("scaling {n} of {rows} rows");
+    }
+    if !cpu::use_kernel(t) {
+        return Tensor::cat(&[(t.narrow(0, 0, n)? * by)?, t.narrow(0, n, rows - n)?], 0);
+    }
+    let scaled = n * (t.elem_count() / rows.max(1));
+    let (guard, layout) = t.storage_and_layout();
+    let values = cpu::cpu_slice(&guard, layout)?;
+    let by = by as f32;
+    // As candle's `affine(by, 0)` computes it: the added zero turns a -0 product into +0.
+    let out: Vec<f32> = values[..scaled]
+        .iter()
+        .map(|&v| v * by + 0.0)
+        .chain(values[scaled..].iter().copied())
+        .collect();
+    drop(guard);
+    Tensor::from_vec(out, t.shape(), t.device())
+}
+
 /// The choices a network is built with, made once at load and handed to each layer that
 /// depends on them, so that every layer is in its final form when it is constructed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
