@@ -89,6 +89,10 @@ pub enum TensorError {
     /// candle could not read or convert it.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// Its storage does not match the checksum the archive records for it: the file is
+    /// damaged.
+    #[error("its storage does not match the archive's checksum: the file is damaged")]
+    Checksum,
     /// It holds a NaN or an infinity.
     #[error("holds a non-finite value ({value}) at flat index {index}")]
     NonFinite {

@@ -218,6 +218,7 @@ fn listed(st: &safetensors::SafeTensors, bytes: &[u8]) -> (Vec<(String, Entry)>,
                     dims: view.shape().to_vec(),
                     range: start..start + view.data().len(),
                     column_major: false,
+                    checksum: None,
                 };
                 entries.push((name, Entry::Stored(stored)));
             }

@@ -193,7 +193,7 @@ impl PthArchive {
             }
             _ => return Ok(None),
         };
-        let have = entry.size();
+        let (have, crc) = (entry.size(), entry.crc32());
         if start.saturating_add(have) > file_len as u64 || entry.compressed_size() != have {
             // A directory that disagrees with the file: the archive reader says how.
             return Ok(None);
@@ -211,6 +211,8 @@ impl PthArchive {
             dims: info.layout.dims().to_vec(),
             range: start + offset..start + need as usize,
             column_major: column_major && info.layout.dims().len() > 1,
+            // Checked as the archive reader checks what it reads (Weights::first_bad).
+            checksum: Some((start..start + have as usize, crc)),
         }))
     }
 

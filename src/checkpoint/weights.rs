@@ -45,6 +45,8 @@ pub(crate) struct Stored {
     /// The bytes are the row-major data of the reversed shape: a column-major view that torch
     /// saved as it was.
     pub column_major: bool,
+    /// The whole archive entry the tensor lies in, and the CRC-32 the archive records for it.
+    pub checksum: Option<(Range<usize>, u32)>,
 }
 
 /// One tensor: in the file, or already read (a compressed archive entry, a dtype read by
@@ -147,6 +149,15 @@ impl Weights {
     }
 
     fn check_one(&self, entry: &Entry) -> Result<(), TensorError> {
+        if let Entry::Stored(Stored {
+            checksum: Some((range, crc)),
+            ..
+        }) = entry
+        {
+            if crc32fast::hash(&self.0.bytes[range.clone()]) != *crc {
+                return Err(TensorError::Checksum);
+            }
+        }
         let found = match entry {
             Entry::Stored(s) if !s.column_major => first_non_finite(s.dtype, self.data(s)),
             // Where the values are not in their row-major order, or not in a float format
@@ -319,6 +330,7 @@ mod tests {
             dims: vec![2, 3],
             range: 4..28,
             column_major,
+            checksum: None,
         };
         let w = Weights::new(
             Bytes::Owned(data.clone()),
@@ -355,6 +367,7 @@ mod tests {
                     dims: vec![2, 2],
                     range: 0..16,
                     column_major: false,
+                    checksum: None,
                 }),
             )],
         );

@@ -169,14 +169,19 @@ fn overlap_attention_runs_our_kernel_on_the_cpu() -> Result<()> {
 fn scale_leading_gives_the_bits_of_the_narrow_scale_and_concatenation() -> Result<()> {
     let dev = Device::Cpu;
     // Negative zeros among the scaled rows: candle's scaling makes them +0.
-    let mut v = normal(0.0, 1.0, (9, 5), &dev)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut v = normal(0.0, 1.0, (9, 5), &dev)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
     v[3] = -0.0;
     v[40] = -0.0;
     let t = Tensor::from_vec(v, (9, 5), &dev)?;
     let scale = 24f64.powf(-0.5);
     for (t, n) in [(t.clone(), 3), (t.clone(), 0), (t.clone(), 9), (t.t()?, 2)] {
         let rows = t.dim(0)?;
-        let want = Tensor::cat(&[(t.narrow(0, 0, n)? * scale)?, t.narrow(0, n, rows - n)?], 0)?;
+        let want = Tensor::cat(
+            &[(t.narrow(0, 0, n)? * scale)?, t.narrow(0, n, rows - n)?],
+            0,
+        )?;
         let got = super::scale_leading(&t, n, scale)?;
         assert_eq!(got.dims(), want.dims());
         let bits = |t: &Tensor| -> Result<Vec<u32>> {

@@ -101,3 +101,26 @@ fn storages_read_in_place_hold_what_the_archive_reader_reads() {
     let (_, info) = state_dict_infos(&archive, Some("params_ema"), |_| false).remove(0);
     assert!(archive.stored(&info.unwrap(), 10).unwrap().is_none());
 }
+
+#[test]
+fn a_storage_damaged_in_the_file_is_refused_by_its_checksum() {
+    let path = fixture();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let mut archive = PthArchive::open(&path).unwrap();
+    let (name, info) = state_dict_infos(&archive, Some("params_ema"), |_| false).remove(0);
+    let stored = archive
+        .stored(&info.unwrap(), bytes.len())
+        .unwrap()
+        .unwrap();
+    // One bit of the tensor's first value: still a finite number, so only the checksum
+    // can tell.
+    bytes[stored.range.start] ^= 1;
+    let dir = tempfile::tempdir().unwrap();
+    let damaged = dir.path().join("damaged.pth");
+    std::fs::write(&damaged, &bytes).unwrap();
+    let e = Checkpoint::load(&damaged)
+        .err()
+        .expect("a damaged storage")
+        .to_string();
+    assert!(e.contains(&name) && e.contains("checksum"), "{e}");
+}
