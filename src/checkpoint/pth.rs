@@ -21,11 +21,10 @@ use std::path::Path;
 
 use candle_core::pickle::{Object, Stack, TensorInfo};
 use candle_core::{Device, Layout, Tensor};
-use zip::CompressionMethod;
+use zip::read::{ArchiveOffset, Config};
+use zip::{CompressionMethod, ZipArchive};
 
 use super::Stored;
-use zip::read::{ArchiveOffset, Config};
-use zip::ZipArchive;
 
 /// Why a `.pth` archive or its pickle could not be read.
 #[derive(Debug, thiserror::Error)]

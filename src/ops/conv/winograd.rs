@@ -26,9 +26,16 @@ use crate::ops::cpu::shared::Shared;
 use crate::ops::cpu::widest_simd;
 use crate::ops::cpu::{cpu_slice, fmadd, sigmoid, sigmoid_gate_of, use_kernel};
 
-/// Output blocks per task: their transformed inputs (36 x `BLOCKS` x cin) and products
+/// Output blocks per task, about: their transformed inputs (36 x `BLOCKS` x cin) and products
 /// (36 x `BLOCKS` x cout) stay in the core's L2 cache while the 36 products run.
 const BLOCKS: usize = 16;
+
+/// Output blocks per task: [`BLOCKS`] rounded up to whole tiles of the panel kernels (18 on
+/// AVX2, whose tiles are 6 rows: 16 left the third tile a third empty).
+fn blocks_per_task() -> usize {
+    let mr = panels::tile_rows();
+    BLOCKS.div_ceil(mr) * mr
+}
 
 /// Channels transformed at a time: one AVX-512 vector, two AVX2 ones.
 const CH: usize = 16;
@@ -185,7 +192,8 @@ impl Winograd {
         // overlap), and `out` outlives the tasks.
         let dst = unsafe { Shared::new(out.as_mut_ptr()) };
         let zeros = vec![0f32; cin];
-        let tasks = blocks.div_ceil(BLOCKS);
+        let per_task = blocks_per_task();
+        let tasks = blocks.div_ceil(per_task);
         let first = self.kept.get().is_none() && self.calls.fetch_add(1, Ordering::Relaxed) == 0;
         // The calling thread's buffers, taken for this call (a worker that waits in it may
         // run another convolution's task, which then finds none).
@@ -196,14 +204,14 @@ impl Winograd {
         };
         (0..tasks).into_par_iter().for_each(|task| {
             SCRATCH.with_borrow_mut(|scratch| {
-                let need = 36 * BLOCKS * (cin + cout) + 16 * cout;
+                let need = 36 * per_task * (cin + cout) + 16 * cout;
                 if scratch.len() < need {
                     scratch.resize(need, 0.0);
                 }
-                let (v, rest) = scratch.split_at_mut(36 * BLOCKS * cin);
-                let (m, y) = rest.split_at_mut(36 * BLOCKS * cout);
-                let b0 = task * BLOCKS;
-                let n = BLOCKS.min(blocks - b0);
+                let (v, rest) = scratch.split_at_mut(36 * per_task * cin);
+                let (m, y) = rest.split_at_mut(36 * per_task * cout);
+                let b0 = task * per_task;
+                let n = per_task.min(blocks - b0);
                 // Where position e's rows of this task's blocks start, and how far apart.
                 let (rows, lda) = match source {
                     Source::Image(x) => {
@@ -212,7 +220,7 @@ impl Winograd {
                             if i + 1 < n {
                                 prefetch(&block_pixels(x, (h, w, cin), &zeros, b0 + i + 1));
                             }
-                            let mut chunks = v.chunks_exact_mut(BLOCKS * cin);
+                            let mut chunks = v.chunks_exact_mut(per_task * cin);
                             let mut dst: [&mut [f32]; 36] = std::array::from_fn(|_| {
                                 &mut chunks.next().unwrap()[i * cin..(i + 1) * cin]
                             });
@@ -220,7 +228,7 @@ impl Winograd {
                         }
                         let v: &[f32] = v;
                         (
-                            std::array::from_fn::<_, 36, _>(|e| v[e * BLOCKS * cin..].as_ptr()),
+                            std::array::from_fn::<_, 36, _>(|e| v[e * per_task * cin..].as_ptr()),
                             cin,
                         )
                     }
@@ -237,7 +245,7 @@ impl Winograd {
                             n,
                             (rows, lda),
                             panels[e].rhs(),
-                            (m[e * BLOCKS * cout..].as_mut_ptr(), cout),
+                            (m[e * per_task * cout..].as_mut_ptr(), cout),
                             Start::ZERO,
                             false,
                             None,
@@ -249,7 +257,7 @@ impl Winograd {
                     let (y0, x0) = (4 * (rest / bw), 4 * (rest % bw));
                     let (rows, cols) = ((h - y0).min(4), (w - x0).min(4));
                     let base = (bi * h + y0) * w + x0;
-                    transform_output(m, i * cout, BLOCKS * cout, bias, y);
+                    transform_output(m, i * cout, per_task * cout, bias, y);
                     for r in 0..rows {
                         let at = (base + r * w) * cout;
                         let row = &mut y[r * 4 * cout..][..cols * cout];

@@ -34,6 +34,12 @@ pub(crate) fn available() -> bool {
     !keep_crate && cpu_isa() >= CpuIsa::Avx2
 }
 
+/// Rows per output tile of the kernels that run on this CPU: a product of a multiple of these
+/// rows leaves no tile part-empty.
+pub(crate) fn tile_rows() -> usize {
+    Kernel::current().mr()
+}
+
 /// The tile kernel of a product, chosen once when it starts (its tasks all run the same).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kernel {

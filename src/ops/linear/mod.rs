@@ -66,6 +66,8 @@ impl Dense {
         }
         if backend == Backend::Cpu {
             if let Some(panels) = cpu::pack(&weight)? {
+                // The GEMM reads the bias as f32 values in order.
+                let bias = bias.to_dtype(DType::F32)?.contiguous()?;
                 return Ok(Self::CpuPacked { panels, bias });
             }
         }
