@@ -657,8 +657,16 @@ fn small_kernel_throughput() -> Result<()> {
         let w = normal(0.0, 0.1, (9 * 64, 3), &dev)?;
         let b = normal(0.0, 1.0, 3, &dev)?;
         let rgb = fastest(&|| Ok(conv3x3(&x, &w, &b, 16 << 20)?.expect("f32 on the CPU")))?;
+        // fc1's output in SwinIR-M at 64x64, on one thread.
+        let hidden = normal(0.0, 1.0, 4096 * 360, &dev)?.to_vec1::<f32>()?;
+        let gelu = fastest(&|| {
+            let mut h = hidden.clone();
+            crate::ops::cpu::gelu_in_place(&mut h);
+            Ok(Tensor::from_vec(h, 4096 * 360, &dev)?)
+        })?;
         eprintln!(
-            "{:?}: window attention {attention:.3} ms, RGB convolution {rgb:.3} ms",
+            "{:?}: window attention {attention:.3} ms, RGB convolution {rgb:.3} ms, \
+             GELU of 4096 x 360 {gelu:.3} ms",
             crate::ops::cpu::isa::cpu_isa()
         );
         Ok(())
