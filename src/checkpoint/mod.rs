@@ -344,16 +344,19 @@ mod tests {
 
     #[test]
     fn a_non_finite_value_is_found_in_every_float_dtype() {
-        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            let mut v = vec![0.5f32; 40];
-            v[29] = bad;
-            let t = Tensor::from_vec(v, (5, 8), &Device::Cpu).unwrap();
-            for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
-                let err = converted(&t.to_dtype(dtype).unwrap()).unwrap_err();
-                assert!(
-                    matches!(err, TensorError::NonFinite { index: 29, .. }),
-                    "{dtype:?} {bad}: {err}"
-                );
+        // In the first block of values searched at once, and in a later one.
+        for (len, at) in [(40, 29), (600, 517)] {
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let mut v = vec![0.5f32; len];
+                v[at] = bad;
+                let t = Tensor::from_vec(v, (len / 8, 8), &Device::Cpu).unwrap();
+                for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+                    let err = converted(&t.to_dtype(dtype).unwrap()).unwrap_err();
+                    assert!(
+                        matches!(err, TensorError::NonFinite { index, .. } if index == at),
+                        "{dtype:?} {bad} at {at}: {err}"
+                    );
+                }
             }
         }
     }

@@ -184,10 +184,7 @@ impl Weights {
             s.dims.clone()
         };
         let values: Vec<f32> = match s.dtype {
-            DType::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
+            DType::F32 => f32_values(data),
             DType::F16 => data
                 .chunks_exact(2)
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
@@ -224,21 +221,13 @@ impl FromIterator<(String, Tensor)> for Weights {
 /// directly; the others are converted and searched.
 fn first_non_finite(dtype: DType, data: &[u8]) -> Option<TensorError> {
     let found = match dtype {
-        DType::F32 => data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .enumerate()
-            .find(|(_, x)| !x.is_finite()),
-        DType::F16 => data
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .enumerate()
-            .find(|(_, x)| !x.is_finite()),
-        DType::BF16 => data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .enumerate()
-            .find(|(_, x)| !x.is_finite()),
+        DType::F32 => first_not_finite(data, 4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        DType::F16 => {
+            first_not_finite(data, 2, |b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+        }
+        DType::BF16 => first_not_finite(data, 2, |b| {
+            half::bf16::from_le_bytes([b[0], b[1]]).to_f32()
+        }),
         other => {
             let t = Tensor::from_raw_buffer(
                 data,
@@ -254,6 +243,50 @@ fn first_non_finite(dtype: DType, data: &[u8]) -> Option<TensorError> {
         }
     };
     found.map(|(index, value)| TensorError::NonFinite { value, index })
+}
+
+/// Little-endian f32 bytes as values: one copy (a plain memory copy on little-endian CPUs).
+fn f32_values(data: &[u8]) -> Vec<f32> {
+    let n = data.len() / 4;
+    #[cfg(target_endian = "little")]
+    {
+        let mut values = Vec::<f32>::with_capacity(n);
+        // SAFETY: `values` has room for n f32s, 4n bytes, which `data` holds; every bit
+        // pattern is an f32, and a little-endian CPU stores them as the file does.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), values.as_mut_ptr().cast::<u8>(), 4 * n);
+            values.set_len(n);
+        }
+        values
+    }
+    #[cfg(not(target_endian = "little"))]
+    data.chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// The first value of `data` (of `size` bytes each, read by `value`) that is not finite, with
+/// its index. Blocks of values are tested without an early exit, so that the test runs in
+/// vector lanes; only a block that holds one is searched.
+fn first_not_finite(
+    data: &[u8],
+    size: usize,
+    value: impl Fn(&[u8]) -> f32,
+) -> Option<(usize, f32)> {
+    const BLOCK: usize = 256;
+    data.chunks(BLOCK * size)
+        .enumerate()
+        .find(|(_, block)| {
+            !block
+                .chunks_exact(size)
+                .fold(true, |finite, b| finite & value(b).is_finite())
+        })
+        .and_then(|(k, block)| {
+            let mut values = block.chunks_exact(size).map(&value).enumerate();
+            values
+                .find(|(_, x)| !x.is_finite())
+                .map(|(i, x)| (k * BLOCK + i, x))
+        })
 }
 
 /// The first NaN or infinity among `t`'s values (f32) in row-major order.

@@ -662,7 +662,7 @@ fn small_kernel_throughput() -> Result<()> {
         let gelu = fastest(&|| {
             let mut h = hidden.clone();
             crate::ops::cpu::gelu_in_place(&mut h);
-            Ok(Tensor::from_vec(h, 4096 * 360, &dev)?)
+            Tensor::from_vec(h, 4096 * 360, &dev)
         })?;
         eprintln!(
             "{:?}: window attention {attention:.3} ms, RGB convolution {rgb:.3} ms, \
