@@ -769,6 +769,13 @@ unsafe fn row_block(
                 init: start.init.map(|(s, ld)| (s.wrapping_add(i0 * ld + c0), ld)),
                 bias: start.bias.map(|s| s.wrapping_add(c0)),
             };
+            if g + mr < rows {
+                prefetch_rows(
+                    dst.wrapping_add((i0 + mr) * ldc + c0),
+                    ldc,
+                    (mr.min(rows - g - mr), cols),
+                );
+            }
             // SAFETY: forwarded to the caller; the tile is rows i0..i0 + n, columns
             // c0..c0 + cols.
             unsafe {
@@ -784,6 +791,31 @@ unsafe fn row_block(
             };
         }
     }
+}
+
+/// Asks for the cache lines of `rows` output rows of `cols` values from `c` (rows `ldc`
+/// apart), the next tile's, while the current one computes: each is written by a store that
+/// first has to read its line, and a product's output (megabytes for a 4096-row input) is
+/// not in cache. Held to AVX2, 4096-row products with SwinIR's shapes ran 3-15% faster
+/// (medians of 21, interleaved), natively 3-10%.
+#[inline]
+fn prefetch_rows(c: *mut f32, ldc: usize, (rows, cols): (usize, usize)) {
+    #[cfg(target_arch = "x86_64")]
+    for i in 0..rows {
+        let row = c.wrapping_add(i * ldc).cast::<i8>().cast_const();
+        // From the start of the row's first line.
+        let skew = row as usize % 64;
+        let first = row.wrapping_sub(skew);
+        for at in (0..skew + 4 * cols).step_by(64) {
+            // SAFETY: a prefetch reads nothing architecturally and never faults.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(at));
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (c, ldc, rows, cols);
 }
 
 /// `dst = start + a · b` for a row-major `m x k` `a` (rows `lda` apart) into `m x n` `dst`
