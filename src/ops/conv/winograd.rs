@@ -21,7 +21,7 @@ use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
 use super::Act;
-use crate::ops::cpu::panels::{self, Panels, Start};
+use crate::ops::cpu::panels::{self, prefetch_rows, Panels, Start};
 use crate::ops::cpu::shared::Shared;
 use crate::ops::cpu::widest_simd;
 use crate::ops::cpu::{cpu_slice, fmadd, sigmoid, sigmoid_gate_of, use_kernel};
@@ -252,11 +252,26 @@ impl Winograd {
                         )
                     };
                 }
-                for i in 0..n {
-                    let (bi, rest) = ((b0 + i) / (bh * bw), (b0 + i) % (bh * bw));
+                let place = |block: usize| {
+                    let (bi, rest) = (block / (bh * bw), block % (bh * bw));
                     let (y0, x0) = (4 * (rest / bw), 4 * (rest % bw));
                     let (rows, cols) = ((h - y0).min(4), (w - x0).min(4));
-                    let base = (bi * h + y0) * w + x0;
+                    ((bi * h + y0) * w + x0, rows, cols)
+                };
+                for i in 0..n {
+                    let (base, rows, cols) = place(b0 + i);
+                    // The next block's output lines, asked for while this one is finished:
+                    // the output is fresh memory, out of cache, and each line is read before
+                    // its first store. Compact held to AVX2 ran 11-15% faster, ESRGAN 6-7%
+                    // (natively and held to AVX2); SPAN did not change.
+                    if i + 1 < n {
+                        let (base, rows, cols) = place(b0 + i + 1);
+                        prefetch_rows(
+                            dst.get().wrapping_add(base * cout),
+                            w * cout,
+                            (rows, cols * cout),
+                        );
+                    }
                     transform_output(m, i * cout, per_task * cout, bias, y);
                     for r in 0..rows {
                         let at = (base + r * w) * cout;
