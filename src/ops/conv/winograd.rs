@@ -267,7 +267,7 @@ impl Winograd {
                     if i + 1 < n {
                         let (base, rows, cols) = place(b0 + i + 1);
                         prefetch_rows(
-                            dst.get().wrapping_add(base * cout),
+                            dst.get().wrapping_add(base * cout).cast_const(),
                             w * cout,
                             (rows, cols * cout),
                         );
