@@ -804,8 +804,8 @@ unsafe fn row_block(
 /// Asks for the cache lines of `rows` output rows of `cols` values from `c` (rows `ldc`
 /// apart) before they are written, here the next tile's while the current one computes: a
 /// store first has to read its line, and a product's output (megabytes for a 4096-row
-/// input) is not in cache. Held to AVX2, 4096-row products with SwinIR's shapes ran 3-15% faster
-/// (medians of 21, interleaved), natively 3-10%.
+/// input) is not in cache. 4096-row products with SwinIR's shapes ran 2-15% faster held to
+/// AVX2 and 1-10% natively (medians of 21, interleaved).
 #[inline]
 pub(crate) fn prefetch_rows(c: *const f32, ldc: usize, (rows, cols): (usize, usize)) {
     #[cfg(target_arch = "x86_64")]
@@ -1358,8 +1358,8 @@ mod tests {
     }
 
     /// GFLOP/s of one core running one full tile over and over (k = 128: both operands,
-    /// 24 KiB and 4 KiB, in L1), on each ISA: the kernel's own rate, against which a whole product's rate shows
-    /// what the memory hierarchy costs it. The fastest of 200 timings.
+    /// 24 KiB and 4 KiB, in L1), on each ISA: the kernel's own rate, against which a whole
+    /// product's rate shows what the memory hierarchy costs it. The fastest of 200 timings.
     /// `cargo test --release --lib tile_kernel_rate -- --ignored --nocapture`
     #[test]
     #[ignore]
