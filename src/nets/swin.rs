@@ -9,7 +9,7 @@ use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::ops::attention::Attend;
-use crate::ops::linear::{spread2, Dense};
+use crate::ops::linear::{self, spread2, Dense};
 use crate::ops::norm::{add_gather_norm, norm_gather, Norm};
 use crate::ops::pad::{Channels, Pad};
 use crate::ops::windows::WindowCache;
@@ -72,6 +72,8 @@ pub(crate) fn load_layer_norm(dim: usize, vb: VarBuilder) -> Result<Norm> {
 pub struct Mlp {
     pub(crate) fc1: Dense,
     pub(crate) fc2: Dense,
+    /// Both layers a block of rows at a time where they can ([`linear::mlp_residual`]).
+    fused: bool,
 }
 
 impl Mlp {
@@ -79,6 +81,7 @@ impl Mlp {
         Ok(Self {
             fc1: Dense::load(dim, hidden, plan, vb.pp("fc1"))?,
             fc2: Dense::load(hidden, dim, plan, vb.pp("fc2"))?,
+            fused: plan.switches.fused_mlp,
         })
     }
 
@@ -97,6 +100,11 @@ impl Mlp {
     /// `residual + mlp(x)`. Takes the residual by value: on CUDA in bf16 and f16 the second
     /// layer adds onto its buffer in place.
     pub(crate) fn forward_residual(&self, x: &Tensor, residual: Tensor) -> Result<Tensor> {
+        if self.fused {
+            if let Some(y) = linear::mlp_residual((&self.fc1, &self.fc2), x, &residual)? {
+                return Ok(y);
+            }
+        }
         // The official model uses nn.GELU(): the exact erf form, not the tanh approximation.
         let hidden = self.fc1.forward_gelu(x)?;
         if let Some(y) = self.fc2.accumulate_onto(&hidden, residual.clone())? {

@@ -40,6 +40,12 @@ pub(crate) fn tile_rows() -> usize {
     Kernel::current().mr()
 }
 
+/// Rows per parallel task of [`gemm`] on this CPU: a caller that splits a product into row
+/// blocks of this many rows computes each output row exactly as one `gemm` over all rows.
+pub(crate) fn task_rows() -> usize {
+    Kernel::current().mc()
+}
+
 /// The tile kernel of a product, chosen once when it starts (its tasks all run the same).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kernel {

@@ -205,6 +205,32 @@ impl Dense {
     }
 }
 
+/// `residual + fc2(gelu(fc1(x)))` on the CPU in f32, both layers packed: one pass over
+/// blocks of rows ([`cpu::mlp_packed`]), the same values as the two layers one after the
+/// other. `None` elsewhere.
+pub(crate) fn mlp_residual(
+    (fc1, fc2): (&Dense, &Dense),
+    x: &Tensor,
+    residual: &Tensor,
+) -> Result<Option<Tensor>> {
+    let (
+        Dense::CpuPacked {
+            panels: w1,
+            bias: b1,
+        },
+        Dense::CpuPacked {
+            panels: w2,
+            bias: b2,
+        },
+    ) = (fc1, fc2)
+    else {
+        return Ok(None);
+    };
+    let x = x.to_dtype(DType::F32)?.contiguous()?;
+    let residual = residual.to_dtype(DType::F32)?.contiguous()?;
+    cpu::mlp_packed(&x, (w1, b1), (w2, b2), &residual)
+}
+
 impl Module for Dense {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_then(x, After::Nothing)
