@@ -282,12 +282,14 @@ fn fused_window_attention_matches_the_graph() -> Result<()> {
 fn fused_window_attention_matches_the_graph_on_one_isa() -> Result<()> {
     // (windows, window, heads, head dim, mask windows): a batch of two images with a
     // shift mask, odd head dims, a single window (the GEMMs split across threads), and
-    // the official window with a mask.
+    // the official window with a mask (256 tokens: v packed on AVX2), once with heads wider
+    // than a panel (DRCT's 53).
     for shape in [
         (8, 4, 3, 5, 4),
         (3, 8, 2, 7, 0),
         (1, 8, 4, 6, 1),
         (4, 16, 2, 5, 2),
+        (2, 16, 2, 53, 2),
     ] {
         let (qkv, bias, regions, gathered, mask) = attention_inputs(shape)?;
         let ours = window_attention(&qkv, &bias, regions.as_deref(), None)?
