@@ -120,6 +120,9 @@ pub struct WindowAttention {
     pub(crate) qkv: Dense,
     pub(crate) proj: Dense,
     attend: Attend,
+    /// qkv, the attention and proj a window at a time where they can
+    /// ([`Attend::forward_block`]).
+    fused: bool,
 }
 
 impl WindowAttention {
@@ -157,6 +160,7 @@ impl WindowAttention {
             qkv: Dense::new(w, b, plan)?,
             proj: Dense::load(&head_channels, channels, plan, vb.pp("proj"))?,
             attend: Attend::new(&table, heads, pad.width(head_dim), ws, plan)?,
+            fused: plan.switches.fused_windows,
         })
     }
 
@@ -169,6 +173,12 @@ impl WindowAttention {
         shifted: bool,
         windows: &WindowCache,
     ) -> Result<Tensor> {
+        if self.fused {
+            let layers = (&self.qkv, &self.proj);
+            if let Some(y) = self.attend.forward_block(x, layers, hw, shifted, windows)? {
+                return Ok(y);
+            }
+        }
         let out = self
             .attend
             .forward(&self.qkv.forward(x)?, hw, shifted, windows)?;

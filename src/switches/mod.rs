@@ -19,6 +19,7 @@
 //! | `UPSCALE_BF16_ISA` | [`Switches::bf16_vector`] | `avx512`: CPU bf16 on the vector kernel even where AMX is |
 //! | `UPSCALE_CPU_ISA` | [`Switches::cpu_isa`] | `native`, `avx512`, `avx2`, `scalar`: the widest instructions our CPU kernels use |
 //! | `UPSCALE_CPU_FUSED_MLP` | [`Switches::fused_mlp`] | `0`/`off`/`false`: transformer MLPs on the CPU as two products over all tokens, not a block of rows at a time |
+//! | `UPSCALE_CPU_FUSED_WINDOWS` | [`Switches::fused_windows`] | `0`/`off`/`false`: Swin blocks' qkv, window attention and proj on the CPU as three passes over all windows, not a window at a time |
 //! | `UPSCALE_CPU_WINOGRAD` | [`Switches::winograd`] | `auto`, `always`, `never`: f32 3x3 convolutions on the CPU by Winograd's F(4x4, 3x3) |
 //! | `UPSCALE_DEFER_FINISH` | [`Switches::defer_finish`] | `auto`, `1`/`always`, `0`/`never`: folder runs finish each image off the model's thread (auto: on a GPU) |
 //! | `UPSCALE_STREAM` | [`Switches::stream`] | `auto`, `always`, `never`: PNG and TIFF outputs written in bands of rows as tiles finish |
@@ -96,6 +97,9 @@ pub struct Switches {
     /// Transformer MLPs on the CPU in f32 take both layers a block of rows at a time (on
     /// unless turned off; see [`crate::ops::linear::cpu::mlp_packed`]).
     pub fused_mlp: bool,
+    /// Swin blocks' qkv, window attention and proj on the CPU in f32 run a window at a time
+    /// (on unless turned off; see [`crate::ops::attention::cpu::window_block`]).
+    pub fused_windows: bool,
     /// Whether f32 3x3 convolutions on the CPU run by Winograd's F(4x4, 3x3) (`None`: where
     /// both sides have enough channels for it to pay; see [`crate::ops::conv`]).
     pub winograd: Option<bool>,
@@ -120,6 +124,7 @@ impl Default for Switches {
             bf16_vector: false,
             cpu_isa: None,
             fused_mlp: true,
+            fused_windows: true,
             winograd: None,
             defer_finish: None,
             stream: None,
@@ -162,6 +167,10 @@ impl Switches {
         if let Some(v) = var("UPSCALE_CPU_FUSED_MLP") {
             let v = v?.trim().to_ascii_lowercase();
             s.fused_mlp = !matches!(v.as_str(), "0" | "off" | "false");
+        }
+        if let Some(v) = var("UPSCALE_CPU_FUSED_WINDOWS") {
+            let v = v?.trim().to_ascii_lowercase();
+            s.fused_windows = !matches!(v.as_str(), "0" | "off" | "false");
         }
         if let Some(v) = var("UPSCALE_CPU_WINOGRAD") {
             s.winograd = auto_always_never("UPSCALE_CPU_WINOGRAD", &v?)?;
@@ -325,6 +334,7 @@ mod tests {
             ("UPSCALE_CPU_ISA", "AVX2"),
             ("UPSCALE_CPU_WINOGRAD", "never"),
             ("UPSCALE_CPU_FUSED_MLP", "off"),
+            ("UPSCALE_CPU_FUSED_WINDOWS", "0"),
             ("UPSCALE_STREAM", "Always"),
             ("UPSCALE_DEFER_FINISH", "0"),
         ])
@@ -334,6 +344,7 @@ mod tests {
         assert_eq!((all.pad_channels, d.pad_channels), (Some(16), None));
         assert!(!all.overlap_kernel && d.overlap_kernel);
         assert!(!all.fused_mlp && d.fused_mlp);
+        assert!(!all.fused_windows && d.fused_windows);
         for (on, off) in [
             (all.pinned_downloads, d.pinned_downloads),
             (all.event_tracking, d.event_tracking),

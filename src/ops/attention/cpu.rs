@@ -119,6 +119,137 @@ fn products_for(
     (products, gathered)
 }
 
+/// A Swin block's whole window attention on the CPU in f32, a window per task: the window's
+/// tokens through qkv into a buffer of the task's own, its attention ([`attend_window`])
+/// into another, and through proj into the output. qkv's output (three times the channels:
+/// 8.8 MB for a 64x64 SwinIR input) and the attention's never leave the core's cache; the
+/// values are those of the three steps over all windows in turn (each row of a product is
+/// computed alike however its rows are grouped).
+///
+/// `x`: `(B*nW, N, C)`, the windows' normalised tokens; `qkv` `C x 3C` packed with its bias
+/// (q's rows pre-scaled), `proj` `C x C` with its; `bias` and `regions` as
+/// [`window_attention`] takes them. `None` where it does not apply: other dtypes, fewer
+/// windows than twice the threads (the products are split across threads instead), or
+/// shapes that do not chain.
+pub fn window_block(
+    x: &Tensor,
+    (w_qkv, b_qkv): (&panels::Panels, &Tensor),
+    bias: &RelativeBias,
+    regions: Option<&[u8]>,
+    (w_proj, b_proj): (&panels::Panels, &Tensor),
+) -> Result<Option<Tensor>> {
+    if !use_kernel(x) || !panels::available() {
+        return Ok(None);
+    }
+    let (bw, n, c) = x.dims3()?;
+    let heads = bias.heads();
+    if bw < 2 * rayon::current_num_threads()
+        || heads == 0
+        || c % heads != 0
+        || n != bias.tokens()
+        || w_qkv.dims() != (c, 3 * c)
+        || w_proj.dims() != (c, c)
+        || b_qkv.dims() != [3 * c]
+        || b_proj.dims() != [c]
+    {
+        return Ok(None);
+    }
+    let nw = match regions {
+        Some(r) if r.is_empty() || r.len() % n != 0 || bw % (r.len() / n) != 0 => {
+            candle_core::bail!(
+                "window attention: {} region labels for {bw} windows",
+                r.len()
+            )
+        }
+        Some(r) => r.len() / n,
+        None => 1,
+    };
+    let tensors = [x, b_qkv, b_proj];
+    let guards = tensors.map(|t| t.storage_and_layout());
+    let slices = guards
+        .iter()
+        .map(|(g, l)| cpu_slice(g, l))
+        .collect::<Result<Vec<_>>>()?;
+    let &[xs, bq, bp] = slices.as_slice() else {
+        unreachable!("three tensors")
+    };
+    let (products, gathered) = products_for(bw, bias, None);
+    let shape = WindowShape {
+        n,
+        c,
+        heads,
+        products,
+        gathered: gathered.as_deref(),
+        pack_values: packs_values(products, n),
+    };
+    let mut out: Vec<f32> = Vec::with_capacity(bw * n * c);
+    out.spare_capacity_mut()
+        .par_chunks_mut(n * c)
+        .enumerate()
+        .for_each_init(
+            || {
+                let scratch = Scratch {
+                    scores: vec![0f32; n * n],
+                    ..Scratch::default()
+                };
+                (scratch, vec![0f32; n * 3 * c], Vec::with_capacity(n * c))
+            },
+            |(scratch, qkv, attended): &mut (Scratch, Vec<f32>, Vec<f32>), (win, out)| {
+                let rows = &xs[win * n * c..(win + 1) * n * c];
+                // SAFETY: the window's n rows of c values, into n rows of 3c in `qkv`, with
+                // qkv's 3c bias values.
+                unsafe {
+                    panels::gemm(
+                        n,
+                        (rows.as_ptr(), c),
+                        w_qkv.rhs(),
+                        (qkv.as_mut_ptr(), 3 * c),
+                        panels::Start {
+                            init: None,
+                            bias: Some(bq.as_ptr()),
+                        },
+                        false,
+                        None,
+                    )
+                };
+                let labels = regions
+                    .map(|r| &r[(win % nw) * n..(win % nw + 1) * n])
+                    .filter(|l| l.iter().any(|&v| v != l[0]));
+                attended.clear();
+                attend_window(
+                    &shape,
+                    qkv,
+                    bias,
+                    labels,
+                    scratch,
+                    &mut attended.spare_capacity_mut()[..n * c],
+                );
+                // SAFETY: `attend_window` wrote all n * c values; then they are proj's input
+                // (n rows of c), its output this window's n rows of c in `out`, which no other
+                // task touches, with proj's c bias values.
+                unsafe {
+                    attended.set_len(n * c);
+                    panels::gemm(
+                        n,
+                        (attended.as_ptr(), c),
+                        w_proj.rhs(),
+                        (out.as_mut_ptr().cast::<f32>(), c),
+                        panels::Start {
+                            init: None,
+                            bias: Some(bp.as_ptr()),
+                        },
+                        false,
+                        None,
+                    )
+                };
+            },
+        );
+    // SAFETY: every window's proj wrote its n * c values.
+    unsafe { out.set_len(bw * n * c) };
+    drop(guards);
+    Ok(Some(Tensor::from_vec(out, (bw, n, c), x.device())?))
+}
+
 /// Windows of at least this many tokens have their values packed on AVX2 ([`packs_values`]).
 const PACKED_VALUES_TOKENS: usize = 128;
 

@@ -301,6 +301,70 @@ fn fused_window_attention_matches_the_graph_on_one_isa() -> Result<()> {
     Ok(())
 }
 
+/// A window at a time, qkv, the attention and proj give the bits of the three steps over all
+/// windows in turn, and match them in f64 (images of shifted 4x4 windows with heads of 5;
+/// 256-token windows with DRCT's heads of 53, v packed on AVX2); with fewer windows than
+/// twice the threads it declines.
+#[test]
+fn window_block_is_qkv_attention_and_proj_in_turn() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(|| {
+        let dev = Device::Cpu;
+        // Twice the threads' windows at least, a whole number of maps.
+        let enough = |nw: usize| (2 * rayon::current_num_threads()).next_multiple_of(nw);
+        for shape in [(enough(4), 4, 3, 5, 4), (enough(2), 16, 2, 53, 2)] {
+            let (bw, ws, heads, d, _) = shape;
+            let (n, c) = (ws * ws, heads * d);
+            let (_, bias, regions, gathered, mask) = attention_inputs(shape)?;
+            let x = normal(0.0, 1.0, (bw, n, c), &dev)?;
+            let layer = |cin: usize, cout: usize| -> Result<(Tensor, Tensor)> {
+                let w = (normal(0.0, 1.0, (cout, cin), &dev)? / (cin as f64).sqrt())?;
+                Ok((w, normal(0.0, 1.0, cout, &dev)?))
+            };
+            let ((wq, bq), (wp, bp)) = (layer(c, 3 * c)?, layer(c, c)?);
+            let Some(pq) = pack(&wq)? else {
+                // Only where the panel kernels do not run (no AVX2).
+                assert!(!panels::available());
+                return Ok(());
+            };
+            let pp = pack(&wp)?.expect("packed like qkv");
+            let block = |x: &Tensor| {
+                crate::ops::attention::cpu::window_block(
+                    x,
+                    (&pq, &bq),
+                    &bias,
+                    regions.as_deref(),
+                    (&pp, &bp),
+                )
+            };
+            let got = block(&x)?.expect("enough windows");
+            let qkv = linear_packed(&x, &pq, Some(&bq), After::Nothing)?;
+            let attended = window_attention(&qkv, &bias, regions.as_deref(), None)?
+                .expect("the CPU f32 kernel applies");
+            let three = linear_packed(&attended, &pp, Some(&bp), After::Nothing)?;
+            let got = got.flatten_all()?.to_vec1::<f32>()?;
+            assert_eq!(got, three.flatten_all()?.to_vec1::<f32>()?, "{shape:?}");
+            let f64 = |t: &Tensor| t.to_dtype(DType::F64);
+            let qkv64 = f64(&x)?
+                .broadcast_matmul(&f64(&wq)?.t()?)?
+                .broadcast_add(&f64(&bq)?)?;
+            let want = attention_reference(&qkv64, &gathered, mask.as_ref(), heads, false)?
+                .broadcast_matmul(&f64(&wp)?.t()?)?
+                .broadcast_add(&f64(&bp)?)?
+                .flatten_all()?
+                .to_vec1::<f64>()?;
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (*g as f64 - w).abs() < 1e-4 * (1.0 + w.abs()),
+                    "{shape:?}: {g} vs {w}"
+                );
+            }
+            let few = x.narrow(0, 0, 2 * rayon::current_num_threads() - 1)?;
+            assert!(block(&few)?.is_none(), "{shape:?}");
+        }
+        Ok(())
+    })
+}
+
 #[test]
 fn window_attention_declines_other_dtypes_and_checks_shapes() -> Result<()> {
     let dev = Device::Cpu;
