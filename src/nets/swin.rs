@@ -9,6 +9,7 @@ use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::ops::attention::Attend;
+use crate::ops::block::{swin_block_by_windows, SwinLayers};
 use crate::ops::linear::{self, spread2, Dense};
 use crate::ops::norm::{add_gather_norm, norm_gather, Norm};
 use crate::ops::pad::{Channels, Pad};
@@ -120,9 +121,6 @@ pub struct WindowAttention {
     pub(crate) qkv: Dense,
     pub(crate) proj: Dense,
     attend: Attend,
-    /// qkv, the attention and proj a window at a time where they can
-    /// ([`Attend::forward_block`]).
-    fused: bool,
 }
 
 impl WindowAttention {
@@ -160,7 +158,6 @@ impl WindowAttention {
             qkv: Dense::new(w, b, plan)?,
             proj: Dense::load(&head_channels, channels, plan, vb.pp("proj"))?,
             attend: Attend::new(&table, heads, pad.width(head_dim), ws, plan)?,
-            fused: plan.switches.fused_windows,
         })
     }
 
@@ -173,12 +170,6 @@ impl WindowAttention {
         shifted: bool,
         windows: &WindowCache,
     ) -> Result<Tensor> {
-        if self.fused {
-            let layers = (&self.qkv, &self.proj);
-            if let Some(y) = self.attend.forward_block(x, layers, hw, shifted, windows)? {
-                return Ok(y);
-            }
-        }
         let out = self
             .attend
             .forward(&self.qkv.forward(x)?, hw, shifted, windows)?;
@@ -207,6 +198,8 @@ pub struct SwinBlock {
     window: usize,
     shifted: bool,
     windows: WindowCache,
+    /// The whole block a window at a time where it can ([`swin_block_by_windows`]).
+    by_windows: bool,
 }
 
 impl SwinBlock {
@@ -242,6 +235,7 @@ impl SwinBlock {
             window: s.window,
             shifted: s.shifted,
             windows: windows.clone(),
+            by_windows: plan.switches.fused_windows,
         })
     }
 }
@@ -277,6 +271,21 @@ impl SwinBlock {
         x: &Tensor,
         extra: Option<(&Tensor, &Tensor)>,
     ) -> Result<Tensor> {
+        if self.by_windows {
+            let layers = SwinLayers {
+                norm1: &self.norm1,
+                qkv: &self.attn.qkv,
+                attend: &self.attn.attend,
+                proj: &self.attn.proj,
+                norm2: &self.norm2,
+                fc1: &self.mlp.fc1,
+                fc2: &self.mlp.fc2,
+            };
+            let shape = (self.window, self.shifted);
+            if let Some(y) = swin_block_by_windows(&layers, x, extra, shape, &self.windows)? {
+                return Ok(y);
+            }
+        }
         let (b, h, w, c) = x.dims4()?;
         let ws = self.window;
         let (nh, nw) = (h / ws, w / ws);

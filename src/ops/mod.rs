@@ -20,6 +20,7 @@
 //! has a test against the reference column.
 
 pub mod attention;
+pub(crate) mod block;
 pub mod conv;
 pub mod cpu;
 pub mod linear;

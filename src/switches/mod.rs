@@ -19,7 +19,7 @@
 //! | `UPSCALE_BF16_ISA` | [`Switches::bf16_vector`] | `avx512`: CPU bf16 on the vector kernel even where AMX is |
 //! | `UPSCALE_CPU_ISA` | [`Switches::cpu_isa`] | `native`, `avx512`, `avx2`, `scalar`: the widest instructions our CPU kernels use |
 //! | `UPSCALE_CPU_FUSED_MLP` | [`Switches::fused_mlp`] | `0`/`off`/`false`: transformer MLPs on the CPU as two products over all tokens, not a block of rows at a time |
-//! | `UPSCALE_CPU_FUSED_WINDOWS` | [`Switches::fused_windows`] | `0`/`off`/`false`: Swin blocks' qkv, window attention and proj on the CPU as three passes over all windows, not a window at a time |
+//! | `UPSCALE_CPU_FUSED_WINDOWS` | [`Switches::fused_windows`] | `0`/`off`/`false`: Swin blocks on the CPU as a pass over all tokens per step, not the whole block a window at a time |
 //! | `UPSCALE_CPU_WINOGRAD` | [`Switches::winograd`] | `auto`, `always`, `never`: f32 3x3 convolutions on the CPU by Winograd's F(4x4, 3x3) |
 //! | `UPSCALE_DEFER_FINISH` | [`Switches::defer_finish`] | `auto`, `1`/`always`, `0`/`never`: folder runs finish each image off the model's thread (auto: on a GPU) |
 //! | `UPSCALE_STREAM` | [`Switches::stream`] | `auto`, `always`, `never`: PNG and TIFF outputs written in bands of rows as tiles finish |
@@ -97,8 +97,8 @@ pub struct Switches {
     /// Transformer MLPs on the CPU in f32 take both layers a block of rows at a time (on
     /// unless turned off; see [`crate::ops::linear::cpu::mlp_packed`]).
     pub fused_mlp: bool,
-    /// Swin blocks' qkv, window attention and proj on the CPU in f32 run a window at a time
-    /// (on unless turned off; see [`crate::ops::attention::cpu::window_block`]).
+    /// Swin blocks on the CPU in f32 run whole, a window at a time (on unless turned off;
+    /// see [`crate::ops::block`]).
     pub fused_windows: bool,
     /// Whether f32 3x3 convolutions on the CPU run by Winograd's F(4x4, 3x3) (`None`: where
     /// both sides have enough channels for it to pay; see [`crate::ops::conv`]).

@@ -5,7 +5,9 @@ use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
 use crate::ops::cpu::bf16::{Isa, PackedA, PackedB};
+use crate::ops::cpu::shared::Shared;
 use crate::ops::cpu::{attention_probs, cpu_slice, panels, product, use_kernel, Weights};
+use crate::ops::norm::cpu::RowNorm;
 use crate::ops::windows::{rectangle_regions, RelativeBias};
 
 /// Shifted-window multi-head attention on the CPU, fused per window: both matmuls go to the
@@ -119,61 +121,72 @@ fn products_for(
     (products, gathered)
 }
 
-/// A Swin block's whole window attention on the CPU in f32, a window per task: the window's
-/// tokens through qkv into a buffer of the task's own, its attention ([`attend_window`])
-/// into another, and through proj into the output. qkv's output (three times the channels:
-/// 8.8 MB for a 64x64 SwinIR input) and the attention's never leave the core's cache; the
-/// values are those of the three steps over all windows in turn (each row of a product is
-/// computed alike however its rows are grouped).
+/// A Swin block's layers on the CPU in f32, each linear layer packed with its bias: what
+/// [`swin_block`] runs.
+pub(crate) struct BlockLayers<'a> {
+    pub norm1: &'a RowNorm<'a>,
+    pub qkv: (&'a panels::Panels, &'a [f32]),
+    pub proj: (&'a panels::Panels, &'a [f32]),
+    pub norm2: &'a RowNorm<'a>,
+    pub fc1: (&'a panels::Panels, &'a [f32]),
+    pub fc2: (&'a panels::Panels, &'a [f32]),
+}
+
+/// A whole Swin block on the CPU in f32, a window per task: the window's tokens gathered
+/// through the first norm, qkv, the attention ([`attend_window`]), proj, the residual sum
+/// with the second norm, and the MLP with its residual, each into buffers of the task's own,
+/// and the results written back at the tokens' places. The block's intermediate tensors (qkv's
+/// alone is 8.8 MB for a 64x64 SwinIR input) never leave the core's cache, and its eight
+/// passes over the map are one. The values are those of the steps one after the other over
+/// all tokens: each row of a product is computed alike however the rows are grouped, and
+/// every other step is row by row with the same functions.
 ///
-/// `x`: `(B*nW, N, C)`, the windows' normalised tokens; `qkv` `C x 3C` packed with its bias
-/// (q's rows pre-scaled), `proj` `C x C` with its; `bias` and `regions` as
-/// [`window_attention`] takes them. `None` where it does not apply: other dtypes, fewer
-/// windows than twice the threads (the products are split across threads instead), or
-/// shapes that do not chain.
-pub fn window_block(
-    x: &Tensor,
-    (w_qkv, b_qkv): (&panels::Panels, &Tensor),
+/// `x`: `(b, t, c)` tokens in image order; `order`: the `t` token indices in window order
+/// (the windows of a map one after the other, `n` tokens each, after the shift if any: a
+/// permutation); `extra`: HAT's `(z (b, t, c), s (b, c))`, the sum then `(x + z * s) + y`;
+/// `bias` and `regions` as [`window_attention`] takes them. Returns `(b, t, c)`.
+pub(crate) fn swin_block(
+    x: &[f32],
+    (b, t, c): (usize, usize, usize),
+    order: &[u32],
+    extra: Option<(&[f32], &[f32])>,
+    layers: &BlockLayers,
     bias: &RelativeBias,
     regions: Option<&[u8]>,
-    (w_proj, b_proj): (&panels::Panels, &Tensor),
-) -> Result<Option<Tensor>> {
-    if !use_kernel(x) || !panels::available() {
-        return Ok(None);
+) -> Result<Vec<f32>> {
+    let (n, heads) = (bias.tokens(), bias.heads());
+    let h = layers.fc1.0.dims().1;
+    let dims_ok = layers.qkv.0.dims() == (c, 3 * c)
+        && layers.proj.0.dims() == (c, c)
+        && layers.fc1.0.dims() == (c, h)
+        && layers.fc2.0.dims() == (h, c)
+        && [
+            layers.qkv.1.len(),
+            layers.proj.1.len(),
+            layers.fc1.1.len(),
+            layers.fc2.1.len(),
+        ] == [3 * c, c, h, c];
+    let sizes_ok = n > 0
+        && t % n == 0
+        && heads > 0
+        && c % heads == 0
+        && x.len() == b * t * c
+        && order.len() == t
+        && extra.is_none_or(|(z, s)| z.len() == b * t * c && s.len() == b * c)
+        && regions.is_none_or(|r| r.len() == t);
+    if !dims_ok || !sizes_ok || !panels::available() {
+        candle_core::bail!("Swin block: {b}x{t}x{c} tokens, {n}-token windows, {heads} heads");
     }
-    let (bw, n, c) = x.dims3()?;
-    let heads = bias.heads();
-    if bw < 2 * rayon::current_num_threads()
-        || heads == 0
-        || c % heads != 0
-        || n != bias.tokens()
-        || w_qkv.dims() != (c, 3 * c)
-        || w_proj.dims() != (c, c)
-        || b_qkv.dims() != [3 * c]
-        || b_proj.dims() != [c]
-    {
-        return Ok(None);
-    }
-    let nw = match regions {
-        Some(r) if r.is_empty() || r.len() % n != 0 || bw % (r.len() / n) != 0 => {
-            candle_core::bail!(
-                "window attention: {} region labels for {bw} windows",
-                r.len()
-            )
+    // Each token is written by the one task whose window holds it.
+    let mut seen = vec![false; t];
+    for &i in order {
+        match seen.get_mut(i as usize) {
+            Some(s) if !*s => *s = true,
+            _ => candle_core::bail!("Swin block: the window order is not a permutation"),
         }
-        Some(r) => r.len() / n,
-        None => 1,
-    };
-    let tensors = [x, b_qkv, b_proj];
-    let guards = tensors.map(|t| t.storage_and_layout());
-    let slices = guards
-        .iter()
-        .map(|(g, l)| cpu_slice(g, l))
-        .collect::<Result<Vec<_>>>()?;
-    let &[xs, bq, bp] = slices.as_slice() else {
-        unreachable!("three tensors")
-    };
-    let (products, gathered) = products_for(bw, bias, None);
+    }
+    let windows = t / n;
+    let (products, gathered) = products_for(b * windows, bias, None);
     let shape = WindowShape {
         n,
         c,
@@ -182,72 +195,153 @@ pub fn window_block(
         gathered: gathered.as_deref(),
         pack_values: packs_values(products, n),
     };
-    let mut out: Vec<f32> = Vec::with_capacity(bw * n * c);
-    out.spare_capacity_mut()
-        .par_chunks_mut(n * c)
-        .enumerate()
-        .for_each_init(
-            || {
-                let scratch = Scratch {
-                    scores: vec![0f32; n * n],
-                    ..Scratch::default()
-                };
-                (scratch, vec![0f32; n * 3 * c], Vec::with_capacity(n * c))
-            },
-            |(scratch, qkv, attended): &mut (Scratch, Vec<f32>, Vec<f32>), (win, out)| {
-                let rows = &xs[win * n * c..(win + 1) * n * c];
-                // SAFETY: the window's n rows of c values, into n rows of 3c in `qkv`, with
-                // qkv's 3c bias values.
-                unsafe {
-                    panels::gemm(
-                        n,
-                        (rows.as_ptr(), c),
-                        w_qkv.rhs(),
-                        (qkv.as_mut_ptr(), 3 * c),
-                        panels::Start {
-                            init: None,
-                            bias: Some(bq.as_ptr()),
-                        },
-                        false,
-                        None,
-                    )
-                };
-                let labels = regions
-                    .map(|r| &r[(win % nw) * n..(win % nw + 1) * n])
-                    .filter(|l| l.iter().any(|&v| v != l[0]));
-                attended.clear();
-                attend_window(
-                    &shape,
-                    qkv,
-                    bias,
-                    labels,
-                    scratch,
-                    &mut attended.spare_capacity_mut()[..n * c],
+    let mc = panels::task_rows();
+    let gelu = |rows: &mut [f32]| crate::ops::cpu::gelu_in_place(rows);
+    let mut out: Vec<f32> = Vec::with_capacity(b * t * c);
+    // SAFETY: the tasks read x, `extra` and the layers, and each writes only the rows of its
+    // window's tokens (a permutation: checked above) into `out`, which outlives them.
+    let dst = unsafe { Shared::new(out.as_mut_ptr()) };
+    (0..b * windows).into_par_iter().for_each_init(
+        || BlockScratch::new(n, c, h, mc),
+        |work, win| {
+            let (image, w) = (win / windows, win % windows);
+            let tokens = &order[w * n..(w + 1) * n];
+            let row = |i: usize| (image * t + tokens[i] as usize) * c;
+            let BlockScratch {
+                attention,
+                normed,
+                qkv,
+                attended,
+                hidden,
+            } = work;
+            for (i, dst) in normed.chunks_exact_mut(c).enumerate() {
+                layers.norm1.row(&x[row(i)..][..c], uninit(dst));
+            }
+            let labels = regions
+                .map(|r| &r[w * n..(w + 1) * n])
+                .filter(|l| l.iter().any(|&v| v != l[0]));
+            let start = |bias: &[f32]| panels::Start {
+                init: None,
+                bias: Some(bias.as_ptr()),
+            };
+            // SAFETY (the products): every operand holds the rows and columns its call
+            // names: the buffers were sized for n tokens by `BlockScratch::new`, the layers'
+            // dims and biases checked above.
+            unsafe {
+                let (w, bq) = layers.qkv;
+                panels::gemm(
+                    n,
+                    (normed.as_ptr(), c),
+                    w.rhs(),
+                    (qkv.as_mut_ptr(), 3 * c),
+                    start(bq),
+                    false,
+                    None,
                 );
-                // SAFETY: `attend_window` wrote all n * c values; then they are proj's input
-                // (n rows of c), its output this window's n rows of c in `out`, which no other
-                // task touches, with proj's c bias values.
+            }
+            attend_window(&shape, qkv, bias, labels, attention, uninit(attended));
+            // proj's output goes where the normalised tokens were.
+            unsafe {
+                let (w, bp) = layers.proj;
+                panels::gemm(
+                    n,
+                    (attended.as_ptr(), c),
+                    w.rhs(),
+                    (normed.as_mut_ptr(), c),
+                    start(bp),
+                    false,
+                    None,
+                );
+            }
+            // The residual sums (into qkv's buffer), and their norm (into the attention's):
+            // both free now, and the task's memory is what stays in cache.
+            let sums = &mut qkv[..n * c];
+            for (i, (sum, dst)) in sums
+                .chunks_exact_mut(c)
+                .zip(attended.chunks_exact_mut(c))
+                .enumerate()
+            {
+                let r = row(i);
+                let scaled = extra.map(|(z, s)| (&z[r..r + c], &s[image * c..(image + 1) * c]));
+                let y = &normed[i * c..(i + 1) * c];
+                layers
+                    .norm2
+                    .add_row((&x[r..r + c], scaled), y, uninit(sum), uninit(dst));
+            }
+            // The MLP a block of rows at a time, onto the sums in place.
+            for r0 in (0..n).step_by(mc) {
+                let rows = mc.min(n - r0);
                 unsafe {
-                    attended.set_len(n * c);
+                    let ((w1, b1), (w2, b2)) = (layers.fc1, layers.fc2);
+                    let a = attended.as_ptr().add(r0 * c);
                     panels::gemm(
-                        n,
-                        (attended.as_ptr(), c),
-                        w_proj.rhs(),
-                        (out.as_mut_ptr().cast::<f32>(), c),
-                        panels::Start {
-                            init: None,
-                            bias: Some(bp.as_ptr()),
-                        },
+                        rows,
+                        (a, c),
+                        w1.rhs(),
+                        (hidden.as_mut_ptr(), h),
+                        start(b1),
+                        false,
+                        Some(&gelu),
+                    );
+                    let s = sums.as_mut_ptr().add(r0 * c);
+                    let onto = panels::Start {
+                        init: Some((s.cast_const(), c)),
+                        bias: Some(b2.as_ptr()),
+                    };
+                    panels::gemm(
+                        rows,
+                        (hidden.as_ptr(), h),
+                        w2.rhs(),
+                        (s, c),
+                        onto,
                         false,
                         None,
-                    )
-                };
+                    );
+                }
+            }
+            for (i, sum) in sums.chunks_exact(c).enumerate() {
+                // SAFETY: this window's token rows of `out` (see `dst` above).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(sum.as_ptr(), dst.get().add(row(i)), c);
+                }
+            }
+        },
+    );
+    // SAFETY: every token's row was written by its window's task (order is a permutation
+    // of all t tokens of each of the b maps).
+    unsafe { out.set_len(b * t * c) };
+    Ok(out)
+}
+
+/// One task's buffers for [`swin_block`]: a window's worth of each step's output.
+struct BlockScratch {
+    attention: Scratch,
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    attended: Vec<f32>,
+    /// The MLP's hidden activations for a block of rows.
+    hidden: Vec<f32>,
+}
+
+impl BlockScratch {
+    fn new(n: usize, c: usize, h: usize, rows: usize) -> Self {
+        Self {
+            attention: Scratch {
+                scores: vec![0f32; n * n],
+                ..Scratch::default()
             },
-        );
-    // SAFETY: every window's proj wrote its n * c values.
-    unsafe { out.set_len(bw * n * c) };
-    drop(guards);
-    Ok(Some(Tensor::from_vec(out, (bw, n, c), x.device())?))
+            normed: vec![0f32; n * c],
+            qkv: vec![0f32; n * 3 * c],
+            attended: vec![0f32; n * c],
+            hidden: vec![0f32; rows * h],
+        }
+    }
+}
+
+/// `values` as memory to write (every f32 is a valid `MaybeUninit<f32>`).
+fn uninit(values: &mut [f32]) -> &mut [std::mem::MaybeUninit<f32>] {
+    // SAFETY: MaybeUninit<f32> has f32's layout, and the view only allows writing f32s.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), values.len()) }
 }
 
 /// Windows of at least this many tokens have their values packed on AVX2 ([`packs_values`]).

@@ -16,7 +16,6 @@ use candle_core::{Result, Tensor};
 
 use super::{Backend, LoadPlan};
 use crate::ops::cpu::bf16::Isa;
-use crate::ops::linear::Dense;
 use crate::ops::windows::{relative_position_bias, RelativeBias, WindowCache};
 use cuda::{FusedOverlapAttention, FusedWindowAttention};
 
@@ -95,36 +94,10 @@ impl Attend {
         }
     }
 
-    /// `proj(attention(qkv(x)))` in one pass over the windows, on the CPU in f32 with both
-    /// layers packed ([`cpu::window_block`]): the same values as the three steps in turn.
-    /// `x`: the windows' normalised tokens `(B*nW, N, C)`. `None` where it does not apply.
-    pub(crate) fn forward_block(
-        &self,
-        x: &Tensor,
-        (qkv, proj): (&Dense, &Dense),
-        (h, w): (usize, usize),
-        shifted: bool,
-        windows: &WindowCache,
-    ) -> Result<Option<Tensor>> {
-        let (
-            Dense::CpuPacked {
-                panels: wq,
-                bias: bq,
-            },
-            Dense::CpuPacked {
-                panels: wp,
-                bias: bp,
-            },
-        ) = (qkv, proj)
-        else {
-            return Ok(None);
-        };
-        if self.backend != Backend::Cpu || self.bf16.is_some() {
-            return Ok(None);
-        }
-        let regions = shifted.then(|| windows.regions(h, w)).transpose()?;
-        let x = x.to_dtype(candle_core::DType::F32)?.contiguous()?;
-        cpu::window_block(&x, (wq, bq), &self.table, regions.as_deref(), (wp, bp))
+    /// The position-bias table, where this attention runs on the CPU in f32 (the kernels of
+    /// [`cpu`] take it); `None` elsewhere.
+    pub(crate) fn cpu_f32_table(&self) -> Option<&RelativeBias> {
+        (self.backend == Backend::Cpu && self.bf16.is_none()).then_some(&self.table)
     }
 
     /// The fused op: the CUDA kernel on a GPU, its scalar twin on the CPU (which tests use to

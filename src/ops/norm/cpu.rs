@@ -209,7 +209,25 @@ impl RowNorm<'_> {
     pub(crate) fn row(&self, src: &[f32], dst: &mut [MaybeUninit<f32>]) {
         norm_row(&self.0, src, dst)
     }
+
+    /// `sum = x + y` (with HAT's term `(z, s)`: `(x + z * s) + y`) and `dst = LayerNorm(sum)`,
+    /// one row each: the arithmetic of [`add_gather_norm`].
+    pub(crate) fn add_row(
+        &self,
+        (x, scaled): (&[f32], Option<ScaledRow>),
+        y: &[f32],
+        sum: &mut [MaybeUninit<f32>],
+        dst: &mut [MaybeUninit<f32>],
+    ) {
+        match scaled {
+            Some((z, s)) => add_scaled_norm_row(&self.0, (x, z, s), y, sum, dst),
+            None => add_norm_row(&self.0, x, y, sum, dst),
+        }
+    }
 }
+
+/// HAT's term for one row of a residual sum: `z`'s row and the image's scale `s`.
+pub(crate) type ScaledRow<'a> = (&'a [f32], &'a [f32]);
 
 /// `f` with `norm` as a [`RowNorm`] over rows of `c` values, or `None` where the kernels do
 /// not apply to it.
