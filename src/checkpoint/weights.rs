@@ -159,9 +159,7 @@ impl Weights {
             // tensor as the layers see it).
             Entry::Stored(s) => {
                 if let Some((entry, crc)) = &s.checksum {
-                    if crc32fast::hash(&self.0.bytes[entry.clone()]) != *crc {
-                        return Err(TensorError::Checksum);
-                    }
+                    self.check_crc(entry.clone(), *crc)?;
                 }
                 values_non_finite(&self.convert(s)?)?
             }
@@ -186,9 +184,7 @@ impl Weights {
         let bytes = &self.0.bytes;
         if !(entry.start <= s.range.start && s.range.end <= entry.end) {
             // Not where the archive says its entry is: checked one after the other.
-            if crc32fast::hash(&bytes[entry]) != crc {
-                return Err(TensorError::Checksum);
-            }
+            self.check_crc(entry, crc)?;
             return Ok(first_non_finite(s.dtype, self.data(s)));
         }
         let mut hasher = crc32fast::Hasher::new();
@@ -212,6 +208,15 @@ impl Weights {
             return Err(TensorError::Checksum);
         }
         Ok(found)
+    }
+
+    /// The CRC-32 of the archive entry at `entry` against the one the archive records.
+    fn check_crc(&self, entry: Range<usize>, crc: u32) -> Result<(), TensorError> {
+        if crc32fast::hash(&self.0.bytes[entry]) == crc {
+            Ok(())
+        } else {
+            Err(TensorError::Checksum)
+        }
     }
 
     fn data(&self, s: &Stored) -> &[u8] {

@@ -10,6 +10,7 @@
 //! | window attention | [`attention::Attend`] | `attention::cpu::window_attention` | the same, bf16 products | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
 //! | overlapping cross-attention (HAT) | [`attention::OverlapAttend`] | `attention::cpu::overlap_attention` | the same, bf16 products | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
 //! | layer norm | [`norm::Norm`] | `norm::cpu` | (f32) | `norm::cuda` | candle's `layer_norm` |
+//! | a whole Swin block, a window at a time | `block::swin_block_by_windows` | `attention::cpu::swin_block` | (its steps) | (its steps) | its steps in turn |
 //!
 //! Each operation's folder holds its type and reference (`mod.rs`), its CPU half (`cpu.rs`)
 //! and, where it has kernels of its own, its CUDA half (`cuda.rs`; Dense's row-wise
