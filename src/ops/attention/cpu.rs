@@ -201,112 +201,117 @@ pub(crate) fn swin_block(
     // SAFETY: the tasks read x, `extra` and the layers, and each writes only the rows of its
     // window's tokens (a permutation: checked above) into `out`, which outlives them.
     let dst = unsafe { Shared::new(out.as_mut_ptr()) };
-    (0..b * windows).into_par_iter().for_each_init(
-        || BlockScratch::new(n, c, h, mc),
-        |work, win| {
-            let (image, w) = (win / windows, win % windows);
-            let tokens = &order[w * n..(w + 1) * n];
-            let row = |i: usize| (image * t + tokens[i] as usize) * c;
-            let BlockScratch {
-                attention,
-                normed,
-                qkv,
-                attended,
-                hidden,
-            } = work;
-            for (i, dst) in normed.chunks_exact_mut(c).enumerate() {
-                layers.norm1.row(&x[row(i)..][..c], uninit(dst));
-            }
-            let labels = regions
-                .map(|r| &r[w * n..(w + 1) * n])
-                .filter(|l| l.iter().any(|&v| v != l[0]));
-            let start = |bias: &[f32]| panels::Start {
-                init: None,
-                bias: Some(bias.as_ptr()),
-            };
-            // SAFETY (the products): every operand holds the rows and columns its call
-            // names: the buffers were sized for n tokens by `BlockScratch::new`, the layers'
-            // dims and biases checked above.
+    // A quarter of a thread's windows per split at least: each split sets up its buffers
+    // (a third of a megabyte for SwinIR, 2.4 MB for DRCT's widest blocks, zeroed), which rayon's
+    // finer splits repeated many times a block (DRCT held to AVX2 2-3% faster; SwinIR alike).
+    let per_split = (b * windows / (4 * rayon::current_num_threads())).max(1);
+    let task = |work: &mut BlockScratch, win: usize| {
+        let (image, w) = (win / windows, win % windows);
+        let tokens = &order[w * n..(w + 1) * n];
+        let row = |i: usize| (image * t + tokens[i] as usize) * c;
+        let BlockScratch {
+            attention,
+            normed,
+            qkv,
+            attended,
+            hidden,
+        } = work;
+        for (i, dst) in normed.chunks_exact_mut(c).enumerate() {
+            layers.norm1.row(&x[row(i)..][..c], uninit(dst));
+        }
+        let labels = regions
+            .map(|r| &r[w * n..(w + 1) * n])
+            .filter(|l| l.iter().any(|&v| v != l[0]));
+        let start = |bias: &[f32]| panels::Start {
+            init: None,
+            bias: Some(bias.as_ptr()),
+        };
+        // SAFETY (the products): every operand holds the rows and columns its call
+        // names: the buffers were sized for n tokens by `BlockScratch::new`, the layers'
+        // dims and biases checked above.
+        unsafe {
+            let (w, bq) = layers.qkv;
+            panels::gemm(
+                n,
+                (normed.as_ptr(), c),
+                w.rhs(),
+                (qkv.as_mut_ptr(), 3 * c),
+                start(bq),
+                false,
+                None,
+            );
+        }
+        attend_window(&shape, qkv, bias, labels, attention, uninit(attended));
+        // proj's output goes where the normalised tokens were.
+        unsafe {
+            let (w, bp) = layers.proj;
+            panels::gemm(
+                n,
+                (attended.as_ptr(), c),
+                w.rhs(),
+                (normed.as_mut_ptr(), c),
+                start(bp),
+                false,
+                None,
+            );
+        }
+        // The residual sums (into qkv's buffer), and their norm (into the attention's):
+        // both free now, and the task's memory is what stays in cache.
+        let sums = &mut qkv[..n * c];
+        for (i, (sum, dst)) in sums
+            .chunks_exact_mut(c)
+            .zip(attended.chunks_exact_mut(c))
+            .enumerate()
+        {
+            let r = row(i);
+            let scaled = extra.map(|(z, s)| (&z[r..r + c], &s[image * c..(image + 1) * c]));
+            let y = &normed[i * c..(i + 1) * c];
+            layers
+                .norm2
+                .add_row((&x[r..r + c], scaled), y, uninit(sum), uninit(dst));
+        }
+        // The MLP a block of rows at a time, onto the sums in place.
+        for r0 in (0..n).step_by(mc) {
+            let rows = mc.min(n - r0);
             unsafe {
-                let (w, bq) = layers.qkv;
+                let ((w1, b1), (w2, b2)) = (layers.fc1, layers.fc2);
+                let a = attended.as_ptr().add(r0 * c);
                 panels::gemm(
-                    n,
-                    (normed.as_ptr(), c),
-                    w.rhs(),
-                    (qkv.as_mut_ptr(), 3 * c),
-                    start(bq),
+                    rows,
+                    (a, c),
+                    w1.rhs(),
+                    (hidden.as_mut_ptr(), h),
+                    start(b1),
+                    false,
+                    Some(&gelu),
+                );
+                let s = sums.as_mut_ptr().add(r0 * c);
+                let onto = panels::Start {
+                    init: Some((s.cast_const(), c)),
+                    bias: Some(b2.as_ptr()),
+                };
+                panels::gemm(
+                    rows,
+                    (hidden.as_ptr(), h),
+                    w2.rhs(),
+                    (s, c),
+                    onto,
                     false,
                     None,
                 );
             }
-            attend_window(&shape, qkv, bias, labels, attention, uninit(attended));
-            // proj's output goes where the normalised tokens were.
+        }
+        for (i, sum) in sums.chunks_exact(c).enumerate() {
+            // SAFETY: this window's token rows of `out` (see `dst` above).
             unsafe {
-                let (w, bp) = layers.proj;
-                panels::gemm(
-                    n,
-                    (attended.as_ptr(), c),
-                    w.rhs(),
-                    (normed.as_mut_ptr(), c),
-                    start(bp),
-                    false,
-                    None,
-                );
+                std::ptr::copy_nonoverlapping(sum.as_ptr(), dst.get().add(row(i)), c);
             }
-            // The residual sums (into qkv's buffer), and their norm (into the attention's):
-            // both free now, and the task's memory is what stays in cache.
-            let sums = &mut qkv[..n * c];
-            for (i, (sum, dst)) in sums
-                .chunks_exact_mut(c)
-                .zip(attended.chunks_exact_mut(c))
-                .enumerate()
-            {
-                let r = row(i);
-                let scaled = extra.map(|(z, s)| (&z[r..r + c], &s[image * c..(image + 1) * c]));
-                let y = &normed[i * c..(i + 1) * c];
-                layers
-                    .norm2
-                    .add_row((&x[r..r + c], scaled), y, uninit(sum), uninit(dst));
-            }
-            // The MLP a block of rows at a time, onto the sums in place.
-            for r0 in (0..n).step_by(mc) {
-                let rows = mc.min(n - r0);
-                unsafe {
-                    let ((w1, b1), (w2, b2)) = (layers.fc1, layers.fc2);
-                    let a = attended.as_ptr().add(r0 * c);
-                    panels::gemm(
-                        rows,
-                        (a, c),
-                        w1.rhs(),
-                        (hidden.as_mut_ptr(), h),
-                        start(b1),
-                        false,
-                        Some(&gelu),
-                    );
-                    let s = sums.as_mut_ptr().add(r0 * c);
-                    let onto = panels::Start {
-                        init: Some((s.cast_const(), c)),
-                        bias: Some(b2.as_ptr()),
-                    };
-                    panels::gemm(
-                        rows,
-                        (hidden.as_ptr(), h),
-                        w2.rhs(),
-                        (s, c),
-                        onto,
-                        false,
-                        None,
-                    );
-                }
-            }
-            for (i, sum) in sums.chunks_exact(c).enumerate() {
-                // SAFETY: this window's token rows of `out` (see `dst` above).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(sum.as_ptr(), dst.get().add(row(i)), c);
-                }
-            }
-        },
-    );
+        }
+    };
+    (0..b * windows)
+        .into_par_iter()
+        .with_min_len(per_split)
+        .for_each_init(|| BlockScratch::new(n, c, h, mc), task);
     // SAFETY: every token's row was written by its window's task (order is a permutation
     // of all t tokens of each of the b maps).
     unsafe { out.set_len(b * t * c) };
