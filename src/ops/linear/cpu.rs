@@ -389,6 +389,14 @@ mod tests {
     use crate::tests::normal;
     use candle_core::{Device, D};
 
+    /// Every f32 result within 1e-4 (relative, above 1) of its f64 reference.
+    fn assert_near(got: &[f32], want: &[f64]) {
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert!((*g as f64 - w).abs() < 1e-4 * (1.0 + w.abs()), "{g} vs {w}");
+        }
+    }
+
     /// The packed layers of an MLP `k -> h -> n`, and their biases.
     fn mlp_layers(
         (k, h, n): (usize, usize, usize),
@@ -435,9 +443,7 @@ mod tests {
                 .add(&f64(&residual)?)?
                 .flatten_all()?
                 .to_vec1::<f64>()?;
-            for (g, w) in got.iter().zip(&want) {
-                assert!((*g as f64 - w).abs() < 1e-4 * (1.0 + w.abs()), "{g} vs {w}");
-            }
+            assert_near(&got, &want);
             Ok(())
         })
     }
@@ -520,9 +526,7 @@ mod tests {
                 .broadcast_add(&f64(&b)?)?
                 .flatten_all()?
                 .to_vec1::<f64>()?;
-            for (g, w) in got.iter().zip(&want) {
-                assert!((*g as f64 - w).abs() < 1e-4 * (1.0 + w.abs()), "{g} vs {w}");
-            }
+            assert_near(&got, &want);
             Ok(())
         })
     }
