@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use crate::ops::cpu::bf16::{Isa, PackedA, PackedB};
 use crate::ops::cpu::shared::Shared;
 use crate::ops::cpu::{attention_probs, cpu_slice, panels, product, use_kernel, Weights};
+use crate::ops::linear::cpu::mlp_rows;
 use crate::ops::norm::cpu::RowNorm;
 use crate::ops::windows::{rectangle_regions, RelativeBias};
 
@@ -196,7 +197,6 @@ pub(crate) fn swin_block(
         pack_values: packs_values(products, n),
     };
     let mc = panels::task_rows();
-    let gelu = |rows: &mut [f32]| crate::ops::cpu::gelu_in_place(rows);
     let mut out: Vec<f32> = Vec::with_capacity(b * t * c);
     // SAFETY: the tasks read x, `extra` and the layers, and each writes only the rows of its
     // window's tokens (a permutation: checked above) into `out`, which outlives them.
@@ -271,34 +271,16 @@ pub(crate) fn swin_block(
                 .add_row((&x[r..r + c], scaled), y, uninit(sum), uninit(dst));
         }
         // The MLP a block of rows at a time, onto the sums in place.
+        let ((w1, b1), (w2, b2)) = (layers.fc1, layers.fc2);
+        let mlp = ((w1, b1.as_ptr()), (w2, b2.as_ptr()));
         for r0 in (0..n).step_by(mc) {
             let rows = mc.min(n - r0);
+            // SAFETY: rows r0..r0 + rows of the norms (in `attended`) and of the sums, c
+            // values each; `hidden` holds mc rows of h; the layers' dims checked above.
             unsafe {
-                let ((w1, b1), (w2, b2)) = (layers.fc1, layers.fc2);
                 let a = attended.as_ptr().add(r0 * c);
-                panels::gemm(
-                    rows,
-                    (a, c),
-                    w1.rhs(),
-                    (hidden.as_mut_ptr(), h),
-                    start(b1),
-                    false,
-                    Some(&gelu),
-                );
                 let s = sums.as_mut_ptr().add(r0 * c);
-                let onto = panels::Start {
-                    init: Some((s.cast_const(), c)),
-                    bias: Some(b2.as_ptr()),
-                };
-                panels::gemm(
-                    rows,
-                    (hidden.as_ptr(), h),
-                    w2.rhs(),
-                    (s, c),
-                    onto,
-                    false,
-                    None,
-                );
+                mlp_rows(rows, (a, c), mlp, hidden, (s, s.cast_const(), c));
             }
         }
         for (i, sum) in sums.chunks_exact(c).enumerate() {

@@ -141,30 +141,9 @@ pub fn mlp_packed(
             // SAFETY: rows r0..r0 + rows of x (k values each), of the residual and the
             // output (n each); `hidden` holds mc >= rows rows of h values.
             unsafe {
-                panels::gemm(
-                    rows,
-                    (xs.add(r0 * k), k),
-                    w1.rhs(),
-                    (hidden.as_mut_ptr(), h),
-                    panels::Start {
-                        init: None,
-                        bias: Some(b1),
-                    },
-                    false,
-                    Some(&gelu_rows as &Epilogue),
-                );
-                panels::gemm(
-                    rows,
-                    (hidden.as_ptr(), h),
-                    w2.rhs(),
-                    (dst.add(r0 * n), n),
-                    panels::Start {
-                        init: Some((rs.add(r0 * n), n)),
-                        bias: Some(b2),
-                    },
-                    false,
-                    None,
-                );
+                let x = (xs.add(r0 * k), k);
+                let out = (dst.add(r0 * n), rs.add(r0 * n), n);
+                mlp_rows(rows, x, ((w1, b1), (w2, b2)), hidden, out);
             }
         },
     );
@@ -175,6 +154,61 @@ pub fn mlp_packed(
     *shape.last_mut().expect("checked above") = n;
     Ok(Some(Tensor::from_vec(out, shape, x.device())?))
 }
+
+/// `rows` rows of a transformer MLP: `dst = init + fc2(gelu(fc1(x)))`, fc1's output (with
+/// its GELU) in `hidden`. The block of rows [`mlp_packed`] and the Swin block's window
+/// ([`crate::ops::attention::cpu::swin_block`]) each task runs.
+///
+/// # Safety
+/// `x` holds `rows` rows of fc1's `k` values (`lda` apart); `hidden` at least `rows` rows of
+/// fc1's `h`; `dst` and `init` `rows` rows of fc2's `n` values `ldc` apart (`init` may be
+/// `dst`: each value is read before it is written); the biases their layers' widths.
+pub(crate) unsafe fn mlp_rows(
+    rows: usize,
+    (x, lda): (*const f32, usize),
+    ((w1, b1), (w2, b2)): MlpLayers,
+    hidden: &mut [f32],
+    (dst, init, ldc): (*mut f32, *const f32, usize),
+) {
+    let h = w1.dims().1;
+    assert!(hidden.len() >= rows * h, "the MLP's hidden buffer");
+    let fc1 = panels::Start {
+        init: None,
+        bias: Some(b1),
+    };
+    let fc2 = panels::Start {
+        init: Some((init, ldc)),
+        bias: Some(b2),
+    };
+    let gelu = &gelu_rows as &Epilogue;
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        panels::gemm(
+            rows,
+            (x, lda),
+            w1.rhs(),
+            (hidden.as_mut_ptr(), h),
+            fc1,
+            false,
+            Some(gelu),
+        );
+        panels::gemm(
+            rows,
+            (hidden.as_ptr(), h),
+            w2.rhs(),
+            (dst, ldc),
+            fc2,
+            false,
+            None,
+        );
+    }
+}
+
+/// An MLP's two packed layers with their biases.
+pub(crate) type MlpLayers<'a> = (
+    (&'a panels::Panels, *const f32),
+    (&'a panels::Panels, *const f32),
+);
 
 /// `cat(parts, -1) · wᵀ + b` without the concatenation: each part's product with its rows of
 /// the packed weight accumulated onto the output in turn, in the order one product over the
