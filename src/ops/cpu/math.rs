@@ -82,38 +82,51 @@ pub(super) fn softmax_exp<const FMA: bool>(x: f32) -> f32 {
 }
 
 /// Softmax of each length-`n` row of `data`, in place.
-#[inline(always)]
+#[cfg(test)]
 pub(super) fn softmax_rows_body<const FMA: bool>(data: &mut [f32], n: usize) {
-    for row in data.chunks_exact_mut(n) {
-        let mut maxes = [f32::NEG_INFINITY; LANES];
-        let mut chunks = row.chunks_exact(LANES);
-        for c in &mut chunks {
-            for (m, &v) in maxes.iter_mut().zip(c) {
-                *m = if v > *m { v } else { *m };
-            }
-        }
-        let max = chunks
-            .remainder()
-            .iter()
-            .chain(&maxes)
-            .fold(f32::NEG_INFINITY, |a, &v| if v > a { v } else { a });
-        let mut sums = [0f32; LANES];
-        let mut chunks = row.chunks_exact_mut(LANES);
-        for c in &mut chunks {
-            for (s, v) in sums.iter_mut().zip(c) {
-                *v = softmax_exp::<FMA>(*v - max);
-                *s += *v;
-            }
-        }
-        let mut sum = 0f32;
-        for v in chunks.into_remainder() {
-            *v = softmax_exp::<FMA>(*v - max);
-            sum += *v;
-        }
-        let inv = 1.0 / (sum + sums.iter().sum::<f32>());
-        row.iter_mut().for_each(|v| *v *= inv);
-    }
+    attention_probs_body::<FMA>(data, None, None, n, None);
 }
+
+/// The maximum of a row, the starting point of its softmax.
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let mut maxes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (m, &v) in maxes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    chunks
+        .remainder()
+        .iter()
+        .chain(&maxes)
+        .fold(f32::NEG_INFINITY, |a, &v| if v > a { v } else { a })
+}
+
+/// A row's exponentials relative to its maximum `max`, in place; returns the reciprocal of
+/// their sum.
+#[inline(always)]
+fn row_exp<const FMA: bool>(row: &mut [f32], max: f32) -> f32 {
+    let mut sums = [0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (s, v) in sums.iter_mut().zip(c) {
+            *v = softmax_exp::<FMA>(*v - max);
+            *s += *v;
+        }
+    }
+    let mut sum = 0f32;
+    for v in chunks.into_remainder() {
+        *v = softmax_exp::<FMA>(*v - max);
+        sum += *v;
+    }
+    1.0 / (sum + sums.iter().sum::<f32>())
+}
+
+/// Rows of scores the softmax takes a step at a time: at most this many, and at most 16 KiB
+/// of them, so that they stay in L1 between its steps.
+const SOFTMAX_ROWS: usize = 64;
 
 #[inline(always)]
 pub(super) fn attention_probs_body<const FMA: bool>(
@@ -123,21 +136,38 @@ pub(super) fn attention_probs_body<const FMA: bool>(
     n: usize,
     mut rounded: Option<&mut PackedA>,
 ) {
-    // Row by row, so that every pass over a row (and its rounding to bf16) runs in L1.
-    for (i, row) in scores.chunks_exact_mut(n).enumerate() {
-        // Same order of additions as the reference: (q·k + bias) + mask.
-        if let Some((bias, h)) = bias {
-            bias.add_to_row(h, i, row);
-        }
-        if let Some(labels) = labels {
-            let own = labels[i];
-            for (s, &l) in row.iter_mut().zip(labels) {
-                *s += if l == own { 0.0 } else { MASK_VALUE };
+    // Each step over a block of rows before the next: a row's maximum, sum and reciprocal
+    // are chains of dependent instructions, which row after row left the vector units
+    // waiting (held to AVX2, 64 keys with bias and mask: 1.05x; bare rows 1.15x). Each
+    // row's arithmetic is unchanged.
+    if n == 0 {
+        return;
+    }
+    let rows = (4096 / n).clamp(1, SOFTMAX_ROWS);
+    let (mut max, mut inv) = ([0f32; SOFTMAX_ROWS], [0f32; SOFTMAX_ROWS]);
+    for (b, block) in scores.chunks_mut(rows * n).enumerate() {
+        let first = b * rows;
+        for (k, (row, max)) in block.chunks_exact_mut(n).zip(&mut max).enumerate() {
+            // Same order of additions as the reference: (q·k + bias) + mask.
+            if let Some((bias, h)) = bias {
+                bias.add_to_row(h, first + k, row);
             }
+            if let Some(labels) = labels {
+                let own = labels[first + k];
+                for (s, &l) in row.iter_mut().zip(labels) {
+                    *s += if l == own { 0.0 } else { MASK_VALUE };
+                }
+            }
+            *max = row_max(row);
         }
-        softmax_rows_body::<FMA>(row, n);
-        if let Some(packed) = rounded.as_deref_mut() {
-            packed.set_row(i, row);
+        for ((row, &max), inv) in block.chunks_exact_mut(n).zip(&max).zip(&mut inv) {
+            *inv = row_exp::<FMA>(row, max);
+        }
+        for (k, (row, &inv)) in block.chunks_exact_mut(n).zip(&inv).enumerate() {
+            row.iter_mut().for_each(|v| *v *= inv);
+            if let Some(packed) = rounded.as_deref_mut() {
+                packed.set_row(first + k, row);
+            }
         }
     }
 }

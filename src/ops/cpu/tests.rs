@@ -137,8 +137,9 @@ fn softmax_rows_match_candle_with_masked_entries() -> Result<()> {
 }
 
 fn softmax_rows_match_candle_with_masked_entries_on_one_isa() -> Result<()> {
-    // Rows of 70: four full lanes of 16 and a remainder of 6.
-    let x = normal(0.0, 3.0, (5, 7, 70), &Device::Cpu)?;
+    // Rows of 70: four full lanes of 16 and a remainder of 6; 65 rows, more than the 58 the
+    // softmax takes a step at a time.
+    let x = normal(0.0, 3.0, (5, 13, 70), &Device::Cpu)?;
     let masked = (x.narrow(2, 0, 32)? - 100.0)?;
     let x = Tensor::cat(&[&masked, &x.narrow(2, 32, 38)?], 2)?;
     let want = candle_nn::ops::softmax_last_dim(&x.to_dtype(DType::F64)?)?;
@@ -146,7 +147,7 @@ fn softmax_rows_match_candle_with_masked_entries_on_one_isa() -> Result<()> {
     for softmax in [softmax_rows_body::<true>, softmax_rows_body::<false>] {
         let mut ours = x.flatten_all()?.to_vec1::<f32>()?;
         softmax(&mut ours, 70);
-        let ours = Tensor::from_vec(ours, (5, 7, 70), &Device::Cpu)?;
+        let ours = Tensor::from_vec(ours, (5, 13, 70), &Device::Cpu)?;
         d = d.max(max_abs_diff(&ours, &want)?);
     }
     assert!(d < 1e-6, "max abs error {d}");
@@ -687,5 +688,149 @@ fn mean_over_height_and_width_matches_candle() -> Result<()> {
         let d = max_abs_diff(&ours, &want)?;
         assert!(d < 1e-6, "{dims:?}: max abs error {d}");
     }
+    Ok(())
+}
+
+/// The attention's softmax as it was written before it went a block of rows a step at a
+/// time: each row through bias, mask, maximum, exponentials and scaling before the next.
+#[inline(always)]
+fn probs_row_at_a_time<const FMA: bool>(
+    scores: &mut [f32],
+    bias: Option<(&crate::ops::windows::RelativeBias, usize)>,
+    labels: Option<&[u8]>,
+    n: usize,
+) {
+    for (i, row) in scores.chunks_exact_mut(n).enumerate() {
+        if let Some((bias, h)) = bias {
+            bias.add_to_row(h, i, row);
+        }
+        if let Some(labels) = labels {
+            let own = labels[i];
+            for (s, &l) in row.iter_mut().zip(labels) {
+                *s += if l == own { 0.0 } else { MASK_VALUE };
+            }
+        }
+        let mut maxes = [f32::NEG_INFINITY; LANES];
+        let mut chunks = row.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (m, &v) in maxes.iter_mut().zip(c) {
+                *m = if v > *m { v } else { *m };
+            }
+        }
+        let max = chunks
+            .remainder()
+            .iter()
+            .chain(&maxes)
+            .fold(f32::NEG_INFINITY, |a, &v| if v > a { v } else { a });
+        let mut sums = [0f32; LANES];
+        let mut chunks = row.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (s, v) in sums.iter_mut().zip(c) {
+                *v = softmax_exp::<FMA>(*v - max);
+                *s += *v;
+            }
+        }
+        let mut sum = 0f32;
+        for v in chunks.into_remainder() {
+            *v = softmax_exp::<FMA>(*v - max);
+            sum += *v;
+        }
+        let inv = 1.0 / (sum + sums.iter().sum::<f32>());
+        row.iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
+/// Scores, a position bias and shift-mask labels for one head of `ws`-square windows.
+fn probs_inputs(ws: usize) -> Result<(Vec<f32>, crate::ops::windows::RelativeBias, Vec<u8>)> {
+    let n = ws * ws;
+    let scores = normal(0.0, 3.0, n * n, &Device::Cpu)?.to_vec1::<f32>()?;
+    let table = normal(0.0, 1.0, ((2 * ws - 1) * (2 * ws - 1), 2), &Device::Cpu)?;
+    let bias = crate::ops::windows::RelativeBias::new(&table, ws)?;
+    let labels = (0..n)
+        .map(|i| ((i % ws) * 3 / ws + (i / ws) * 3 / ws * 3) as u8)
+        .collect();
+    Ok((scores, bias, labels))
+}
+
+/// The softmax a block of rows a step at a time gives every probability bit for bit as row
+/// after row does, with the bias and mask of each row's own query (windows of 64 tokens: one
+/// block; 256: sixteen rows a block; 49: a block of 83 rows cut at 49): the blocking only
+/// reorders independent work.
+#[test]
+fn attention_probs_are_those_of_one_row_at_a_time() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(|| {
+        // The kernels use fused multiply-adds wherever the vector units have them.
+        let fused = crate::ops::cpu::isa::cpu_isa() != crate::ops::cpu::isa::CpuIsa::Scalar;
+        for (ws, masked) in [(8, true), (16, true), (7, false)] {
+            let (scores, bias, labels) = probs_inputs(ws)?;
+            let n = ws * ws;
+            let labels = masked.then_some(&labels[..]);
+            let mut want = scores.clone();
+            match fused {
+                true => probs_row_at_a_time::<true>(&mut want, Some((&bias, 1)), labels, n),
+                false => probs_row_at_a_time::<false>(&mut want, Some((&bias, 1)), labels, n),
+            }
+            let mut ours = scores.clone();
+            attention_probs(&mut ours, Some((&bias, 1)), labels, n, None);
+            let same = ours
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "window {ws}: the probabilities differ from row by row"
+            );
+        }
+        Ok::<(), candle_core::Error>(())
+    })
+}
+
+/// Nanoseconds per score of the attention softmax (64-token windows, bias and mask), a block
+/// of rows a step at a time against row after row, alternating, medians of 41 rounds, held to
+/// AVX2: `cargo test --release --lib attention_probs_rate -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn attention_probs_rate() -> Result<()> {
+    if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        eprintln!("not measured: this CPU has no AVX2 and FMA");
+        return Ok(());
+    }
+    let (scores, bias, labels) = probs_inputs(8)?;
+    let n = 64;
+    let reps = 2000;
+    let mut work = scores.clone();
+    let mut time = |f: &mut dyn FnMut(&mut [f32])| {
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            work.copy_from_slice(&scores);
+            f(&mut work);
+            std::hint::black_box(&mut work);
+        }
+        t.elapsed().as_secs_f64() / (reps * n * n) as f64 * 1e9
+    };
+    let (mut blocks, mut rows) = (Vec::new(), Vec::new());
+    crate::ops::cpu::isa::with_cpu_isa(crate::ops::cpu::isa::CpuIsa::Avx2, || {
+        for _ in 0..41 {
+            blocks.push(time(&mut |s| {
+                attention_probs(s, Some((&bias, 1)), Some(&labels), n, None)
+            }));
+            // The same instructions as the kernel's: compiled for AVX2 and FMA.
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn rows_avx2(s: &mut [f32], b: &crate::ops::windows::RelativeBias, l: &[u8]) {
+                probs_row_at_a_time::<true>(s, Some((b, 1)), Some(l), 64)
+            }
+            // SAFETY: the CPU has AVX2 and FMA, checked above.
+            rows.push(time(&mut |s| unsafe { rows_avx2(s, &bias, &labels) }));
+        }
+    });
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (b, r) = (median(&mut blocks), median(&mut rows));
+    eprintln!(
+        "row by row {r:.3} ns/score, blocks {b:.3} ns/score: {:.2}x",
+        r / b
+    );
     Ok(())
 }
