@@ -89,7 +89,7 @@ pub(super) fn softmax_rows_body<const FMA: bool>(data: &mut [f32], n: usize) {
 
 /// The maximum of a row, the starting point of its softmax.
 #[inline(always)]
-fn row_max(row: &[f32]) -> f32 {
+pub(super) fn row_max(row: &[f32]) -> f32 {
     let mut maxes = [f32::NEG_INFINITY; LANES];
     let mut chunks = row.chunks_exact(LANES);
     for c in &mut chunks {
@@ -107,7 +107,7 @@ fn row_max(row: &[f32]) -> f32 {
 /// A row's exponentials relative to its maximum `max`, in place; returns the reciprocal of
 /// their sum.
 #[inline(always)]
-fn row_exp<const FMA: bool>(row: &mut [f32], max: f32) -> f32 {
+pub(super) fn row_exp<const FMA: bool>(row: &mut [f32], max: f32) -> f32 {
     let mut sums = [0f32; LANES];
     let mut chunks = row.chunks_exact_mut(LANES);
     for c in &mut chunks {

@@ -691,8 +691,9 @@ fn mean_over_height_and_width_matches_candle() -> Result<()> {
     Ok(())
 }
 
-/// The attention's softmax as it was written before it went a block of rows a step at a
-/// time: each row through bias, mask, maximum, exponentials and scaling before the next.
+/// The attention's softmax one row at a time, as it was written before it went a block of
+/// rows a step at a time: each row through bias, mask, maximum, exponentials and scaling
+/// before the next (the same steps for a row as the kernel's).
 #[inline(always)]
 fn probs_row_at_a_time<const FMA: bool>(
     scores: &mut [f32],
@@ -710,32 +711,7 @@ fn probs_row_at_a_time<const FMA: bool>(
                 *s += if l == own { 0.0 } else { MASK_VALUE };
             }
         }
-        let mut maxes = [f32::NEG_INFINITY; LANES];
-        let mut chunks = row.chunks_exact(LANES);
-        for c in &mut chunks {
-            for (m, &v) in maxes.iter_mut().zip(c) {
-                *m = if v > *m { v } else { *m };
-            }
-        }
-        let max = chunks
-            .remainder()
-            .iter()
-            .chain(&maxes)
-            .fold(f32::NEG_INFINITY, |a, &v| if v > a { v } else { a });
-        let mut sums = [0f32; LANES];
-        let mut chunks = row.chunks_exact_mut(LANES);
-        for c in &mut chunks {
-            for (s, v) in sums.iter_mut().zip(c) {
-                *v = softmax_exp::<FMA>(*v - max);
-                *s += *v;
-            }
-        }
-        let mut sum = 0f32;
-        for v in chunks.into_remainder() {
-            *v = softmax_exp::<FMA>(*v - max);
-            sum += *v;
-        }
-        let inv = 1.0 / (sum + sums.iter().sum::<f32>());
+        let inv = row_exp::<FMA>(row, row_max(row));
         row.iter_mut().for_each(|v| *v *= inv);
     }
 }
