@@ -5,7 +5,7 @@ use candle_core::{DType, Result, Tensor};
 
 use crate::ops::attention::cpu::{swin_block, BlockLayers};
 use crate::ops::attention::Attend;
-use crate::ops::cpu::{cpu_slice, panels};
+use crate::ops::cpu::{panels, with_cpu_slices};
 use crate::ops::linear::Dense;
 use crate::ops::norm::cpu::with_row_norm;
 use crate::ops::norm::Norm;
@@ -68,35 +68,31 @@ pub(crate) fn swin_block_by_windows(
         .into_iter()
         .chain(extra.as_ref().map(|(z, s)| [z, s]).into_iter().flatten())
         .collect();
-    let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
-    let slices = guards
-        .iter()
-        .map(|(g, l)| cpu_slice(g, l))
-        .collect::<Result<Vec<_>>>()?;
-    let out = with_row_norm(layers.norm1, c, |norm1| {
-        with_row_norm(layers.norm2, c, |norm2| {
-            let layers = BlockLayers {
-                norm1,
-                qkv: (qkv.0, slices[1]),
-                proj: (proj.0, slices[2]),
-                norm2,
-                fc1: (fc1.0, slices[3]),
-                fc2: (fc2.0, slices[4]),
-            };
-            let extra = (slices.len() == 7).then(|| (slices[5], slices[6]));
-            let regions = regions.as_deref();
-            swin_block(
-                slices[0],
-                (b, h * w, c),
-                &order,
-                extra,
-                &layers,
-                table,
-                regions,
-            )
+    let out = with_cpu_slices(&tensors, |slices| {
+        with_row_norm(layers.norm1, c, |norm1| {
+            with_row_norm(layers.norm2, c, |norm2| {
+                let layers = BlockLayers {
+                    norm1,
+                    qkv: (qkv.0, slices[1]),
+                    proj: (proj.0, slices[2]),
+                    norm2,
+                    fc1: (fc1.0, slices[3]),
+                    fc2: (fc2.0, slices[4]),
+                };
+                let extra = (slices.len() == 7).then(|| (slices[5], slices[6]));
+                let regions = regions.as_deref();
+                swin_block(
+                    slices[0],
+                    (b, h * w, c),
+                    &order,
+                    extra,
+                    &layers,
+                    table,
+                    regions,
+                )
+            })
         })
     })?;
-    drop(guards);
     // Nothing where either norm has no kernel; an error from the block itself is passed on.
     match out.transpose()?.flatten().transpose()? {
         Some(out) => Ok(Some(Tensor::from_vec(out, (b, h, w, c), x.device())?)),

@@ -317,6 +317,20 @@ pub(crate) fn cpu_slice<'a>(
     }
 }
 
+/// `f` of the f32 values of `tensors` (contiguous, on the CPU), in their order, their
+/// storages held for as long as `f` runs.
+pub(crate) fn with_cpu_slices<R>(
+    tensors: &[&Tensor],
+    f: impl FnOnce(&[&[f32]]) -> Result<R>,
+) -> Result<R> {
+    let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+    let slices = guards
+        .iter()
+        .map(|(g, l)| cpu_slice(g, l))
+        .collect::<Result<Vec<_>>>()?;
+    f(&slices)
+}
+
 pub mod bf16;
 mod copy;
 pub(crate) mod depthwise;

@@ -7,7 +7,9 @@ use crate::ops::cpu::bf16::{Epilogue, Isa, PackedB};
 use rayon::prelude::*;
 
 use crate::ops::cpu::shared::Shared;
-use crate::ops::cpu::{cpu_slice, gelu_in_place, panels, par_rows, product, use_kernel, Weights};
+use crate::ops::cpu::{
+    cpu_slice, gelu_in_place, panels, par_rows, product, use_kernel, with_cpu_slices, Weights,
+};
 
 /// What a linear layer does besides `x · wᵀ + b`.
 #[derive(Clone, Copy)]
@@ -111,45 +113,41 @@ pub fn mlp_packed(
     {
         return Ok(None);
     }
-    let tensors = [x, b1, b2, residual];
-    let guards = tensors.map(|t| t.storage_and_layout());
-    let slices = guards
-        .iter()
-        .map(|(g, l)| cpu_slice(g, l))
-        .collect::<Result<Vec<_>>>()?;
-    let &[xs, b1s, b2s, rs] = slices.as_slice() else {
-        unreachable!("four tensors")
-    };
     let mc = panels::task_rows();
-    let mut out: Vec<f32> = Vec::with_capacity(m * n);
-    // SAFETY: the tasks read x, the weights, biases and residual, and each writes only its
-    // own rows of `out`; all outlive them (the guards are dropped after the loop).
-    let shared = unsafe {
-        Shared::new((
-            xs.as_ptr(),
-            b1s.as_ptr(),
-            b2s.as_ptr(),
-            rs.as_ptr(),
-            out.as_mut_ptr(),
-        ))
-    };
-    (0..m.div_ceil(mc)).into_par_iter().for_each_init(
-        || vec![0f32; mc * h],
-        |hidden, t| {
-            let (xs, b1, b2, rs, dst) = shared.get();
-            let (r0, rows) = (t * mc, mc.min(m - t * mc));
-            // SAFETY: rows r0..r0 + rows of x (k values each), of the residual and the
-            // output (n each); `hidden` holds mc >= rows rows of h values.
-            unsafe {
-                let x = (xs.add(r0 * k), k);
-                let out = (dst.add(r0 * n), rs.add(r0 * n), n);
-                mlp_rows(rows, x, ((w1, b1), (w2, b2)), hidden, out);
-            }
-        },
-    );
-    // SAFETY: the tasks wrote all m x n outputs.
-    unsafe { out.set_len(m * n) };
-    drop(guards);
+    let out = with_cpu_slices(&[x, b1, b2, residual], |slices| {
+        let &[xs, b1s, b2s, rs] = slices else {
+            unreachable!("four tensors")
+        };
+        let mut out: Vec<f32> = Vec::with_capacity(m * n);
+        // SAFETY: the tasks read x, the weights, biases and residual, and each writes only
+        // its own rows of `out`; all outlive them (the storages are held until this returns).
+        let shared = unsafe {
+            Shared::new((
+                xs.as_ptr(),
+                b1s.as_ptr(),
+                b2s.as_ptr(),
+                rs.as_ptr(),
+                out.as_mut_ptr(),
+            ))
+        };
+        (0..m.div_ceil(mc)).into_par_iter().for_each_init(
+            || vec![0f32; mc * h],
+            |hidden, t| {
+                let (xs, b1, b2, rs, dst) = shared.get();
+                let (r0, rows) = (t * mc, mc.min(m - t * mc));
+                // SAFETY: rows r0..r0 + rows of x (k values each), of the residual and the
+                // output (n each); `hidden` holds mc >= rows rows of h values.
+                unsafe {
+                    let x = (xs.add(r0 * k), k);
+                    let out = (dst.add(r0 * n), rs.add(r0 * n), n);
+                    mlp_rows(rows, x, ((w1, b1), (w2, b2)), hidden, out);
+                }
+            },
+        );
+        // SAFETY: the tasks wrote all m x n outputs.
+        unsafe { out.set_len(m * n) };
+        Ok(out)
+    })?;
     let mut shape = dims.to_vec();
     *shape.last_mut().expect("checked above") = n;
     Ok(Some(Tensor::from_vec(out, shape, x.device())?))
