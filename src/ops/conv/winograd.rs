@@ -390,6 +390,9 @@ fn block_pixels<'a>(
 /// transform otherwise waits on each.
 #[inline(always)]
 fn prefetch(pixels: &[&[f32]; 36]) {
+    // Elsewhere the hint is left to the hardware.
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = pixels;
     #[cfg(target_arch = "x86_64")]
     for p in pixels {
         for line in (0..p.len()).step_by(16) {

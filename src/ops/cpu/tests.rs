@@ -735,8 +735,10 @@ fn probs_inputs(ws: usize) -> Result<(Vec<f32>, crate::ops::windows::RelativeBia
 #[test]
 fn attention_probs_are_those_of_one_row_at_a_time() -> Result<()> {
     crate::ops::cpu::isa::on_each_isa(|| {
-        // The kernels use fused multiply-adds wherever the vector units have them.
-        let fused = crate::ops::cpu::isa::cpu_isa() != crate::ops::cpu::isa::CpuIsa::Scalar;
+        // The kernels use fused multiply-adds wherever the vector units have them: on x86
+        // with AVX2 or AVX-512, and always on aarch64.
+        let fused = cfg!(target_arch = "aarch64")
+            || crate::ops::cpu::isa::cpu_isa() != crate::ops::cpu::isa::CpuIsa::Scalar;
         for (ws, masked) in [(8, true), (16, true), (7, false)] {
             let (scores, bias, labels) = probs_inputs(ws)?;
             let n = ws * ws;
@@ -764,6 +766,7 @@ fn attention_probs_are_those_of_one_row_at_a_time() -> Result<()> {
 /// Nanoseconds per score of the attention softmax (64-token windows, bias and mask), a block
 /// of rows a step at a time against row after row, alternating, medians of 41 rounds, held to
 /// AVX2: `cargo test --release --lib attention_probs_rate -- --ignored --nocapture`.
+#[cfg(target_arch = "x86_64")]
 #[test]
 #[ignore]
 fn attention_probs_rate() -> Result<()> {
