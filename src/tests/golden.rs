@@ -183,7 +183,7 @@ fn padded_channels_keep_the_bf16_and_f16_outputs() {
                 let bound = if dtype == DType::BF16 {
                     BF16_MAX_ABS
                 } else {
-                    1e-2
+                    F16_CPU_MAX_ABS
                 };
                 if !(d_ref <= bound && d_plain <= bound) {
                     failures.push(format!(
@@ -202,6 +202,17 @@ fn padded_channels_keep_the_bf16_and_f16_outputs() {
 const BF16_MIN_PSNR: f64 = 45.0;
 const BF16_MAX_ABS: f64 = 0.05;
 
+/// The largest difference f16 weights and activations on the CPU may make to an output (a
+/// path no user reaches: the library computes fp32 on the CPU when fp16 is asked for). On
+/// x86 the `gemm` crate sums f16 products in f32; on aarch64 with half-precision arithmetic
+/// (every ARMv8.2 core: Apple Silicon, Graviton 2 on) it sums them in f16, whose 11-bit
+/// significand moved the fixtures' outputs by 1.0e-2 to 2.5e-2 under qemu.
+const F16_CPU_MAX_ABS: f64 = if cfg!(target_arch = "aarch64") {
+    0.03
+} else {
+    0.01
+};
+
 #[test]
 fn f16_weights_stay_close() {
     // f16 weights are converted at load and, on the CPU, the arithmetic runs in f16 too; the
@@ -213,7 +224,7 @@ fn f16_weights_stay_close() {
     assert_eq!(out.dtype(), DType::F16);
     let d = max_abs_diff(&out, &expected);
     eprintln!("{} f16: {d:.3e}", case.name);
-    assert!(d < 1e-2, "f16: {d}");
+    assert!(d < F16_CPU_MAX_ABS, "f16: {d}");
 }
 
 #[test]
