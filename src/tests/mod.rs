@@ -48,6 +48,12 @@ thread_local! {
 /// Values of mean `mean` and spread `std` for the unit tests (in place of candle's unseeded
 /// `Tensor::randn`) (the sum of four uniforms, centred and scaled
 /// to unit variance), from a generator seeded by the test's count of draws.
+/// The median of timings (the upper one of an even count), for the in-process benches.
+pub(crate) fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 pub(crate) fn normal(mean: f32, std: f32, shape: impl Into<Shape>, dev: &Device) -> Result<Tensor> {
     let shape = shape.into();
     let draw = DRAWS.with(|d| {

@@ -802,10 +802,7 @@ fn attention_probs_rate() -> Result<()> {
             rows.push(time(&mut |s| unsafe { rows_avx2(s, &bias, &labels) }));
         }
     });
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
+    let median = crate::tests::median;
     let (b, r) = (median(&mut blocks), median(&mut rows));
     eprintln!(
         "row by row {r:.3} ns/score, blocks {b:.3} ns/score: {:.2}x",

@@ -512,10 +512,7 @@ mod tests {
                 a.push(time(&apart)?);
                 b.push(time(&fused)?);
             }
-            let median = |v: &mut Vec<f64>| {
-                v.sort_by(f64::total_cmp);
-                v[v.len() / 2]
-            };
+            let median = crate::tests::median;
             let (a, b) = (median(&mut a), median(&mut b));
             eprintln!(
                 "{:?}: two layers {a:.2} ms, by row blocks {b:.2} ms, ratio {:.3}",
