@@ -85,6 +85,45 @@ def build_model(preset, seed):
     return SwinIR(**common).eval()
 
 
+def cache_masks(model, dev, dtype):
+    """Every shift mask built once per tile size, on the model's device and in its dtype.
+
+    SwinIR, HAT and DAT build the masks of a size other than img_size on the CPU in every
+    forward (SwinIR in f32, which `attn + mask` then promotes, and the bf16 `attn @ v`
+    refuses). The eager run fills the cache, so torch.compile traces a lookup instead of CPU
+    work: traced, that work became a C++ kernel that the GPU machine's compiler refused."""
+    for m in model.modules():
+        if not hasattr(m, "calculate_mask"):
+            continue
+        memo = {}
+
+        def cached(*args, _f=m.calculate_mask, _memo=memo, **kw):
+            key = (tuple(args), tuple(sorted(kw.items())))
+            if key not in _memo:
+                r = _f(*args, **kw)
+                move = lambda t: t.to(dev, dtype)  # noqa: E731
+                _memo[key] = tuple(map(move, r)) if isinstance(r, (tuple, list)) else move(r)
+            return _memo[key]
+
+        m.calculate_mask = cached
+
+
+def fold_once(model):
+    """SPAN's eval mode folds its three-branch convolutions again in every forward, assigning
+    the folded weights to `.data`: compiled, that assignment left a weight in another memory
+    layout than the graph was traced with (a stride assertion on the GPU). For torch.compile
+    the folds are made once (by the eager run) and kept, which is also the faster PyTorch.
+    Returns whether the model had any."""
+    folded = False
+    for m in model.modules():
+        if hasattr(m, "update_params") and hasattr(m, "eval_conv"):
+            m.update_params = lambda: None
+            m.eval_conv.weight.data = m.eval_conv.weight.data.contiguous()
+            m.eval_conv.bias.data = m.eval_conv.bias.data.contiguous()
+            folded = True
+    return folded
+
+
 def cmd_make_weights(a):
     from safetensors.torch import save_file
     model = build_model(a.preset, a.seed)
@@ -114,12 +153,7 @@ def cmd_time(a):
             sys.exit(f"{a.weights}: does not match {a.preset} ({bad[:5]})")
     dtype = DTYPES[a.dtype]
     model = model.to(dev, dtype)
-    # SwinIR builds the shift mask of a tile size other than img_size on the fly in f32, and
-    # `attn + mask` then promotes the scores to f32, which the bf16 `attn @ v` refuses: the
-    # mask in the model's dtype, as a user casting the model would need.
-    for m in model.modules():
-        if PRESETS[a.preset]["arch"] == "swinir" and hasattr(m, "calculate_mask"):
-            m.calculate_mask = (lambda f: lambda x_size: f(x_size).to(dtype))(m.calculate_mask)
+    cache_masks(model, dev, dtype)
     ws = PRESETS[a.preset]["window_size"]
     tile = a.tile or (256 if cuda else max(2 * ws, 16))
     overlap = a.overlap if a.overlap is not None else (32 if cuda else max(ws // 2, 4))
@@ -155,6 +189,8 @@ def cmd_time(a):
         "finite": bool(torch.isfinite(y).all()), "torch": torch.__version__,
     }), flush=True)
     if a.compile:
+        if fold_once(model):
+            run["folds_kept"] = True
         run_compiled(model, once, a.reps, run, y, med, dev if cuda else None)
 
 

@@ -215,7 +215,8 @@ facts() {
 cuda_tests() { # [SECONDS]
   echo "== CUDA tests"
   if [ -n "$tests" ]; then
-    run tests "${1:-300}" "$tests" tests::gpu:: --test-threads=1 --nocapture
+    # Our kernels themselves, whatever the probe (which `steps` runs first) turned off.
+    run tests "${1:-300}" env -u UPSCALE_CUDA_OFF "$tests" tests::gpu:: --test-threads=1 --nocapture
     record tests "$(grep -E '^test result|passed|FAILED|panicked' "$logs/tests.log" | tail -n 20)"
   else
     record tests "no test binary in the pack"
@@ -285,7 +286,8 @@ probe() {
     fits probe 15 || break
     if probe_ok "$dir" "$a" "$off"; then
       attn=$a
-      export UPSCALE_CUDA_OFF=$off
+      # Nothing off is no variable at all: the CUDA tests refuse any value.
+      if [ -n "$off" ]; then export UPSCALE_CUDA_OFF=$off; else unset UPSCALE_CUDA_OFF; fi
       record probe "{\"attention\":\"$a\",\"cuda_off\":\"$off\",\"tried\":\"${tried# }\"}"
       return
     fi
