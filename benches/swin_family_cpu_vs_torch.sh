@@ -110,7 +110,7 @@ ours = [float(v) for v in sys.argv[3].split()]
 torch = [float(v) for v in sys.argv[4].split()]
 before = [float(v) for v in sys.argv[6].split()]
 mo, mt = statistics.median(ours), statistics.median(torch)
-name = "HAT x4" if model == "hat" else "SwinIR-M classical x4"
+name = {"hat": "HAT x4", "dat": "DAT x4"}.get(model, "SwinIR-M classical x4")
 report = {"model": name + " (random weights)", "input": [size, size],
           "threads": threads, "precision": "fp32", "upscale_median_s": round(mo, 3),
           "pytorch_median_s": round(mt, 3), "ratio_pytorch_over_upscale": round(mt / mo, 3)}
