@@ -32,6 +32,7 @@ from spandrel.architectures.Compact import Compact
 from spandrel.architectures.DAT import DAT
 from spandrel.architectures.ESRGAN import ESRGAN
 from spandrel.architectures.SPAN import SPAN
+from torch_swin_reference import fold_once  # benches/, beside this script
 
 binary = sys.argv[1]
 runs = int(sys.argv[2]) if len(sys.argv) > 2 else 5
@@ -76,9 +77,7 @@ with tempfile.TemporaryDirectory() as tmp:
             frozen = None
             if any(hasattr(m, "update_params") for m in model.modules()):
                 frozen = copy.deepcopy(model)
-                for m in frozen.modules():
-                    if hasattr(m, "update_params"):
-                        m.update_params = lambda: None
+                fold_once(frozen)
                 frozen(x)
             for _ in range(runs):
                 t = time.perf_counter()
