@@ -1179,26 +1179,6 @@ mod tests {
 mod throughput {
     use super::*;
 
-    /// The f32 FMA rate of one core (12 independent AVX-512 chains, nothing else), the ceiling
-    /// an f32 GEMM is measured against.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    fn fma_gflops() -> f64 {
-        use std::arch::x86_64::*;
-        let (b, c) = (_mm512_set1_ps(0.999_9), _mm512_set1_ps(1e-4));
-        let mut acc = [_mm512_set1_ps(0.5); 12];
-        let steps = 50_000_000u64;
-        let t = std::time::Instant::now();
-        for _ in 0..steps {
-            for a in acc.iter_mut() {
-                *a = _mm512_fmadd_ps(*a, b, c);
-            }
-        }
-        let s = t.elapsed().as_secs_f64();
-        std::hint::black_box(acc);
-        (steps * 12 * 32) as f64 / s / 1e9
-    }
-
     /// GFLOP/s of each kernel and of the f32 GEMM on the shapes of DRCT's layers (qkv, fc2,
     /// the widest dense-group 1x1, an upsampler conv, both attention products of a 16x16
     /// window), after the f32 FMA ceiling of all threads. Run:
@@ -1206,16 +1186,8 @@ mod throughput {
     #[test]
     #[ignore]
     fn product_throughput() {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            let threads = rayon::current_num_threads();
-            let total: f64 = std::thread::scope(|s| {
-                let runs: Vec<_> = (0..threads)
-                    // SAFETY: the CPU has AVX-512F (checked above).
-                    .map(|_| s.spawn(|| unsafe { fma_gflops() }))
-                    .collect();
-                runs.into_iter().map(|r| r.join().unwrap_or(0.0)).sum()
-            });
+        let threads = rayon::current_num_threads();
+        if let Some(total) = crate::ops::cpu::panels::fma_peak(cpu_isa(), threads) {
             eprintln!("f32 FMA ceiling, {threads} threads: {total:.0} GFLOP/s");
         }
         let shapes = [

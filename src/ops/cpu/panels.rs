@@ -992,6 +992,82 @@ pub(crate) fn transpose(
     }
 }
 
+/// GFLOP/s of `threads` cores doing nothing but fused multiply-adds at once, in `isa`'s
+/// vector width (12 independent sums, enough to keep two FMA pipes of 4 or 5 cycles' latency
+/// full): the ceiling as this machine gives it, clock and neighbours included, for the rate
+/// benches to measure against. One thread: the fastest of 50 timings; more: their work over
+/// the wall time of 20 rounds each, all started together. `None` for scalar code.
+#[cfg(test)]
+pub(crate) fn fma_peak(isa: CpuIsa, threads: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        const SUMS: usize = 12;
+        const STEPS: usize = 1 << 20;
+        /// One round of `STEPS` FMAs into each of the `SUMS` sums, in one vector type.
+        macro_rules! round {
+            ($name:ident, $feature:literal, $set1:ident, $fmadd:ident, $first:ident) => {
+                #[target_feature(enable = $feature)]
+                fn $name() -> f32 {
+                    let (x, y) = ($set1(0.999_999), $set1(1e-7));
+                    let mut acc = [$set1(1.0); SUMS];
+                    for _ in 0..STEPS {
+                        for a in acc.iter_mut() {
+                            *a = $fmadd(*a, x, y);
+                        }
+                    }
+                    acc.iter().map(|a| $first(*a)).sum()
+                }
+            };
+        }
+        round!(
+            avx2,
+            "avx2,fma",
+            _mm256_set1_ps,
+            _mm256_fmadd_ps,
+            _mm256_cvtss_f32
+        );
+        round!(
+            avx512,
+            "avx512f",
+            _mm512_set1_ps,
+            _mm512_fmadd_ps,
+            _mm512_cvtss_f32
+        );
+        let (run, lanes): (fn() -> f32, usize) = match isa {
+            // SAFETY: the caller names an ISA the CPU has (as `cpu_isa` does).
+            CpuIsa::Avx2 => (|| unsafe { avx2() }, 8),
+            // SAFETY: as above.
+            CpuIsa::Avx512 => (|| unsafe { avx512() }, 16),
+            CpuIsa::Scalar => return None,
+        };
+        let flops = 2.0 * (STEPS * SUMS * lanes) as f64;
+        if threads <= 1 {
+            let best = (0..50)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    std::hint::black_box(run());
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::INFINITY, f64::min);
+            return Some(flops / best / 1e9);
+        }
+        let rounds = 20;
+        let t = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| (0..rounds).for_each(|_| _ = std::hint::black_box(run())));
+            }
+        });
+        Some(flops * (threads * rounds) as f64 / t.elapsed().as_secs_f64() / 1e9)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, threads);
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1363,64 +1439,9 @@ mod tests {
         }
     }
 
-    /// GFLOP/s of one core doing nothing but fused multiply-adds, in the kernel's vector width
-    /// (12 independent sums, enough to keep two FMA pipes of 4 or 5 cycles' latency full): the
-    /// core's ceiling as this machine gives it, clock and neighbours included. The fastest of
-    /// 50 timings; `None` for the scalar kernel.
-    fn fma_peak(kernel: Kernel) -> Option<f64> {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::*;
-            const SUMS: usize = 12;
-            const STEPS: usize = 1 << 20;
-            #[target_feature(enable = "avx2,fma")]
-            fn avx2() -> f32 {
-                let (x, y) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
-                let mut acc = [_mm256_set1_ps(1.0); SUMS];
-                for _ in 0..STEPS {
-                    for a in acc.iter_mut() {
-                        *a = _mm256_fmadd_ps(*a, x, y);
-                    }
-                }
-                acc.iter().map(|a| _mm256_cvtss_f32(*a)).sum()
-            }
-            #[target_feature(enable = "avx512f")]
-            fn avx512() -> f32 {
-                let (x, y) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-                let mut acc = [_mm512_set1_ps(1.0); SUMS];
-                for _ in 0..STEPS {
-                    for a in acc.iter_mut() {
-                        *a = _mm512_fmadd_ps(*a, x, y);
-                    }
-                }
-                acc.iter().map(|a| _mm512_reduce_add_ps(*a)).sum()
-            }
-            let (run, lanes): (fn() -> f32, usize) = match kernel {
-                // SAFETY: the kernel is only current where the CPU has its instructions.
-                Kernel::Avx2 => (|| unsafe { avx2() }, 8),
-                // SAFETY: as above.
-                Kernel::Avx512 => (|| unsafe { avx512() }, 16),
-                Kernel::Scalar => return None,
-            };
-            let best = (0..50)
-                .map(|_| {
-                    let t = std::time::Instant::now();
-                    std::hint::black_box(run());
-                    t.elapsed().as_secs_f64()
-                })
-                .fold(f64::INFINITY, f64::min);
-            Some(2.0 * (STEPS * SUMS * lanes) as f64 / best / 1e9)
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = kernel;
-            None
-        }
-    }
-
     /// GFLOP/s of one core running one full tile over and over (k = 128: both operands,
     /// 24 KiB and 4 KiB, in L1), on each ISA: the kernel's own rate, against which a whole
-    /// product's rate shows what the memory hierarchy costs it, and against [`fma_peak`] what the
+    /// product's rate shows what the memory hierarchy costs it, and against [`super::fma_peak`] what the
     /// tile's own loads and stores cost. The fastest of 200 timings.
     /// `cargo test --release --lib tile_kernel_rate -- --ignored --nocapture`
     #[test]
@@ -1458,18 +1479,12 @@ mod tests {
                 .fold(f64::INFINITY, f64::min);
             let flops = 2.0 * (reps * mr * k * PANEL) as f64;
             let rate = flops / best / 1e9;
-            match fma_peak(kernel) {
+            match fma_peak(cpu_isa(), 1) {
                 Some(peak) => {
                     // Every core at once: what a machine whose cores share a physical one
                     // (or whose neighbours load it) gives a parallel product.
                     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                    let all: f64 = std::thread::scope(|s| {
-                        let runs: Vec<_> =
-                            (0..cores).map(|_| s.spawn(|| fma_peak(kernel))).collect();
-                        runs.into_iter()
-                            .map(|r| r.join().ok().flatten().unwrap_or(0.0))
-                            .sum()
-                    });
+                    let all = fma_peak(cpu_isa(), cores).unwrap_or(0.0);
                     eprintln!(
                         "{kernel:?}: {mr} x {PANEL} tile, k {k}: {rate:.1} GFLOP/s on one core, \
                          {:.0}% of its FMA peak ({peak:.1} GFLOP/s; {all:.0} on all {cores} \
