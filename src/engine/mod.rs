@@ -551,6 +551,10 @@ impl crate::tile::auto::MemoryModel for Engine {
     fn bytes_per_pixel(&self) -> f64 {
         self.bytes_per_pixel()
     }
+
+    fn normalises_over_input(&self) -> bool {
+        self.model.config().normalises_over_input()
+    }
 }
 
 impl Engine {

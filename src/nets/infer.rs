@@ -148,6 +148,9 @@ pub enum ConfigError {
     /// A SwinIR checkpoint that does not fit SwinIR's configuration.
     #[error("SwinIR checkpoint: {0}")]
     SwinIr(#[source] Box<ConfigError>),
+    /// A RealPLKSR checkpoint that does not fit RealPLKSR's configuration.
+    #[error("RealPLKSR checkpoint: {0}")]
+    Plksr(#[source] Box<ConfigError>),
 }
 
 impl ConfigError {

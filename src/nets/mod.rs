@@ -10,6 +10,7 @@ pub mod esrgan;
 mod frame;
 pub mod hat;
 pub mod infer;
+pub mod plksr;
 pub mod registry;
 pub mod span;
 pub mod swin;
@@ -124,6 +125,12 @@ pub(crate) trait NetConfig: Serialised + std::fmt::Debug + Send + Sync {
     /// other image channels still loads, for `info`, and is refused when built.
     fn refusal(&self) -> Option<String> {
         None
+    }
+
+    /// Whether the network normalises by statistics of its whole input (GroupNorm), so
+    /// that tiles change its output (the tile planner keeps such images whole where it can).
+    fn normalises_over_input(&self) -> bool {
+        false
     }
 
     /// Whether the network's layers can pad their channels (`UPSCALE_PAD_CHANNELS`).

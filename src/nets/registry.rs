@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{compact, dat, drct, esrgan, hat, span, swinir, ArchConfig, ConfigError};
+use super::{compact, dat, drct, esrgan, hat, plksr, span, swinir, ArchConfig, ConfigError};
 
 /// A state dict's tensor names and shapes.
 pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
@@ -44,6 +44,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &compact::Arch,
     &span::Arch,
     &dat::Arch,
+    &plksr::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises
@@ -141,11 +142,6 @@ const OTHERS: &[(&str, Signature)] = &[
     }),
     ("an OmniSR checkpoint", |s| {
         has(s, "input.weight") && any(s, |k| k.starts_with("residual_layer."))
-    }),
-    ("a RealPLKSR checkpoint", |s| {
-        any(s, |k| {
-            k.starts_with("feats.") && k.contains(".channel_mixer.")
-        })
     }),
     ("a PLKSR checkpoint", |s| {
         any(s, |k| {

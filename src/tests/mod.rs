@@ -18,6 +18,7 @@ mod hat;
 mod lanes;
 mod layout;
 mod other_architectures;
+mod plksr;
 mod pth;
 mod span;
 mod swinir;

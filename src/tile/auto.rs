@@ -57,6 +57,12 @@ pub trait MemoryModel {
     fn bytes_per_pixel_bound(&self) -> f64;
     /// Peak activation bytes per input pixel of one forward pass (may run a probe pass).
     fn bytes_per_pixel(&self) -> f64;
+    /// Whether the model normalises by statistics of its whole input (GroupNorm), so that a
+    /// tiled image differs from the whole one by the model's own definition: the automatic
+    /// choice then plans within all free memory on the CPU too, and says so when it tiles.
+    fn normalises_over_input(&self) -> bool {
+        false
+    }
 }
 
 /// Concrete tile options for an `h x w` image when `share` lanes split the model's device
@@ -72,8 +78,9 @@ pub fn tile_options(
     let share = share.max(1) as u64;
     let window = model.window();
     let max_pass = model.max_pass_pixels();
+    let whole_matters = model.normalises_over_input();
     let auto = || {
-        let free = if model.on_cpu() {
+        let free = if model.on_cpu() && !whole_matters {
             model.free_memory().min(CPU_TILE_BUDGET)
         } else {
             model.free_memory()
@@ -116,6 +123,16 @@ pub fn tile_options(
         }
         TileChoice::Auto => {
             let (t, b) = auto();
+            // Once per process: a folder run would repeat it for every large image.
+            static WARNED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
+            if t != 0 && whole_matters && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log::warn!(
+                    "this model normalises over its whole input (GroupNorm) and a {h}x{w} \
+                     image does not fit in memory whole: tiles of {t} make its output differ \
+                     a little from the whole image's"
+                );
+            }
             let b = match settings.batch {
                 None => b,
                 Some(want) => {
@@ -264,6 +281,54 @@ fn parse_mem_available(meminfo: &str) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::tile::plan::plan;
+
+    /// A CPU model with 16 GiB free that needs 6 GiB for a 1000x1000 image whole.
+    struct Cpu16 {
+        normalises: bool,
+    }
+
+    impl MemoryModel for Cpu16 {
+        fn scale(&self) -> usize {
+            1
+        }
+        fn window(&self) -> usize {
+            1
+        }
+        fn on_cpu(&self) -> bool {
+            true
+        }
+        fn max_pass_pixels(&self) -> usize {
+            UNLIMITED
+        }
+        fn free_memory(&self) -> u64 {
+            16 << 30
+        }
+        fn bytes_per_pixel_bound(&self) -> f64 {
+            6.0 * (1u64 << 30) as f64 / 1e6
+        }
+        fn bytes_per_pixel(&self) -> f64 {
+            self.bytes_per_pixel_bound()
+        }
+        fn normalises_over_input(&self) -> bool {
+            self.normalises
+        }
+    }
+
+    /// The CPU keeps to its budget for speed, except for a model whose output a tile would
+    /// change: that one runs whole where all free memory holds it.
+    #[test]
+    fn whole_image_for_a_model_that_normalises_over_it() {
+        let settings = TileSettings {
+            choice: TileChoice::Auto,
+            overlap: 32,
+            batch: None,
+            blend: crate::tile::BlendMode::Hann,
+            tta: false,
+        };
+        let tile = |normalises| tile_options(&Cpu16 { normalises }, &settings, 1000, 1000, 1).tile;
+        assert_ne!(tile(false), 0, "within the CPU's budget: tiled");
+        assert_eq!(tile(true), 0, "all free memory: whole");
+    }
 
     #[test]
     fn whole_image_when_it_fits_with_margin() {

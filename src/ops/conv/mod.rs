@@ -9,6 +9,7 @@
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub mod depthwise;
+pub mod partial;
 pub(crate) mod winograd;
 
 use candle_core::{DType, Module, Result, Tensor};
@@ -239,6 +240,11 @@ pub(crate) enum Act<'a> {
     /// SPAN's attention with this tensor (shaped as the output): `(v + x) · (sigmoid(v) -
     /// 0.5)`.
     Gate(&'a Tensor),
+    /// Mish, `v · tanh(softplus(v))`.
+    Mish,
+    /// RealPLKSR's element-wise attention with this tensor (shaped as the output):
+    /// `x · sigmoid(v)`.
+    Modulate(&'a Tensor),
 }
 
 impl Conv3x3 {
@@ -256,6 +262,8 @@ impl Conv3x3 {
             Act::PRelu(slope) => y.relu()? + y.minimum(0.0)?.broadcast_mul(slope)?,
             Act::Silu => kernels::silu(&y),
             Act::Gate(x) => kernels::sigmoid_gate(&y, x),
+            Act::Mish => kernels::mish(&y),
+            Act::Modulate(x) => kernels::modulate(&y, x),
         }
     }
 
@@ -377,7 +385,7 @@ fn use_winograd(cin: usize, cout: usize, switch: Option<bool>) -> bool {
 /// (y*r + i, x*r + j), channel c. Feeding it a convolution whose output channels were put in
 /// (i, j, c) order instead ([`shuffle_order`]) makes every moved run of channels contiguous,
 /// so the shuffle copies blocks of `r * c` values rather than single elements.
-fn pixel_shuffle_nhwc_reordered(x: &Tensor, r: usize) -> Result<Tensor> {
+pub(crate) fn pixel_shuffle_nhwc_reordered(x: &Tensor, r: usize) -> Result<Tensor> {
     if let Some(y) = kernels::pixel_shuffle_reordered(x, r)? {
         return Ok(y);
     }

@@ -24,7 +24,7 @@ use super::Act;
 use crate::ops::cpu::panels::{self, prefetch_rows, Panels, Start};
 use crate::ops::cpu::shared::Shared;
 use crate::ops::cpu::widest_simd;
-use crate::ops::cpu::{cpu_slice, fmadd, sigmoid, sigmoid_gate_of, use_kernel};
+use crate::ops::cpu::{cpu_slice, fmadd, mish_of, sigmoid, sigmoid_gate_of, use_kernel};
 
 /// Output blocks per task, about: their transformed inputs (36 x `BLOCKS` x cin) and products
 /// (36 x `BLOCKS` x cout) stay in the core's L2 cache while the 36 products run.
@@ -182,7 +182,7 @@ impl Winograd {
             Finish::Residuals(_, r1, _, r2) => {
                 assert!(r1.len() == batch * h * w * cout && r2.len() == r1.len())
             }
-            Finish::Gate(x) => assert_eq!(x.len(), batch * h * w * cout),
+            Finish::Gate(x) | Finish::Modulate(x) => assert_eq!(x.len(), batch * h * w * cout),
             _ => {}
         }
         let (bh, bw) = (h.div_ceil(4), w.div_ceil(4));
@@ -286,6 +286,7 @@ impl Winograd {
                                 scaled_add(row, s2, &r2[at..at + cols * cout]);
                             }
                             Finish::Gate(x) => gate(row, &x[at..at + cols * cout]),
+                            Finish::Modulate(x) => modulate(row, &x[at..at + cols * cout]),
                             act => activate(row, act, cout),
                         }
                         // SAFETY: the block's output pixels (rows x cols from (y0, x0) of
@@ -502,6 +503,10 @@ pub(crate) enum Finish<'a> {
     Silu,
     /// `(v + x) · (sigmoid(v) - 0.5)`, `x` shaped as the output: SPAN's attention.
     Gate(&'a [f32]),
+    /// `v · tanh(softplus(v))` (Mish).
+    Mish,
+    /// `x · sigmoid(v)`, `x` shaped as the output: RealPLKSR's element-wise attention.
+    Modulate(&'a [f32]),
 }
 
 /// [`Winograd::forward`] on tensors: `x` `(B, H, W, cin)` f32 on the CPU, contiguous; `b`
@@ -527,13 +532,19 @@ pub(crate) fn forward(
         (Some(Act::Relu), None) => w.forward(xs, (batch, h, wd), bs, Finish::Relu),
         (Some(Act::Leaky(s)), None) => w.forward(xs, (batch, h, wd), bs, Finish::Leaky(s)),
         (Some(Act::Silu), None) => w.forward(xs, (batch, h, wd), bs, Finish::Silu),
-        (Some(Act::Gate(other)), None) => {
+        (Some(Act::Mish), None) => w.forward(xs, (batch, h, wd), bs, Finish::Mish),
+        (Some(Act::Gate(other) | Act::Modulate(other)), None) => {
             if other.dims() != [batch, h, wd, w.cout] {
                 candle_core::bail!("conv3x3: gate input {:?} for {:?}", other.dims(), x.dims());
             }
             let other = other.contiguous()?;
             let (g, l) = other.storage_and_layout();
-            let out = w.forward(xs, (batch, h, wd), bs, Finish::Gate(cpu_slice(&g, l)?));
+            let other = cpu_slice(&g, l)?;
+            let finish = match act {
+                Some(Act::Gate(_)) => Finish::Gate(other),
+                _ => Finish::Modulate(other),
+            };
+            let out = w.forward(xs, (batch, h, wd), bs, finish);
             drop(g);
             out
         }
@@ -597,7 +608,12 @@ fn activate_body<const FMA: bool>(row: &mut [f32], act: Finish, cout: usize) {
             }
         }
         Finish::Silu => row.iter_mut().for_each(|v| *v *= sigmoid::<FMA>(*v)),
-        Finish::Plain | Finish::Residual(..) | Finish::Residuals(..) | Finish::Gate(_) => {}
+        Finish::Mish => row.iter_mut().for_each(|v| *v = mish_of::<FMA>(*v)),
+        Finish::Plain
+        | Finish::Residual(..)
+        | Finish::Residuals(..)
+        | Finish::Gate(_)
+        | Finish::Modulate(_) => {}
     }
 }
 
@@ -610,6 +626,19 @@ widest_simd! {
 fn gate_body<const FMA: bool>(row: &mut [f32], x: &[f32]) {
     for (v, &x) in row.iter_mut().zip(x) {
         *v = sigmoid_gate_of::<FMA>(*v, x);
+    }
+}
+
+widest_simd! {
+    /// RealPLKSR's element-wise attention of `row` (the convolution's outputs) with `x`, in
+    /// place.
+    fn modulate(row: &mut [f32], x: &[f32]) = fused modulate_body
+}
+
+#[inline(always)]
+fn modulate_body<const FMA: bool>(row: &mut [f32], x: &[f32]) {
+    for (v, &x) in row.iter_mut().zip(x) {
+        *v = x * sigmoid::<FMA>(*v);
     }
 }
 

@@ -359,6 +359,89 @@ pub fn sigmoid_gate(o: &Tensor, x: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(out, o.dims(), o.device())
 }
 
+/// Mish of one element, `v · tanh(softplus(v))`. With `t = exp(-|v|)`, `tanh(softplus(v))`
+/// is `t (t + 2) / (t (t + 2) + 2)` for `v <= 0` and `(1 + 2t) / (1 + 2t + 2t²)` above: the
+/// same quantity, `(e^2v + 2e^v) / (e^2v + 2e^v + 2)`, with no exponential that overflows.
+#[inline(always)]
+pub(crate) fn mish_of<const FMA: bool>(v: f32) -> f32 {
+    let t = exp_nonpositive::<FMA>(-v.abs());
+    let ratio = if v <= 0.0 {
+        let n = t * (t + 2.0);
+        n / (n + 2.0)
+    } else {
+        let n = fmadd::<FMA>(2.0, t, 1.0);
+        n / fmadd::<FMA>(2.0 * t, t, n)
+    };
+    v * ratio
+}
+
+#[inline(always)]
+fn mish_body<const FMA: bool>(out: &mut [f32], x: &[f32]) {
+    out.iter_mut()
+        .zip(x)
+        .for_each(|(o, &v)| *o = mish_of::<FMA>(v));
+}
+
+widest_simd! {
+    /// Mish of each element of `x`, into `out`.
+    fn mish_into(out: &mut [f32], x: &[f32]) = fused mish_body
+}
+
+/// Mish (`x · tanh(softplus(x))`, `nn.Mish`): one parallel pass on the CPU in f32, candle's
+/// ops elsewhere (computed in f32 there too).
+pub fn mish(x: &Tensor) -> Result<Tensor> {
+    if !use_kernel(x) {
+        let v = x.to_dtype(DType::F32)?;
+        // tanh(softplus(v)) = n / (n + 2) with n = e^v (e^v + 2); above 20 it is 1 in f32.
+        let e = v.minimum(20.0)?.exp()?;
+        let n = (&e * (&e + 2.0)?)?;
+        return (&v * (&n / (&n + 2.0)?)?)?.to_dtype(x.dtype());
+    }
+    let (guard, layout) = x.storage_and_layout();
+    let xs = cpu_slice(&guard, layout)?;
+    let mut out = vec![0f32; xs.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(xs.par_chunks(CHUNK))
+        .for_each(|(out, x)| mish_into(out, x));
+    drop(guard);
+    Tensor::from_vec(out, x.dims(), x.device())
+}
+
+#[inline(always)]
+fn modulate_body<const FMA: bool>(out: &mut [f32], o: &[f32], x: &[f32]) {
+    for ((out, &o), &x) in out.iter_mut().zip(o).zip(x) {
+        *out = x * sigmoid::<FMA>(o);
+    }
+}
+
+widest_simd! {
+    /// `x · sigmoid(o)` of each element, into `out`.
+    pub(crate) fn modulate_into(out: &mut [f32], o: &[f32], x: &[f32]) = fused modulate_body
+}
+
+/// `x · sigmoid(o)` (RealPLKSR's element-wise attention, `o` a convolution of `x`): one
+/// parallel pass on the CPU in f32, candle's ops elsewhere.
+pub fn modulate(o: &Tensor, x: &Tensor) -> Result<Tensor> {
+    if o.dims() != x.dims() {
+        candle_core::bail!("modulate: {:?} and {:?}", o.dims(), x.dims());
+    }
+    if !use_kernel(o) || !use_kernel(x) {
+        return x.mul(&candle_nn::ops::sigmoid(o)?);
+    }
+    let (o_guard, o_layout) = o.storage_and_layout();
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let (os, xs) = (
+        cpu_slice(&o_guard, o_layout)?,
+        cpu_slice(&x_guard, x_layout)?,
+    );
+    let mut out = vec![0f32; os.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(os.par_chunks(CHUNK).zip(xs.par_chunks(CHUNK)))
+        .for_each(|(out, (o, x))| modulate_into(out, o, x));
+    drop((o_guard, x_guard));
+    Tensor::from_vec(out, o.dims(), o.device())
+}
+
 #[inline(always)]
 fn gemm_f64_body(a: &[f64], b: &[f64], (m, k, n): (usize, usize, usize), c: &mut [f64]) {
     assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);

@@ -261,7 +261,7 @@ pub(super) fn par_rows(
 
 /// `data.to_vec()`, copied by all threads (a single-threaded copy of a large activation is
 /// a serial step the other cores wait through).
-fn par_copy(data: &[f32]) -> Vec<f32> {
+pub(crate) fn par_copy(data: &[f32]) -> Vec<f32> {
     let mut out: Vec<f32> = Vec::with_capacity(data.len());
     out.spare_capacity_mut()
         .par_chunks_mut(CHUNK)

@@ -8,6 +8,7 @@
 
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+pub mod group;
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, VarBuilder};

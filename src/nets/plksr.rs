@@ -1,0 +1,426 @@
+//! RealPLKSR (Partial Large Kernel CNNs for Efficient Super-Resolution, Lee et al., 2024, in
+//! the "Real" form traiNNer-redux trains), inference only.
+//!
+//! The network, as the released code defines it (`feats` is one `nn.Sequential`):
+//!
+//! ```text
+//! t = feats.0(x)                               3x3, 3 -> F
+//! for each block i in 1..=n:
+//!   u = layer_norm(t)                          only in LayerNorm models (channels, eps 1e-6)
+//!   u = conv(Mish(conv(u)))                    channel_mixer: 3x3 F -> 2F, 3x3 2F -> F
+//!   u[:p] = lk(u[:p])                          a k x k convolution on the first p channels
+//!   u = u · sigmoid(conv(u))                   attn (element-wise attention), if present
+//!   u = refine(u)                              1x1
+//!   t = GroupNorm(4)(u) + t                    LayerNorm models: u + t
+//! (feats.(n+1) is a dropout, absent at inference)
+//! y = feats.(n+2)(t) + repeat(x, s²)           3x3, F -> 3·s², plus each input channel
+//!                                              repeated s² times (channel c·s² + k is x_c)
+//! y = PixelShuffle(s)(y)                       so the input, upscaled nearest, is added
+//! ```
+//!
+//! A DySample upsampler (`to_img.*`) replaces the pixel shuffle in some models; those load,
+//! for `info`, and are refused when built. The GroupNorm's 4 groups are not stored: 4 is what
+//! every release uses and what the reference loader assumes.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+use serde::Serialize;
+use serde_json::json;
+
+use crate::nets::infer::{check_shapes, isqrt, out_width, tensor, ConfigError, Shapes};
+use crate::nets::registry::Architecture;
+use crate::nets::{ArchConfig, Net, NetConfig};
+use crate::ops::conv::partial::PartialConv;
+use crate::ops::conv::{pixel_shuffle_nhwc_reordered, Act, Conv3x3};
+use crate::ops::linear::{pointwise_with, Dense};
+use crate::ops::norm::group::{GroupNorm, GROUP_NORM_EPS};
+use crate::ops::norm::{layer_norm, Norm};
+use crate::ops::pad::Pad;
+use crate::ops::{add, build_layers, LoadPlan};
+
+/// The GroupNorm's groups: not in the file; every release and the reference use 4.
+const NORM_GROUPS: usize = 4;
+/// The LayerNorm's epsilon in the LayerNorm models.
+const LAYER_NORM_EPS: f64 = 1e-6;
+/// Image channels in and out: the reference builds RGB models only.
+const CHANNELS: usize = 3;
+
+/// RealPLKSR's configuration, read from its weights.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RealPlksrConfig {
+    /// Feature channels (`dim`).
+    pub features: usize,
+    /// Blocks (`n_blocks`).
+    pub blocks: usize,
+    pub scale: usize,
+    /// The large kernel's side (`kernel_size`).
+    pub kernel: usize,
+    /// The channels the large kernel convolves (`dim · split_ratio`).
+    pub partial: usize,
+    /// Whether the blocks have the element-wise attention (`use_ea`).
+    pub attention: bool,
+    /// Whether each block opens with a LayerNorm and drops its GroupNorm (`layer_norm`).
+    pub layer_norm: bool,
+    /// Whether the upsampler is DySample (`dysample`) rather than PixelShuffle.
+    pub dysample: bool,
+}
+
+/// The index in `feats` of the last convolution of a network of `blocks` blocks.
+fn last_index(blocks: usize) -> usize {
+    blocks + 2
+}
+
+impl RealPlksrConfig {
+    /// The configuration read from the tensor names and shapes, every tensor checked.
+    pub fn infer(shapes: &Shapes) -> std::result::Result<Self, ConfigError> {
+        let first = "feats.0.weight";
+        let features = out_width(shapes, first)?;
+        // The highest index in `feats` is the last convolution, after n blocks and a dropout.
+        let highest = shapes
+            .keys()
+            .filter_map(|k| {
+                k.strip_prefix("feats.")?
+                    .split('.')
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .max()
+            .unwrap_or(0);
+        if highest < 3 {
+            return Err(ConfigError::missing("feats.3.weight", " (no blocks)"));
+        }
+        let blocks = highest - 2;
+        let last = format!("feats.{}.weight", last_index(blocks));
+        let outputs = out_width(shapes, &last)?;
+        let scale = isqrt(outputs / CHANNELS);
+        if scale == 0 || scale * scale * CHANNELS != outputs {
+            return Err(ConfigError::shape(
+                &last,
+                &shapes[&last],
+                ": outputs are not 3 x scale²",
+            ));
+        }
+        let lk = "feats.1.lk.conv.weight";
+        let lk_shape = tensor(shapes, lk)?;
+        let (partial, kernel) = match lk_shape {
+            [p, _, k, _] => (*p, *k),
+            _ => return Err(ConfigError::shape(lk, lk_shape, "; expected 4 dimensions")),
+        };
+        if kernel.is_multiple_of(2) || partial > features {
+            return Err(ConfigError::shape(
+                lk,
+                lk_shape,
+                format!("; expected an odd kernel on at most {features} channels"),
+            ));
+        }
+        let cfg = RealPlksrConfig {
+            features,
+            blocks,
+            scale,
+            kernel,
+            partial,
+            attention: shapes.contains_key("feats.1.attn.f.0.weight"),
+            layer_norm: shapes.contains_key("feats.1.layer_norm.weight"),
+            dysample: shapes.contains_key("to_img.init_pos"),
+        };
+        if !cfg.layer_norm && !features.is_multiple_of(NORM_GROUPS) {
+            return Err(ConfigError::shape(
+                "feats.1.norm.weight",
+                &[features],
+                format!(": GroupNorm's {NORM_GROUPS} groups need a multiple of {NORM_GROUPS}"),
+            ));
+        }
+        check_shapes(&cfg.expected_tensors(), shapes, " (not a RealPLKSR tensor)")?;
+        Ok(cfg)
+    }
+
+    /// DySample's groups: 4, or 3 at odd scales (the reference's choice).
+    fn dysample_groups(&self) -> usize {
+        if self.scale % 2 == 1 {
+            CHANNELS
+        } else {
+            4
+        }
+    }
+}
+
+/// One block (see the module's account).
+struct Block {
+    layer_norm: Option<Norm>,
+    expand: Conv3x3,
+    reduce: Conv3x3,
+    lk: PartialConv,
+    attention: Option<Conv3x3>,
+    refine: Dense,
+    norm: Option<GroupNorm>,
+}
+
+impl Block {
+    fn new(cfg: &RealPlksrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+        let f = cfg.features;
+        let conv = |cin, cout, vb| Conv3x3::unpadded(cin, cout, plan, vb);
+        Ok(Self {
+            layer_norm: cfg
+                .layer_norm
+                .then(|| Norm::load(&Pad::OFF.one(f), LAYER_NORM_EPS, vb.pp("layer_norm")))
+                .transpose()?,
+            expand: conv(f, 2 * f, vb.pp("channel_mixer.0"))?,
+            reduce: conv(2 * f, f, vb.pp("channel_mixer.2"))?,
+            lk: PartialConv::new(cfg.partial, cfg.kernel, vb.pp("lk.conv"))?,
+            attention: cfg
+                .attention
+                .then(|| conv(f, f, vb.pp("attn.f.0")))
+                .transpose()?,
+            refine: pointwise_with(f, f, plan, vb.pp("refine"))?,
+            norm: (!cfg.layer_norm)
+                .then(|| GroupNorm::new(f, NORM_GROUPS, GROUP_NORM_EPS, vb.pp("norm")))
+                .transpose()?,
+        })
+    }
+}
+
+impl Module for Block {
+    /// `x`: `(B, H, W, F)`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let u = match &self.layer_norm {
+            Some(norm) => layer_norm(norm, x)?,
+            None => x.clone(),
+        };
+        let u = self.expand.forward_act(&u, Act::Mish)?;
+        let u = self.lk.forward(&self.reduce.forward(&u)?)?;
+        let u = match &self.attention {
+            Some(conv) => conv.forward_act(&u, Act::Modulate(&u))?,
+            None => u,
+        };
+        let u = self.refine.forward(&u)?;
+        match &self.norm {
+            Some(norm) => norm.forward_residual(&u, x),
+            None => add(&u, x),
+        }
+    }
+}
+
+pub struct RealPlksr {
+    first: Conv3x3,
+    blocks: Vec<Block>,
+    /// The last convolution, its outputs in PixelShuffle's (i, j, c) order at scales above 1.
+    last: Conv3x3,
+    scale: usize,
+    dtype: DType,
+}
+
+impl RealPlksr {
+    /// The network stored under `vb`, built as `plan` says.
+    pub fn new(cfg: &RealPlksrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+        let (f, s) = (cfg.features, cfg.scale);
+        let vb_feats = vb.pp("feats");
+        let blocks = build_layers(vb.device(), cfg.blocks, |i| {
+            Block::new(cfg, plan, vb_feats.pp(i + 1))
+        })?;
+        let vb_last = vb_feats.pp(last_index(cfg.blocks));
+        let last = if s == 1 {
+            Conv3x3::unpadded(f, CHANNELS, plan, vb_last)?
+        } else {
+            Conv3x3::shuffled(&Pad::OFF.one(f), (CHANNELS, s), Pad::OFF, plan, vb_last)?
+        };
+        Ok(Self {
+            first: Conv3x3::unpadded(CHANNELS, f, plan, vb_feats.pp(0))?,
+            blocks,
+            last,
+            scale: s,
+            dtype: vb.dtype(),
+        })
+    }
+}
+
+impl Net for RealPlksr {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    #[cfg(test)]
+    fn cached_masks(&self) -> usize {
+        0
+    }
+}
+
+impl Module for RealPlksr {
+    /// `x`: `(B, 3, H, W)` in [0, 1], any H and W; returns `(B, 3, sH, sW)` unclamped.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x
+            .to_dtype(self.dtype)?
+            .permute((0, 2, 3, 1))?
+            .contiguous()?;
+        let mut t = self.first.forward(&x)?;
+        for block in &self.blocks {
+            t = block.forward(&t)?;
+        }
+        let s = self.scale;
+        let y = if s == 1 {
+            self.last.forward_residual(&t, 1.0, &x)?
+        } else {
+            // The input under each of PixelShuffle's s² positions, in the (i, j, c) order of
+            // the last convolution's outputs.
+            let (b, h, w, c) = x.dims4()?;
+            let repeated = x
+                .unsqueeze(3)?
+                .broadcast_as((b, h, w, s * s, c))?
+                .reshape((b, h, w, s * s * c))?;
+            let y = self.last.forward_residual(&t, 1.0, &repeated)?;
+            pixel_shuffle_nhwc_reordered(&y, s)?
+        };
+        y.permute((0, 3, 1, 2))?.contiguous()
+    }
+}
+
+/// RealPLKSR's registry entry.
+pub(crate) struct Arch;
+
+impl Architecture for Arch {
+    fn name(&self) -> &'static str {
+        "RealPLKSR"
+    }
+
+    fn loads(&self) -> &'static str {
+        "x1-x4, GroupNorm or LayerNorm, with or without its attention"
+    }
+
+    /// The first block's channel mixer (spelt right: PLKSR's own files say `channe_mixer`),
+    /// large kernel and refinement.
+    fn detect(&self, shapes: &Shapes) -> bool {
+        [
+            "feats.0.weight",
+            "feats.1.channel_mixer.0.weight",
+            "feats.1.lk.conv.weight",
+        ]
+        .iter()
+        .all(|k| shapes.contains_key(*k))
+            && shapes.contains_key("feats.1.refine.weight")
+    }
+
+    fn infer(&self, shapes: &Shapes) -> std::result::Result<ArchConfig, ConfigError> {
+        match RealPlksrConfig::infer(shapes) {
+            Ok(c) => Ok(std::sync::Arc::new(c)),
+            Err(e) => Err(ConfigError::Plksr(Box::new(e))),
+        }
+    }
+}
+
+impl NetConfig for RealPlksrConfig {
+    /// Every tensor the configuration implies, with its shape.
+    fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (f, p, k) = (self.features, self.partial, self.kernel);
+        let mut t = Vec::new();
+        let layer = |t: &mut Vec<_>, name: String, weight: Vec<usize>| {
+            t.push((format!("{name}.bias"), vec![weight[0]]));
+            t.push((format!("{name}.weight"), weight));
+        };
+        layer(&mut t, "feats.0".into(), vec![f, CHANNELS, 3, 3]);
+        for i in 1..=self.blocks {
+            let b = format!("feats.{i}");
+            if self.layer_norm {
+                layer(&mut t, format!("{b}.layer_norm"), vec![f]);
+            } else {
+                layer(&mut t, format!("{b}.norm"), vec![f]);
+            }
+            layer(&mut t, format!("{b}.channel_mixer.0"), vec![2 * f, f, 3, 3]);
+            layer(&mut t, format!("{b}.channel_mixer.2"), vec![f, 2 * f, 3, 3]);
+            layer(&mut t, format!("{b}.lk.conv"), vec![p, p, k, k]);
+            if self.attention {
+                layer(&mut t, format!("{b}.attn.f.0"), vec![f, f, 3, 3]);
+            }
+            layer(&mut t, format!("{b}.refine"), vec![f, f, 1, 1]);
+        }
+        let up = CHANNELS * self.scale * self.scale;
+        layer(
+            &mut t,
+            format!("feats.{}", last_index(self.blocks)),
+            vec![up, f, 3, 3],
+        );
+        if self.dysample {
+            let offsets = 2 * self.dysample_groups() * self.scale * self.scale;
+            layer(&mut t, "to_img.offset".into(), vec![offsets, up, 1, 1]);
+            t.push(("to_img.scope.weight".into(), vec![offsets, up, 1, 1]));
+            t.push(("to_img.init_pos".into(), vec![1, offsets, 1, 1]));
+            if self.scale != 1 {
+                layer(&mut t, "to_img.end_conv".into(), vec![CHANNELS, up, 1, 1]);
+            }
+        }
+        t
+    }
+
+    /// The multiply-adds of the convolutions, x2 (norms and activations left out).
+    fn flops(&self, h: usize, w: usize) -> f64 {
+        let (f, p, k) = (self.features, self.partial, self.kernel);
+        let attention = if self.attention { 9 * f * f } else { 0 };
+        let block = 2 * 9 * f * 2 * f + k * k * p * p + attention + f * f;
+        let per_pixel =
+            9 * CHANNELS * f + self.blocks * block + 9 * f * CHANNELS * self.scale * self.scale;
+        2.0 * (per_pixel * h * w) as f64
+    }
+
+    fn family(&self) -> &'static str {
+        "RealPLKSR"
+    }
+
+    fn variant(&self) -> &'static str {
+        match (self.layer_norm, self.dysample) {
+            (false, false) => "RealPLKSR",
+            (true, false) => "RealPLKSR (LayerNorm)",
+            (false, true) => "RealPLKSR (DySample)",
+            (true, true) => "RealPLKSR (LayerNorm, DySample)",
+        }
+    }
+
+    fn scale(&self) -> usize {
+        self.scale
+    }
+
+    fn window(&self) -> usize {
+        1
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        json!({
+            "scale": self.scale,
+            "features": self.features,
+            "blocks": self.blocks,
+            "kernel": self.kernel,
+            "partial_channels": self.partial,
+            "attention": self.attention,
+            "norm": if self.layer_norm { "layer" } else { "group" },
+            "upsampler": if self.dysample { "dysample" } else { "pixelshuffle" },
+        })
+    }
+
+    fn largest_tensor_per_pixel(&self, _: bool, _: Pad) -> usize {
+        (2 * self.features).max(CHANNELS * self.scale * self.scale)
+    }
+
+    /// In a block: its input (the residual), the mixer's hidden map and output, the large
+    /// kernel's copy and output, the attention's and the refinement's; at the end the last
+    /// convolution's output, the repeated input and the shuffled copy.
+    fn activations_per_pixel(&self, _: bool, _: Pad) -> f64 {
+        let f = self.features as f64;
+        let up = (CHANNELS * self.scale * self.scale) as f64;
+        (6.0 * f).max(f + 3.0 * up)
+    }
+
+    /// The GroupNorm models: their norms take each map's mean and variance.
+    fn normalises_over_input(&self) -> bool {
+        !self.layer_norm
+    }
+
+    fn refusal(&self) -> Option<String> {
+        self.dysample.then(|| {
+            "a RealPLKSR model with a DySample upsampler: not supported yet (the \
+             PixelShuffle models run)"
+                .to_string()
+        })
+    }
+
+    fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {
+        Ok(Box::new(RealPlksr::new(self, plan, vb)?))
+    }
+}
