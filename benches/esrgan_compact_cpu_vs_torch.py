@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """ESRGAN x4 (64 filters, 23 blocks, 64x64 input), Real-ESRGAN Compact x4 (64 features,
 32 convolutions, 128x128 input), SPAN x4 (48 features, 128x128 input) and DAT x4 (embed 180,
-6 groups of 6 blocks, 6 heads, split 8x32, 64x64 input) on the CPU: the
+6 groups of 6 blocks, 6 heads, split 8x32, 64x64 input) and RealPLKSR x4 (64 features, 28
+blocks, 17x17 on 16 channels, GroupNorm, 128x128 input) on the CPU: the
 `upscale` binary's whole process (`--device cpu --tile 0`, fp32) against PyTorch's warm
 forward of spandrel's module (fp32, the same threads), interleaved run by run so both see
 the same machine.
@@ -9,7 +10,7 @@ the same machine.
   python3 benches/esrgan_compact_cpu_vs_torch.py UPSCALE_BINARY [RUNS] [THREADS] [ONLY]
 
 ONLY, if given, keeps the cases whose name starts with it (`SPAN`, `ESRGAN`, `Compact`,
-`DAT`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
+`DAT`, `RealPLKSR`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
 
 Needs torch, spandrel, safetensors, numpy, Pillow. The models are random weights written to a
 temporary folder; the inputs are crops of tests/photos/coffee.png.
@@ -31,6 +32,7 @@ from safetensors.torch import save_file
 from spandrel.architectures.Compact import Compact
 from spandrel.architectures.DAT import DAT
 from spandrel.architectures.ESRGAN import ESRGAN
+from spandrel.architectures.PLKSR import RealPLKSR
 from spandrel.architectures.SPAN import SPAN
 from torch_swin_reference import fold_once  # benches/, beside this script
 
@@ -53,6 +55,7 @@ cases = [
      DAT(upscale=4, in_chans=3, img_size=64, img_range=1.0, depth=[6] * 6, embed_dim=180,
          num_heads=[6] * 6, expansion_factor=4, resi_connection="1conv", split_size=[8, 32],
          upsampler="pixelshuffle"), 64),
+    ("RealPLKSR x4, 64 features, 28 blocks, 17x17 on 16 channels", RealPLKSR(), 128),
 ]
 cases = [c for c in cases if c[0].startswith(only)]
 with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""SwinIR, HAT, ESRGAN, Real-ESRGAN Compact, SPAN and DAT in PyTorch (spandrel's modules, which match the
+"""SwinIR, HAT, ESRGAN, Real-ESRGAN Compact, SPAN, DAT and RealPLKSR in PyTorch (spandrel's modules, which match the
 official code), tiled as `upscale` tiles, for the GPU side by side: eager, then
 `torch.compile` with --compile, the same JSON lines as benches/torch_gpu_reference.py prints
 for DRCT.
@@ -49,6 +49,9 @@ PRESETS = {
     "dat-tiny": dict(arch="dat", embed_dim=32, depth=[2], num_heads=[2], split_size=[4, 8],
                      window_size=1),
     "compact-tiny": dict(arch="compact", num_feat=8, num_conv=2, window_size=1),
+    # RealPLKSR as the released GroupNorm models (64 features, 28 blocks, 17x17 on 16).
+    "realplksr": dict(arch="realplksr", dim=64, n_blocks=28, window_size=1),
+    "realplksr-tiny": dict(arch="realplksr", dim=16, n_blocks=2, window_size=1),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -69,6 +72,9 @@ def build_model(preset, seed):
         from spandrel.architectures.SPAN import SPAN
         return SPAN(num_in_ch=3, num_out_ch=3, feature_channels=p["feature_channels"],
                     upscale=4).eval()
+    if arch == "realplksr":
+        from spandrel.architectures.PLKSR import RealPLKSR
+        return RealPLKSR(dim=p["dim"], n_blocks=p["n_blocks"], upscaling_factor=4).eval()
     if arch == "dat":
         from spandrel.architectures.DAT import DAT
         return DAT(upscale=4, in_chans=3, img_size=64, img_range=1.0, depth=p["depth"],

@@ -18,9 +18,10 @@
 //! y = PixelShuffle(s)(y)                       so the input, upscaled nearest, is added
 //! ```
 //!
-//! A DySample upsampler (`to_img.*`) replaces the pixel shuffle in some models; those load,
-//! for `info`, and are refused when built. The GroupNorm's 4 groups are not stored: 4 is what
-//! every release uses and what the reference loader assumes.
+//! A DySample upsampler (`to_img.*`, [`DySample`]) replaces the pixel shuffle in some models:
+//! it samples `y` (before any shuffle, its channels in the reference's order) at learned
+//! points. The GroupNorm's 4 groups are not stored: 4 is what every release uses and what the
+//! reference loader assumes.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -32,6 +33,7 @@ use crate::nets::registry::Architecture;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::conv::partial::PartialConv;
 use crate::ops::conv::{pixel_shuffle_nhwc_reordered, Act, Conv3x3};
+use crate::ops::dysample::DySample;
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::norm::group::{GroupNorm, GROUP_NORM_EPS};
 use crate::ops::norm::{layer_norm, Norm};
@@ -204,8 +206,10 @@ impl Module for Block {
 pub struct RealPlksr {
     first: Conv3x3,
     blocks: Vec<Block>,
-    /// The last convolution, its outputs in PixelShuffle's (i, j, c) order at scales above 1.
+    /// The last convolution, its outputs in PixelShuffle's (i, j, c) order at scales above 1
+    /// when no DySample follows it.
     last: Conv3x3,
+    dysample: Option<DySample>,
     scale: usize,
     dtype: DType,
 }
@@ -219,15 +223,24 @@ impl RealPlksr {
             Block::new(cfg, plan, vb_feats.pp(i + 1))
         })?;
         let vb_last = vb_feats.pp(last_index(cfg.blocks));
-        let last = if s == 1 {
-            Conv3x3::unpadded(f, CHANNELS, plan, vb_last)?
+        let up = CHANNELS * s * s;
+        let last = if s == 1 || cfg.dysample {
+            Conv3x3::unpadded(f, up, plan, vb_last)?
         } else {
             Conv3x3::shuffled(&Pad::OFF.one(f), (CHANNELS, s), Pad::OFF, plan, vb_last)?
         };
+        let dysample = cfg
+            .dysample
+            .then(|| {
+                let groups = cfg.dysample_groups();
+                DySample::new((up, CHANNELS), (s, groups), s != 1, plan, vb.pp("to_img"))
+            })
+            .transpose()?;
         Ok(Self {
             first: Conv3x3::unpadded(CHANNELS, f, plan, vb_feats.pp(0))?,
             blocks,
             last,
+            dysample,
             scale: s,
             dtype: vb.dtype(),
         })
@@ -257,12 +270,19 @@ impl Module for RealPlksr {
             t = block.forward(&t)?;
         }
         let s = self.scale;
-        let y = if s == 1 {
+        let (b, h, w, c) = x.dims4()?;
+        let y = if let Some(dysample) = &self.dysample {
+            // repeat_interleave: channel c·s² + k is the input's channel c.
+            let repeated = x
+                .unsqueeze(4)?
+                .broadcast_as((b, h, w, c, s * s))?
+                .reshape((b, h, w, c * s * s))?;
+            dysample.forward(&self.last.forward_residual(&t, 1.0, &repeated)?)?
+        } else if s == 1 {
             self.last.forward_residual(&t, 1.0, &x)?
         } else {
             // The input under each of PixelShuffle's s² positions, in the (i, j, c) order of
             // the last convolution's outputs.
-            let (b, h, w, c) = x.dims4()?;
             let repeated = x
                 .unsqueeze(3)?
                 .broadcast_as((b, h, w, s * s, c))?
@@ -355,8 +375,13 @@ impl NetConfig for RealPlksrConfig {
         let (f, p, k) = (self.features, self.partial, self.kernel);
         let attention = if self.attention { 9 * f * f } else { 0 };
         let block = 2 * 9 * f * 2 * f + k * k * p * p + attention + f * f;
-        let per_pixel =
-            9 * CHANNELS * f + self.blocks * block + 9 * f * CHANNELS * self.scale * self.scale;
+        let (s2, up) = (self.scale * self.scale, CHANNELS * self.scale * self.scale);
+        let mut per_pixel = 9 * CHANNELS * f + self.blocks * block + 9 * f * up;
+        if self.dysample {
+            // The offset and scope convolutions, and the end convolution on s² pixels.
+            let offsets = 2 * self.dysample_groups() * s2;
+            per_pixel += 2 * up * offsets + s2 * up * CHANNELS;
+        }
         2.0 * (per_pixel * h * w) as f64
     }
 
@@ -395,29 +420,35 @@ impl NetConfig for RealPlksrConfig {
     }
 
     fn largest_tensor_per_pixel(&self, _: bool, _: Pad) -> usize {
-        (2 * self.features).max(CHANNELS * self.scale * self.scale)
+        let up = CHANNELS * self.scale * self.scale;
+        let sampled = if self.dysample {
+            up * self.scale * self.scale
+        } else {
+            0
+        };
+        (2 * self.features).max(up).max(sampled)
     }
 
     /// In a block: its input (the residual), the mixer's hidden map and output, the large
     /// kernel's copy and output, the attention's and the refinement's; at the end the last
     /// convolution's output, the repeated input and the shuffled copy.
+    /// DySample's: its input and offsets, then its sampled map (`3 s²` channels at `s²`
+    /// times the pixels), its end convolution's output beside it.
     fn activations_per_pixel(&self, _: bool, _: Pad) -> f64 {
         let f = self.features as f64;
-        let up = (CHANNELS * self.scale * self.scale) as f64;
-        (6.0 * f).max(f + 3.0 * up)
+        let s2 = (self.scale * self.scale) as f64;
+        let up = CHANNELS as f64 * s2;
+        let shuffle = (6.0 * f).max(f + 3.0 * up);
+        if self.dysample {
+            shuffle.max(up + 2.0 * up + s2 * (up + CHANNELS as f64))
+        } else {
+            shuffle
+        }
     }
 
     /// The GroupNorm models: their norms take each map's mean and variance.
     fn normalises_over_input(&self) -> bool {
         !self.layer_norm
-    }
-
-    fn refusal(&self) -> Option<String> {
-        self.dysample.then(|| {
-            "a RealPLKSR model with a DySample upsampler: not supported yet (the \
-             PixelShuffle models run)"
-                .to_string()
-        })
     }
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {

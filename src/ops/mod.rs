@@ -24,6 +24,7 @@ pub mod attention;
 pub(crate) mod block;
 pub mod conv;
 pub mod cpu;
+pub mod dysample;
 pub mod linear;
 pub mod norm;
 pub mod pad;

@@ -50,7 +50,7 @@ fn f32_matches_float64_reference() {
                 n("partial"),
                 b("attention"),
                 b("layer_norm"),
-                false
+                b("dysample")
             ),
             "{name}"
         );
@@ -58,6 +58,9 @@ fn f32_matches_float64_reference() {
         seen.insert(format!("layer norm {}", cfg.layer_norm));
         seen.insert(format!("attention {}", cfg.attention));
         seen.insert(format!("split {}", cfg.partial < cfg.features));
+        if cfg.dysample {
+            seen.insert(format!("dysample x{}", cfg.scale));
+        }
         seen.insert(entry["weights_format"].as_str().unwrap().to_string());
         let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
         let (input, expected) = load_io(&case.io);
@@ -80,6 +83,8 @@ fn f32_matches_float64_reference() {
         "attention false",
         "split true",
         "split false",
+        "dysample x2",
+        "dysample x3",
         "safetensors",
         "pth-plain",
         "pth-params",
@@ -137,20 +142,16 @@ fn plksr_tiles_blend_to_the_whole_image() {
     assert_tiles_blend_to_whole((40, 100, 96, 112), &group, 25.0);
 }
 
-/// A DySample model (a released upsampler option) loads and is described, then refused in
-/// one line when built; a missing block and a stray tensor are named.
+/// `info` names the upsampler and the norm; a missing block and a stray tensor are named.
 #[test]
-fn plksr_dysample_is_described_and_refused_and_broken_files_are_named() {
+fn plksr_is_described_and_broken_files_are_named() {
     let ck = Checkpoint::load(&dir().join("plksr_x2_dysample.safetensors")).unwrap();
-    let cfg = config_of::<RealPlksrConfig>(&ck.config).expect("read as RealPLKSR");
-    assert!(cfg.dysample && cfg.scale == 2, "{cfg:?}");
+    assert_eq!(ck.config.variant(), "RealPLKSR (DySample)");
     assert_eq!(ck.config.describe()["upsampler"], "dysample");
-    let err = Model::from_checkpoint(ck, DType::F32, &Device::Cpu)
-        .err()
-        .expect("DySample: refused");
-    let text = err.to_string();
-    assert!(text.contains("DySample"), "{text}");
-    assert_eq!(text.lines().count(), 1, "{text}");
+    let ck = Checkpoint::load(&dir().join("plksr_x3_dysample.pth")).unwrap();
+    assert_eq!(ck.wrapper.as_deref(), Some("params_ema"));
+    assert_eq!(ck.config.variant(), "RealPLKSR (LayerNorm, DySample)");
+    assert_eq!(ck.config.describe()["norm"], "layer");
 
     let x4 = released(4);
     let shapes: crate::nets::infer::Shapes = x4.expected_tensors().into_iter().collect();

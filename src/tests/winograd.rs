@@ -16,7 +16,9 @@ fn every_family_matches_float64_reference_with_winograd_convolutions() {
         eprintln!("skipped: no AVX2 here, Winograd runs on the panel kernels");
         return;
     }
-    let families = ["", "swinir", "hat", "esrgan", "compact", "span", "dat"];
+    let families = [
+        "", "swinir", "hat", "esrgan", "compact", "span", "dat", "plksr",
+    ];
     let (mut failures, mut changed) = (Vec::new(), 0);
     for family in families {
         let dir = super::repo().join("tests/golden").join(family);

@@ -9,8 +9,8 @@ overwrites the first channels in place), every parameter random and rounded to f
 float32 port loads exactly what the reference used; the norms' weights spread around 1. The
 last convolution is scaled so the output, less the nearest-neighbour upscale of the input
 the network adds, spreads about 0.3. Each file is loaded back through spandrel's own loader,
-which must give the same output. One more file, a DySample model, has no output: it is for
-the loader, which must read it and refuse to run it.
+which must give the same output. Two cases end in DySample instead of PixelShuffle: at x2
+(4 groups) and x3 (3 groups), offsets large enough that some points leave the map.
 """
 
 import argparse
@@ -61,8 +61,20 @@ CASES = [
     ),
 ]
 
-DYSAMPLE = dict(name="plksr_x2_dysample", dim=8, blocks=1, scale=2, kernel=7, split=0.25,
-                ea=True, layer_norm=False, dysample=True, seed=75, weights="safetensors")
+CASES += [
+    dict(
+        name="plksr_x2_dysample", dim=8, blocks=1, scale=2, kernel=7, split=0.25, ea=True,
+        layer_norm=False, dysample=True, input=dict(kind="pattern", shape=(1, 3, 9, 12)),
+        seed=75, weights="safetensors",
+        covers="DySample at x2 (4 groups), GroupNorm; 9x12",
+    ),
+    dict(
+        name="plksr_x3_dysample", dim=8, blocks=1, scale=3, kernel=5, split=0.5, ea=False,
+        layer_norm=True, dysample=True, input=dict(kind="noise", shape=(2, 3, 7, 6)),
+        seed=76, weights="pth-ema",
+        covers="DySample at x3 (3 groups), LayerNorm, batch 2; 7x6",
+    ),
+]
 
 
 def build(cfg):
@@ -131,6 +143,11 @@ def plksr_case(cfg, out_dir):
     def no_input_added(m2, x):
         return m2.to_img(m2.feats(x))
 
+    def zero_padding(m2, x):
+        # grid_sample's zeros outside the map instead of the border's pixels.
+        m2.to_img.forward = lambda y, _f=m2.to_img.forward: _border_as_zeros(m2.to_img, y)
+        return m2(x)
+
     def whole_kernel_map(m2, x):
         # The large kernel on every channel instead of the first ones (the same weights
         # zero-padded): what a port that ignored the split would compute.
@@ -153,25 +170,33 @@ def plksr_case(cfg, out_dir):
         checks["GroupNorm of 2 groups"] = deviation(model, x, ref, two_groups)
     if cfg["split"] < 1:
         checks["large kernel over every channel"] = deviation(model, x, ref, whole_kernel_map)
+    if cfg.get("dysample"):
+        checks["zeros past the border"] = deviation(model, x, ref, zero_padding)
     b, _, h, w = x32.shape
     return dict(
         name=cfg["name"], weights=weights, io=io, weights_format=cfg["weights"],
         scale=s, features=cfg["dim"], blocks=cfg["blocks"], kernel=cfg["kernel"],
         partial=int(cfg["dim"] * cfg["split"]), attention=cfg["ea"],
-        layer_norm=cfg["layer_norm"], batch=b, input_h=h, input_w=w, seed=cfg["seed"],
+        layer_norm=cfg["layer_norm"], dysample=cfg.get("dysample", False), batch=b, input_h=h, input_w=w, seed=cfg["seed"],
         covers=cfg["covers"],
         self_check=dict(max_abs=checks, out_std=float(ref.std()), out_min=float(ref.min()),
                         out_max=float(ref.max())),
     )
 
 
-@torch.no_grad()
-def dysample_file(out_dir):
-    model = randomise(build(DYSAMPLE), DYSAMPLE["seed"])
-    sd = sd32(model)
-    desc = spandrel.ModelLoader().load_from_state_dict(copy.deepcopy(sd))
-    assert "DySample" in desc.tags
-    return save(model, DYSAMPLE, out_dir, sd)
+def _border_as_zeros(d, x):
+    """DySample's forward with grid_sample's zero padding (a deliberate mistake)."""
+    real = F.grid_sample
+
+    def zeros(*a, **kw):
+        kw["padding_mode"] = "zeros"
+        return real(*a, **kw)
+
+    F.grid_sample = zeros
+    try:
+        return type(d).forward(d, x)
+    finally:
+        F.grid_sample = real
 
 
 def main():
@@ -182,7 +207,6 @@ def main():
     args = ap.parse_args()
     out_dir = Path(args.out) / "plksr"
     write(CASES, plksr_case, out_dir)
-    print("DySample file:", dysample_file(out_dir))
 
 
 if __name__ == "__main__":
