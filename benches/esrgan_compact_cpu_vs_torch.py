@@ -2,7 +2,7 @@
 """ESRGAN x4 (64 filters, 23 blocks, 64x64 input), Real-ESRGAN Compact x4 (64 features,
 32 convolutions, 128x128 input), SPAN x4 (48 features, 128x128 input) and DAT x4 (embed 180,
 6 groups of 6 blocks, 6 heads, split 8x32, 64x64 input) and RealPLKSR x4 (64 features, 28
-blocks, 17x17 on 16 channels, GroupNorm, 128x128 input) on the CPU: the
+blocks, 17x17 on 16 channels, GroupNorm; PixelShuffle or DySample, 128x128 input) on the CPU: the
 `upscale` binary's whole process (`--device cpu --tile 0`, fp32) against PyTorch's warm
 forward of spandrel's module (fp32, the same threads), interleaved run by run so both see
 the same machine.
@@ -56,6 +56,7 @@ cases = [
          num_heads=[6] * 6, expansion_factor=4, resi_connection="1conv", split_size=[8, 32],
          upsampler="pixelshuffle"), 64),
     ("RealPLKSR x4, 64 features, 28 blocks, 17x17 on 16 channels", RealPLKSR(), 128),
+    ("RealPLKSR x4 with DySample", RealPLKSR(dysample=True), 128),
 ]
 cases = [c for c in cases if c[0].startswith(only)]
 with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,7 @@ use crate::nets::compact::{Activation, CompactConfig};
 use crate::nets::config_of;
 use crate::tests::fixtures::*;
 
-const FAMILIES: [&str; 6] = ["swinir", "hat", "esrgan", "compact", "span", "dat"];
+const FAMILIES: [&str; 7] = ["swinir", "hat", "esrgan", "compact", "span", "dat", "plksr"];
 
 /// The fixture's checkpoint, read as `upscale` reads it, except that Compact's LeakyReLU
 /// fixture (which a file cannot tell from ReLU) is set to what it was made with.
