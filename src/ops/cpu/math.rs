@@ -342,8 +342,19 @@ pub fn sigmoid_gate(o: &Tensor, x: &Tensor) -> Result<Tensor> {
         let centred = candle_nn::ops::sigmoid(o)?.affine(1.0, -0.5)?;
         return (o + x)?.mul(&centred);
     }
+    zip_map("sigmoid gate", o, x, sigmoid_gate_into)
+}
+
+/// `f` over matching chunks of `o` and `x` (f32 on the CPU, contiguous, the same shape),
+/// in parallel, into a new tensor of their shape; `what` names the operation in an error.
+fn zip_map(
+    what: &str,
+    o: &Tensor,
+    x: &Tensor,
+    f: impl Fn(&mut [f32], &[f32], &[f32]) + Sync,
+) -> Result<Tensor> {
     if o.dims() != x.dims() {
-        candle_core::bail!("sigmoid gate: {:?} and {:?}", o.dims(), x.dims());
+        candle_core::bail!("{what}: {:?} and {:?}", o.dims(), x.dims());
     }
     let (o_guard, o_layout) = o.storage_and_layout();
     let (x_guard, x_layout) = x.storage_and_layout();
@@ -354,7 +365,7 @@ pub fn sigmoid_gate(o: &Tensor, x: &Tensor) -> Result<Tensor> {
     let mut out = vec![0f32; os.len()];
     out.par_chunks_mut(CHUNK)
         .zip(os.par_chunks(CHUNK).zip(xs.par_chunks(CHUNK)))
-        .for_each(|(out, (o, x))| sigmoid_gate_into(out, o, x));
+        .for_each(|(out, (o, x))| f(out, o, x));
     drop((o_guard, x_guard));
     Tensor::from_vec(out, o.dims(), o.device())
 }
@@ -416,30 +427,16 @@ fn modulate_body<const FMA: bool>(out: &mut [f32], o: &[f32], x: &[f32]) {
 
 widest_simd! {
     /// `x · sigmoid(o)` of each element, into `out`.
-    pub(crate) fn modulate_into(out: &mut [f32], o: &[f32], x: &[f32]) = fused modulate_body
+    fn modulate_into(out: &mut [f32], o: &[f32], x: &[f32]) = fused modulate_body
 }
 
 /// `x · sigmoid(o)` (RealPLKSR's element-wise attention, `o` a convolution of `x`): one
 /// parallel pass on the CPU in f32, candle's ops elsewhere.
 pub fn modulate(o: &Tensor, x: &Tensor) -> Result<Tensor> {
-    if o.dims() != x.dims() {
-        candle_core::bail!("modulate: {:?} and {:?}", o.dims(), x.dims());
-    }
     if !use_kernel(o) || !use_kernel(x) {
         return x.mul(&candle_nn::ops::sigmoid(o)?);
     }
-    let (o_guard, o_layout) = o.storage_and_layout();
-    let (x_guard, x_layout) = x.storage_and_layout();
-    let (os, xs) = (
-        cpu_slice(&o_guard, o_layout)?,
-        cpu_slice(&x_guard, x_layout)?,
-    );
-    let mut out = vec![0f32; os.len()];
-    out.par_chunks_mut(CHUNK)
-        .zip(os.par_chunks(CHUNK).zip(xs.par_chunks(CHUNK)))
-        .for_each(|(out, (o, x))| modulate_into(out, o, x));
-    drop((o_guard, x_guard));
-    Tensor::from_vec(out, o.dims(), o.device())
+    zip_map("modulate", o, x, modulate_into)
 }
 
 #[inline(always)]
