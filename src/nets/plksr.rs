@@ -93,6 +93,15 @@ impl RealPlksrConfig {
             return Err(ConfigError::missing("feats.3.weight", " (no blocks)"));
         }
         let blocks = highest - 2;
+        // Every block holds at least eight tensors: an index past what the file can hold is
+        // a block that is missing (and would make the expected list as long as the index).
+        if blocks * 8 > shapes.len() {
+            let absent = (1..=blocks)
+                .map(|i| format!("feats.{i}.channel_mixer.0.weight"))
+                .find(|k| !shapes.contains_key(k))
+                .unwrap_or_else(|| format!("feats.{blocks}.refine.weight"));
+            return Err(ConfigError::missing(&absent, ""));
+        }
         let last = format!("feats.{}.weight", last_index(blocks));
         let outputs = out_width(shapes, &last)?;
         let scale = isqrt(outputs / CHANNELS);
@@ -109,11 +118,11 @@ impl RealPlksrConfig {
             [p, _, k, _] => (*p, *k),
             _ => return Err(ConfigError::shape(lk, lk_shape, "; expected 4 dimensions")),
         };
-        if kernel.is_multiple_of(2) || partial > features {
+        if kernel.is_multiple_of(2) || partial == 0 || partial > features {
             return Err(ConfigError::shape(
                 lk,
                 lk_shape,
-                format!("; expected an odd kernel on at most {features} channels"),
+                format!("; expected an odd kernel on 1 to {features} channels"),
             ));
         }
         let cfg = RealPlksrConfig {

@@ -144,8 +144,9 @@ fn structured(
     accepted
 }
 
-/// The same structured mutations of an ESRGAN model that unshuffles its input and of a
-/// Compact model: their configuration is read from layer indices and channel ratios.
+/// The same structured mutations of an ESRGAN model that unshuffles its input, of Compact
+/// models and of RealPLKSR models (one with DySample): their configuration is read from
+/// layer indices and channel ratios.
 #[test]
 fn mutated_esrgan_and_compact_checkpoints_never_panic() {
     let mut rng = Rng(0x5851_f42d_4c95_7f2d);
@@ -154,6 +155,8 @@ fn mutated_esrgan_and_compact_checkpoints_never_panic() {
         "esrgan/esrgan_x8_trunk.safetensors",
         "compact/compact_x3_prelu.safetensors",
         "compact/compact_x2_relu.safetensors",
+        "plksr/plksr_x2_layer.safetensors",
+        "plksr/plksr_x2_dysample.safetensors",
     ] {
         let original = std::fs::read(crate::tests::golden(file)).unwrap();
         assert!(load_and_run(&original, file), "{file} must load");

@@ -167,10 +167,18 @@ fn plksr_is_described_and_broken_files_are_named() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("unexpected tensor feats.3.attn.g.weight"), "{e}");
-    let mut odd = shapes;
+    let mut odd = shapes.clone();
     odd.insert("feats.30.weight".into(), vec![40, 64, 3, 3]);
     let e = crate::nets::registry::infer(&odd).unwrap_err().to_string();
     assert!(e.contains("feats.30.weight"), "{e}");
+    // A layer index far past what the file holds names the first missing block at once.
+    let mut far = shapes;
+    far.insert("feats.4000000000.weight".into(), vec![48, 64, 3, 3]);
+    let e = crate::nets::registry::infer(&far).unwrap_err().to_string();
+    assert!(
+        e.contains("missing tensor feats.29.channel_mixer.0.weight"),
+        "{e}"
+    );
 }
 
 /// The released shape (64 features, 28 blocks, 17x17 on 16 channels, attention, GroupNorm).
