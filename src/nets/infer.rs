@@ -151,6 +151,9 @@ pub enum ConfigError {
     /// A RealPLKSR checkpoint that does not fit RealPLKSR's configuration.
     #[error("RealPLKSR checkpoint: {0}")]
     Plksr(#[source] Box<ConfigError>),
+    /// An OmniSR checkpoint that does not fit OmniSR's configuration.
+    #[error("OmniSR checkpoint: {0}")]
+    OmniSr(#[source] Box<ConfigError>),
 }
 
 impl ConfigError {

@@ -10,6 +10,7 @@ pub mod esrgan;
 mod frame;
 pub mod hat;
 pub mod infer;
+pub mod omnisr;
 pub mod plksr;
 pub mod registry;
 pub mod span;

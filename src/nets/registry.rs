@@ -4,7 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use super::{compact, dat, drct, esrgan, hat, plksr, span, swinir, ArchConfig, ConfigError};
+use super::{
+    compact, dat, drct, esrgan, hat, omnisr, plksr, span, swinir, ArchConfig, ConfigError,
+};
 
 /// A state dict's tensor names and shapes.
 pub(crate) type Shapes = BTreeMap<String, Vec<usize>>;
@@ -45,6 +47,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &span::Arch,
     &dat::Arch,
     &plksr::Arch,
+    &omnisr::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises
@@ -139,9 +142,6 @@ const OTHERS: &[(&str, Signature)] = &[
     }),
     ("an FDAT checkpoint", |s| {
         any(s, |k| k.starts_with("groups.") && k.ends_with(".n1.weight"))
-    }),
-    ("an OmniSR checkpoint", |s| {
-        has(s, "input.weight") && any(s, |k| k.starts_with("residual_layer."))
     }),
     ("a PLKSR checkpoint", |s| {
         any(s, |k| {

@@ -17,6 +17,7 @@ mod gpu;
 mod hat;
 mod lanes;
 mod layout;
+mod omnisr;
 mod other_architectures;
 mod plksr;
 mod pth;

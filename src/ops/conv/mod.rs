@@ -38,6 +38,16 @@ const CONV_CHUNK_ELEMS_GPU: usize = 128 << 20;
 /// The `(9 * cin, cout)` weight, rows ordered (dy, dx, cin) to match the patch matrix, and the
 /// bias of the convolution stored under `vb`, its inputs spread as `cin` says.
 fn read(cin: &Channels, cout: usize, vb: VarBuilder) -> Result<(Tensor, Tensor)> {
+    read_with_bias(cin, cout, true, vb)
+}
+
+/// [`read`], with a zero bias for a convolution stored without one when `bias` is false.
+fn read_with_bias(
+    cin: &Channels,
+    cout: usize,
+    bias: bool,
+    vb: VarBuilder,
+) -> Result<(Tensor, Tensor)> {
     let w = cin.spread(&vb.get((cout, cin.real(), 3, 3), "weight")?, 1)?;
     let weight = if kernels::use_kernel(&w) {
         let (guard, layout) = w.storage_and_layout();
@@ -48,7 +58,11 @@ fn read(cin: &Channels, cout: usize, vb: VarBuilder) -> Result<(Tensor, Tensor)>
             .reshape((9 * cin.padded(), cout))?
             .contiguous()?
     };
-    Ok((weight, vb.get(cout, "bias")?))
+    let bias = match bias {
+        true => vb.get(cout, "bias")?,
+        false => Tensor::zeros(cout, vb.dtype(), vb.device())?,
+    };
+    Ok((weight, bias))
 }
 
 /// `(cout, cin, 3, 3)` weights as `(9 cin, cout)`, rows ordered (dy, dx, cin): the
@@ -116,6 +130,33 @@ impl Conv3x3 {
         vb: VarBuilder,
     ) -> Result<Self> {
         Self::new(&Pad::OFF.one(cin), &Pad::OFF.one(cout), plan, vb)
+    }
+
+    /// [`Self::unpadded`] of a convolution stored with a bias when `bias` says so, else with
+    /// none (a zero one).
+    pub(crate) fn load_with_bias(
+        cin: usize,
+        cout: usize,
+        bias: bool,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let (weight, bias) = read_with_bias(&Pad::OFF.one(cin), cout, bias, vb)?;
+        Self::prepared(weight, bias, cin, plan)
+    }
+
+    /// [`Self::shuffled`] over unpadded channels, with a bias when `bias` says so.
+    pub(crate) fn shuffled_with_bias(
+        cin: usize,
+        (c_out, r): (usize, usize),
+        bias: bool,
+        plan: &LoadPlan,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let (weight, bias) = read_with_bias(&Pad::OFF.one(cin), r * r * c_out, bias, vb)?;
+        let idx = Tensor::from_vec(shuffle_order(c_out, r), r * r * c_out, bias.device())?;
+        let (weight, bias) = (weight.index_select(&idx, 1)?, bias.index_select(&idx, 0)?);
+        Self::prepared(weight.contiguous()?, bias, cin, plan)
     }
 
     /// The convolution stored under `vb` that PixelShuffle by `r` follows, from `cin` to

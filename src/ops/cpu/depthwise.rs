@@ -36,6 +36,8 @@ impl<'a> Rows<'a> {
 /// What the convolution's sums go through before they are stored.
 #[derive(Clone, Copy)]
 pub(crate) enum Then<'a> {
+    /// Nothing: the sums as they are.
+    Identity,
     /// The exact GELU.
     Gelu,
     /// Times the same token's channels of these rows.
@@ -182,7 +184,7 @@ fn depthwise_row_body<const FMA: bool>(
         }
         let other = match then {
             Then::Times(other) => Some(other.token(first + x, c)),
-            Then::Gelu => None,
+            Then::Gelu | Then::Identity => None,
         };
         // The values no earlier token brought into cache (the row below's next token, and
         // the product's token) come from far away: asked for a few tokens ahead, their misses
