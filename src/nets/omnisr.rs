@@ -48,6 +48,7 @@ use crate::ops::conv::depthwise::Depthwise3x3;
 use crate::ops::conv::Conv3x3;
 use crate::ops::cpu::cpu_slice;
 use crate::ops::cpu::depthwise::{Rows, Then};
+use crate::ops::cpu::{gelu_gate, modulate};
 use crate::ops::linear::Dense;
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
@@ -373,8 +374,9 @@ impl SpatialAttention {
         let attended =
             self.attend
                 .forward(&self.qkv.forward(&tokens)?, (h, w), false, &self.windows)?;
-        let y = grouping.scatter(&self.out.forward(&attended)?, (b, h, w))?;
-        crate::ops::add(&y, x)
+        // The projection is per token: made after the scatter, it adds onto the residual.
+        self.out
+            .forward_residual(&grouping.scatter(&attended, (b, h, w))?, x)
     }
 }
 
@@ -476,11 +478,9 @@ impl Gcff {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let f = x.dim(3)?;
         let h = self.project_in.forward(&layer_norm(&self.norm, x)?)?;
         let h = depthwise_forward(&self.dw, &h, false)?;
-        let gated = (gelu_erf(&h.narrow(3, 0, f)?)? * h.narrow(3, f, f)?)?;
-        self.project_out.forward_residual(&gated, x)
+        self.project_out.forward_residual(&gelu_gate(&h)?, x)
     }
 }
 
@@ -563,8 +563,7 @@ impl Esa {
             .broadcast_add(&bias(&self.conv3.1)?)?;
         let up = bilinear(&c3, (h, w))?.permute((0, 2, 3, 1))?.contiguous()?;
         let cf = self.conv_f.forward(&c1)?;
-        let m = candle_nn::ops::sigmoid(&self.conv4.forward(&(up + cf)?)?)?;
-        x.broadcast_mul(&m)
+        modulate(&self.conv4.forward(&(up + cf)?)?, x)
     }
 }
 

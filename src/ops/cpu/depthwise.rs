@@ -384,7 +384,7 @@ widest_simd! {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     fn noise(n: usize, seed: u32) -> Vec<f32> {
@@ -495,7 +495,7 @@ mod tests {
     }
 
     /// erf by its series (plenty for |x| < 6 at the accuracy checked).
-    fn libm_erf(x: f64) -> f64 {
+    pub(crate) fn libm_erf(x: f64) -> f64 {
         let mut term = x;
         let mut sum = x;
         for k in 1..200 {

@@ -440,6 +440,43 @@ pub fn modulate(o: &Tensor, x: &Tensor) -> Result<Tensor> {
 }
 
 #[inline(always)]
+fn gelu_gate_body<const FMA: bool>(out: &mut [f32], rows: &[f32], c: usize) {
+    for (out, row) in out.chunks_exact_mut(c).zip(rows.chunks_exact(2 * c)) {
+        let (a, b) = row.split_at(c);
+        out.copy_from_slice(a);
+        gelu_body::<FMA>(out);
+        out.iter_mut().zip(b).for_each(|(o, &b)| *o *= b);
+    }
+}
+
+widest_simd! {
+    /// `gelu(a) · b` of each row `a | b` of `rows` (two halves of `c`), into `out`'s rows.
+    fn gelu_gate_into(out: &mut [f32], rows: &[f32], c: usize) = fused gelu_gate_body
+}
+
+/// `gelu(h[..., :C]) · h[..., C:]` of `h` `(..., 2C)`, with the exact GELU: the gated
+/// feed-forward's gate, one parallel pass on the CPU in f32, candle's ops elsewhere.
+pub fn gelu_gate(h: &Tensor) -> Result<Tensor> {
+    let last = h.rank().saturating_sub(1);
+    let c = h.dim(last)? / 2;
+    if !use_kernel(h) || c == 0 {
+        return gelu_erf(&h.narrow(last, 0, c)?)? * h.narrow(last, c, c)?;
+    }
+    let (guard, layout) = h.storage_and_layout();
+    let hs = cpu_slice(&guard, layout)?;
+    let mut out = vec![0f32; hs.len() / 2];
+    // Whole rows a task: a chunk of about CHUNK outputs.
+    let rows = (CHUNK / c).max(1);
+    out.par_chunks_mut(rows * c)
+        .zip(hs.par_chunks(rows * 2 * c))
+        .for_each(|(out, h)| gelu_gate_into(out, h, c));
+    drop(guard);
+    let mut dims = h.dims().to_vec();
+    dims[last] = c;
+    Tensor::from_vec(out, dims, h.device())
+}
+
+#[inline(always)]
 fn gemm_f64_body(a: &[f64], b: &[f64], (m, k, n): (usize, usize, usize), c: &mut [f64]) {
     assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
     // Blocks of 4 rows by 16 columns with their sums in registers through all of k (each
