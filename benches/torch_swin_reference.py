@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""SwinIR, HAT, ESRGAN, Real-ESRGAN Compact, SPAN, DAT and RealPLKSR in PyTorch (spandrel's modules, which match the
+"""SwinIR, HAT, ESRGAN, Real-ESRGAN Compact, SPAN, DAT, RealPLKSR and OmniSR in PyTorch (spandrel's modules, which match the
 official code), tiled as `upscale` tiles, for the GPU side by side: eager, then
 `torch.compile` with --compile, the same JSON lines as benches/torch_gpu_reference.py prints
 for DRCT.
@@ -52,6 +52,10 @@ PRESETS = {
     # RealPLKSR as the released GroupNorm models (64 features, 28 blocks, 17x17 on 16).
     "realplksr": dict(arch="realplksr", dim=64, n_blocks=28, window_size=1),
     "realplksr-tiny": dict(arch="realplksr", dim=16, n_blocks=2, window_size=1),
+    # OmniSR as the released models (64 features, 5 groups of 1 block, window 8); it pads
+    # its input itself (zeros, to a multiple of the window).
+    "omnisr": dict(arch="omnisr", num_feat=64, res_num=5, window_size=1),
+    "omnisr-tiny": dict(arch="omnisr", num_feat=16, res_num=1, window_size=1),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,6 +79,10 @@ def build_model(preset, seed):
     if arch == "realplksr":
         from spandrel.architectures.PLKSR import RealPLKSR
         return RealPLKSR(dim=p["dim"], n_blocks=p["n_blocks"], upscaling_factor=4).eval()
+    if arch == "omnisr":
+        from spandrel.architectures.OmniSR import OmniSR
+        return OmniSR(num_feat=p["num_feat"], res_num=p["res_num"], block_num=1, window_size=8,
+                      pe=True, up_scale=4).eval()
     if arch == "dat":
         from spandrel.architectures.DAT import DAT
         return DAT(upscale=4, in_chans=3, img_size=64, img_range=1.0, depth=p["depth"],

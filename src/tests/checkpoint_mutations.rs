@@ -145,8 +145,8 @@ fn structured(
 }
 
 /// The same structured mutations of an ESRGAN model that unshuffles its input, of Compact
-/// models and of RealPLKSR models (one with DySample): their configuration is read from
-/// layer indices and channel ratios.
+/// models, of RealPLKSR models (one with DySample) and of an OmniSR model: their
+/// configuration is read from layer indices and channel ratios.
 #[test]
 fn mutated_esrgan_and_compact_checkpoints_never_panic() {
     let mut rng = Rng(0x5851_f42d_4c95_7f2d);
@@ -157,6 +157,7 @@ fn mutated_esrgan_and_compact_checkpoints_never_panic() {
         "compact/compact_x2_relu.safetensors",
         "plksr/plksr_x2_layer.safetensors",
         "plksr/plksr_x2_dysample.safetensors",
+        "omnisr/omnisr_x2_no_bias.safetensors",
     ] {
         let original = std::fs::read(crate::tests::golden(file)).unwrap();
         assert!(load_and_run(&original, file), "{file} must load");

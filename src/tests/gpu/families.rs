@@ -12,7 +12,9 @@ use crate::nets::compact::{Activation, CompactConfig};
 use crate::nets::config_of;
 use crate::tests::fixtures::*;
 
-const FAMILIES: [&str; 7] = ["swinir", "hat", "esrgan", "compact", "span", "dat", "plksr"];
+const FAMILIES: [&str; 8] = [
+    "swinir", "hat", "esrgan", "compact", "span", "dat", "plksr", "omnisr",
+];
 
 /// The fixture's checkpoint, read as `upscale` reads it, except that Compact's LeakyReLU
 /// fixture (which a file cannot tell from ReLU) is set to what it was made with.
