@@ -32,8 +32,18 @@ pub(crate) fn channel_attention(
     let data = cpu_slice(&guard, layout)?;
     let mut out: Vec<f32> = Vec::with_capacity(b * n * c);
     let spare = &mut out.spare_capacity_mut()[..b * n * c];
-    for (image, out) in data.chunks_exact(n * c3).zip(spare.chunks_exact_mut(n * c)) {
-        attend_image(image, (n, c, heads, d), temperature, eps, out);
+    // Many small images (OmniSR's groups of a window's tokens) one per task; a few large
+    // ones (DAT's whole maps) each split across the threads. Either way the same values.
+    if b >= 2 * rayon::current_num_threads() {
+        data.par_chunks_exact(n * c3)
+            .zip(spare.par_chunks_exact_mut(n * c))
+            .for_each(|(image, out)| {
+                attend_image(image, (n, c, heads, d), temperature, eps, out, false)
+            });
+    } else {
+        for (image, out) in data.chunks_exact(n * c3).zip(spare.chunks_exact_mut(n * c)) {
+            attend_image(image, (n, c, heads, d), temperature, eps, out, true);
+        }
     }
     // SAFETY: `attend_image` wrote every value of each image (all heads' columns of all rows).
     unsafe { out.set_len(b * n * c) };
@@ -41,67 +51,71 @@ pub(crate) fn channel_attention(
     Tensor::from_vec(out, (b, n, c), qkv.device())
 }
 
-/// One image's channel attention: `qkv` `n` rows of `3c`, into `out` `n` rows of `c`.
+/// One image's channel attention: `qkv` `n` rows of `3c`, into `out` `n` rows of `c`; its
+/// heads and row blocks as parallel tasks when `parallel`.
 fn attend_image(
     qkv: &[f32],
     (n, c, heads, d): (usize, usize, usize, usize),
     temperature: &[f32],
     eps: f32,
     out: &mut [MaybeUninit<f32>],
+    parallel: bool,
 ) {
     let c3 = 3 * c;
     // Per head, one task: scores = (q̂ · k̂ᵀ) · temperature, softmax; then out = v · pᵀ.
     let mut probs_t = vec![0f32; heads * d * d];
-    probs_t
-        .par_chunks_mut(d * d)
-        .enumerate()
-        .for_each(|(h, probs_t)| {
-            // The head's kᵀ (channel-major, in registers 16 x 16 at a time) for the score
-            // product's left operand: the product gives the scores transposed, q is read in
-            // place. Each task transposes and measures its own head's channels.
-            let mut k_t = vec![0f32; d * n];
-            panels::transpose((&qkv[c + h * d..], c3), (n, d), (&mut k_t, n));
-            let mut q_inv = vec![0f32; d];
-            squares_of_q(&qkv[h * d..], (c3, d), &mut q_inv);
-            let mut k_inv = vec![0f32; d];
-            squares_of_rows(&k_t, n, &mut k_inv);
-            for s in q_inv.iter_mut().chain(k_inv.iter_mut()) {
-                *s = 1.0 / s.sqrt().max(eps);
+    let head = |(h, probs_t): (usize, &mut [f32])| {
+        // The head's kᵀ (channel-major, in registers 16 x 16 at a time) for the score
+        // product's left operand: the product gives the scores transposed, q is read in
+        // place. Each task transposes and measures its own head's channels.
+        let mut k_t = vec![0f32; d * n];
+        panels::transpose((&qkv[c + h * d..], c3), (n, d), (&mut k_t, n));
+        let mut q_inv = vec![0f32; d];
+        squares_of_q(&qkv[h * d..], (c3, d), &mut q_inv);
+        let mut k_inv = vec![0f32; d];
+        squares_of_rows(&k_t, n, &mut k_inv);
+        for s in q_inv.iter_mut().chain(k_inv.iter_mut()) {
+            *s = 1.0 / s.sqrt().max(eps);
+        }
+        let mut scores_t = vec![0f32; d * d];
+        let rhs = panels::Rhs::Strided {
+            ptr: qkv[h * d..].as_ptr(),
+            k: n,
+            n: d,
+            ld: c3,
+        };
+        // SAFETY: kᵀ holds d rows of n values; q's head holds n rows of d values c3
+        // apart inside `qkv`; `scores_t` is d x d and this task's own.
+        unsafe {
+            panels::gemm(
+                d,
+                (k_t.as_ptr(), n),
+                rhs,
+                (scores_t.as_mut_ptr(), d),
+                panels::Start::ZERO,
+                false,
+                None,
+            )
+        };
+        let mut scores = vec![0f32; d * d];
+        for (i, row) in scores.chunks_exact_mut(d).enumerate() {
+            let qi = q_inv[i];
+            for (j, s) in row.iter_mut().enumerate() {
+                *s = scores_t[j * d + i] * qi * k_inv[j] * temperature[h];
             }
-            let mut scores_t = vec![0f32; d * d];
-            let rhs = panels::Rhs::Strided {
-                ptr: qkv[h * d..].as_ptr(),
-                k: n,
-                n: d,
-                ld: c3,
-            };
-            // SAFETY: kᵀ holds d rows of n values; q's head holds n rows of d values c3
-            // apart inside `qkv`; `scores_t` is d x d and this task's own.
-            unsafe {
-                panels::gemm(
-                    d,
-                    (k_t.as_ptr(), n),
-                    rhs,
-                    (scores_t.as_mut_ptr(), d),
-                    panels::Start::ZERO,
-                    false,
-                    None,
-                )
-            };
-            let mut scores = vec![0f32; d * d];
-            for (i, row) in scores.chunks_exact_mut(d).enumerate() {
-                let qi = q_inv[i];
-                for (j, s) in row.iter_mut().enumerate() {
-                    *s = scores_t[j * d + i] * qi * k_inv[j] * temperature[h];
-                }
+        }
+        attention_probs(&mut scores, None, None, d, None);
+        for (i, row) in scores.chunks_exact(d).enumerate() {
+            for (j, &p) in row.iter().enumerate() {
+                probs_t[j * d + i] = p;
             }
-            attention_probs(&mut scores, None, None, d, None);
-            for (i, row) in scores.chunks_exact(d).enumerate() {
-                for (j, &p) in row.iter().enumerate() {
-                    probs_t[j * d + i] = p;
-                }
-            }
-        });
+        }
+    };
+    if parallel {
+        probs_t.par_chunks_mut(d * d).enumerate().for_each(head);
+    } else {
+        probs_t.chunks_mut(d * d).enumerate().for_each(head);
+    }
 
     // out[t, h*d + i] = Σ_j v[t, h*d + j] · p[i, j]: each head's d columns of every row, the
     // rows in blocks across threads.
@@ -109,7 +123,7 @@ fn attend_image(
     // SAFETY: each task writes its own rows of `out` (its d columns of them per head) and
     // reads `qkv` and `probs_t`, all of which outlive the tasks.
     let shared = unsafe { Shared::new(out.as_mut_ptr().cast::<f32>()) };
-    (0..n.div_ceil(rows_per)).into_par_iter().for_each(|block| {
+    let block = |block: usize| {
         let t0 = block * rows_per;
         let rows = rows_per.min(n - t0);
         for h in 0..heads {
@@ -134,7 +148,12 @@ fn attend_image(
                 )
             };
         }
-    });
+    };
+    if parallel {
+        (0..n.div_ceil(rows_per)).into_par_iter().for_each(block);
+    } else {
+        (0..n.div_ceil(rows_per)).for_each(block);
+    }
 }
 
 /// The squares of each of the first `d` values of the rows of `rows` (rows `ld` apart),

@@ -534,6 +534,39 @@ mod timing {
     use crate::ops::pad::Pad;
     use candle_core::{DType, Device, Tensor};
 
+    /// GFLOP/s of the depthwise convolution alone at OmniSR's and DAT's shapes, medians of
+    /// 31 calls on all threads: 128x128 x 128 channels with nothing after (OmniSR's gated
+    /// feed-forward), 64x64 x 180 read from a 540-wide map with GELU after (DAT's local
+    /// branch), and a 32x32 x 128 map that stays in cache.
+    /// `cargo test --release --lib depthwise_throughput -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn depthwise_throughput() {
+        for (h, c, ld, gelu) in [
+            (128, 128, 128, false),
+            (64, 180, 540, true),
+            (32, 128, 128, false),
+        ] {
+            let data: Vec<f32> = (0..h * h * ld).map(|i| (i % 89) as f32 * 0.01).collect();
+            let (taps, bias) = (vec![0.1f32; 9 * c], vec![0.2f32; c]);
+            let input = Rows::new(&data, ld, 0);
+            let then = if gelu { Then::Gelu } else { Then::Identity };
+            let mut t = Vec::new();
+            for _ in 0..31 {
+                let start = std::time::Instant::now();
+                std::hint::black_box(depthwise3x3(input, (1, h, h, c), (&taps, &bias), then));
+                t.push(start.elapsed().as_secs_f64());
+            }
+            t.sort_by(f64::total_cmp);
+            let flops = (h * h * c * 18) as f64;
+            println!(
+                "{h}x{h} x {c} (rows of {ld}): median {:.3} ms, {:.1} GFLOP/s",
+                t[15] * 1e3,
+                flops / t[15] / 1e9
+            );
+        }
+    }
+
     /// DAT's SGFN gate at 64x64 (360 channels of a 720-wide map), alternating: the norm's
     /// pass then the convolution, against the convolution normalising as it reads.
     /// `cargo test --release --lib sgfn_gate_throughput -- --ignored --nocapture`
