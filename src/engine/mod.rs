@@ -552,8 +552,8 @@ impl crate::tile::auto::MemoryModel for Engine {
         self.bytes_per_pixel()
     }
 
-    fn normalises_over_input(&self) -> bool {
-        self.model.config().normalises_over_input()
+    fn whole_input_matters(&self) -> bool {
+        self.model.config().whole_input_matters()
     }
 }
 

@@ -128,9 +128,10 @@ pub(crate) trait NetConfig: Serialised + std::fmt::Debug + Send + Sync {
         None
     }
 
-    /// Whether the network normalises by statistics of its whole input (GroupNorm), so
-    /// that tiles change its output (the tile planner keeps such images whole where it can).
-    fn normalises_over_input(&self) -> bool {
+    /// Whether the network's output depends on its whole input (GroupNorm's statistics, or
+    /// attention and pooling across the image), so that tiles change its output (the tile
+    /// planner keeps such images whole where it can).
+    fn whole_input_matters(&self) -> bool {
         false
     }
 

@@ -31,7 +31,7 @@
 //!
 //! The grid attentions and ESA reach across the whole image, so a tile's output differs
 //! from the whole image's: the tile planner keeps such a model's images whole where memory
-//! allows ([`NetConfig::normalises_over_input`]). The reference needs a padded side of 15
+//! allows ([`NetConfig::whole_input_matters`]). The reference needs a padded side of 15
 //! or more (ESA's pooling); smaller images are padded with zeros up to that here.
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
@@ -890,7 +890,7 @@ impl NetConfig for OmniSrConfig {
     }
 
     /// The grid attentions and ESA reach across the whole image.
-    fn normalises_over_input(&self) -> bool {
+    fn whole_input_matters(&self) -> bool {
         true
     }
 

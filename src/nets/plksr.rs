@@ -456,7 +456,7 @@ impl NetConfig for RealPlksrConfig {
     }
 
     /// The GroupNorm models: their norms take each map's mean and variance.
-    fn normalises_over_input(&self) -> bool {
+    fn whole_input_matters(&self) -> bool {
         !self.layer_norm
     }
 

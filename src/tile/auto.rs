@@ -57,10 +57,11 @@ pub trait MemoryModel {
     fn bytes_per_pixel_bound(&self) -> f64;
     /// Peak activation bytes per input pixel of one forward pass (may run a probe pass).
     fn bytes_per_pixel(&self) -> f64;
-    /// Whether the model normalises by statistics of its whole input (GroupNorm), so that a
-    /// tiled image differs from the whole one by the model's own definition: the automatic
-    /// choice then plans within all free memory on the CPU too, and says so when it tiles.
-    fn normalises_over_input(&self) -> bool {
+    /// Whether the model's output depends on its whole input (GroupNorm's statistics,
+    /// OmniSR's grid attention and pooling), so that a tiled image differs from the whole one
+    /// by the model's own definition: the automatic choice then plans within all free memory
+    /// on the CPU too, and says so when it tiles.
+    fn whole_input_matters(&self) -> bool {
         false
     }
 }
@@ -78,7 +79,7 @@ pub fn tile_options(
     let share = share.max(1) as u64;
     let window = model.window();
     let max_pass = model.max_pass_pixels();
-    let whole_matters = model.normalises_over_input();
+    let whole_matters = model.whole_input_matters();
     let auto = || {
         let free = if model.on_cpu() && !whole_matters {
             model.free_memory().min(CPU_TILE_BUDGET)
@@ -128,9 +129,9 @@ pub fn tile_options(
                 std::sync::atomic::AtomicBool::new(false);
             if t != 0 && whole_matters && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
                 log::warn!(
-                    "this model normalises over its whole input (GroupNorm) and a {h}x{w} \
-                     image does not fit in memory whole: tiles of {t} make its output differ \
-                     a little from the whole image's"
+                    "this model's output depends on its whole input (GroupNorm, or grid \
+                     attention and pooling) and a {h}x{w} image does not fit in memory whole: \
+                     tiles of {t} make its output differ a little from the whole image's"
                 );
             }
             let b = match settings.batch {
@@ -309,7 +310,7 @@ mod tests {
         fn bytes_per_pixel(&self) -> f64 {
             self.bytes_per_pixel_bound()
         }
-        fn normalises_over_input(&self) -> bool {
+        fn whole_input_matters(&self) -> bool {
             self.normalises
         }
     }
