@@ -141,8 +141,10 @@ impl OmniSrConfig {
         let bias_table = "residual_layer.0.residual_layer.0.layer.2.fn.rel_pos_bias.weight";
         let (window, position_bias) = match shapes.get(bias_table) {
             Some(s) => {
-                let side = isqrt(s[0]);
-                if s.len() != 2 || side * side != s[0] || side.is_multiple_of(2) {
+                // A scalar or empty table is refused here, never indexed.
+                let rows = s.first().copied().unwrap_or(0);
+                let side = isqrt(rows);
+                if s.len() != 2 || side * side != rows || side.is_multiple_of(2) {
                     return Err(ConfigError::shape(
                         bias_table,
                         s,

@@ -172,6 +172,13 @@ fn omnisr_is_described_and_broken_files_are_named() {
         e.contains("unexpected tensor residual_layer.1.esa.conv5.weight"),
         "{e}"
     );
+    let mut scalar = shapes.clone();
+    let table = "residual_layer.0.residual_layer.0.layer.2.fn.rel_pos_bias.weight";
+    scalar.insert(table.into(), vec![]);
+    let e = crate::nets::registry::infer(&scalar)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(table), "{e}");
     let mut odd = shapes;
     odd.insert("input.weight".into(), vec![62, 3, 3, 3]);
     let e = crate::nets::registry::infer(&odd).unwrap_err().to_string();
