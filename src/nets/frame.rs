@@ -9,6 +9,10 @@
 //! y  = tail(b) + mean                      pixel shuffle, one-step shuffle or nearest+conv
 //! ```
 //!
+//! SwinIR's restoration models (denoising, JPEG artefact removal) have no upsampler: their
+//! tail is `x + conv_last(b)`, the input plus a correction. Those with window 7 (the JPEG
+//! ones) scale the centred input by 255 before `conv_first` and divide by it at the end.
+//!
 //! then cropped to `(sH, sW)` and back to channels-first. A network builds its [`Frame`]
 //! from its configuration and supplies only the body.
 
@@ -85,6 +89,9 @@ pub(crate) enum Tail {
         hr: Conv3x3,
         last: Conv3x3,
     },
+    /// No upsampler (restoration at scale 1): `conv_last` gives a correction that the frame
+    /// adds to the network's input. Its bias holds no mean.
+    Residual { last: Conv3x3 },
 }
 
 impl Tail {
@@ -143,6 +150,13 @@ impl Tail {
                 .add_to_bias(&mean(vb)?.flatten_all()?)?,
         })
     }
+
+    /// `conv_last` from the body's `e` channels to RGB: the restoration models' correction.
+    pub(crate) fn residual(e: usize, plan: &LoadPlan, vb: &VarBuilder) -> Result<Self> {
+        Ok(Self::Residual {
+            last: Conv3x3::unpadded(e, 3, plan, vb.pp("conv_last"))?,
+        })
+    }
 }
 
 impl Module for Tail {
@@ -173,6 +187,7 @@ impl Module for Tail {
                 }
                 last.forward(&lrelu(&hr.forward(&y)?, SLOPE)?)
             }
+            Self::Residual { last } => last.forward(b),
         }
     }
 }
@@ -203,6 +218,9 @@ pub(crate) struct Frame {
     pub(super) dtype: DType,
     pub(super) window: usize,
     pub(super) scale: usize,
+    /// What the centred input is multiplied by before `conv_first`, and the output divided
+    /// by at the end (the reference's `img_range`: 255 for SwinIR's JPEG models, else 1).
+    pub(super) range: f64,
 }
 
 impl Frame {
@@ -231,7 +249,13 @@ impl Frame {
             dtype: vb.dtype(),
             window,
             scale,
+            range: 1.0,
         })
+    }
+
+    /// The same frame with the input scaled by `range` (see [`Frame::range`]).
+    pub(crate) fn with_range(self, range: f64) -> Self {
+        Self { range, ..self }
     }
 
     /// The dtype the network computes in.
@@ -252,6 +276,11 @@ impl Frame {
         let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, self.window)?;
         // Channels-last from here on: every layer is a matmul over the channel axis.
         let x = x.permute((0, 2, 3, 1))?.broadcast_sub(&self.mean)?;
+        let x = if self.range == 1.0 {
+            x
+        } else {
+            (x * self.range)?
+        };
         let f0 = self.conv_first.forward(&x)?;
         let t = match &self.patch_norm {
             Some(norm) => layer_norm(norm, &f0)?,
@@ -259,7 +288,23 @@ impl Frame {
         };
         let t = body(t)?;
         let b = add(&self.after_body.forward(&layer_norm(&self.norm, &t)?)?, &f0)?;
-        let y = self.tail.forward(&b)?;
+        let y = match (&self.tail, self.range == 1.0) {
+            // The SR tails add the mean in their last bias.
+            (Tail::Residual { .. }, _) => {
+                let y = add(&x, &self.tail.forward(&b)?)?;
+                let y = if self.range == 1.0 {
+                    y
+                } else {
+                    (y / self.range)?
+                };
+                y.broadcast_add(&self.mean)?
+            }
+            (_, true) => self.tail.forward(&b)?,
+            (_, false) => {
+                let y = self.tail.forward(&b)?.broadcast_sub(&self.mean)?;
+                ((y / self.range)?).broadcast_add(&self.mean)?
+            }
+        };
         let y = y
             .narrow(1, 0, h * self.scale)?
             .narrow(2, 0, w * self.scale)?;

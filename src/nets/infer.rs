@@ -91,10 +91,10 @@ pub enum ConfigError {
         "tensor upsample.0.weight has {0} outputs: not 3 x scale^2 (a one-step pixel shuffle)"
     )]
     DirectUpsampler(usize),
-    /// A SwinIR model without an upsampler (a denoising or JPEG model).
+    /// A SwinIR model with neither an upsampler nor the restoration models' `conv_last`.
     #[error(
-        "a SwinIR model without an upsampler (denoising or JPEG artifact removal, scale 1): \
-         only the super-resolution models (x2, x3, x4) are supported"
+        "no upsampler (conv_before_upsample, upsample.0) and no conv_last: not a SwinIR \
+         super-resolution, denoising or JPEG model"
     )]
     NoUpsampler,
     /// A residual group with no Swin blocks.

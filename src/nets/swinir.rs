@@ -16,8 +16,13 @@
 //! nearest+conv:        y = lrelu_0.01(conv_before_upsample(b));
 //!                      y = lrelu_0.2(conv_up1(nearest2(y))); [x4: the same with conv_up2]
 //!                      conv_last(lrelu_0.2(conv_hr(y)))         (the real-world models)
+//! none:                x + conv_last(b)           (denoising and JPEG models, scale 1)
 //! y  = that + mean, cropped to (sH, sW)
 //! ```
+//!
+//! The JPEG models (the only ones released with window 7) work on `(x - mean) * 255` and
+//! divide by 255 before adding the mean back: the reference loader infers that `img_range`
+//! from the window, as nothing in the file records it, and so does [`SwinIrConfig::infer`].
 //!
 //! The Swin block is DRCT's ([`crate::nets::swin::SwinBlock`]): the same LayerNorms, window
 //! attention with relative position bias and shift mask, and erf-GELU MLP. The input is
@@ -69,6 +74,10 @@ pub enum Upsampler {
     /// Real-world SR: nearest-neighbour x2 steps, each followed by a 3x3.
     #[serde(rename = "nearest+conv")]
     NearestConv,
+    /// Restoration at scale 1 (denoising, JPEG artefact removal): no upsampler, the input
+    /// plus `conv_last` of the body's output.
+    #[serde(rename = "none")]
+    None,
 }
 
 impl Upsampler {
@@ -77,6 +86,7 @@ impl Upsampler {
             Self::PixelShuffle => "pixelshuffle",
             Self::PixelShuffleDirect => "pixelshuffledirect",
             Self::NearestConv => "nearest+conv",
+            Self::None => "none",
         }
     }
 }
@@ -93,9 +103,11 @@ pub struct SwinIrConfig {
     pub patch_norm: bool,
     pub resi_connection: ResiConnection,
     pub upsampler: Upsampler,
-    /// Channels of the upsampler (0 for pixelshuffledirect, which has none of its own).
+    /// Channels of the upsampler (0 for pixelshuffledirect and none, which have no own).
     pub num_feat: usize,
     pub scale: usize,
+    /// The input's scale inside the network: 255 for window 7 (the JPEG models), else 1.
+    pub img_range: f64,
 }
 
 impl SwinIrConfig {
@@ -108,6 +120,10 @@ impl SwinIrConfig {
             (60, 4, Upsampler::PixelShuffleDirect) if uniform(6, 6) => "SwinIR-S (lightweight)",
             (180, 6, Upsampler::NearestConv) if uniform(6, 6) => "SwinIR-M (real-world)",
             (240, 9, Upsampler::NearestConv) if uniform(6, 8) => "SwinIR-L (real-world)",
+            (180, 6, Upsampler::None) if uniform(6, 6) && self.window == 7 => {
+                "SwinIR-M (JPEG artefact removal)"
+            }
+            (180, 6, Upsampler::None) if uniform(6, 6) => "SwinIR-M (denoising)",
             (180, 6, _) if uniform(6, 6) => "SwinIR-M (classical)",
             _ => "SwinIR",
         }
@@ -232,6 +248,8 @@ impl SwinIrConfig {
                 return Err(ConfigError::DirectUpsampler(out));
             }
             (Upsampler::PixelShuffleDirect, 0, s)
+        } else if shapes.contains_key("conv_last.weight") {
+            (Upsampler::None, 0, 1)
         } else {
             return Err(ConfigError::NoUpsampler);
         };
@@ -246,6 +264,8 @@ impl SwinIrConfig {
             upsampler,
             num_feat,
             scale,
+            // The reference loader's rule: only the JPEG models have window 7.
+            img_range: if window == 7 { 255.0 } else { 1.0 },
         };
         check_shapes(&cfg.expected_tensors(), shapes, UNEXPECTED_SWINIR)?;
         Ok(cfg)
@@ -320,6 +340,7 @@ impl SwinIr {
             }
             Upsampler::PixelShuffleDirect => Tail::direct(e, cfg.scale, plan, &vb)?,
             Upsampler::NearestConv => Tail::nearest_conv((e, f), cfg.scale, plan, &vb)?,
+            Upsampler::None => Tail::residual(e, plan, &vb)?,
         };
         let after_body = resi(cfg, plan, vb.pp("conv_after_body"))?;
         let frame = Frame::new(
@@ -328,7 +349,8 @@ impl SwinIr {
             (cfg.window, cfg.scale),
             plan,
             &vb,
-        )?;
+        )?
+        .with_range(cfg.img_range);
         Ok(SwinNet::assemble(frame, layers, windows, Pad::OFF))
     }
 }
@@ -342,7 +364,7 @@ impl Architecture for Arch {
     }
 
     fn loads(&self) -> &'static str {
-        "classical, lightweight and real-world x2/x3/x4"
+        "classical, lightweight and real-world x2/x3/x4; denoising and JPEG (x1)"
     }
 
     /// Residual groups of Swin blocks, without HAT's convolution and cross-attention blocks
@@ -424,6 +446,7 @@ impl NetConfig for SwinIrConfig {
                 conv(&mut t, "conv_hr", f, f);
                 conv(&mut t, "conv_last", 3, f);
             }
+            Upsampler::None => conv(&mut t, "conv_last", 3, e),
         }
         t
     }
@@ -474,6 +497,7 @@ impl NetConfig for SwinIrConfig {
             "mlp_hidden": c.mlp_hidden,
             "num_feat": (c.num_feat > 0).then_some(c.num_feat),
             "patch_norm": c.patch_norm,
+            "img_range": c.img_range,
         })
     }
 

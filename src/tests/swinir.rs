@@ -66,7 +66,11 @@ fn swinir_f32_matches_float64_reference_on_every_fixture() {
             ResiConnection::ThreeConv => "3conv",
         };
         assert_eq!(resi, case.resi, "{}", case.name);
+        // The reference loader's rule: window 7 means the JPEG models' range of 255.
+        let range = if cfg.window == 7 { 255.0 } else { 1.0 };
+        assert_eq!(cfg.img_range, range, "{}: img_range", case.name);
         kinds.insert((case.upsampler.clone(), case.scale));
+        kinds.insert((format!("window {}", cfg.window), 0));
         kinds.insert((case.resi.clone(), 0));
         let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
         let (input, expected) = load_io(&case.io);
@@ -88,6 +92,9 @@ fn swinir_f32_matches_float64_reference_on_every_fixture() {
         ("pixelshuffledirect", 4),
         ("nearest+conv", 2),
         ("nearest+conv", 4),
+        ("none", 1),
+        ("window 7", 0),
+        ("window 8", 0),
         ("1conv", 0),
         ("3conv", 0),
     ] {
@@ -136,6 +143,9 @@ fn swinir_tiles_blend_to_the_whole_image() {
     let runs = ["classical_x2", "lightweight_x3", "realworld_x4_3conv"]
         .map(|name| (dir().join(format!("{name}.safetensors")), 64, 16));
     assert_tiles_blend_to_whole((40, 100, 128, 160), &runs, 45.0);
+    // The JPEG models' window 7, at sides that are multiples of it.
+    let runs = [(dir().join("jpeg_color_w7.safetensors"), 63, 21)];
+    assert_tiles_blend_to_whole((40, 100, 126, 154), &runs, 45.0);
 }
 
 fn shapes(path: &std::path::Path) -> Vec<(String, Tensor)> {
@@ -188,16 +198,27 @@ fn swinir_bad_checkpoints_name_the_tensor() {
     let e = refusal(&t).expect("refused");
     assert!(e.contains("attn.extra"), "{e}");
 
-    // No upsampler: a denoising or JPEG model.
-    let t: Vec<_> = base
+    // No upsampler is a restoration model, whose conv_last reads the body's width: this
+    // one's reads the upsampler's, and is named.
+    let no_upsampler: Vec<_> = base
         .iter()
         .filter(|(k, _)| {
             !(k.starts_with("conv_up") || k.starts_with("conv_hr") || k.starts_with("conv_before"))
         })
         .cloned()
         .collect();
+    let e = refusal(&no_upsampler).expect("refused");
+    assert!(
+        e.contains("conv_last.weight") && e.contains("SwinIR"),
+        "{e}"
+    );
+    // Without conv_last as well, nothing closes the network.
+    let t: Vec<_> = no_upsampler
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with("conv_last"))
+        .collect();
     let e = refusal(&t).expect("refused");
-    assert!(e.contains("denoising") && e.contains("x2, x3, x4"), "{e}");
+    assert!(e.contains("no upsampler") && e.contains("denoising"), "{e}");
 }
 
 #[test]
@@ -268,6 +289,13 @@ fn released_configurations_round_trip() {
         upsampler: up,
         num_feat: feat,
         scale,
+        img_range: 1.0,
+    };
+    use Upsampler::None as Restore;
+    let jpeg = SwinIrConfig {
+        window: 7,
+        img_range: 255.0,
+        ..cfg(180, 6, 6, Restore, OneConv, 0, 1)
     };
     let cases = [
         (
@@ -290,6 +318,11 @@ fn released_configurations_round_trip() {
             cfg(240, 9, 8, NearestConv, ThreeConv, 64, 4),
             "SwinIR-L (real-world)",
         ),
+        (
+            cfg(180, 6, 6, Restore, OneConv, 0, 1),
+            "SwinIR-M (denoising)",
+        ),
+        (jpeg, "SwinIR-M (JPEG artefact removal)"),
     ];
     for (c, name) in cases {
         let shapes = c.expected_tensors().into_iter().collect();

@@ -11,6 +11,12 @@ and LayerNorm affine terms included). SwinIR's own forward pads the input reflec
 bottom and right to a window multiple when needed (its check_image_size) and crops the output;
 we pad the same way before calling it, so its own padding is a no-op, and do not clamp.
 
+The restoration models (denoising and JPEG artefact removal: no upsampler, scale 1, the input
+plus conv_last of the body) are built the same way; those with window 7 use img_range 255, the
+rule spandrel's loader applies (only the JPEG models were released with window 7). Each of
+those fixtures is also loaded back through spandrel's own loader, which must reproduce the
+reference exactly: so the window-7 rule is the reference's, not ours.
+
 SwinIR hard-codes num_feat = 64 for its upsamplers; the fixtures swap those layers for
 narrower ones of the same kind (same forward code) to keep each file small. The Rust loader
 reads num_feat from the weights.
@@ -106,17 +112,47 @@ CASES = [
         covers="real-world (nearest+conv) x2 (conv_up1 only); patch_norm off; a bare "
                "state-dict .pth with buffers; 9x16 -> 16x16",
     ),
+    dict(
+        name="denoise_color",
+        upsampler="", resi="1conv", scale=1, embed_dim=16, depths=(2, 2),
+        heads=(4, 2), num_feat=None, patch_norm=True,
+        input=dict(kind="pattern", shape=(1, 3, 19, 13)), seed=31, pth="params",
+        covers="colour denoising (no upsampler, x1, img_range 1) as 005_colorDN; the "
+               "official {'params': ...} .pth; 19x13 -> 24x16",
+    ),
+    dict(
+        name="jpeg_color_w7",
+        upsampler="", resi="1conv", scale=1, embed_dim=16, depths=(2,),
+        heads=(2,), num_feat=None, patch_norm=True, window=7,
+        input=dict(kind="pattern", shape=(1, 3, 23, 15)), seed=32,
+        covers="colour JPEG artefact removal as 006_colorCAR: window 7, img_range 255, no "
+               "upsampler; 23x15 -> 28x21",
+    ),
+    dict(
+        name="classical_x2_w7",
+        upsampler="pixelshuffle", resi="1conv", scale=2, embed_dim=12, depths=(2,),
+        heads=(3,), num_feat=8, patch_norm=True, window=7,
+        input=dict(kind="pattern", shape=(1, 3, 14, 10)), seed=33,
+        covers="an upsampler with window 7, so img_range 255 (the reference loader's rule "
+               "applies to every SwinIR); 14x10 -> 14x14",
+    ),
 ]
 
 
+def window_of(cfg):
+    return cfg.get("window", WINDOW)
+
+
 def build(cfg):
-    img_size = cfg.get("img_size", 32)
-    assert img_size > WINDOW
+    window = window_of(cfg)
+    img_size = cfg.get("img_size", 4 * window)
+    assert img_size > window
     m = SwinIR(
         img_size=img_size, patch_size=1, in_chans=3, embed_dim=cfg["embed_dim"],
-        depths=list(cfg["depths"]), num_heads=list(cfg["heads"]), window_size=WINDOW,
+        depths=list(cfg["depths"]), num_heads=list(cfg["heads"]), window_size=window,
         mlp_ratio=2.0, qkv_bias=True, drop_path_rate=0.0, upscale=cfg["scale"],
-        img_range=1.0, upsampler=cfg["upsampler"], resi_connection=cfg["resi"],
+        img_range=255.0 if window == 7 else 1.0, upsampler=cfg["upsampler"],
+        resi_connection=cfg["resi"],
         patch_norm=cfg["patch_norm"],
     )
     f = cfg["num_feat"]
@@ -159,7 +195,12 @@ def calibrate(model, x, scale, target=0.5):
     trained model's is: random weights otherwise give outputs of a few units, and an error
     measured in dB over [0, 1] would then say more about that scale than about the port."""
     last = model.upsample[0] if model.upsampler == "pixelshuffledirect" else model.conv_last
-    std = float(run(model, x, scale).std())
+    if model.upsampler == "":
+        # a restoration model's output is its input plus this layer's correction: scale that
+        std = float((run(model, x, scale) - x).std())
+        target *= 0.6
+    else:
+        std = float(run(model, x, scale).std())
     for p in (last.weight, last.bias):
         p.copy_((p * (target / std)).float().double())
     return model
@@ -184,8 +225,9 @@ def make_input(spec, seed):
 @torch.no_grad()
 def run(model, x, scale):
     _, _, h, w = x.shape
-    ph = (WINDOW - h % WINDOW) % WINDOW
-    pw = (WINDOW - w % WINDOW) % WINDOW
+    win = model.window_size
+    ph = (win - h % win) % win
+    pw = (win - w % win) % win
     if ph or pw:
         x = F.pad(x, (0, pw, 0, ph), mode="reflect")
     return model(x)[:, :, : h * scale, : w * scale]
@@ -229,6 +271,10 @@ def main():
             weights = f"{name}.pth"
             torch.save({"params": full_sd(other), "params_ema": full_sd(model)}, out_dir / weights)
             fmt = "pth: {'params': other weights, 'params_ema': reference weights}, buffers included"
+        elif kind == "params":
+            weights = f"{name}.pth"
+            torch.save({"params": full_sd(model)}, out_dir / weights)
+            fmt = "pth: {'params': reference weights}, buffers included"
         elif kind == "bare":
             weights = f"{name}.pth"
             torch.save(full_sd(model), out_dir / weights)
@@ -254,10 +300,22 @@ def main():
             if isinstance(mod, nn.LayerNorm):
                 mod.eps = 1e-6
         bugs["LayerNorm eps 1e-6"] = float((run(m2, x32.double(), cfg["scale"]) - ref).abs().max())
+        if window_of(cfg) == 7:
+            m2 = copy.deepcopy(model)
+            m2.img_range = 1.0
+            bugs["img_range 1"] = float((run(m2, x32.double(), cfg["scale"]) - ref).abs().max())
+        if cfg["upsampler"] == "":
+            # the reference loader reads the same file the same way (window 7: img_range 255)
+            from spandrel import ModelLoader
+            loaded = ModelLoader().load_from_state_dict(full_sd(model)).model.double().eval()
+            assert loaded.upsampler == "" and loaded.img_range == model.img_range
+            same = float((run(loaded, x32.double(), cfg["scale"]) - ref).abs().max())
+            assert same == 0.0, same
+            bugs["input not added"] = float((ref - x32.double()).abs().max())
         b, _, h, w = x32.shape
         entry = dict(
             name=name, weights=weights, weights_format=fmt, io=io, scale=cfg["scale"],
-            window=WINDOW, upsampler=cfg["upsampler"], resi_connection=cfg["resi"],
+            window=window_of(cfg), upsampler=cfg["upsampler"] or "none", resi_connection=cfg["resi"],
             embed_dim=cfg["embed_dim"], depths=list(cfg["depths"]), heads=list(cfg["heads"]),
             num_feat=cfg["num_feat"], patch_norm=cfg["patch_norm"], batch=b, input_h=h,
             input_w=w, seed=cfg["seed"], covers=cfg["covers"],
