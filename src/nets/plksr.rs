@@ -1,7 +1,7 @@
-//! RealPLKSR (Partial Large Kernel CNNs for Efficient Super-Resolution, Lee et al., 2024, in
-//! the "Real" form traiNNer-redux trains), inference only.
+//! PLKSR (Partial Large Kernel CNNs for Efficient Super-Resolution, Lee et al., 2024) in its
+//! original form and in the "Real" form traiNNer-redux trains, inference only.
 //!
-//! The network, as the released code defines it (`feats` is one `nn.Sequential`):
+//! RealPLKSR, as the released code defines it (`feats` is one `nn.Sequential`):
 //!
 //! ```text
 //! t = feats.0(x)                               3x3, 3 -> F
@@ -22,6 +22,15 @@
 //! it samples `y` (before any shuffle, its channels in the reference's order) at learned
 //! points. The GroupNorm's 4 groups are not stored: 4 is what every release uses and what the
 //! reference loader assumes.
+//!
+//! The original PLKSR differs in its blocks and nothing else: no norms, and its channel mixer
+//! (spelt `channe_mixer` in its files) is one of three pairs with the exact GELU between,
+//! told apart by the kernel sides the file holds: CCM (3x3 to 2F, 1x1 back), ICCM (1x1, 3x3)
+//! or DCCM (3x3, 3x3). Its last convolution is `feats.(n+1)` (no dropout before it). The
+//! large kernel is the plain partial one (`lk.conv`); the sparse and rectangular ablation
+//! kernels of the paper (`lk.convs.*`, `lk.mn_conv`) are refused by name, and the identity
+//! the large kernel can add in training code (`with_idt`) is off, as the reference loader
+//! assumes: the file cannot tell.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -47,9 +56,52 @@ const LAYER_NORM_EPS: f64 = 1e-6;
 /// Image channels in and out: the reference builds RGB models only.
 const CHANNELS: usize = 3;
 
-/// RealPLKSR's configuration, read from its weights.
+/// The channel mixer opening each block, which also tells the two forms apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Mixer {
+    /// RealPLKSR's: 3x3 to 2F, Mish, 3x3 back (`channel_mixer`); each block also has a
+    /// GroupNorm or a LayerNorm.
+    #[serde(rename = "real")]
+    Real,
+    /// The original's CCM: 3x3 to 2F, GELU, 1x1 back (`channe_mixer`).
+    #[serde(rename = "CCM")]
+    Ccm,
+    /// The original's ICCM: 1x1 to 2F, GELU, 3x3 back.
+    #[serde(rename = "ICCM")]
+    Iccm,
+    /// The original's DCCM: 3x3 to 2F, GELU, 3x3 back.
+    #[serde(rename = "DCCM")]
+    Dccm,
+}
+
+impl Mixer {
+    /// The kernel sides of the mixer's two convolutions.
+    fn kernels(self) -> (usize, usize) {
+        match self {
+            Self::Real | Self::Dccm => (3, 3),
+            Self::Ccm => (3, 1),
+            Self::Iccm => (1, 3),
+        }
+    }
+
+    /// The name of the mixer in the state dict (the original's typo included).
+    fn key(self) -> &'static str {
+        match self {
+            Self::Real => "channel_mixer",
+            _ => "channe_mixer",
+        }
+    }
+
+    fn original(self) -> bool {
+        self != Self::Real
+    }
+}
+
+/// PLKSR's or RealPLKSR's configuration, read from its weights.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct RealPlksrConfig {
+pub struct PlksrConfig {
+    /// The channel mixer, which also says which form this is.
+    pub mixer: Mixer,
     /// Feature channels (`dim`).
     pub features: usize,
     /// Blocks (`n_blocks`).
@@ -67,14 +119,29 @@ pub struct RealPlksrConfig {
     pub dysample: bool,
 }
 
-/// The index in `feats` of the last convolution of a network of `blocks` blocks.
-fn last_index(blocks: usize) -> usize {
-    blocks + 2
-}
+impl PlksrConfig {
+    /// The index in `feats` of the last convolution: RealPLKSR has a dropout before it.
+    fn last_index(&self) -> usize {
+        self.blocks + if self.mixer.original() { 1 } else { 2 }
+    }
 
-impl RealPlksrConfig {
     /// The configuration read from the tensor names and shapes, every tensor checked.
     pub fn infer(shapes: &Shapes) -> std::result::Result<Self, ConfigError> {
+        let original = shapes.contains_key("feats.1.channe_mixer.0.weight");
+        for (key, what) in [
+            (
+                "feats.1.lk.convs.0.weight",
+                "PLKSR's sparse large kernel (SparsePLK)",
+            ),
+            (
+                "feats.1.lk.mn_conv.weight",
+                "PLKSR's rectangular sparse large kernel",
+            ),
+        ] {
+            if shapes.contains_key(key) {
+                return Err(ConfigError::Unsupported(what));
+            }
+        }
         let first = "feats.0.weight";
         let features = out_width(shapes, first)?;
         // The highest index in `feats` is the last convolution, after n blocks and a dropout.
@@ -89,20 +156,49 @@ impl RealPlksrConfig {
             })
             .max()
             .unwrap_or(0);
-        if highest < 3 {
-            return Err(ConfigError::missing("feats.3.weight", " (no blocks)"));
+        // After the blocks: the last convolution, and RealPLKSR's dropout before it.
+        let after = if original { 1 } else { 2 };
+        if highest <= after {
+            return Err(ConfigError::missing(
+                &format!("feats.{}.weight", after + 1),
+                " (no blocks)",
+            ));
         }
-        let blocks = highest - 2;
+        let blocks = highest - after;
+        let mixer = if original {
+            let kernel = |i: usize| {
+                let name = format!("feats.1.channe_mixer.{i}.weight");
+                tensor(shapes, &name).map(|s| (name, s.to_vec()))
+            };
+            let ((_, k0), (name, k2)) = (kernel(0)?, kernel(2)?);
+            match (k0.get(2), k2.get(2)) {
+                (Some(3), Some(1)) => Mixer::Ccm,
+                (Some(1), Some(3)) => Mixer::Iccm,
+                (Some(3), Some(3)) => Mixer::Dccm,
+                _ => {
+                    return Err(ConfigError::shape(
+                        &name,
+                        &k2,
+                        format!(
+                            " after a {:?} kernel: not a CCM, ICCM or DCCM channel mixer",
+                            k0.get(2..)
+                        ),
+                    ))
+                }
+            }
+        } else {
+            Mixer::Real
+        };
         // Every block holds at least eight tensors: an index past what the file can hold is
         // a block that is missing (and would make the expected list as long as the index).
         if blocks * 8 > shapes.len() {
             let absent = (1..=blocks)
-                .map(|i| format!("feats.{i}.channel_mixer.0.weight"))
+                .map(|i| format!("feats.{i}.{}.0.weight", mixer.key()))
                 .find(|k| !shapes.contains_key(k))
                 .unwrap_or_else(|| format!("feats.{blocks}.refine.weight"));
             return Err(ConfigError::missing(&absent, ""));
         }
-        let last = format!("feats.{}.weight", last_index(blocks));
+        let last = format!("feats.{}.weight", blocks + after);
         let outputs = out_width(shapes, &last)?;
         let scale = isqrt(outputs / CHANNELS);
         if scale == 0 || scale * scale * CHANNELS != outputs {
@@ -125,7 +221,8 @@ impl RealPlksrConfig {
                 format!("; expected an odd kernel on 1 to {features} channels"),
             ));
         }
-        let cfg = RealPlksrConfig {
+        let cfg = PlksrConfig {
+            mixer,
             features,
             blocks,
             scale,
@@ -135,14 +232,19 @@ impl RealPlksrConfig {
             layer_norm: shapes.contains_key("feats.1.layer_norm.weight"),
             dysample: shapes.contains_key("to_img.init_pos"),
         };
-        if !cfg.layer_norm && !features.is_multiple_of(NORM_GROUPS) {
+        if mixer == Mixer::Real && !cfg.layer_norm && !features.is_multiple_of(NORM_GROUPS) {
             return Err(ConfigError::shape(
                 "feats.1.norm.weight",
                 &[features],
                 format!(": GroupNorm's {NORM_GROUPS} groups need a multiple of {NORM_GROUPS}"),
             ));
         }
-        check_shapes(&cfg.expected_tensors(), shapes, " (not a RealPLKSR tensor)")?;
+        let hint = if original {
+            " (not a PLKSR tensor)"
+        } else {
+            " (not a RealPLKSR tensor)"
+        };
+        check_shapes(&cfg.expected_tensors(), shapes, hint)?;
         Ok(cfg)
     }
 
@@ -156,11 +258,47 @@ impl RealPlksrConfig {
     }
 }
 
+/// A convolution of the channel mixer: a 3x3 or a 1x1.
+enum MixerConv {
+    Three(Conv3x3),
+    One(Dense),
+}
+
+impl MixerConv {
+    fn new(k: usize, (cin, cout): (usize, usize), plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+        Ok(if k == 1 {
+            Self::One(pointwise_with(cin, cout, plan, vb)?)
+        } else {
+            Self::Three(Conv3x3::unpadded(cin, cout, plan, vb)?)
+        })
+    }
+
+    /// `act` of the convolution of `x`, where possible as the outputs are written.
+    fn forward_act(&self, x: &Tensor, act: Act) -> Result<Tensor> {
+        match (self, act) {
+            (Self::Three(c), act) => c.forward_act(x, act),
+            (Self::One(d), Act::Gelu) => d.forward_gelu(x),
+            (Self::One(d), act) => act.apply(&d.forward(x)?),
+        }
+    }
+}
+
+impl Module for MixerConv {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Three(c) => c.forward(x),
+            Self::One(d) => d.forward(x),
+        }
+    }
+}
+
 /// One block (see the module's account).
 struct Block {
     layer_norm: Option<Norm>,
-    expand: Conv3x3,
-    reduce: Conv3x3,
+    expand: MixerConv,
+    /// The activation between the mixer's convolutions: Mish in RealPLKSR, else GELU.
+    act: Act<'static>,
+    reduce: MixerConv,
     lk: PartialConv,
     attention: Option<Conv3x3>,
     refine: Dense,
@@ -168,23 +306,27 @@ struct Block {
 }
 
 impl Block {
-    fn new(cfg: &RealPlksrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &PlksrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         let f = cfg.features;
         let conv = |cin, cout, vb| Conv3x3::unpadded(cin, cout, plan, vb);
+        let (k0, k2) = cfg.mixer.kernels();
+        let mixer = vb.pp(cfg.mixer.key());
+        let real = cfg.mixer == Mixer::Real;
         Ok(Self {
             layer_norm: cfg
                 .layer_norm
                 .then(|| Norm::load(&Pad::OFF.one(f), LAYER_NORM_EPS, vb.pp("layer_norm")))
                 .transpose()?,
-            expand: conv(f, 2 * f, vb.pp("channel_mixer.0"))?,
-            reduce: conv(2 * f, f, vb.pp("channel_mixer.2"))?,
+            expand: MixerConv::new(k0, (f, 2 * f), plan, mixer.pp("0"))?,
+            act: if real { Act::Mish } else { Act::Gelu },
+            reduce: MixerConv::new(k2, (2 * f, f), plan, mixer.pp("2"))?,
             lk: PartialConv::new(cfg.partial, cfg.kernel, vb.pp("lk.conv"))?,
             attention: cfg
                 .attention
                 .then(|| conv(f, f, vb.pp("attn.f.0")))
                 .transpose()?,
             refine: pointwise_with(f, f, plan, vb.pp("refine"))?,
-            norm: (!cfg.layer_norm)
+            norm: (real && !cfg.layer_norm)
                 .then(|| GroupNorm::new(f, NORM_GROUPS, GROUP_NORM_EPS, vb.pp("norm")))
                 .transpose()?,
         })
@@ -198,7 +340,7 @@ impl Module for Block {
             Some(norm) => layer_norm(norm, x)?,
             None => x.clone(),
         };
-        let u = self.expand.forward_act(&u, Act::Mish)?;
+        let u = self.expand.forward_act(&u, self.act)?;
         let u = self.lk.forward(&self.reduce.forward(&u)?)?;
         let u = match &self.attention {
             Some(conv) => conv.forward_act(&u, Act::Modulate(&u))?,
@@ -225,13 +367,13 @@ pub struct RealPlksr {
 
 impl RealPlksr {
     /// The network stored under `vb`, built as `plan` says.
-    pub fn new(cfg: &RealPlksrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
+    pub fn new(cfg: &PlksrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
         let (f, s) = (cfg.features, cfg.scale);
         let vb_feats = vb.pp("feats");
         let blocks = build_layers(vb.device(), cfg.blocks, |i| {
             Block::new(cfg, plan, vb_feats.pp(i + 1))
         })?;
-        let vb_last = vb_feats.pp(last_index(cfg.blocks));
+        let vb_last = vb_feats.pp(cfg.last_index());
         let up = CHANNELS * s * s;
         let last = if s == 1 || cfg.dysample {
             Conv3x3::unpadded(f, up, plan, vb_last)?
@@ -329,14 +471,46 @@ impl Architecture for Arch {
     }
 
     fn infer(&self, shapes: &Shapes) -> std::result::Result<ArchConfig, ConfigError> {
-        match RealPlksrConfig::infer(shapes) {
-            Ok(c) => Ok(std::sync::Arc::new(c)),
-            Err(e) => Err(ConfigError::Plksr(Box::new(e))),
-        }
+        infer(shapes)
     }
 }
 
-impl NetConfig for RealPlksrConfig {
+fn infer(shapes: &Shapes) -> std::result::Result<ArchConfig, ConfigError> {
+    match PlksrConfig::infer(shapes) {
+        Ok(c) => Ok(std::sync::Arc::new(c)),
+        Err(e) => Err(ConfigError::Plksr(Box::new(e))),
+    }
+}
+
+/// The original PLKSR's registry entry.
+pub(crate) struct OriginalArch;
+
+impl Architecture for OriginalArch {
+    fn name(&self) -> &'static str {
+        "PLKSR"
+    }
+
+    fn loads(&self) -> &'static str {
+        "x1-x4, CCM, ICCM or DCCM, with or without its attention"
+    }
+
+    /// The first block's channel mixer under the original's name, and its refinement.
+    fn detect(&self, shapes: &Shapes) -> bool {
+        [
+            "feats.0.weight",
+            "feats.1.channe_mixer.0.weight",
+            "feats.1.refine.weight",
+        ]
+        .iter()
+        .all(|k| shapes.contains_key(*k))
+    }
+
+    fn infer(&self, shapes: &Shapes) -> std::result::Result<ArchConfig, ConfigError> {
+        infer(shapes)
+    }
+}
+
+impl NetConfig for PlksrConfig {
     /// Every tensor the configuration implies, with its shape.
     fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
         let (f, p, k) = (self.features, self.partial, self.kernel);
@@ -350,11 +524,12 @@ impl NetConfig for RealPlksrConfig {
             let b = format!("feats.{i}");
             if self.layer_norm {
                 layer(&mut t, format!("{b}.layer_norm"), vec![f]);
-            } else {
+            } else if !self.mixer.original() {
                 layer(&mut t, format!("{b}.norm"), vec![f]);
             }
-            layer(&mut t, format!("{b}.channel_mixer.0"), vec![2 * f, f, 3, 3]);
-            layer(&mut t, format!("{b}.channel_mixer.2"), vec![f, 2 * f, 3, 3]);
+            let (m, (k0, k2)) = (self.mixer.key(), self.mixer.kernels());
+            layer(&mut t, format!("{b}.{m}.0"), vec![2 * f, f, k0, k0]);
+            layer(&mut t, format!("{b}.{m}.2"), vec![f, 2 * f, k2, k2]);
             layer(&mut t, format!("{b}.lk.conv"), vec![p, p, k, k]);
             if self.attention {
                 layer(&mut t, format!("{b}.attn.f.0"), vec![f, f, 3, 3]);
@@ -364,7 +539,7 @@ impl NetConfig for RealPlksrConfig {
         let up = CHANNELS * self.scale * self.scale;
         layer(
             &mut t,
-            format!("feats.{}", last_index(self.blocks)),
+            format!("feats.{}", self.last_index()),
             vec![up, f, 3, 3],
         );
         if self.dysample {
@@ -383,7 +558,8 @@ impl NetConfig for RealPlksrConfig {
     fn flops(&self, h: usize, w: usize) -> f64 {
         let (f, p, k) = (self.features, self.partial, self.kernel);
         let attention = if self.attention { 9 * f * f } else { 0 };
-        let block = 2 * 9 * f * 2 * f + k * k * p * p + attention + f * f;
+        let (k0, k2) = self.mixer.kernels();
+        let block = (k0 * k0 + k2 * k2) * f * 2 * f + k * k * p * p + attention + f * f;
         let (s2, up) = (self.scale * self.scale, CHANNELS * self.scale * self.scale);
         let mut per_pixel = 9 * CHANNELS * f + self.blocks * block + 9 * f * up;
         if self.dysample {
@@ -395,10 +571,20 @@ impl NetConfig for RealPlksrConfig {
     }
 
     fn family(&self) -> &'static str {
-        "RealPLKSR"
+        if self.mixer.original() {
+            "PLKSR"
+        } else {
+            "RealPLKSR"
+        }
     }
 
     fn variant(&self) -> &'static str {
+        match self.mixer {
+            Mixer::Ccm => return "PLKSR (CCM)",
+            Mixer::Iccm => return "PLKSR (ICCM)",
+            Mixer::Dccm => return "PLKSR (DCCM)",
+            Mixer::Real => {}
+        }
         match (self.layer_norm, self.dysample) {
             (false, false) => "RealPLKSR",
             (true, false) => "RealPLKSR (LayerNorm)",
@@ -422,8 +608,13 @@ impl NetConfig for RealPlksrConfig {
             "blocks": self.blocks,
             "kernel": self.kernel,
             "partial_channels": self.partial,
+            "channel_mixer": self.mixer,
             "attention": self.attention,
-            "norm": if self.layer_norm { "layer" } else { "group" },
+            "norm": match (self.mixer.original(), self.layer_norm) {
+                (true, _) => "none",
+                (false, true) => "layer",
+                (false, false) => "group",
+            },
             "upsampler": if self.dysample { "dysample" } else { "pixelshuffle" },
         })
     }
@@ -457,7 +648,7 @@ impl NetConfig for RealPlksrConfig {
 
     /// The GroupNorm models: their norms take each map's mean and variance.
     fn whole_input_matters(&self) -> bool {
-        !self.layer_norm
+        !self.mixer.original() && !self.layer_norm
     }
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {

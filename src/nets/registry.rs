@@ -47,6 +47,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &span::Arch,
     &dat::Arch,
     &plksr::Arch,
+    &plksr::OriginalArch,
     &omnisr::Arch,
 ];
 
@@ -142,11 +143,6 @@ const OTHERS: &[(&str, Signature)] = &[
     }),
     ("an FDAT checkpoint", |s| {
         any(s, |k| k.starts_with("groups.") && k.ends_with(".n1.weight"))
-    }),
-    ("a PLKSR checkpoint", |s| {
-        any(s, |k| {
-            k.starts_with("feats.") && k.contains(".channe_mixer.")
-        })
     }),
     ("an RCAN checkpoint", |s| {
         has(s, "head.0.weight") && any(s, |k| k.contains(".conv_du.0.weight"))

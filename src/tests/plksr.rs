@@ -1,4 +1,4 @@
-//! RealPLKSR: parity with the float64 reference (spandrel's RealPLKSR) on the committed
+//! PLKSR and RealPLKSR: parity with the float64 reference (spandrel's classes) on the committed
 //! fixtures in tests/golden/plksr/ (written by tests/golden/make_golden_plksr.py), bf16 on
 //! the CPU, tiling, and what the loader reads from the files.
 
@@ -11,7 +11,7 @@ use super::fixtures::{
 };
 use crate::checkpoint::Checkpoint;
 use crate::model::Model;
-use crate::nets::plksr::RealPlksrConfig;
+use crate::nets::plksr::{Mixer, PlksrConfig};
 use crate::nets::{config_of, NetConfig};
 
 fn dir() -> PathBuf {
@@ -26,9 +26,12 @@ fn f32_matches_float64_reference() {
     for (case, entry) in manifest(&dir()) {
         let name = &case.name;
         let ck = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let Some(cfg) = config_of::<RealPlksrConfig>(&ck.config) else {
-            panic!("{name}: not read as RealPLKSR: {:?}", ck.config);
+        let Some(cfg) = config_of::<PlksrConfig>(&ck.config) else {
+            panic!("{name}: not read as PLKSR: {:?}", ck.config);
         };
+        let mixer = serde_json::to_value(cfg.mixer).unwrap();
+        assert_eq!(mixer, entry["mixer"], "{name}: channel mixer");
+        seen.insert(format!("mixer {}", mixer.as_str().unwrap()));
         let n = |k: &str| entry[k].as_u64().unwrap() as usize;
         let b = |k: &str| entry[k].as_bool().unwrap();
         assert_eq!(
@@ -85,6 +88,10 @@ fn f32_matches_float64_reference() {
         "split false",
         "dysample x2",
         "dysample x3",
+        "mixer real",
+        "mixer CCM",
+        "mixer ICCM",
+        "mixer DCCM",
         "safetensors",
         "pth-plain",
         "pth-params",
@@ -127,15 +134,19 @@ fn plksr_cpu_bf16_stays_close_to_the_float64_reference() {
 }
 
 /// Hann-blended tiles against the whole image through the command line's path: at least
-/// 45 dB for the LayerNorm model, whose layers each see a pixel's neighbourhood only. The
+/// 45 dB for the LayerNorm model and the original PLKSR, whose layers each see a pixel's
+/// neighbourhood only. The
 /// GroupNorm models normalise by statistics of whatever map they are given, so their tiles
 /// differ from the whole image by the model's own definition (30.1 dB for this fixture's
 /// random weights at tile 64, overlap 24); they are held to a looser bound that still
 /// catches a misplaced tile.
 #[test]
 fn plksr_tiles_blend_to_the_whole_image() {
-    let layer = [("plksr_x2_layer.safetensors", 64, 32)]
-        .map(|(file, tile, overlap)| (dir().join(file), tile, overlap));
+    let layer = [
+        ("plksr_x2_layer.safetensors", 64, 32),
+        ("plksr_orig_x4_dccm.safetensors", 64, 32),
+    ]
+    .map(|(file, tile, overlap)| (dir().join(file), tile, overlap));
     assert_tiles_blend_to_whole((40, 100, 96, 112), &layer, 45.0);
     let group = [("plksr_x4_group.pth", 64, 24)]
         .map(|(file, tile, overlap)| (dir().join(file), tile, overlap));
@@ -152,6 +163,11 @@ fn plksr_is_described_and_broken_files_are_named() {
     assert_eq!(ck.wrapper.as_deref(), Some("params_ema"));
     assert_eq!(ck.config.variant(), "RealPLKSR (LayerNorm, DySample)");
     assert_eq!(ck.config.describe()["norm"], "layer");
+    let ck = Checkpoint::load(&dir().join("plksr_orig_x2_ccm.pth")).unwrap();
+    assert_eq!(ck.config.variant(), "PLKSR (CCM)");
+    assert_eq!(ck.config.family(), "PLKSR");
+    assert_eq!(ck.config.describe()["norm"], "none");
+    assert!(!ck.config.whole_input_matters());
 
     let x4 = released(4);
     let shapes: crate::nets::infer::Shapes = x4.expected_tensors().into_iter().collect();
@@ -182,8 +198,9 @@ fn plksr_is_described_and_broken_files_are_named() {
 }
 
 /// The released shape (64 features, 28 blocks, 17x17 on 16 channels, attention, GroupNorm).
-fn released(scale: usize) -> RealPlksrConfig {
-    RealPlksrConfig {
+fn released(scale: usize) -> PlksrConfig {
+    PlksrConfig {
+        mixer: Mixer::Real,
         features: 64,
         blocks: 28,
         scale,
@@ -207,7 +224,7 @@ fn released_plksr_configurations_round_trip() {
             (true, true, true),
             (true, false, true),
         ] {
-            let c = RealPlksrConfig {
+            let c = PlksrConfig {
                 attention,
                 layer_norm,
                 dysample,
@@ -215,8 +232,58 @@ fn released_plksr_configurations_round_trip() {
             };
             let shapes = c.expected_tensors().into_iter().collect();
             let back = crate::nets::registry::infer(&shapes).unwrap();
-            assert_eq!(config_of::<RealPlksrConfig>(&back), Some(&c));
+            assert_eq!(config_of::<PlksrConfig>(&back), Some(&c));
         }
     }
     assert_eq!(released(4).parameter_count(), 7_389_680);
+    // The original with each mixer: spandrel's `PLKSR(ccm_type=...)` at its defaults (64
+    // features, 28 blocks, 17x17 on 16 channels, attention, x4) counts 5,551,088 (CCM and
+    // ICCM) and 7,386,096 (DCCM); 6,352,112 for DCCM without attention.
+    for (mixer, attention, params) in [
+        (Mixer::Ccm, true, 5_551_088),
+        (Mixer::Iccm, true, 5_551_088),
+        (Mixer::Dccm, true, 7_386_096),
+        (Mixer::Dccm, false, 6_352_112),
+    ] {
+        for scale in 1..=4 {
+            let c = PlksrConfig {
+                mixer,
+                attention,
+                ..released(scale)
+            };
+            let shapes = c.expected_tensors().into_iter().collect();
+            let back = crate::nets::registry::infer(&shapes).unwrap();
+            assert_eq!(config_of::<PlksrConfig>(&back), Some(&c));
+            if scale == 4 {
+                assert_eq!(c.parameter_count(), params, "{mixer:?}");
+            }
+        }
+    }
+}
+
+/// The paper's sparse and rectangular large kernels (ablations) are refused by name, and a
+/// mixer of kernel sides none of the three has is named.
+#[test]
+fn plksr_ablation_kernels_are_named() {
+    let c = PlksrConfig {
+        mixer: Mixer::Dccm,
+        ..released(4)
+    };
+    let shapes: crate::nets::infer::Shapes = c.expected_tensors().into_iter().collect();
+    for (key, what) in [
+        ("feats.1.lk.convs.0.weight", "SparsePLK"),
+        ("feats.1.lk.mn_conv.weight", "rectangular"),
+    ] {
+        let mut s = shapes.clone();
+        s.insert(key.into(), vec![16, 16, 5, 5]);
+        let e = crate::nets::registry::infer(&s).unwrap_err().to_string();
+        assert!(e.contains(what) && e.contains("not supported"), "{e}");
+    }
+    let mut s = shapes;
+    s.insert("feats.1.channe_mixer.2.weight".into(), vec![64, 128, 5, 5]);
+    let e = crate::nets::registry::infer(&s).unwrap_err().to_string();
+    assert!(
+        e.contains("feats.1.channe_mixer.2.weight") && e.contains("DCCM"),
+        "{e}"
+    );
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write the float64 RealPLKSR reference fixtures used by the Rust tests (tests/golden/plksr/).
+"""Write the float64 PLKSR and RealPLKSR reference fixtures used by the Rust tests
+(tests/golden/plksr/).
 
 Run from anywhere:  python tests/golden/make_golden_plksr.py [--out DIR]
 Needs: torch, spandrel==0.4.2, numpy, safetensors. Nothing is downloaded.
@@ -10,7 +11,9 @@ float32 port loads exactly what the reference used; the norms' weights spread ar
 last convolution is scaled so the output, less the nearest-neighbour upscale of the input
 the network adds, spreads about 0.3. Each file is loaded back through spandrel's own loader,
 which must give the same output. Two cases end in DySample instead of PixelShuffle: at x2
-(4 groups) and x3 (3 groups), offsets large enough that some points leave the map.
+(4 groups) and x3 (3 groups), offsets large enough that some points leave the map. The
+`plksr_orig_*` cases are the original PLKSR (spandrel's PLKSR class: no norms, a CCM, ICCM or
+DCCM channel mixer with GELU, the plain partial large kernel), one of each mixer.
 """
 
 import argparse
@@ -28,7 +31,7 @@ from make_golden_swinir import make_input  # noqa: E402
 
 import spandrel  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from spandrel.architectures.PLKSR import RealPLKSR  # noqa: E402
+from spandrel.architectures.PLKSR import PLKSR, RealPLKSR  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -76,8 +79,45 @@ CASES += [
     ),
 ]
 
+CASES += [
+    dict(
+        name="plksr_orig_x4_dccm", mixer="DCCM", dim=8, blocks=2, scale=4, kernel=17,
+        split=0.25, ea=True, layer_norm=False, input=dict(kind="pattern", shape=(1, 3, 13, 11)),
+        seed=81, weights="safetensors",
+        covers="original PLKSR, DCCM (3x3, GELU, 3x3), attention, 17x17 on 2 of 8 channels, x4",
+    ),
+    dict(
+        name="plksr_orig_x2_ccm", mixer="CCM", dim=12, blocks=2, scale=2, kernel=9, split=0.5,
+        ea=False, layer_norm=False, input=dict(kind="noise", shape=(2, 3, 9, 10)), seed=82,
+        weights="pth-params",
+        covers="original PLKSR, CCM (3x3, GELU, 1x1), no attention, x2, batch 2, {'params': ...}",
+    ),
+    dict(
+        name="plksr_orig_x3_iccm", mixer="ICCM", dim=8, blocks=1, scale=3, kernel=7, split=1.0,
+        ea=True, layer_norm=False, input=dict(kind="pattern", shape=(1, 3, 10, 7)), seed=83,
+        weights="pth-ema",
+        covers="original PLKSR, ICCM (1x1, GELU, 3x3), 7x7 on every channel, x3, {'params_ema': ...}",
+    ),
+    dict(
+        name="plksr_orig_x1_dccm", mixer="DCCM", dim=8, blocks=1, scale=1, kernel=5, split=0.25,
+        ea=False, layer_norm=False, input=dict(kind="pattern", shape=(1, 3, 11, 14)), seed=84,
+        weights="pth-plain",
+        covers="original PLKSR, DCCM, x1, plain .pth; 11x14",
+    ),
+]
+
+
+def mixer_of(mod):
+    """A block's channel mixer under either form's name."""
+    return getattr(mod, "channel_mixer", None) or getattr(mod, "channe_mixer", None)
+
 
 def build(cfg):
+    if cfg.get("mixer"):
+        m = PLKSR(dim=cfg["dim"], n_blocks=cfg["blocks"], upscaling_factor=cfg["scale"],
+                  ccm_type=cfg["mixer"], kernel_size=cfg["kernel"], split_ratio=cfg["split"],
+                  lk_type="PLK", use_ea=cfg["ea"])
+        return m.double().eval()
     m = RealPLKSR(dim=cfg["dim"], n_blocks=cfg["blocks"], upscaling_factor=cfg["scale"],
                   kernel_size=cfg["kernel"], split_ratio=cfg["split"], use_ea=cfg["ea"],
                   layer_norm=cfg["layer_norm"], dysample=cfg.get("dysample", False))
@@ -134,6 +174,18 @@ def plksr_case(cfg, out_dir):
                 mod.channel_mixer[1] = torch.nn.SiLU()
         return m2(x)
 
+    def tanh_gelu(m2, x):
+        for mod in m2.modules():
+            if isinstance(mod, torch.nn.GELU):
+                mod.approximate = "tanh"
+        return m2(x)
+
+    def mish(m2, x):
+        for mod in m2.modules():
+            if hasattr(mod, "channe_mixer"):
+                mod.channe_mixer[1] = torch.nn.Mish()
+        return m2(x)
+
     def two_groups(m2, x):
         for mod in m2.modules():
             if isinstance(mod, torch.nn.GroupNorm):
@@ -154,7 +206,7 @@ def plksr_case(cfg, out_dir):
         for mod in m2.modules():
             if hasattr(mod, "lk"):
                 conv = mod.lk.conv
-                c = mod.channel_mixer[2].out_channels
+                c = mixer_of(mod)[2].out_channels
                 full = torch.nn.Conv2d(c, c, conv.kernel_size, 1, conv.padding).double()
                 full.weight.zero_()
                 full.bias.zero_()
@@ -164,9 +216,13 @@ def plksr_case(cfg, out_dir):
                 mod.lk.forward = full.forward
         return m2(x)
 
-    checks["Mish -> SiLU"] = deviation(model, x, ref, silu)
+    if cfg.get("mixer"):
+        checks["tanh GELU"] = deviation(model, x, ref, tanh_gelu)
+        checks["GELU -> Mish"] = deviation(model, x, ref, mish)
+    else:
+        checks["Mish -> SiLU"] = deviation(model, x, ref, silu)
     checks["input not added"] = deviation(model, x, ref, no_input_added)
-    if not cfg["layer_norm"]:
+    if not cfg["layer_norm"] and not cfg.get("mixer"):
         checks["GroupNorm of 2 groups"] = deviation(model, x, ref, two_groups)
     if cfg["split"] < 1:
         checks["large kernel over every channel"] = deviation(model, x, ref, whole_kernel_map)
@@ -177,7 +233,8 @@ def plksr_case(cfg, out_dir):
         name=cfg["name"], weights=weights, io=io, weights_format=cfg["weights"],
         scale=s, features=cfg["dim"], blocks=cfg["blocks"], kernel=cfg["kernel"],
         partial=int(cfg["dim"] * cfg["split"]), attention=cfg["ea"],
-        layer_norm=cfg["layer_norm"], dysample=cfg.get("dysample", False), batch=b, input_h=h, input_w=w, seed=cfg["seed"],
+        layer_norm=cfg["layer_norm"], dysample=cfg.get("dysample", False),
+        mixer=cfg.get("mixer", "real"), batch=b, input_h=h, input_w=w, seed=cfg["seed"],
         covers=cfg["covers"],
         self_check=dict(max_abs=checks, out_std=float(ref.std()), out_min=float(ref.min()),
                         out_max=float(ref.max())),

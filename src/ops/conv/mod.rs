@@ -283,9 +283,28 @@ pub(crate) enum Act<'a> {
     Gate(&'a Tensor),
     /// Mish, `v · tanh(softplus(v))`.
     Mish,
+    /// The exact (erf) GELU of `nn.GELU()`.
+    Gelu,
     /// RealPLKSR's element-wise attention with this tensor (shaped as the output):
     /// `x · sigmoid(v)`.
     Modulate(&'a Tensor),
+}
+
+impl Act<'_> {
+    /// This activation of `y`, as an operation of its own.
+    pub(crate) fn apply(self, y: &Tensor) -> Result<Tensor> {
+        match self {
+            Act::Relu => y.relu(),
+            Act::Leaky(slope) => candle_nn::ops::leaky_relu(y, f64::from(slope)),
+            // Exactly PyTorch's `x if x > 0 else slope·x`: one of the two terms is zero.
+            Act::PRelu(slope) => y.relu()? + y.minimum(0.0)?.broadcast_mul(slope)?,
+            Act::Silu => kernels::silu(y),
+            Act::Gate(x) => kernels::sigmoid_gate(y, x),
+            Act::Mish => kernels::mish(y),
+            Act::Gelu => kernels::gelu_erf(y),
+            Act::Modulate(x) => kernels::modulate(y, x),
+        }
+    }
 }
 
 impl Conv3x3 {
@@ -295,17 +314,7 @@ impl Conv3x3 {
         if let Some(w) = &self.winograd {
             return winograd::forward(w, &x.contiguous()?, &self.bias, Some(act), None);
         }
-        let y = self.forward(x)?;
-        match act {
-            Act::Relu => y.relu(),
-            Act::Leaky(slope) => candle_nn::ops::leaky_relu(&y, f64::from(slope)),
-            // Exactly PyTorch's `x if x > 0 else slope·x`: one of the two terms is zero.
-            Act::PRelu(slope) => y.relu()? + y.minimum(0.0)?.broadcast_mul(slope)?,
-            Act::Silu => kernels::silu(&y),
-            Act::Gate(x) => kernels::sigmoid_gate(&y, x),
-            Act::Mish => kernels::mish(&y),
-            Act::Modulate(x) => kernels::modulate(&y, x),
-        }
+        act.apply(&self.forward(x)?)
     }
 
     /// `scale · conv(x) + residual`, `residual` shaped as the output: in the output's writing

@@ -24,7 +24,7 @@ use super::Act;
 use crate::ops::cpu::panels::{self, prefetch_rows, Panels, Start};
 use crate::ops::cpu::shared::Shared;
 use crate::ops::cpu::widest_simd;
-use crate::ops::cpu::{cpu_slice, fmadd, mish_of, sigmoid, sigmoid_gate_of, use_kernel};
+use crate::ops::cpu::{cpu_slice, fmadd, gelu_body, mish_of, sigmoid, sigmoid_gate_of, use_kernel};
 
 /// Output blocks per task, about: their transformed inputs (36 x `BLOCKS` x cin) and products
 /// (36 x `BLOCKS` x cout) stay in the core's L2 cache while the 36 products run.
@@ -505,6 +505,8 @@ pub(crate) enum Finish<'a> {
     Gate(&'a [f32]),
     /// `v · tanh(softplus(v))` (Mish).
     Mish,
+    /// The exact (erf) GELU.
+    Gelu,
     /// `x · sigmoid(v)`, `x` shaped as the output: RealPLKSR's element-wise attention.
     Modulate(&'a [f32]),
 }
@@ -533,6 +535,7 @@ pub(crate) fn forward(
         (Some(Act::Leaky(s)), None) => w.forward(xs, (batch, h, wd), bs, Finish::Leaky(s)),
         (Some(Act::Silu), None) => w.forward(xs, (batch, h, wd), bs, Finish::Silu),
         (Some(Act::Mish), None) => w.forward(xs, (batch, h, wd), bs, Finish::Mish),
+        (Some(Act::Gelu), None) => w.forward(xs, (batch, h, wd), bs, Finish::Gelu),
         (Some(Act::Gate(other) | Act::Modulate(other)), None) => {
             if other.dims() != [batch, h, wd, w.cout] {
                 candle_core::bail!("conv3x3: gate input {:?} for {:?}", other.dims(), x.dims());
@@ -609,6 +612,7 @@ fn activate_body<const FMA: bool>(row: &mut [f32], act: Finish, cout: usize) {
         }
         Finish::Silu => row.iter_mut().for_each(|v| *v *= sigmoid::<FMA>(*v)),
         Finish::Mish => row.iter_mut().for_each(|v| *v = mish_of::<FMA>(*v)),
+        Finish::Gelu => gelu_body::<FMA>(row),
         Finish::Plain
         | Finish::Residual(..)
         | Finish::Residuals(..)

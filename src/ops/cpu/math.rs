@@ -187,7 +187,7 @@ widest_simd! {
 }
 
 #[inline(always)]
-pub(super) fn gelu_body<const FMA: bool>(data: &mut [f32]) {
+pub(crate) fn gelu_body<const FMA: bool>(data: &mut [f32]) {
     data.iter_mut().for_each(|v| {
         let half = 0.5 * *v;
         *v = fmadd::<FMA>(half, erf::<FMA>(*v * std::f32::consts::FRAC_1_SQRT_2), half);
