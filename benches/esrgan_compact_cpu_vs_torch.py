@@ -2,7 +2,8 @@
 """ESRGAN x4 (64 filters, 23 blocks, 64x64 input), Real-ESRGAN Compact x4 (64 features,
 32 convolutions, 128x128 input), SPAN x4 (48 features, 128x128 input) and DAT x4 (embed 180,
 6 groups of 6 blocks, 6 heads, split 8x32, 64x64 input) and RealPLKSR x4 (64 features, 28
-blocks, 17x17 on 16 channels, GroupNorm; PixelShuffle or DySample, 128x128 input) and OmniSR x4
+blocks, 17x17 on 16 channels, GroupNorm; PixelShuffle or DySample, 128x128 input), the
+original PLKSR x4 (the same widths, DCCM mixer, attention, 128x128 input) and OmniSR x4
 (64 features, 5 groups of 1 block, window 8, 128x128 input) on the CPU: the
 `upscale` binary's whole process (`--device cpu --tile 0`, fp32) against PyTorch's warm
 forward of spandrel's module (fp32, the same threads), interleaved run by run so both see
@@ -11,7 +12,7 @@ the same machine.
   python3 benches/esrgan_compact_cpu_vs_torch.py UPSCALE_BINARY [RUNS] [THREADS] [ONLY]
 
 ONLY, if given, keeps the cases whose name starts with it (`SPAN`, `ESRGAN`, `Compact`,
-`DAT`, `RealPLKSR`, `OmniSR`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
+`DAT`, `RealPLKSR`, `PLKSR`, `OmniSR`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
 
 Needs torch, spandrel, safetensors, numpy, Pillow. The models are random weights written to a
 temporary folder; the inputs are crops of tests/photos/coffee.png.
@@ -34,7 +35,7 @@ from spandrel.architectures.Compact import Compact
 from spandrel.architectures.DAT import DAT
 from spandrel.architectures.ESRGAN import ESRGAN
 from spandrel.architectures.OmniSR import OmniSR
-from spandrel.architectures.PLKSR import RealPLKSR
+from spandrel.architectures.PLKSR import PLKSR, RealPLKSR
 from spandrel.architectures.SPAN import SPAN
 from torch_swin_reference import fold_once  # benches/, beside this script
 
@@ -59,6 +60,8 @@ cases = [
          upsampler="pixelshuffle"), 64),
     ("RealPLKSR x4, 64 features, 28 blocks, 17x17 on 16 channels", RealPLKSR(), 128),
     ("RealPLKSR x4 with DySample", RealPLKSR(dysample=True), 128),
+    ("PLKSR x4 (the original), DCCM, 64 features, 28 blocks, 17x17 on 16 channels",
+     PLKSR(ccm_type="DCCM"), 128),
     ("OmniSR x4, 64 features, 5 groups, window 8",
      OmniSR(num_feat=64, res_num=5, block_num=1, window_size=8, pe=True, up_scale=4), 128),
 ]

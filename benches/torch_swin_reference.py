@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""SwinIR, HAT, ESRGAN, Real-ESRGAN Compact, SPAN, DAT, RealPLKSR and OmniSR in PyTorch (spandrel's modules, which match the
+"""SwinIR, HAT, ESRGAN, Real-ESRGAN Compact, SPAN, DAT, PLKSR, RealPLKSR and OmniSR in PyTorch (spandrel's modules, which match the
 official code), tiled as `upscale` tiles, for the GPU side by side: eager, then
 `torch.compile` with --compile, the same JSON lines as benches/torch_gpu_reference.py prints
 for DRCT.
@@ -52,6 +52,9 @@ PRESETS = {
     # RealPLKSR as the released GroupNorm models (64 features, 28 blocks, 17x17 on 16).
     "realplksr": dict(arch="realplksr", dim=64, n_blocks=28, window_size=1),
     "realplksr-tiny": dict(arch="realplksr", dim=16, n_blocks=2, window_size=1),
+    # The original PLKSR (no norms), its DCCM mixer, the same widths.
+    "plksr": dict(arch="plksr", dim=64, n_blocks=28, window_size=1),
+    "plksr-tiny": dict(arch="plksr", dim=16, n_blocks=2, window_size=1),
     # OmniSR as the released models (64 features, 5 groups of 1 block, window 8); it pads
     # its input itself (zeros, to a multiple of the window).
     "omnisr": dict(arch="omnisr", num_feat=64, res_num=5, window_size=1),
@@ -79,6 +82,10 @@ def build_model(preset, seed):
     if arch == "realplksr":
         from spandrel.architectures.PLKSR import RealPLKSR
         return RealPLKSR(dim=p["dim"], n_blocks=p["n_blocks"], upscaling_factor=4).eval()
+    if arch == "plksr":
+        from spandrel.architectures.PLKSR import PLKSR
+        return PLKSR(dim=p["dim"], n_blocks=p["n_blocks"], upscaling_factor=4,
+                     ccm_type="DCCM").eval()
     if arch == "omnisr":
         from spandrel.architectures.OmniSR import OmniSR
         return OmniSR(num_feat=p["num_feat"], res_num=p["res_num"], block_num=1, window_size=8,
