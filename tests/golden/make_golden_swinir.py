@@ -22,8 +22,9 @@ narrower ones of the same kind (same forward code) to keep each file small. The 
 reads num_feat from the weights.
 
   --bench DIR   also write a SwinIR-M-shaped x4 model (E 180, 6 groups of 6 blocks, 6 heads,
-                window 8, num_feat 64; random weights, ~48 MB) and a 64x64 input there, for
-                timing; not a fixture.
+                window 8, num_feat 64; random weights, ~48 MB), the colour JPEG model's shape
+                (the same body, window 7, x1) and a 64x64 input there, for timing; not a
+                fixture.
 """
 
 import argparse
@@ -242,6 +243,10 @@ def bench_model(out_dir):
                heads=(6,) * 6, num_feat=64, patch_norm=True, img_size=64)
     m = randomise(build(cfg), 99)
     save_file(params_sd(m), str(out_dir / "swinir_m_x4_random.safetensors"))
+    jpeg = dict(upsampler="", resi="1conv", scale=1, embed_dim=180, depths=(6,) * 6,
+                heads=(6,) * 6, num_feat=None, patch_norm=True, window=7, img_size=126)
+    m = randomise(build(jpeg), 98)
+    save_file(params_sd(m), str(out_dir / "swinir_m_jpeg_random.safetensors"))
     x = make_input(dict(kind="pattern", shape=(1, 3, 64, 64)), 99)
     save_file({"input": x.contiguous()}, str(out_dir / "input_64.safetensors"))
     print(f"bench model written to {out_dir}")
