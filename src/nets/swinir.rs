@@ -14,7 +14,8 @@
 //! pixelshuffle:        conv_last(upsample(lrelu_0.01(conv_before_upsample(b))))
 //! pixelshuffledirect:  PixelShuffle(s)(upsample.0(b))           (the lightweight models)
 //! nearest+conv:        y = lrelu_0.01(conv_before_upsample(b));
-//!                      y = lrelu_0.2(conv_up1(nearest2(y))); [x4: the same with conv_up2]
+//!                      y = lrelu_0.2(conv_up1(nearest2(y))); [x4, x8: the same with
+//!                      conv_up2, then conv_up3]
 //!                      conv_last(lrelu_0.2(conv_hr(y)))         (the real-world models)
 //! none:                x + conv_last(b)           (denoising and JPEG models, scale 1)
 //! y  = that + mean, cropped to (sH, sW)
@@ -191,6 +192,7 @@ impl SwinIrConfig {
         match name {
             "conv_up1.weight" => 4.0,
             "conv_up2.weight" => 16.0,
+            "conv_up3.weight" => 64.0,
             "conv_hr.weight" | "conv_last.weight" => s2,
             _ => 1.0,
         }
@@ -232,10 +234,14 @@ impl SwinIrConfig {
         }
         let (upsampler, num_feat, scale) = if shapes.contains_key("conv_up1.weight") {
             let f = width("conv_before_upsample.0.weight")?;
-            let scale = if shapes.contains_key("conv_up2.weight") {
-                4
-            } else {
-                2
+            // One nearest x2 and convolution per `conv_upK`.
+            let scale = match (
+                shapes.contains_key("conv_up2.weight"),
+                shapes.contains_key("conv_up3.weight"),
+            ) {
+                (true, true) => 8,
+                (true, false) => 4,
+                _ => 2,
             };
             (Upsampler::NearestConv, f, scale)
         } else if shapes.contains_key("conv_before_upsample.0.weight") {
@@ -364,7 +370,7 @@ impl Architecture for Arch {
     }
 
     fn loads(&self) -> &'static str {
-        "classical, lightweight and real-world x2/x3/x4; denoising and JPEG (x1)"
+        "classical, lightweight and real-world x2/x3/x4 (real-world x8); denoising and JPEG (x1)"
     }
 
     /// Residual groups of Swin blocks, without HAT's convolution and cross-attention blocks
@@ -440,8 +446,11 @@ impl NetConfig for SwinIrConfig {
             Upsampler::NearestConv => {
                 conv(&mut t, "conv_before_upsample.0", f, e);
                 conv(&mut t, "conv_up1", f, f);
-                if self.scale == 4 {
+                if self.scale >= 4 {
                     conv(&mut t, "conv_up2", f, f);
+                }
+                if self.scale == 8 {
+                    conv(&mut t, "conv_up3", f, f);
                 }
                 conv(&mut t, "conv_hr", f, f);
                 conv(&mut t, "conv_last", 3, f);

@@ -92,6 +92,7 @@ fn swinir_f32_matches_float64_reference_on_every_fixture() {
         ("pixelshuffledirect", 4),
         ("nearest+conv", 2),
         ("nearest+conv", 4),
+        ("nearest+conv", 8),
         ("none", 1),
         ("window 7", 0),
         ("window 8", 0),
@@ -317,6 +318,10 @@ fn released_configurations_round_trip() {
         (
             cfg(240, 9, 8, NearestConv, ThreeConv, 64, 4),
             "SwinIR-L (real-world)",
+        ),
+        (
+            cfg(180, 6, 6, NearestConv, OneConv, 64, 8),
+            "SwinIR-M (real-world)",
         ),
         (
             cfg(180, 6, 6, Restore, OneConv, 0, 1),

@@ -114,6 +114,13 @@ CASES = [
                "state-dict .pth with buffers; 9x16 -> 16x16",
     ),
     dict(
+        name="realworld_x8",
+        upsampler="nearest+conv", resi="1conv", scale=8, embed_dim=12, depths=(2,),
+        heads=(3,), num_feat=8, patch_norm=True,
+        input=dict(kind="pattern", shape=(1, 3, 7, 9)), seed=34,
+        covers="real-world (nearest+conv) x8 (conv_up1, conv_up2, conv_up3); 7x9 -> 8x16",
+    ),
+    dict(
         name="denoise_color",
         upsampler="", resi="1conv", scale=1, embed_dim=16, depths=(2, 2),
         heads=(4, 2), num_feat=None, patch_norm=True,
@@ -165,8 +172,10 @@ def build(cfg):
             m.upsample = Upsample(cfg["scale"], f)
         else:
             m.conv_up1 = nn.Conv2d(f, f, 3, 1, 1)
-            if cfg["scale"] == 4:
+            if cfg["scale"] >= 4:
                 m.conv_up2 = nn.Conv2d(f, f, 3, 1, 1)
+            if cfg["scale"] == 8:
+                m.conv_up3 = nn.Conv2d(f, f, 3, 1, 1)
             m.conv_hr = nn.Conv2d(f, f, 3, 1, 1)
         m.conv_last = nn.Conv2d(f, 3, 3, 1, 1)
     return m.double().eval()
@@ -184,7 +193,8 @@ def boost(model):
     if model.upsampler != "nearest+conv":
         return model
     for name, p in model.named_parameters():
-        if name.split(".")[0] in ("conv_before_upsample", "conv_up1", "conv_up2", "conv_hr", "conv_last"):
+        if name.split(".")[0] in ("conv_before_upsample", "conv_up1", "conv_up2", "conv_up3",
+                                  "conv_hr", "conv_last"):
             if name.endswith(".weight"):
                 p.copy_((p * 1.4).float().double())
     return model
@@ -313,7 +323,8 @@ def main():
             # the reference loader reads the same file the same way (window 7: img_range 255)
             from spandrel import ModelLoader
             loaded = ModelLoader().load_from_state_dict(full_sd(model)).model.double().eval()
-            assert loaded.upsampler == "" and loaded.img_range == model.img_range
+            assert loaded.upsampler == model.upsampler and loaded.img_range == model.img_range
+            assert loaded.upscale == model.upscale
             same = float((run(loaded, x32.double(), cfg["scale"]) - ref).abs().max())
             assert same == 0.0, same
             bugs["input not added"] = float((ref - x32.double()).abs().max())
