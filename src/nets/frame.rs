@@ -288,8 +288,10 @@ impl Frame {
         };
         let t = body(t)?;
         let b = add(&self.after_body.forward(&layer_norm(&self.norm, &t)?)?, &f0)?;
+        // The restoration tail's correction is added to the (centred, scaled) input as the
+        // reference adds it; the SR tails add the mean in their last bias, which a range
+        // other than 1 must leave out of its division.
         let y = match (&self.tail, self.range == 1.0) {
-            // The SR tails add the mean in their last bias.
             (Tail::Residual { .. }, _) => {
                 let y = add(&x, &self.tail.forward(&b)?)?;
                 let y = if self.range == 1.0 {

@@ -144,7 +144,8 @@ impl PlksrConfig {
         }
         let first = "feats.0.weight";
         let features = out_width(shapes, first)?;
-        // The highest index in `feats` is the last convolution, after n blocks and a dropout.
+        // The highest index in `feats` is the last convolution, after n blocks (and, in
+        // RealPLKSR, a dropout).
         let highest = shapes
             .keys()
             .filter_map(|k| {
@@ -171,17 +172,17 @@ impl PlksrConfig {
                 tensor(shapes, &name).map(|s| (name, s.to_vec()))
             };
             let ((_, k0), (name, k2)) = (kernel(0)?, kernel(2)?);
-            match (k0.get(2), k2.get(2)) {
-                (Some(3), Some(1)) => Mixer::Ccm,
-                (Some(1), Some(3)) => Mixer::Iccm,
-                (Some(3), Some(3)) => Mixer::Dccm,
-                _ => {
+            let side = |s: &[usize]| s.get(2).copied().unwrap_or(0);
+            match (side(&k0), side(&k2)) {
+                (3, 1) => Mixer::Ccm,
+                (1, 3) => Mixer::Iccm,
+                (3, 3) => Mixer::Dccm,
+                (a, _) => {
                     return Err(ConfigError::shape(
                         &name,
                         &k2,
                         format!(
-                            " after a {:?} kernel: not a CCM, ICCM or DCCM channel mixer",
-                            k0.get(2..)
+                            " after a {a}x{a} convolution: not a CCM, ICCM or DCCM channel mixer"
                         ),
                     ))
                 }
