@@ -7,6 +7,10 @@ harness, not the model, sets the baseline.
 
   python3 benches/torch_between_runs.py UPSCALE_BINARY WEIGHTS IMAGE [dat|swinir] [REPS]
 
+With UPSCALE_BINARY `none` (WEIGHTS and IMAGE then unused) only PyTorch's forwards run, back
+to back, so that `perf stat -e page-faults,dTLB-load-misses python3 ...` counts PyTorch's
+process alone.
+
 WEIGHTS is a file of the same architecture for `upscale` (e.g. from
 tests/golden/make_golden_dat.py --bench DIR); IMAGE a 64x64 PNG. Needs torch and spandrel.
 """
@@ -44,6 +48,15 @@ with tempfile.TemporaryDirectory() as tmp:
     ours = []
     with torch.inference_mode():
         m(x)
+        if binary == "none":
+            alone = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                m(x)
+                alone.append(time.perf_counter() - t)
+            print(f"{model}: PyTorch forward alone: median {statistics.median(alone):.3f} s "
+                  f"({', '.join(f'{t:.2f}' for t in alone)})")
+            sys.exit(0)
         for _ in range(reps):
             for mode in times:
                 t = time.perf_counter()
