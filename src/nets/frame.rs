@@ -258,6 +258,15 @@ impl Frame {
         Self { range, ..self }
     }
 
+    /// `y` divided by the range the input was scaled by (unchanged at range 1).
+    fn undo_range(&self, y: Tensor) -> Result<Tensor> {
+        if self.range == 1.0 {
+            Ok(y)
+        } else {
+            y / self.range
+        }
+    }
+
     /// The dtype the network computes in.
     pub(crate) fn dtype(&self) -> DType {
         self.dtype
@@ -292,20 +301,13 @@ impl Frame {
         // reference adds it; the SR tails add the mean in their last bias, which a range
         // other than 1 must leave out of its division.
         let y = match (&self.tail, self.range == 1.0) {
-            (Tail::Residual { .. }, _) => {
-                let y = add(&x, &self.tail.forward(&b)?)?;
-                let y = if self.range == 1.0 {
-                    y
-                } else {
-                    (y / self.range)?
-                };
-                y.broadcast_add(&self.mean)?
-            }
+            (Tail::Residual { .. }, _) => self
+                .undo_range(add(&x, &self.tail.forward(&b)?)?)?
+                .broadcast_add(&self.mean)?,
             (_, true) => self.tail.forward(&b)?,
-            (_, false) => {
-                let y = self.tail.forward(&b)?.broadcast_sub(&self.mean)?;
-                ((y / self.range)?).broadcast_add(&self.mean)?
-            }
+            (_, false) => self
+                .undo_range(self.tail.forward(&b)?.broadcast_sub(&self.mean)?)?
+                .broadcast_add(&self.mean)?,
         };
         let y = y
             .narrow(1, 0, h * self.scale)?

@@ -104,7 +104,7 @@ pub struct SwinIrConfig {
     pub patch_norm: bool,
     pub resi_connection: ResiConnection,
     pub upsampler: Upsampler,
-    /// Channels of the upsampler (0 for pixelshuffledirect and none, which have no own).
+    /// Channels of the upsampler (0 for pixelshuffledirect and none: neither has its own).
     pub num_feat: usize,
     pub scale: usize,
     /// The input's scale inside the network: 255 for window 7 (the JPEG models), else 1.
