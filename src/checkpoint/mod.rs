@@ -16,6 +16,7 @@ mod weights;
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::pth::{state_dict_infos, PthArchive};
+use crate::nets::registry::{infer_file, Beyond, Shapes};
 use crate::nets::ArchConfig;
 pub use error::{ModelError, TensorError};
 pub(crate) use weights::{Bytes, Weights};
@@ -103,11 +104,14 @@ impl Checkpoint {
             .and_then(|(_, m)| m.metadata().clone())
             .map(|m| m.into_iter().collect())
             .unwrap_or_default();
-        let (entries, failed) = listed(&st, &bytes);
+        let (entries, buffers, failed) = listed(&st, &bytes);
         drop(st);
-        let mut ck = Self::from_entries(bytes, entries, failed, source, None)?;
-        ck.metadata = metadata;
-        Ok(ck)
+        let listing = Listing {
+            entries,
+            buffers,
+            failed,
+        };
+        Self::from_entries(bytes, listing, source, (None, metadata))
     }
 
     fn from_pth(path: &Path, bytes: Bytes, source: Source) -> Result<Self, ModelError> {
@@ -120,11 +124,16 @@ impl Checkpoint {
         // state dict.
         let wrappers = PTH_KEYS.iter().filter(|k| keys.iter().any(|key| key == *k));
         for key in wrappers.map(|k| Some(*k)).chain([None]) {
-            // Buffers are dropped unread: they are recomputed at load.
+            // Buffers are dropped unread: they are recomputed at load. Their shapes are kept
+            // for the one configuration recorded only there (Swin2SR's window).
             let infos = state_dict_infos(&archive, key, is_buffer);
             if infos.is_empty() {
                 continue;
             }
+            let buffers: Shapes = state_dict_infos(&archive, key, |n| !is_buffer(n))
+                .into_iter()
+                .filter_map(|(name, info)| Some((name, info.ok()?.layout.dims().to_vec())))
+                .collect();
             let (mut entries, mut failed) = (Vec::new(), Failed::new());
             for (name, info) in infos {
                 // Storages the archive keeps uncompressed (all of torch.save's) are read
@@ -142,7 +151,13 @@ impl Checkpoint {
                     Err(e) => failed.push((name, e)),
                 }
             }
-            return Self::from_entries(bytes, entries, failed, source, key.map(str::to_string));
+            let listing = Listing {
+                entries,
+                buffers,
+                failed,
+            };
+            let wrapper = key.map(str::to_string);
+            return Self::from_entries(bytes, listing, source, (wrapper, BTreeMap::new()));
         }
         Err(ModelError::file(
             &source,
@@ -150,16 +165,21 @@ impl Checkpoint {
         ))
     }
 
-    /// The checkpoint of `entries` (in `bytes`), refused with the first bad tensor by name
-    /// (of `failed` and of those holding a NaN or an infinity) so that the message does not
-    /// change from run to run, whichever thread found it.
+    /// The checkpoint of `listing`'s entries (in `bytes`), with the `.pth` wrapper key and the
+    /// safetensors metadata it came with; refused with the first bad tensor by name (of those
+    /// that failed to list and of those holding a NaN or an infinity) so that the message
+    /// does not change from run to run, whichever thread found it.
     fn from_entries(
         bytes: Bytes,
-        mut entries: Vec<(String, Entry)>,
-        failed: Failed,
+        listing: Listing,
         source: Source,
-        wrapper: Option<String>,
+        (wrapper, metadata): (Option<String>, BTreeMap<String, String>),
     ) -> Result<Self, ModelError> {
+        let Listing {
+            mut entries,
+            buffers,
+            failed,
+        } = listing;
         // In name order, so that of two names that are one without its `module.` prefix the
         // same one wins every time.
         entries.sort_by(|a, b| a.0.cmp(&b.0));
@@ -182,32 +202,44 @@ impl Checkpoint {
             let t = tensors.get(name)?.ok()?.flatten_all().ok()?;
             t.to_vec1::<f32>().ok()
         };
-        let config = crate::nets::registry::infer_with(&shapes, &values).map_err(|e| {
-            ModelError::Config {
-                origin: source.to_string(),
-                source: e,
-            }
+        let beyond = Beyond {
+            values: &values,
+            buffers: &buffers,
+            stored: metadata.get("upscale.config").map(String::as_str),
+        };
+        let config = infer_file(&shapes, &beyond).map_err(|e| ModelError::Config {
+            origin: source.to_string(),
+            source: e,
         })?;
         Ok(Self {
             source,
             config,
             tensors,
-            metadata: BTreeMap::new(),
+            metadata,
             wrapper,
         })
     }
 }
 
+/// A file's tensors as listed: the parameters, the shapes of the buffers dropped, and the
+/// tensors that could not be read, each with why.
+struct Listing {
+    entries: Vec<(String, Entry)>,
+    buffers: Shapes,
+    failed: Failed,
+}
+
 /// The tensors of `st` (parsed from `bytes`) but the buffers, as entries pointing into `bytes`;
 /// those in a format read by candle's loader are read now, and those it could not read are
-/// listed apart.
-fn listed(st: &safetensors::SafeTensors, bytes: &[u8]) -> (Vec<(String, Entry)>, Failed) {
+/// listed apart; the buffers' shapes.
+fn listed(st: &safetensors::SafeTensors, bytes: &[u8]) -> (Vec<(String, Entry)>, Shapes, Failed) {
     let base = bytes.as_ptr() as usize;
-    let (mut entries, mut failed) = (Vec::new(), Failed::new());
+    let (mut entries, mut buffers, mut failed) = (Vec::new(), Shapes::new(), Failed::new());
     // Buffers are dropped unread, as they would be from a .pth: an official file's masks and
     // indices are recomputed at load, whatever values they hold.
     for (name, view) in st.tensors() {
         if is_buffer(&name) {
+            buffers.insert(name, view.shape().to_vec());
             continue;
         }
         match candle_dtype(view.dtype()) {
@@ -231,7 +263,7 @@ fn listed(st: &safetensors::SafeTensors, bytes: &[u8]) -> (Vec<(String, Entry)>,
             },
         }
     }
-    (entries, failed)
+    (entries, buffers, failed)
 }
 
 impl Checkpoint {
@@ -282,6 +314,8 @@ fn candle_dtype(dtype: safetensors::Dtype) -> Option<DType> {
 pub(crate) fn is_buffer(name: &str) -> bool {
     name.ends_with("relative_position_index")
         || name.ends_with("attn_mask")
+        // Swin2SR's log-spaced coordinates, the continuous position bias's input.
+        || name.ends_with("relative_coords_table")
         // DAT's shift masks of its training size, one per branch, and BatchNorm's counters.
         || name.ends_with("attn_mask_0")
         || name.ends_with("attn_mask_1")
@@ -309,7 +343,7 @@ mod tests {
     fn converted(t: &Tensor) -> Result<Tensor, TensorError> {
         let bytes = safetensors::serialize([("t", t)], None).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        let (entries, failed) = listed(&st, &bytes);
+        let (entries, _, failed) = listed(&st, &bytes);
         drop(st);
         if let Some((_, e)) = failed.into_iter().next() {
             return Err(e);

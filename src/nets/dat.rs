@@ -42,7 +42,7 @@ use crate::nets::frame::{AfterBody, Frame, Tail};
 use crate::nets::infer::{
     check_shapes, out_width, pixel_shuffle_scale, pixel_shuffle_stages, tensor, ConfigError, Shapes,
 };
-use crate::nets::registry::{Architecture, Values};
+use crate::nets::registry::{Architecture, Beyond, Values};
 use crate::nets::swin::load_layer_norm;
 use crate::nets::{uniform, ArchConfig, Net, NetConfig};
 use crate::ops::attention::channel::channel_attention;
@@ -1131,14 +1131,20 @@ impl Architecture for Arch {
     }
 
     fn infer(&self, shapes: &Shapes) -> std::result::Result<ArchConfig, ConfigError> {
-        self.infer_with(shapes, &|_| None)
+        Self::config(shapes, &|_| None)
     }
 
     fn infer_with(
         &self,
         shapes: &Shapes,
-        values: Values,
+        beyond: &Beyond,
     ) -> std::result::Result<ArchConfig, ConfigError> {
+        Self::config(shapes, beyond.values)
+    }
+}
+
+impl Arch {
+    fn config(shapes: &Shapes, values: Values) -> std::result::Result<ArchConfig, ConfigError> {
         match DatConfig::infer(shapes, values) {
             Ok(c) => Ok(Arc::new(c)),
             Err(e) => Err(ConfigError::Dat(Box::new(e))),

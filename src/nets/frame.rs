@@ -21,7 +21,7 @@ use candle_nn::VarBuilder;
 
 use crate::nets::swin::{load_norm, reflect_pad_bottom_right};
 use crate::nets::Net;
-use crate::ops::conv::Conv3x3;
+use crate::ops::conv::{Act, Conv3x3};
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::{Channels, Pad};
@@ -92,6 +92,22 @@ pub(crate) enum Tail {
     /// No upsampler (restoration at scale 1): `conv_last` gives a correction that the frame
     /// adds to the network's input. Its bias holds no mean.
     Residual { last: Conv3x3 },
+    /// Swin2SR's compressed-input upsampler (`pixelshuffle_aux`): as [`Tail::PixelShuffle`],
+    /// but between `conv_before_upsample` and the stages an RGB image (`conv_aux`) is made and
+    /// read back (`conv_after_aux`), and the bicubic resize of the network's input, through
+    /// `conv_bicubic`, is added to the stages' output before `conv_last`.
+    Aux(Box<AuxTail>),
+}
+
+/// The layers of [`Tail::Aux`].
+pub(crate) struct AuxTail {
+    bicubic: Conv3x3,
+    before: Conv3x3,
+    aux: Conv3x3,
+    after_aux: Conv3x3,
+    stages: Vec<(Conv3x3, usize)>,
+    last: Conv3x3,
+    scale: usize,
 }
 
 impl Tail {
@@ -151,6 +167,45 @@ impl Tail {
         })
     }
 
+    /// Swin2SR's `pixelshuffle_aux` from the body's `e` channels through `f` to RGB, the
+    /// stages of the factors in `stages` (see [`Tail::Aux`]).
+    pub(crate) fn aux(
+        (e, f): (usize, usize),
+        stages: Vec<usize>,
+        plan: &LoadPlan,
+        vb: &VarBuilder,
+    ) -> Result<Self> {
+        let scale = stages.iter().product();
+        let stages = stages
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let vb = vb.pp(format!("upsample.{}", 2 * i));
+                let conv = Conv3x3::shuffled(&Pad::OFF.one(f), (f, r), Pad::OFF, plan, vb)?;
+                Ok((conv, r))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self::Aux(Box::new(AuxTail {
+            bicubic: Conv3x3::unpadded(3, f, plan, vb.pp("conv_bicubic"))?,
+            before: Conv3x3::unpadded(e, f, plan, vb.pp("conv_before_upsample.0"))?,
+            aux: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_aux"))?,
+            after_aux: Conv3x3::unpadded(3, f, plan, vb.pp("conv_after_aux.0"))?,
+            stages,
+            last: Conv3x3::unpadded(f, 3, plan, vb.pp("conv_last"))?
+                .add_to_bias(&mean(vb)?.flatten_all()?)?,
+            scale,
+        })))
+    }
+
+    /// The tail of `b`, the body's output, for a network whose (centred, scaled) input was
+    /// `x`: only [`Tail::Aux`] reads it.
+    pub(crate) fn forward_from(&self, b: &Tensor, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Aux(t) => t.forward(b, x),
+            _ => self.forward(b),
+        }
+    }
+
     /// `conv_last` from the body's `e` channels to RGB: the restoration models' correction.
     pub(crate) fn residual(e: usize, plan: &LoadPlan, vb: &VarBuilder) -> Result<Self> {
         Ok(Self::Residual {
@@ -188,7 +243,30 @@ impl Module for Tail {
                 last.forward(&lrelu(&hr.forward(&y)?, SLOPE)?)
             }
             Self::Residual { last } => last.forward(b),
+            Self::Aux(_) => candle_core::bail!("the aux upsampler needs the network's input"),
         }
+    }
+}
+
+impl AuxTail {
+    /// The reference's `pixelshuffle_aux` branch on an input `x` that is a window multiple
+    /// (the frame pads it): its bicubic resize is then exactly x`scale`, and no crop falls
+    /// between the stages and `conv_last`.
+    fn forward(&self, b: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let (_, h, w, _) = x.dims4()?;
+        let hr = crate::ops::resize::bicubic(x, (h * self.scale, w * self.scale))?;
+        let hr = self.bicubic.forward(&hr)?;
+        let y = self
+            .before
+            .forward_act(b, Act::Leaky(UPSAMPLE_SLOPE as f32))?;
+        let rgb = self.aux.forward(&y)?;
+        let mut y = self
+            .after_aux
+            .forward_act(&rgb, Act::Leaky(UPSAMPLE_SLOPE as f32))?;
+        for (conv, r) in &self.stages {
+            y = conv.forward_shuffled(&y, *r)?;
+        }
+        self.last.forward(&add(&y, &hr)?)
     }
 }
 
@@ -211,6 +289,8 @@ fn mean(vb: &VarBuilder) -> Result<Tensor> {
 pub(crate) struct Frame {
     pub(super) mean: Tensor,
     pub(super) conv_first: Conv3x3,
+    /// Swin2SR's 1x1 `patch_embed.proj` in front of the patch norm.
+    pub(super) patch_proj: Option<Dense>,
     pub(super) patch_norm: Option<Norm>,
     pub(super) norm: Norm,
     pub(super) after_body: AfterBody,
@@ -238,6 +318,7 @@ impl Frame {
             mean: mean(vb)?,
             // The RGB input is never padded.
             conv_first: Conv3x3::new(&Pad::OFF.one(3), e, plan, vb.pp("conv_first"))?,
+            patch_proj: None,
             patch_norm: if patch_norm {
                 Some(load_norm(e, vb.pp("patch_embed.norm"))?)
             } else {
@@ -256,6 +337,15 @@ impl Frame {
     /// The same frame with the input scaled by `range` (see [`Frame::range`]).
     pub(crate) fn with_range(self, range: f64) -> Self {
         Self { range, ..self }
+    }
+
+    /// The same frame with a 1x1 projection (Swin2SR's `patch_embed.proj`) between
+    /// `conv_first` and the patch norm.
+    pub(crate) fn with_patch_proj(self, proj: Dense) -> Self {
+        Self {
+            patch_proj: Some(proj),
+            ..self
+        }
     }
 
     /// `y` divided by the range the input was scaled by (unchanged at range 1).
@@ -291,9 +381,13 @@ impl Frame {
             (x * self.range)?
         };
         let f0 = self.conv_first.forward(&x)?;
-        let t = match &self.patch_norm {
-            Some(norm) => layer_norm(norm, &f0)?,
+        let t = match &self.patch_proj {
+            Some(proj) => proj.forward(&f0)?,
             None => f0.clone(),
+        };
+        let t = match &self.patch_norm {
+            Some(norm) => layer_norm(norm, &t)?,
+            None => t,
         };
         let t = body(t)?;
         let b = add(&self.after_body.forward(&layer_norm(&self.norm, &t)?)?, &f0)?;
@@ -304,9 +398,9 @@ impl Frame {
             (Tail::Residual { .. }, _) => self
                 .undo_range(add(&x, &self.tail.forward(&b)?)?)?
                 .broadcast_add(&self.mean)?,
-            (_, true) => self.tail.forward(&b)?,
-            (_, false) => self
-                .undo_range(self.tail.forward(&b)?.broadcast_sub(&self.mean)?)?
+            (tail, true) => tail.forward_from(&b, &x)?,
+            (tail, false) => self
+                .undo_range(tail.forward_from(&b, &x)?.broadcast_sub(&self.mean)?)?
                 .broadcast_add(&self.mean)?,
         };
         let y = y

@@ -145,6 +145,16 @@ pub enum ConfigError {
     /// A DAT checkpoint that does not fit DAT's configuration.
     #[error("DAT checkpoint: {0}")]
     Dat(#[source] Box<ConfigError>),
+    /// A Swin2SR checkpoint that does not fit Swin2SR's configuration.
+    #[error("Swin2SR checkpoint: {0}")]
+    Swin2Sr(#[source] Box<ConfigError>),
+    /// A Swin2SR file without the buffers that alone record its window.
+    #[error(
+        "no relative_position_index buffer: a Swin2SR file records its window only there (an \
+         official checkpoint has it; a file converted by `upscale convert` keeps it in its \
+         metadata)"
+    )]
+    NoWindow,
     /// A SwinIR checkpoint that does not fit SwinIR's configuration.
     #[error("SwinIR checkpoint: {0}")]
     SwinIr(#[source] Box<ConfigError>),
@@ -187,6 +197,44 @@ pub(crate) fn swin_layout(
     shapes: &Shapes,
     embed_dim: usize,
 ) -> std::result::Result<SwinLayout, ConfigError> {
+    let depths = swin_depths(shapes)?;
+    let block0 = "layers.0.residual_group.blocks.0";
+    let table_name = format!("{block0}.attn.relative_position_bias_table");
+    let table = tensor(shapes, &table_name)?;
+    let side = if table.len() == 2 { isqrt(table[0]) } else { 0 };
+    if table.len() != 2 || side * side != table[0] || side % 2 == 0 {
+        return Err(ConfigError::shape(
+            &table_name,
+            table,
+            "; expected [(2*window-1)^2, heads]",
+        ));
+    }
+    let window = side.div_ceil(2);
+    let mut heads = Vec::with_capacity(depths.len());
+    for i in 0..depths.len() {
+        let name = format!("layers.{i}.residual_group.blocks.0.attn.relative_position_bias_table");
+        let t = tensor(shapes, &name)?;
+        let h = t.get(1).copied().unwrap_or(0);
+        if h == 0 || !embed_dim.is_multiple_of(h) {
+            return Err(ConfigError::shape(
+                &name,
+                t,
+                format!(": {h} heads do not divide the width {embed_dim}"),
+            ));
+        }
+        heads.push(h);
+    }
+    Ok(SwinLayout {
+        depths,
+        window,
+        heads,
+    })
+}
+
+/// Blocks per residual group (`layers.i.residual_group.blocks.j`) of a Swin-family
+/// checkpoint; refused with an absolute position embedding, which ties a model to the size it
+/// was trained at.
+pub(crate) fn swin_depths(shapes: &Shapes) -> std::result::Result<Vec<usize>, ConfigError> {
     if shapes.contains_key("absolute_pos_embed") {
         return Err(ConfigError::Unsupported(
             "absolute position embedding (ape=True)",
@@ -225,37 +273,7 @@ pub(crate) fn swin_layout(
     if depths.is_empty() {
         return Err(ConfigError::NoSwinGroups);
     }
-    let block0 = "layers.0.residual_group.blocks.0";
-    let table_name = format!("{block0}.attn.relative_position_bias_table");
-    let table = tensor(shapes, &table_name)?;
-    let side = if table.len() == 2 { isqrt(table[0]) } else { 0 };
-    if table.len() != 2 || side * side != table[0] || side % 2 == 0 {
-        return Err(ConfigError::shape(
-            &table_name,
-            table,
-            "; expected [(2*window-1)^2, heads]",
-        ));
-    }
-    let window = side.div_ceil(2);
-    let mut heads = Vec::with_capacity(depths.len());
-    for i in 0..depths.len() {
-        let name = format!("layers.{i}.residual_group.blocks.0.attn.relative_position_bias_table");
-        let t = tensor(shapes, &name)?;
-        let h = t.get(1).copied().unwrap_or(0);
-        if h == 0 || !embed_dim.is_multiple_of(h) {
-            return Err(ConfigError::shape(
-                &name,
-                t,
-                format!(": {h} heads do not divide the width {embed_dim}"),
-            ));
-        }
-        heads.push(h);
-    }
-    Ok(SwinLayout {
-        depths,
-        window,
-        heads,
-    })
+    Ok(depths)
 }
 
 /// The product of the classical upsampler's pixel-shuffle stages (`upsample.0`, `.2`, ...).

@@ -15,6 +15,7 @@ pub mod plksr;
 pub mod registry;
 pub mod span;
 pub mod swin;
+pub mod swin2sr;
 pub mod swinir;
 
 use candle_core::{DType, Module};

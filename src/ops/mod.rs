@@ -28,6 +28,7 @@ pub mod dysample;
 pub mod linear;
 pub mod norm;
 pub mod pad;
+pub(crate) mod resize;
 pub mod rowwise;
 pub mod windows;
 

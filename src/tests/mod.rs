@@ -22,6 +22,7 @@ mod other_architectures;
 mod plksr;
 mod pth;
 mod span;
+mod swin2sr;
 mod swinir;
 mod tile_blend;
 mod winograd;

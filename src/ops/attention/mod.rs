@@ -7,6 +7,7 @@
 //! kernels' host code (kernels/window_attention.cu, with their scalar CPU twins) in [`cuda`].
 
 pub(crate) mod channel;
+pub(crate) mod cosine;
 pub(crate) mod cpu;
 pub mod cuda;
 
