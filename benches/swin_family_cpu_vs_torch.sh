@@ -5,10 +5,11 @@
 # x4 (E 180, 6 groups of 6 blocks, 6 heads, window 8) or, with MODEL=hat, HAT x4 (E 180,
 # 6 groups of 6 blocks, 6 heads, window 16, compress 3, squeeze 30, overlap 0.5) or, with
 # MODEL=dat, DAT x4 (E 180, 6 groups of 6 blocks, 6 heads, split 8x32, expansion 4) or, with
-# MODEL=swinir-jpeg, SwinIR-M's colour JPEG model (x1, window 7, range 255). Prints
-# each rep and the ratio of medians (PyTorch / ours).
+# MODEL=swinir-jpeg, SwinIR-M's colour JPEG model (x1, window 7, range 255) or, with
+# MODEL=swin2sr, Swin2SR's classical x2 (E 180, 6 groups of 6 blocks, 6 heads, window 8).
+# Prints each rep and the ratio of medians (PyTorch / ours).
 #
-# usage: [MODEL=swinir|swinir-jpeg|hat|dat] benches/swin_family_cpu_vs_torch.sh [REPS] [SIZE]   (5 reps, 64x64)
+# usage: [MODEL=swinir|swinir-jpeg|swin2sr|hat|dat] benches/swin_family_cpu_vs_torch.sh [REPS] [SIZE]   (5 reps, 64x64)
 # needs: python3 with torch, spandrel, safetensors, numpy, pillow  (PYTHON=... to choose one)
 # BEFORE=path/to/upscale also times that binary (an earlier build) in every rep, between
 # ours and PyTorch, for a before/after of a change in the same run.
@@ -28,11 +29,13 @@ case "$MODEL" in
           weights="$work/swinir_m_x4_random.safetensors" ;;
   swinir-jpeg) "$PY" tests/golden/make_golden_swinir.py --bench "$work" >/dev/null 2>&1
                weights="$work/swinir_m_jpeg_random.safetensors" ;;
+  swin2sr) "$PY" tests/golden/make_golden_swin2sr.py --bench "$work" >/dev/null 2>&1
+           weights="$work/swin2sr_classical_x2_random.safetensors" ;;
   hat) "$PY" tests/golden/make_golden_hat.py --bench "$work" >/dev/null 2>&1
        weights="$work/hat_x4_random.safetensors" ;;
   dat) "$PY" tests/golden/make_golden_dat.py --bench "$work" >/dev/null 2>&1
        weights="$work/dat_x4_random.safetensors" ;;
-  *) echo "MODEL must be swinir, swinir-jpeg, hat or dat" >&2; exit 2 ;;
+  *) echo "MODEL must be swinir, swinir-jpeg, swin2sr, hat or dat" >&2; exit 2 ;;
 esac
 "$PY" - "$work/in.png" "$SIZE" <<'PYEOF'
 import sys
@@ -64,6 +67,11 @@ elif model == "hat":
             num_heads=(6,) * 6, window_size=16, compress_ratio=3, squeeze_factor=30,
             conv_scale=0.01, overlap_ratio=0.5, mlp_ratio=2.0, upscale=4, img_range=1.0,
             upsampler="pixelshuffle", resi_connection="1conv")
+elif model == "swin2sr":
+    from spandrel.architectures.Swin2SR import Swin2SR
+    m = Swin2SR(img_size=64, patch_size=1, in_chans=3, embed_dim=180, depths=[6] * 6,
+                num_heads=[6] * 6, window_size=8, mlp_ratio=2.0, upscale=2, img_range=1.0,
+                upsampler="pixelshuffle", resi_connection="1conv")
 elif model == "swinir-jpeg":
     from spandrel.architectures.SwinIR import SwinIR
     m = SwinIR(img_size=126, patch_size=1, in_chans=3, embed_dim=180, depths=[6] * 6,
@@ -118,7 +126,8 @@ ours = [float(v) for v in sys.argv[3].split()]
 torch = [float(v) for v in sys.argv[4].split()]
 before = [float(v) for v in sys.argv[6].split()]
 mo, mt = statistics.median(ours), statistics.median(torch)
-name = {"hat": "HAT x4", "dat": "DAT x4", "swinir-jpeg": "SwinIR-M colour JPEG x1"}.get(
+name = {"hat": "HAT x4", "dat": "DAT x4", "swinir-jpeg": "SwinIR-M colour JPEG x1",
+        "swin2sr": "Swin2SR classical x2"}.get(
     model, "SwinIR-M classical x4")
 report = {"model": name + " (random weights)", "input": [size, size],
           "threads": threads, "precision": "fp32", "upscale_median_s": round(mo, 3),

@@ -1,20 +1,23 @@
-//! The frame DRCT, SwinIR and HAT share around their bodies, written once:
+//! The frame DRCT, SwinIR, Swin2SR and HAT share around their bodies, written once:
 //!
 //! ```text
 //! x  = reflect-pad(x) to a window multiple, channels-last, minus the RGB mean
 //! f0 = conv_first(x)                       3x3, 3 -> E
-//! t  = patch_embed.norm(f0)                when the model has a patch norm
+//! t  = patch_embed.norm(f0)                when the model has a patch norm (Swin2SR's
+//!                                          after its 1x1 patch_embed.proj)
 //! t  = body(t)                             the architecture's own groups
 //! b  = conv_after_body(norm(t)) + f0       identity, one 3x3, or SwinIR's 3conv
-//! y  = tail(b) + mean                      pixel shuffle, one-step shuffle or nearest+conv
+//! y  = tail(b) + mean                      pixel shuffle, one-step shuffle, nearest+conv,
+//!                                          or Swin2SR's aux (which also reads x)
 //! ```
-//!
-//! SwinIR's restoration models (denoising, JPEG artefact removal) have no upsampler: their
-//! tail is `x + conv_last(b)`, the input plus a correction. Those with window 7 (the JPEG
-//! ones) scale the centred input by 255 before `conv_first` and divide by it at the end.
 //!
 //! then cropped to `(sH, sW)` and back to channels-first. A network builds its [`Frame`]
 //! from its configuration and supplies only the body.
+//!
+//! The restoration models (SwinIR's denoising and JPEG models, Swin2SR's JPEG one) have no
+//! upsampler: their tail is `x + conv_last(b)`, the input plus a correction. Those with
+//! window 7 (the JPEG ones) scale the centred input by 255 before `conv_first` and divide by
+//! it at the end.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;

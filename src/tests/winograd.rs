@@ -17,7 +17,7 @@ fn every_family_matches_float64_reference_with_winograd_convolutions() {
         return;
     }
     let families = [
-        "", "swinir", "hat", "esrgan", "compact", "span", "dat", "plksr", "omnisr",
+        "", "swinir", "swin2sr", "hat", "esrgan", "compact", "span", "dat", "plksr", "omnisr",
     ];
     let (mut failures, mut changed) = (Vec::new(), 0);
     for family in families {

@@ -25,7 +25,7 @@ pub(crate) fn normalise_qk(qkv: &Tensor, scales: &[f32]) -> Result<Tensor> {
             for (part, head) in (0..2).flat_map(|p| (0..heads).map(move |h| (p, h))) {
                 let start = (part * heads + head) * d;
                 let v = &mut row[start..start + d];
-                let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(EPS);
+                let norm = sum_of_squares(v).sqrt().max(EPS);
                 let by = if part == 0 { scales[head] } else { 1.0 } / norm;
                 v.iter_mut().for_each(|x| *x *= by);
             }
@@ -45,6 +45,17 @@ pub(crate) fn normalise_qk(qkv: &Tensor, scales: &[f32]) -> Result<Tensor> {
     Tensor::cat(&[&qk, &x.narrow(1, 2, 1)?], 1)?
         .reshape(dims)?
         .to_dtype(qkv.dtype())
+}
+
+/// `Σ x²`, in eight lanes that the compiler keeps in one vector register.
+fn sum_of_squares(v: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = v.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().map(|x| x * x).sum();
+    for c in chunks {
+        lanes.iter_mut().zip(c).for_each(|(l, x)| *l += x * x);
+    }
+    lanes.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]

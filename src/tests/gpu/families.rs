@@ -12,8 +12,8 @@ use crate::nets::compact::{Activation, CompactConfig};
 use crate::nets::config_of;
 use crate::tests::fixtures::*;
 
-const FAMILIES: [&str; 8] = [
-    "swinir", "hat", "esrgan", "compact", "span", "dat", "plksr", "omnisr",
+const FAMILIES: [&str; 9] = [
+    "swinir", "swin2sr", "hat", "esrgan", "compact", "span", "dat", "plksr", "omnisr",
 ];
 
 /// The fixture's checkpoint, read as `upscale` reads it, except that Compact's LeakyReLU
