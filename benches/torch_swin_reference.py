@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""SwinIR, HAT, ESRGAN, Real-ESRGAN Compact, SPAN, DAT, PLKSR, RealPLKSR and OmniSR in PyTorch (spandrel's modules, which match the
+"""SwinIR, Swin2SR, HAT, ESRGAN, Real-ESRGAN Compact, SPAN, DAT, PLKSR, RealPLKSR and OmniSR in PyTorch (spandrel's modules, which match the
 official code), tiled as `upscale` tiles, for the GPU side by side: eager, then
 `torch.compile` with --compile, the same JSON lines as benches/torch_gpu_reference.py prints
 for DRCT.
@@ -33,6 +33,9 @@ PRESETS = {
     "swinir-m": dict(arch="swinir", embed_dim=180, depths=[6] * 6, num_heads=[6] * 6, window_size=8),
     "hat-l": dict(arch="hat", embed_dim=180, depths=[6] * 12, num_heads=[6] * 12, window_size=16),
     "swinir-tiny": dict(arch="swinir", embed_dim=24, depths=[2], num_heads=[2], window_size=8),
+    # Swin2SR as Swin2SR_ClassicalSR_X4_64 (SwinIR-M's shape with SwinV2 blocks).
+    "swin2sr": dict(arch="swin2sr", embed_dim=180, depths=[6] * 6, num_heads=[6] * 6, window_size=8),
+    "swin2sr-tiny": dict(arch="swin2sr", embed_dim=24, depths=[2], num_heads=[2], window_size=8),
     "hat-tiny": dict(arch="hat", embed_dim=60, depths=[2], num_heads=[2], window_size=8),
     # The convolutional families (no window: window_size 1 pads nothing). ESRGAN as
     # RealESRGAN_x4plus and 4x-UltraSharp are (64 filters, 23 blocks); Compact as
@@ -98,6 +101,9 @@ def build_model(preset, seed):
                    upsampler="pixelshuffle").eval()
     common = dict(img_size=64, patch_size=1, in_chans=3, mlp_ratio=2.0, upscale=4,
                   img_range=1.0, upsampler="pixelshuffle", resi_connection="1conv", **p)
+    if arch == "swin2sr":
+        from spandrel.architectures.Swin2SR import Swin2SR
+        return Swin2SR(**common).eval()
     if arch == "hat":
         from spandrel.architectures.HAT import HAT
         return HAT(compress_ratio=3, squeeze_factor=30, conv_scale=0.01, overlap_ratio=0.5,
@@ -148,12 +154,15 @@ def fold_once(model):
 def cmd_make_weights(a):
     from safetensors.torch import save_file
     model = build_model(a.preset, a.seed)
-    # Parameters only for the Swin family (their index buffers are rebuilt by both programs);
-    # the whole state dict for the convolutional ones, whose files hold nothing else; DAT's
+    # Parameters only for SwinIR and HAT (their index buffers are rebuilt by both programs);
+    # the whole state dict for the convolutional ones, whose files hold nothing else, and for
+    # Swin2SR, whose window and shift are recorded only in its buffers, as released; DAT's
     # without its masks and index (rebuilt by both, 94 MB at these shapes), as released.
     state = model.named_parameters() if PRESETS[a.preset]["arch"] in ("swinir", "hat") \
         else model.state_dict().items()
     rebuilt = ("attn_mask_0", "attn_mask_1", "relative_position_index")
+    if PRESETS[a.preset]["arch"] == "swin2sr":
+        rebuilt = ()
     params = {k: v.detach().contiguous() for k, v in state if not k.endswith(rebuilt)}
     save_file(params, a.out, metadata={"preset": a.preset, "seed": str(a.seed)})
     print(json.dumps({"out": a.out, "preset": a.preset, "seed": a.seed, "tensors": len(params)}))

@@ -421,18 +421,18 @@ switches() {
   done
 }
 
-# swin_family REPS: SwinIR-M and HAT-L x4 (random weights of the released shapes, the same
-# file for both programs) on the DRCT-L side by side's input and tiling, bf16: ours, then
+# swin_family REPS: SwinIR-M, HAT-L and Swin2SR (classical) x4 (random weights of the
+# released shapes, the same file for both programs) on the DRCT-L side by side's input and tiling, bf16: ours, then
 # PyTorch eager and torch.compile (benches/torch_swin_reference.py) while the budget lasts;
 # HAT-L also with its overlap kernel and its channel attention in the residual norm off.
 swin_family() {
-  echo "== SwinIR-M and HAT-L x4 960x540 bf16: ours, PyTorch eager and torch.compile"
+  echo "== SwinIR-M, HAT-L and Swin2SR x4 960x540 bf16: ours, PyTorch eager and torch.compile"
   if [ "$smoke" = 1 ] || [ "$have_torch" = 0 ]; then
-    record swin "skipped: the SwinIR and HAT weights are made with PyTorch"
+    record swin "skipped: the SwinIR, HAT and Swin2SR weights are made with PyTorch"
     return
   fi
   local r=$1 preset weights
-  for preset in swinir-m hat-l; do
+  for preset in swinir-m hat-l swin2sr; do
     fits swin 30 "\"label\":\"$preset\"" || return
     weights="$work/$preset.safetensors"
     [ -f "$weights" ] || "$PY" benches/torch_swin_reference.py make-weights "$weights" --preset "$preset" \
