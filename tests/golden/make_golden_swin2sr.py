@@ -129,7 +129,9 @@ def window_of(cfg):
 
 def build(cfg):
     window = window_of(cfg)
-    img_size = cfg.get("img_size", 4 * window)
+    # Twice the window: shifted blocks (the training size passes one window), and attn_mask
+    # buffers a quarter of what the released training sizes give.
+    img_size = cfg.get("img_size", 2 * window)
     m = Swin2SR(
         img_size=img_size, patch_size=1, in_chans=3, embed_dim=cfg["embed_dim"],
         depths=list(cfg["depths"]), num_heads=list(cfg["heads"]), window_size=window,
