@@ -280,6 +280,7 @@ impl SwinBlock {
                 norm2: &self.norm2,
                 fc1: &self.mlp.fc1,
                 fc2: &self.mlp.fc2,
+                v2: None,
             };
             let shape = (self.window, self.shifted);
             if let Some(y) = swin_block_by_windows(&layers, x, extra, shape, &self.windows)? {

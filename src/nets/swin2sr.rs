@@ -21,7 +21,8 @@
 //! continuous position bias whose two-layer MLP reads log-spaced window offsets. Here the
 //! MLP is evaluated once at load into an ordinary bias table, q and k are normalised with the
 //! scale folded into q ([`normalise_qk`]), and the window attention of every other Swin
-//! block ([`Attend`]) does the rest. The qkv layer has biases for q and v only (`q_bias`,
+//! block ([`Attend`]) does the rest. On the CPU in f32 the whole block runs a window at a
+//! time, as SwinIR's does ([`swin_block_by_windows`], its post-norm form). The qkv layer has biases for q and v only (`q_bias`,
 //! `v_bias`): one bias with zeros for k.
 //!
 //! Nothing but the buffers records the window (`relative_position_index`), and whether the
@@ -52,6 +53,7 @@ use crate::nets::swinir::ResiConnection;
 use crate::nets::{uniform, ArchConfig, Net, NetConfig};
 use crate::ops::attention::cosine::normalise_qk;
 use crate::ops::attention::Attend;
+use crate::ops::block::{swin_block_by_windows, SwinLayers};
 use crate::ops::conv::Conv3x3;
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::norm::{layer_norm, norm_gather, Norm};
@@ -425,11 +427,29 @@ struct Block {
     window: usize,
     shifted: bool,
     windows: WindowCache,
+    /// The whole block a window at a time where it can ([`swin_block_by_windows`]).
+    by_windows: bool,
 }
 
 impl Module for Block {
     /// `x`: `(B, H, W, C)` with H and W multiples of the window.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.by_windows {
+            let layers = SwinLayers {
+                norm1: &self.norm1,
+                qkv: &self.attn.qkv,
+                attend: &self.attn.attend,
+                proj: &self.attn.proj,
+                norm2: &self.norm2,
+                fc1: &self.fc1,
+                fc2: &self.fc2,
+                v2: Some(&self.attn.scales),
+            };
+            let shape = (self.window, self.shifted);
+            if let Some(y) = swin_block_by_windows(&layers, x, None, shape, &self.windows)? {
+                return Ok(y);
+            }
+        }
         let (b, h, w, c) = x.dims4()?;
         let ws = self.window;
         let (order, back) = self.windows.partition(h, w, self.shifted)?;
@@ -501,6 +521,7 @@ fn build(cfg: &Swin2SrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Swin2Sr
                     window: cfg.window,
                     shifted: cfg.shifted && j % 2 == 1,
                     windows: windows.clone(),
+                    by_windows: plan.switches.fused_windows,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

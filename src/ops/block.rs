@@ -20,6 +20,8 @@ pub(crate) struct SwinLayers<'a> {
     pub norm2: &'a Norm,
     pub fc1: &'a Dense,
     pub fc2: &'a Dense,
+    /// A SwinV2 block's logit scales ([`BlockLayers::v2`]).
+    pub v2: Option<&'a [f32]>,
 }
 
 /// The block over `x` `(B, H, W, C)` (H and W multiples of the window), with HAT's
@@ -54,6 +56,8 @@ pub(crate) fn swin_block_by_windows(
     let on_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
     let extra_ok = extra.is_none_or(|(z, s)| on_cpu(z) && on_cpu(s));
     let count = b * (h / window.max(1)) * (w / window.max(1));
+    // A SwinV2 block has no HAT term.
+    let extra_ok = extra_ok && (extra.is_none() || layers.v2.is_none());
     if !chained || !on_cpu(x) || !extra_ok || count < 2 * rayon::current_num_threads() {
         return Ok(None);
     }
@@ -78,6 +82,7 @@ pub(crate) fn swin_block_by_windows(
                     norm2,
                     fc1: (fc1.0, slices[3]),
                     fc2: (fc2.0, slices[4]),
+                    v2: layers.v2,
                 };
                 let extra = (slices.len() == 7).then(|| (slices[5], slices[6]));
                 let regions = regions.as_deref();
@@ -111,8 +116,10 @@ fn packed(layer: &Dense) -> Option<(&panels::Panels, &Tensor)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::add;
+    use crate::ops::attention::cosine::normalise_qk;
     use crate::ops::attention::Attend;
-    use crate::ops::norm::{add_gather_norm, norm_gather};
+    use crate::ops::norm::{add_gather_norm, layer_norm, norm_gather};
     use crate::ops::pad::Pad;
     use crate::ops::LoadPlan;
     use crate::tests::normal;
@@ -130,6 +137,20 @@ mod tests {
         let (b, h, w, c) = x.dims4()?;
         let (order, back) = windows.partition(h, w, shifted)?;
         let x = x.reshape((b, h * w, c))?;
+        if let Some(scales) = l.v2 {
+            // Swin2SR's steps: the norms after the attention and the MLP.
+            let tokens = x
+                .index_select(&order, 1)?
+                .reshape((b * h * w / (ws * ws), ws * ws, c))?;
+            let qkv = normalise_qk(&l.qkv.forward(&tokens)?, scales)?;
+            let y = l
+                .proj
+                .forward(&l.attend.forward(&qkv, (h, w), shifted, windows)?)?;
+            let y = norm_gather(l.norm1, &y.reshape((b, h * w, c))?, &back)?;
+            let s = add(&x, &y)?;
+            let m = l.fc2.forward(&l.fc1.forward_gelu(&s)?)?;
+            return add(&s, &layer_norm(l.norm2, &m)?)?.reshape((b, h, w, c));
+        }
         let tokens =
             norm_gather(l.norm1, &x, &order)?.reshape((b * h * w / (ws * ws), ws * ws, c))?;
         let attended = l
@@ -144,7 +165,7 @@ mod tests {
     }
 
     /// A window at a time, the block gives the bits of its steps in turn: shifted and not,
-    /// with HAT's scaled term and without, 4x4 windows with heads of 5 and 16x16 ones with
+    /// with HAT's scaled term and without, SwinV2's post-norm cosine form (Swin2SR's), 4x4 windows with heads of 5 and 16x16 ones with
     /// DRCT's heads of 53 (v packed on AVX2), two images; with fewer windows than twice the
     /// threads it declines.
     #[test]
@@ -173,7 +194,8 @@ mod tests {
                     dense(2 * c, c)?,
                 );
                 let attend = Attend::new(&table, heads, d, ws, &plan)?;
-                let layers = SwinLayers {
+                let scales: Vec<f32> = (0..heads).map(|i| 3.0 + 20.0 * i as f32).collect();
+                let mut layers = SwinLayers {
                     norm1: &norm1,
                     qkv: &qkv,
                     attend: &attend,
@@ -181,6 +203,7 @@ mod tests {
                     norm2: &norm2,
                     fc1: &fc1,
                     fc2: &fc2,
+                    v2: None,
                 };
                 let windows = WindowCache::new(ws, DType::F32, &dev);
                 // Two images of enough windows: a 2 x k grid of them each.
@@ -188,8 +211,20 @@ mod tests {
                 let x = normal(0.0, 1.0, (2, 2 * ws, side, c), &dev)?;
                 let z = normal(0.0, 1.0, (2, 2 * ws, side, c), &dev)?;
                 let s = normal(0.0, 1.0, (2, c), &dev)?;
-                for shifted in [false, true] {
-                    for extra in [None, Some((&z, &s))] {
+                for (shifted, v2) in [(false, false), (true, false), (false, true), (true, true)] {
+                    layers.v2 = v2.then_some(&scales[..]);
+                    // A SwinV2 block has no HAT term: asked for one, it declines.
+                    if v2 {
+                        let shape = (ws, shifted);
+                        let hat = Some((&z, &s));
+                        assert!(swin_block_by_windows(&layers, &x, hat, shape, &windows)?.is_none());
+                    }
+                    let extras = if v2 {
+                        vec![None]
+                    } else {
+                        vec![None, Some((&z, &s))]
+                    };
+                    for extra in extras {
                         let shape = (ws, shifted);
                         let got = swin_block_by_windows(&layers, &x, extra, shape, &windows)?;
                         let Some(got) = got else {
@@ -201,7 +236,7 @@ mod tests {
                         assert_eq!(got.dims(), want.dims());
                         let got = got.flatten_all()?.to_vec1::<f32>()?;
                         let want = want.flatten_all()?.to_vec1::<f32>()?;
-                        let case = (ws, shifted, extra.is_some());
+                        let case = (ws, shifted, extra.is_some(), v2);
                         assert!(got == want, "{case:?}: not the bits of the steps in turn");
                     }
                 }

@@ -21,15 +21,9 @@ pub(crate) fn normalise_qk(qkv: &Tensor, scales: &[f32]) -> Result<Tensor> {
     let d = c3 / 3 / heads;
     if qkv.device().is_cpu() && qkv.dtype() == DType::F32 {
         let mut values = qkv.flatten_all()?.to_vec1::<f32>()?;
-        values.par_chunks_mut(c3).for_each(|row| {
-            for (part, head) in (0..2).flat_map(|p| (0..heads).map(move |h| (p, h))) {
-                let start = (part * heads + head) * d;
-                let v = &mut row[start..start + d];
-                let norm = sum_of_squares(v).sqrt().max(EPS);
-                let by = if part == 0 { scales[head] } else { 1.0 } / norm;
-                v.iter_mut().for_each(|x| *x *= by);
-            }
-        });
+        values
+            .par_chunks_mut(c3)
+            .for_each(|row| normalise_row(row, scales, d));
         return Tensor::from_vec(values, qkv.dims(), qkv.device());
     }
     // Elsewhere candle's ops, in f32: a head's sum of squares can pass f16's range.
@@ -45,6 +39,19 @@ pub(crate) fn normalise_qk(qkv: &Tensor, scales: &[f32]) -> Result<Tensor> {
     Tensor::cat(&[&qk, &x.narrow(1, 2, 1)?], 1)?
         .reshape(dims)?
         .to_dtype(qkv.dtype())
+}
+
+/// One token's `q, k, v` (`3 * heads * d` values) with q and k normalised as
+/// [`normalise_qk`] says: the same arithmetic whichever path calls it.
+pub(crate) fn normalise_row(row: &mut [f32], scales: &[f32], d: usize) {
+    let heads = scales.len();
+    for (part, head) in (0..2).flat_map(|p| (0..heads).map(move |h| (p, h))) {
+        let start = (part * heads + head) * d;
+        let v = &mut row[start..start + d];
+        let norm = sum_of_squares(v).sqrt().max(EPS);
+        let by = if part == 0 { scales[head] } else { 1.0 } / norm;
+        v.iter_mut().for_each(|x| *x *= by);
+    }
 }
 
 /// `Σ x²`, in eight lanes that the compiler keeps in one vector register.

@@ -4,6 +4,7 @@
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
+use crate::ops::attention::cosine::normalise_row;
 use crate::ops::cpu::bf16::{Isa, PackedA, PackedB};
 use crate::ops::cpu::shared::Shared;
 use crate::ops::cpu::{attention_probs, cpu_slice, panels, product, use_kernel, Weights};
@@ -131,6 +132,10 @@ pub(crate) struct BlockLayers<'a> {
     pub norm2: &'a RowNorm<'a>,
     pub fc1: (&'a panels::Panels, &'a [f32]),
     pub fc2: (&'a panels::Panels, &'a [f32]),
+    /// A SwinV2 block (Swin2SR's): each head's logit scale. Its q and k are normalised
+    /// (the scale folded into q) before the attention, and its norms come after the
+    /// attention and the MLP: `x + norm1(attn(x))`, then `s + norm2(mlp(s))`.
+    pub v2: Option<&'a [f32]>,
 }
 
 /// A whole Swin block on the CPU in f32, a window per task: the window's tokens gathered
@@ -217,7 +222,11 @@ pub(crate) fn swin_block(
             hidden,
         } = work;
         for (i, dst) in normed.chunks_exact_mut(c).enumerate() {
-            layers.norm1.row(&x[row(i)..][..c], uninit(dst));
+            let src = &x[row(i)..][..c];
+            match layers.v2 {
+                None => layers.norm1.row(src, uninit(dst)),
+                Some(_) => dst.copy_from_slice(src),
+            }
         }
         let labels = regions
             .map(|r| &r[w * n..(w + 1) * n])
@@ -241,6 +250,11 @@ pub(crate) fn swin_block(
                 None,
             );
         }
+        if let Some(scales) = layers.v2 {
+            for r in qkv.chunks_exact_mut(3 * c) {
+                normalise_row(r, scales, c / heads);
+            }
+        }
         attend_window(&shape, qkv, bias, labels, attention, uninit(attended));
         // proj's output goes where the normalised tokens were.
         unsafe {
@@ -258,6 +272,16 @@ pub(crate) fn swin_block(
         // The residual sums (into qkv's buffer), and their norm (into the attention's):
         // both free now, and the task's memory is what stays in cache.
         let sums = &mut qkv[..n * c];
+        if layers.v2.is_some() {
+            post_norm_rest(layers, (x, &row), (sums, normed, attended), hidden, mc);
+            for (i, out) in normed.chunks_exact(c).enumerate() {
+                // SAFETY: this window's token rows of `out` (see `dst` above).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(out.as_ptr(), dst.get().add(row(i)), c);
+                }
+            }
+            return;
+        }
         for (i, (sum, dst)) in sums
             .chunks_exact_mut(c)
             .zip(attended.chunks_exact_mut(c))
@@ -298,6 +322,54 @@ pub(crate) fn swin_block(
     // of all t tokens of each of the b maps).
     unsafe { out.set_len(b * t * c) };
     Ok(out)
+}
+
+/// The rest of a SwinV2 block for one window, after proj: `y` (proj's output, in `normed`)
+/// through norm1 onto the tokens' rows of `x` (`row(i)` is token i's offset) into `sums`,
+/// the MLP of the sums a block of rows at a time into `attended`, and `sums + norm2(mlp)`
+/// into `normed`. The arithmetic of the steps over all tokens: norm1 gathered back, the sum,
+/// fc1 with its GELU, fc2, norm2 and the second sum.
+fn post_norm_rest(
+    layers: &BlockLayers,
+    (x, row): (&[f32], &dyn Fn(usize) -> usize),
+    (sums, normed, attended): (&mut [f32], &mut [f32], &mut [f32]),
+    hidden: &mut [f32],
+    mc: usize,
+) {
+    let c = layers.proj.0.dims().1;
+    let n = sums.len() / c;
+    for (i, (sum, y)) in sums
+        .chunks_exact_mut(c)
+        .zip(normed.chunks_exact(c))
+        .enumerate()
+    {
+        let normed_y = &mut attended[i * c..(i + 1) * c];
+        layers.norm1.row(y, uninit(normed_y));
+        let xr = &x[row(i)..][..c];
+        sum.iter_mut()
+            .zip(xr.iter().zip(normed_y.iter()))
+            .for_each(|(s, (a, b))| *s = a + b);
+    }
+    let ((w1, b1), (w2, b2)) = (layers.fc1, layers.fc2);
+    let mlp = ((w1, b1.as_ptr()), (w2, b2.as_ptr()));
+    for r0 in (0..n).step_by(mc) {
+        let rows = mc.min(n - r0);
+        // SAFETY: rows r0..r0 + rows of the sums and of `attended`, c values each; `hidden`
+        // holds mc rows of the hidden width; the layers' dims checked by the caller.
+        unsafe {
+            let a = sums.as_ptr().add(r0 * c);
+            let m = attended.as_mut_ptr().add(r0 * c);
+            mlp_rows(rows, (a, c), mlp, hidden, (m, std::ptr::null(), c));
+        }
+    }
+    for ((out, m), sum) in normed
+        .chunks_exact_mut(c)
+        .zip(attended.chunks_exact(c))
+        .zip(sums.chunks_exact(c))
+    {
+        layers.norm2.row(m, uninit(out));
+        out.iter_mut().zip(sum).for_each(|(o, s)| *o += s);
+    }
 }
 
 /// One task's buffers for [`swin_block`]: a window's worth of each step's output.

@@ -153,8 +153,8 @@ pub fn mlp_packed(
     Ok(Some(Tensor::from_vec(out, shape, x.device())?))
 }
 
-/// `rows` rows of a transformer MLP: `dst = init + fc2(gelu(fc1(x)))`, fc1's output (with
-/// its GELU) in `hidden`. The block of rows [`mlp_packed`] and the Swin block's window
+/// `rows` rows of a transformer MLP: `dst = init + fc2(gelu(fc1(x)))` (`fc2(gelu(fc1(x)))`
+/// where `init` is null), fc1's output (with its GELU) in `hidden`. The block of rows [`mlp_packed`] and the Swin block's window
 /// ([`crate::ops::attention::cpu::swin_block`]) each task runs.
 ///
 /// # Safety
@@ -175,7 +175,7 @@ pub(crate) unsafe fn mlp_rows(
         bias: Some(b1),
     };
     let fc2 = panels::Start {
-        init: Some((init, ldc)),
+        init: (!init.is_null()).then_some((init, ldc)),
         bias: Some(b2),
     };
     let gelu = &gelu_rows as &Epilogue;
