@@ -49,12 +49,11 @@ use crate::nets::infer::{
 };
 use crate::nets::registry::{swin_family, swin_v2, Architecture, Beyond};
 use crate::nets::swin::{load_layer_norm, Mlp, SwinCost};
-use crate::nets::swinir::ResiConnection;
+use crate::nets::swinir::{largest_tensor, ResiConnection};
 use crate::nets::{uniform, ArchConfig, Net, NetConfig};
 use crate::ops::attention::cosine::normalise_qk;
 use crate::ops::attention::Attend;
 use crate::ops::block::{swin_block_by_windows, SwinLayers};
-use crate::ops::conv::Conv3x3;
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::norm::{layer_norm, norm_gather, Norm};
 use crate::ops::pad::Pad;
@@ -147,16 +146,7 @@ impl Swin2SrConfig {
     }
 
     fn push_resi(&self, t: &mut Vec<(String, Vec<usize>)>, p: &str) {
-        let (e, q) = (self.embed_dim, self.embed_dim / 4);
-        match self.resi_connection {
-            ResiConnection::OneConv => conv(t, p, e, e),
-            ResiConnection::ThreeConv => {
-                conv(t, &format!("{p}.0"), q, e);
-                t.push((format!("{p}.2.weight"), vec![q, q, 1, 1]));
-                t.push((format!("{p}.2.bias"), vec![q]));
-                conv(t, &format!("{p}.4"), e, q);
-            }
-        }
+        t.extend(self.resi_connection.tensors(self.embed_dim, p));
     }
 
     /// A 1x1 `patch_embed.proj` under `p`.
@@ -488,11 +478,7 @@ impl Module for Rstb {
 
 /// The convolution closing a residual group or the body: one 3x3 or the 3conv stack.
 fn resi(cfg: &Swin2SrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<AfterBody> {
-    let e = cfg.embed_dim;
-    Ok(match cfg.resi_connection {
-        ResiConnection::OneConv => AfterBody::One(Conv3x3::unpadded(e, e, plan, vb)?),
-        ResiConnection::ThreeConv => AfterBody::three(e, plan, vb)?,
-    })
+    cfg.resi_connection.build(cfg.embed_dim, plan, vb)
 }
 
 /// Swin2SR: the Swin frame around its residual groups of SwinV2 blocks.
@@ -767,14 +753,12 @@ impl NetConfig for Swin2SrConfig {
     }
 
     fn largest_tensor_per_pixel(&self, scores_in_memory: bool, _: Pad) -> usize {
-        let n = self.window * self.window;
         let heads = self.heads.iter().copied().max().unwrap_or(1);
-        let scores = if scores_in_memory { heads * n } else { 0 };
-        let upsampler = self.num_feat.max(3) * self.scale * self.scale;
-        [scores, 3 * self.embed_dim, self.mlp_hidden, upsampler]
-            .into_iter()
-            .max()
-            .unwrap_or(1)
+        largest_tensor(
+            (self.window, heads, self.embed_dim, self.mlp_hidden),
+            (self.num_feat, self.scale),
+            scores_in_memory,
+        )
     }
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {

@@ -63,6 +63,56 @@ pub enum ResiConnection {
     ThreeConv,
 }
 
+impl ResiConnection {
+    /// Its tensors under `p` on a body `e` channels wide.
+    pub(crate) fn tensors(self, e: usize, p: &str) -> Vec<(String, Vec<usize>)> {
+        let q = e / 4;
+        let convs: Vec<(String, usize, usize, usize)> = match self {
+            Self::OneConv => vec![(p.to_string(), e, e, 3)],
+            Self::ThreeConv => vec![
+                (format!("{p}.0"), q, e, 3),
+                (format!("{p}.2"), q, q, 1),
+                (format!("{p}.4"), e, q, 3),
+            ],
+        };
+        let mut t = Vec::new();
+        for (name, cout, cin, k) in convs {
+            t.push((format!("{name}.weight"), vec![cout, cin, k, k]));
+            t.push((format!("{name}.bias"), vec![cout]));
+        }
+        t
+    }
+
+    /// The layers stored under `vb` on a body `e` channels wide.
+    pub(crate) fn build(self, e: usize, plan: &LoadPlan, vb: VarBuilder) -> Result<AfterBody> {
+        Ok(match self {
+            Self::OneConv => AfterBody::One(Conv3x3::unpadded(e, e, plan, vb)?),
+            Self::ThreeConv => AfterBody::three(e, plan, vb)?,
+        })
+    }
+}
+
+/// The most values one intermediate tensor of a SwinIR-like network (SwinIR, Swin2SR) holds
+/// per padded input pixel (see [`super::DrctConfig::largest_tensor_per_pixel`]): the scores
+/// of `heads` heads over `window`-square windows where they are in memory, qkv (3 x the
+/// width `e`), the MLP's hidden layer, or the upsampler's maps (`feat` channels, `scale`²).
+pub(crate) fn largest_tensor(
+    (window, heads, e, mlp_hidden): (usize, usize, usize, usize),
+    (feat, scale): (usize, usize),
+    scores_in_memory: bool,
+) -> usize {
+    let scores = if scores_in_memory {
+        heads * window * window
+    } else {
+        0
+    };
+    let upsampler = feat.max(3) * scale * scale;
+    [scores, 3 * e, mlp_hidden, upsampler]
+        .into_iter()
+        .max()
+        .unwrap_or(1)
+}
+
 /// The upsampler at the end of the network.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Upsampler {
@@ -134,26 +184,8 @@ impl SwinIrConfig {
         self.embed_dim / self.heads[layer]
     }
 
-    /// The narrow width of the 3conv connection.
-    fn quarter(&self) -> usize {
-        self.embed_dim / 4
-    }
-
     fn push_resi(&self, t: &mut Vec<(String, Vec<usize>)>, p: &str) {
-        let e = self.embed_dim;
-        let q = self.quarter();
-        let convs: Vec<(String, usize, usize, usize)> = match self.resi_connection {
-            ResiConnection::OneConv => vec![(p.to_string(), e, e, 3)],
-            ResiConnection::ThreeConv => vec![
-                (format!("{p}.0"), q, e, 3),
-                (format!("{p}.2"), q, q, 1),
-                (format!("{p}.4"), e, q, 3),
-            ],
-        };
-        for (name, cout, cin, k) in convs {
-            t.push((format!("{name}.weight"), vec![cout, cin, k, k]));
-            t.push((format!("{name}.bias"), vec![cout]));
-        }
+        t.extend(self.resi_connection.tensors(self.embed_dim, p));
     }
 
     /// Pixel-shuffle factor of each stage of the classical upsampler.
@@ -164,14 +196,12 @@ impl SwinIrConfig {
     /// The most values one intermediate tensor holds per padded input pixel (see
     /// [`super::DrctConfig::largest_tensor_per_pixel`]).
     pub fn largest_tensor_per_pixel(&self, scores_in_memory: bool) -> usize {
-        let n = self.window * self.window;
         let heads = self.heads.iter().copied().max().unwrap_or(1);
-        let scores = if scores_in_memory { heads * n } else { 0 };
-        let upsampler = self.num_feat.max(3) * self.scale * self.scale;
-        [scores, 3 * self.embed_dim, self.mlp_hidden, upsampler]
-            .into_iter()
-            .max()
-            .unwrap_or(1)
+        largest_tensor(
+            (self.window, heads, self.embed_dim, self.mlp_hidden),
+            (self.num_feat, self.scale),
+            scores_in_memory,
+        )
     }
 
     /// Output pixels per input pixel of the convolution named `name`.
@@ -280,11 +310,7 @@ impl SwinIrConfig {
 
 /// The convolution closing a residual group or the body: one 3x3 or the 3conv stack.
 fn resi(cfg: &SwinIrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<AfterBody> {
-    let e = cfg.embed_dim;
-    Ok(match cfg.resi_connection {
-        ResiConnection::OneConv => AfterBody::One(Conv3x3::unpadded(e, e, plan, vb)?),
-        ResiConnection::ThreeConv => AfterBody::three(e, plan, vb)?,
-    })
+    cfg.resi_connection.build(cfg.embed_dim, plan, vb)
 }
 
 /// Residual Swin Transformer block: Swin blocks, then the group's convolution, plus the input.
