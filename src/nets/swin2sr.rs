@@ -346,10 +346,17 @@ impl CosineAttention {
         let table = Tensor::from_vec(table, ((2 * cfg.window - 1).pow(2), heads), &Device::Cpu)?
             .to_dtype(vb.dtype())?
             .to_device(vb.device())?;
+        // The logits are cosines times a scale of up to 100: q or k rounded to bf16 (2^-9)
+        // would move them by tenths, so under the CPU's bf16 products qkv and the attention
+        // stay f32 (proj and the MLP take bf16 as in any block).
+        let f32_plan = LoadPlan {
+            bf16: None,
+            ..*plan
+        };
         Ok(Self {
-            qkv: Dense::new(weight, bias, plan)?,
+            qkv: Dense::new(weight, bias, &f32_plan)?,
             scales,
-            attend: Attend::new(&table, heads, dim / heads, cfg.window, plan)?,
+            attend: Attend::new(&table, heads, dim / heads, cfg.window, &f32_plan)?,
             proj: Dense::load_unpadded(dim, dim, plan, vb.pp("proj"))?,
         })
     }
