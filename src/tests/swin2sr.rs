@@ -97,13 +97,20 @@ fn swin2sr_pth_wrappers_are_read() {
     assert!(!swin2sr(&ck).patch_norm);
 }
 
+/// bf16 on the CPU against the float64 reference, with the DRCT bounds, except for the
+/// real-world fixture: its upsampler's LeakyReLU chain, steepened so that the body stays
+/// visible (make_golden_swin2sr.py's `boost`), amplifies any rounding, and an emulation of
+/// the bf16 products in PyTorch (operands of the linear layers and convolutions rounded to
+/// bf16) puts it at 35.2 dB and 0.19, where the others land at 50-57 dB and 0.007-0.013.
 #[test]
 fn swin2sr_cpu_bf16_stays_close_to_the_float64_reference() {
-    let cases: Vec<_> = manifest(&dir())
+    let (steep, cases): (Vec<_>, Vec<_>) = manifest(&dir())
         .into_iter()
         .map(|(c, _)| (c.name, c.weights, c.io))
-        .collect();
+        .partition(|(name, _, _)| name.starts_with("realworld"));
+    assert_eq!(steep.len(), 1);
     assert_bf16_close(&cases, 0.05, 45.0);
+    assert_bf16_close(&steep, 0.3, 30.0);
 }
 
 #[test]

@@ -119,13 +119,18 @@ fn swinir_pth_wrappers_are_read() {
 
 /// bf16 on the CPU against the float64 reference, with the DRCT bounds (see golden.rs), and
 /// not the f32 output; on a CPU without bf16 arithmetic the model must refuse bf16 instead.
+/// The real-world x8 fixture has a bound of its own: three steepened LeakyReLU stages
+/// (make_golden_swinir.py's `boost`) amplify any rounding, and an emulation of the bf16
+/// products in PyTorch puts it at 42.0 dB and 0.042, where the others land at 47.7-62.9 dB.
 #[test]
 fn swinir_cpu_bf16_stays_close_to_the_float64_reference() {
-    let cases: Vec<_> = cases()
+    let (steep, cases): (Vec<_>, Vec<_>) = cases()
         .into_iter()
         .map(|c| (c.name, c.weights, c.io))
-        .collect();
+        .partition(|(name, _, _)| name == "realworld_x8");
+    assert_eq!(steep.len(), 1);
     assert_bf16_close(&cases, 0.05, 45.0);
+    assert_bf16_close(&steep, 0.1, 38.0);
 }
 
 #[test]
