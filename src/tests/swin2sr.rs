@@ -101,7 +101,8 @@ fn swin2sr_pth_wrappers_are_read() {
 /// real-world fixture: its upsampler's LeakyReLU chain, steepened so that the body stays
 /// visible (make_golden_swin2sr.py's `boost`), amplifies any rounding, and an emulation of
 /// the bf16 products in PyTorch (operands of the linear layers and convolutions rounded to
-/// bf16) puts it at 35.2 dB and 0.19, where the others land at 50-57 dB and 0.007-0.013.
+/// bf16; tests/golden/bf16_emulation.py) puts it at 35.2 dB and 0.19, where the others land
+/// at 50-57 dB and 0.007-0.013.
 #[test]
 fn swin2sr_cpu_bf16_stays_close_to_the_float64_reference() {
     let (steep, cases): (Vec<_>, Vec<_>) = manifest(&dir())

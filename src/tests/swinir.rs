@@ -121,7 +121,8 @@ fn swinir_pth_wrappers_are_read() {
 /// not the f32 output; on a CPU without bf16 arithmetic the model must refuse bf16 instead.
 /// The real-world x8 fixture has a bound of its own: three steepened LeakyReLU stages
 /// (make_golden_swinir.py's `boost`) amplify any rounding, and an emulation of the bf16
-/// products in PyTorch puts it at 42.0 dB and 0.042, where the others land at 47.7-62.9 dB.
+/// products in PyTorch (tests/golden/bf16_emulation.py) puts it at 42.0 dB and 0.042, where
+/// the others land at 47.7-62.9 dB.
 #[test]
 fn swinir_cpu_bf16_stays_close_to_the_float64_reference() {
     let (steep, cases): (Vec<_>, Vec<_>) = cases()
