@@ -2024,12 +2024,36 @@ fn swinir_model_runs_describes_itself_and_converts() {
     assert!(a.as_bytes() == b.as_bytes(), "outputs differ");
 }
 
-/// A checkpoint of an architecture this build does not run gets one line naming it and what
-/// is supported.
+/// A Swin2SR checkpoint (official `.pth` layout, buffers and all) describes itself and
+/// upscales; a SwinIR file with a SwinV2 tensor added is read as Swin2SR and refused with
+/// the first tensor it lacks, in one line.
 #[test]
-fn swin2sr_checkpoint_is_named_and_refused() {
+fn swin2sr_model_runs_and_a_crafted_one_is_refused() {
     let d = tempdir();
-    with_input(d.path());
+    let dir = d.path();
+    with_input(dir);
+    let pth = golden("swin2sr/classical_x2.pth");
+    let run = bare(dir)
+        .args(["info", "--json"])
+        .arg(&pth)
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    assert_eq!(v["architecture"], "Swin2SR");
+    assert_eq!(v["scale"], 2);
+    assert_eq!(v["window"], 8);
+    assert_eq!(v["shifted"], true);
+    let r = assert_cmd::Command::new(bin())
+        .current_dir(dir)
+        .arg("-m")
+        .arg(&pth)
+        .args(["--device", "cpu", "in.png", "-o", "out.png"])
+        .output()
+        .unwrap();
+    assert_success(&r);
+    assert_eq!(open(&dir.join("out.png")).dimensions(), (40, 32));
+
     let mut tensors =
         candle_core::safetensors::load(golden("swinir/classical_x2.safetensors"), &Device::Cpu)
             .unwrap();
@@ -2037,12 +2061,37 @@ fn swin2sr_checkpoint_is_named_and_refused() {
         "layers.0.residual_group.blocks.0.attn.logit_scale".into(),
         Tensor::zeros((6, 1, 1), candle_core::DType::F32, &Device::Cpu).unwrap(),
     );
-    candle_core::safetensors::save(&tensors, d.path().join("swin2sr.safetensors")).unwrap();
+    candle_core::safetensors::save(&tensors, dir.join("swin2sr.safetensors")).unwrap();
+    assert_rejected(
+        dir,
+        &mut with_model(dir, "swin2sr.safetensors"),
+        2,
+        &[
+            "swin2sr.safetensors",
+            "Swin2SR checkpoint",
+            "missing tensor",
+        ],
+    );
+}
+
+/// A checkpoint of an architecture this build does not run (ATD, told by its token
+/// dictionary) gets one line naming it and what is supported.
+#[test]
+fn other_architecture_is_named_and_refused() {
+    let d = tempdir();
+    with_input(d.path());
+    let zeros =
+        |shape: &[usize]| Tensor::zeros(shape, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let tensors = std::collections::HashMap::from([
+        ("conv_first.weight".to_string(), zeros(&[24, 3, 3, 3])),
+        ("layers.0.residual_group.td".to_string(), zeros(&[64, 24])),
+    ]);
+    candle_core::safetensors::save(&tensors, d.path().join("atd.safetensors")).unwrap();
     assert_rejected(
         d.path(),
-        &mut with_model(d.path(), "swin2sr.safetensors"),
+        &mut with_model(d.path(), "atd.safetensors"),
         2,
-        &["swin2sr.safetensors", "Swin2SR", "SwinIR", "HAT"],
+        &["atd.safetensors", "ATD", "SwinIR", "Swin2SR", "HAT"],
     );
 }
 
