@@ -30,7 +30,7 @@ use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::nets::frame::nearest;
+use crate::nets::frame::{nearest, pixel_unshuffle};
 use crate::nets::infer::{check_shapes, out_width, tensor, ConfigError, Shapes};
 use crate::nets::registry::Architecture;
 use crate::nets::swin::reflect_pad_bottom_right;
@@ -369,16 +369,6 @@ impl Esrgan {
             dtype: vb.dtype(),
         })
     }
-}
-
-/// `x` `(B, H, W, C)` pixel-unshuffled by `r` to `(B, H/r, W/r, C·r²)`, channels in
-/// PyTorch's order: channel `c·r² + i·r + j` is colour `c` of sub-pixel `(i, j)`.
-fn pixel_unshuffle(x: &Tensor, r: usize) -> Result<Tensor> {
-    let (b, h, w, c) = x.dims4()?;
-    x.reshape((b, h / r, r, w / r, r, c))?
-        .permute((0, 1, 3, 5, 2, 4))?
-        .contiguous()?
-        .reshape((b, h / r, w / r, c * r * r))
 }
 
 impl Net for Esrgan {

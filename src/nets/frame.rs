@@ -282,6 +282,16 @@ pub(crate) fn nearest(x: &Tensor, r: usize) -> Result<Tensor> {
         .reshape((b, r * h, r * w, c))
 }
 
+/// `x` `(B, H, W, C)` pixel-unshuffled by `r` to `(B, H/r, W/r, C·r²)`, channels in
+/// PyTorch's order: channel `c·r² + i·r + j` is colour `c` of sub-pixel `(i, j)`.
+pub(crate) fn pixel_unshuffle(x: &Tensor, r: usize) -> Result<Tensor> {
+    let (b, h, w, c) = x.dims4()?;
+    x.reshape((b, h / r, r, w / r, r, c))?
+        .permute((0, 1, 3, 5, 2, 4))?
+        .contiguous()?
+        .reshape((b, h / r, w / r, c * r * r))
+}
+
 /// [`RGB_MEAN`] as the `(1, 1, 1, 3)` tensor the networks subtract and add back, in `vb`'s
 /// dtype and on its device.
 fn mean(vb: &VarBuilder) -> Result<Tensor> {

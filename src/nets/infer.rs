@@ -164,6 +164,9 @@ pub enum ConfigError {
     /// An OmniSR checkpoint that does not fit OmniSR's configuration.
     #[error("OmniSR checkpoint: {0}")]
     OmniSr(#[source] Box<ConfigError>),
+    /// A Real-CUGAN checkpoint that does not fit any of its forms.
+    #[error("Real-CUGAN checkpoint: {0}")]
+    RealCugan(#[source] Box<ConfigError>),
 }
 
 impl ConfigError {

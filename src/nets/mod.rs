@@ -12,6 +12,7 @@ pub mod hat;
 pub mod infer;
 pub mod omnisr;
 pub mod plksr;
+pub mod realcugan;
 pub mod registry;
 pub mod span;
 pub mod swin;

@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 
 use super::{
-    compact, dat, drct, esrgan, hat, omnisr, plksr, span, swin2sr, swinir, ArchConfig, ConfigError,
+    compact, dat, drct, esrgan, hat, omnisr, plksr, realcugan, span, swin2sr, swinir, ArchConfig,
+    ConfigError,
 };
 
 /// A state dict's tensor names and shapes.
@@ -62,6 +63,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &plksr::Arch,
     &plksr::OriginalArch,
     &omnisr::Arch,
+    &realcugan::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises
@@ -180,9 +182,6 @@ const OTHERS: &[(&str, Signature)] = &[
     ("a MoESR checkpoint", |s| has(s, "in_to_dim.weight")),
     ("a DCTLSA checkpoint", |s| {
         has(s, "fea_conv.weight") && any(s, |k| k.contains(".transformer_body."))
-    }),
-    ("a Real-CUGAN checkpoint", |s| {
-        any(s, |k| k.starts_with("unet1.")) && any(s, |k| k.starts_with("unet2."))
     }),
     ("a Swift-SRGAN checkpoint", |s| {
         has(s, "initial.cnn.depthwise.weight")

@@ -21,6 +21,7 @@ mod omnisr;
 mod other_architectures;
 mod plksr;
 mod pth;
+mod realcugan;
 mod span;
 mod swin2sr;
 mod swinir;

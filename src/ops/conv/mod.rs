@@ -49,20 +49,25 @@ fn read_with_bias(
     vb: VarBuilder,
 ) -> Result<(Tensor, Tensor)> {
     let w = cin.spread(&vb.get((cout, cin.real(), 3, 3), "weight")?, 1)?;
-    let weight = if kernels::use_kernel(&w) {
-        let (guard, layout) = w.storage_and_layout();
-        let taps = tap_major(kernels::cpu_slice(&guard, layout)?, cout, cin.padded());
-        Tensor::from_vec(taps, (9 * cin.padded(), cout), w.device())?
-    } else {
-        w.permute((2, 3, 1, 0))?
-            .reshape((9 * cin.padded(), cout))?
-            .contiguous()?
-    };
     let bias = match bias {
         true => vb.get(cout, "bias")?,
         false => Tensor::zeros(cout, vb.dtype(), vb.device())?,
     };
-    Ok((weight, bias))
+    Ok((gemm_weight(&w)?, bias))
+}
+
+/// A `(cout, cin, 3, 3)` weight as the `(9 * cin, cout)` matrix of the patch GEMM.
+fn gemm_weight(w: &Tensor) -> Result<Tensor> {
+    let (cout, cin, _, _) = w.dims4()?;
+    if kernels::use_kernel(w) {
+        let (guard, layout) = w.storage_and_layout();
+        let taps = tap_major(kernels::cpu_slice(&guard, layout)?, cout, cin);
+        Tensor::from_vec(taps, (9 * cin, cout), w.device())
+    } else {
+        w.permute((2, 3, 1, 0))?
+            .reshape((9 * cin, cout))?
+            .contiguous()
+    }
 }
 
 /// `(cout, cin, 3, 3)` weights as `(9 cin, cout)`, rows ordered (dy, dx, cin): the
@@ -154,6 +159,22 @@ impl Conv3x3 {
         vb: VarBuilder,
     ) -> Result<Self> {
         let (weight, bias) = read_with_bias(&Pad::OFF.one(cin), r * r * c_out, bias, vb)?;
+        let idx = Tensor::from_vec(shuffle_order(c_out, r), r * r * c_out, bias.device())?;
+        let (weight, bias) = (weight.index_select(&idx, 1)?, bias.index_select(&idx, 0)?);
+        Self::prepared(weight.contiguous()?, bias, cin, plan)
+    }
+
+    /// [`Self::shuffled_with_bias`] of a convolution made at load rather than stored:
+    /// `weight` `(r² c_out, cin, 3, 3)` and `bias` `(r² c_out)`, outputs in PyTorch's
+    /// PixelShuffle order.
+    pub(crate) fn shuffled_from(
+        weight: &Tensor,
+        bias: &Tensor,
+        (c_out, r): (usize, usize),
+        plan: &LoadPlan,
+    ) -> Result<Self> {
+        let cin = weight.dim(1)?;
+        let weight = gemm_weight(&weight.contiguous()?)?;
         let idx = Tensor::from_vec(shuffle_order(c_out, r), r * r * c_out, bias.device())?;
         let (weight, bias) = (weight.index_select(&idx, 1)?, bias.index_select(&idx, 0)?);
         Self::prepared(weight.contiguous()?, bias, cin, plan)
