@@ -4,7 +4,8 @@
 6 groups of 6 blocks, 6 heads, split 8x32, 64x64 input) and RealPLKSR x4 (64 features, 28
 blocks, 17x17 on 16 channels, GroupNorm; PixelShuffle or DySample, 128x128 input), the
 original PLKSR x4 (the same widths, DCCM mixer, attention, 128x128 input) and OmniSR x4
-(64 features, 5 groups of 1 block, window 8, 128x128 input) on the CPU: the
+(64 features, 5 groups of 1 block, window 8, 128x128 input) and Real-CUGAN x2 and x4
+(128x128 input) on the CPU: the
 `upscale` binary's whole process (`--device cpu --tile 0`, fp32) against PyTorch's warm
 forward of spandrel's module (fp32, the same threads), interleaved run by run so both see
 the same machine.
@@ -12,7 +13,7 @@ the same machine.
   python3 benches/esrgan_compact_cpu_vs_torch.py UPSCALE_BINARY [RUNS] [THREADS] [ONLY]
 
 ONLY, if given, keeps the cases whose name starts with it (`SPAN`, `ESRGAN`, `Compact`,
-`DAT`, `RealPLKSR`, `PLKSR`, `OmniSR`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
+`DAT`, `RealPLKSR`, `PLKSR`, `OmniSR`, `Real-CUGAN`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
 
 Needs torch, spandrel, safetensors, numpy, Pillow. The models are random weights written to a
 temporary folder; the inputs are crops of tests/photos/coffee.png.
@@ -36,6 +37,7 @@ from spandrel.architectures.DAT import DAT
 from spandrel.architectures.ESRGAN import ESRGAN
 from spandrel.architectures.OmniSR import OmniSR
 from spandrel.architectures.PLKSR import PLKSR, RealPLKSR
+from spandrel.architectures.RealCUGAN import UpCunet2x, UpCunet4x
 from spandrel.architectures.SPAN import SPAN
 from torch_swin_reference import fold_once  # benches/, beside this script
 
@@ -64,6 +66,8 @@ cases = [
      PLKSR(ccm_type="DCCM"), 128),
     ("OmniSR x4, 64 features, 5 groups, window 8",
      OmniSR(num_feat=64, res_num=5, block_num=1, window_size=8, pe=True, up_scale=4), 128),
+    ("Real-CUGAN x2", UpCunet2x(in_channels=3, out_channels=3), 128),
+    ("Real-CUGAN x4", UpCunet4x(in_channels=3, out_channels=3), 128),
 ]
 cases = [c for c in cases if c[0].startswith(only)]
 with tempfile.TemporaryDirectory() as tmp:

@@ -53,6 +53,8 @@ use crate::nets::infer::{check_shapes, tensor, ConfigError, Shapes};
 use crate::nets::registry::Architecture;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::conv::{pixel_shuffle_nhwc_reordered, Act, Conv3x3};
+use crate::ops::cpu as kernels;
+use crate::ops::cpu::{centre_mean, Centre};
 use crate::ops::linear::{pointwise, Dense};
 use crate::ops::pad::Pad;
 use crate::ops::{add, LoadPlan};
@@ -360,14 +362,21 @@ impl NetConfig for RealCuganConfig {
 
 /// `x` `(B, H, W, C)` less `t` pixels on every side.
 fn crop(x: &Tensor, t: usize) -> Result<Tensor> {
+    if let Some(y) = kernels::centre(x, t, Centre::Plain)? {
+        return Ok(y);
+    }
     let (_, h, w, _) = x.dims4()?;
     x.narrow(1, t, h - 2 * t)?
         .narrow(2, t, w - 2 * t)?
         .contiguous()
 }
 
-fn leaky(x: &Tensor) -> Result<Tensor> {
-    Act::Leaky(SLOPE).apply(x)
+/// `x` less `t` pixels on every side, plus `y`: the crop and the sum one pass on the CPU.
+fn crop_plus(x: &Tensor, t: usize, y: &Tensor) -> Result<Tensor> {
+    if let Some(sum) = kernels::centre(x, t, Centre::Plus(y))? {
+        return Ok(sum);
+    }
+    add(&crop(x, t)?, y)
 }
 
 /// SEBlock: `x · sigmoid(conv2(relu(conv1(mean(x)))))`, the mean per image and channel.
@@ -385,20 +394,18 @@ impl SqueezeExcite {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, h, w, c) = x.dims4()?;
-        // Each row in f32 (a few hundred values), the rows in f64: a map's mean holds
-        // hundreds of thousands of values.
-        let mean = x
-            .to_dtype(DType::F32)?
-            .sum(2)?
-            .to_dtype(DType::F64)?
-            .sum(1)?
-            .affine(1.0 / (h * w) as f64, 0.0)?
-            .to_dtype(x.dtype())?;
+    /// The gate of `x`'s centre less `t` pixels a side, applied to that centre: the crop
+    /// and the product one pass on the CPU.
+    fn forward_centre(&self, x: &Tensor, t: usize) -> Result<Tensor> {
+        let (b, _, _, c) = x.dims4()?;
+        // The mean in f64 (a map holds hundreds of thousands of values).
+        let mean = centre_mean(x, t)?.reshape((b, c))?;
         let gate = self.conv1.forward(&mean)?.relu()?;
         let gate = candle_nn::ops::sigmoid(&self.conv2.forward(&gate)?)?;
-        x.broadcast_mul(&gate.reshape((b, 1, 1, c))?)
+        if let Some(y) = kernels::centre(x, t, Centre::Scaled(&gate))? {
+            return Ok(y);
+        }
+        crop(x, t)?.broadcast_mul(&gate.reshape((b, 1, 1, c))?)
     }
 }
 
@@ -429,27 +436,37 @@ impl UNetConv {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let lrelu = Act::Leaky(SLOPE);
         let y = self.b.forward_act(&self.a.forward_act(x, lrelu)?, lrelu)?;
-        let y = crop(&y, 2)?;
         match &self.se {
-            Some(se) => se.forward(&y),
-            None => Ok(y),
+            Some(se) => se.forward_centre(&y, 2),
+            None => crop(&y, 2),
         }
     }
 }
 
-/// A 2x2 convolution with stride 2: a product over the map unshuffled by 2.
+/// A 2x2 convolution with stride 2: a product over the map's 2x2 blocks, each read as one
+/// row in (i, j, c) order ([`kernels::space_to_depth`]), the weight reordered to match.
 struct Down(Dense);
 
 impl Down {
     fn new(c: usize, plan: &LoadPlan, vb: VarBuilder) -> Result<Self> {
-        // PixelUnshuffle's channel order (c, i, j) is the weight's own (cout, cin, ky, kx).
-        let w = vb.get((c, c, 2, 2), "weight")?.reshape((c, 4 * c))?;
+        let w = vb.get((c, c, 2, 2), "weight")?;
+        let w = w.permute((0, 2, 3, 1))?.reshape((c, 4 * c))?.contiguous()?;
         Ok(Self(Dense::new(w, vb.get(c, "bias")?, plan)?))
     }
 
     /// Followed by LeakyReLU, as every one is.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        leaky(&self.0.forward(&pixel_unshuffle(x, 2)?)?)
+        let blocks = match kernels::space_to_depth(x, 2)? {
+            Some(y) => y,
+            None => {
+                let (b, h, w, c) = x.dims4()?;
+                x.reshape((b, h / 2, 2, w / 2, 2, c))?
+                    .permute((0, 1, 3, 2, 4, 5))?
+                    .contiguous()?
+                    .reshape((b, h / 2, w / 2, 4 * c))?
+            }
+        };
+        self.0.forward_leaky(&blocks, SLOPE)
     }
 }
 
@@ -466,9 +483,10 @@ impl Up {
         Ok(Self(Dense::new(w, b, plan)?))
     }
 
-    /// Followed by LeakyReLU, as every one is.
+    /// Followed by LeakyReLU, as every one is (applied before the shuffle, which only
+    /// moves values).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        leaky(&pixel_shuffle_nhwc_reordered(&self.0.forward(x)?, 2)?)
+        pixel_shuffle_nhwc_reordered(&self.0.forward_leaky(x, SLOPE)?, 2)
     }
 }
 
@@ -537,6 +555,12 @@ impl Deconv {
         let s = self.stride;
         let len = |n: usize| (s as isize * (n as isize - 1) + self.extra).max(0) as usize;
         let y = self.conv.forward_shuffled(x, s)?;
+        let (hy, wy) = (y.dim(1)?, y.dim(2)?);
+        // The output is the shuffled map less `start` pixels at the top and left and what is
+        // left past its length at the bottom and right.
+        if hy - len(h) == 2 * self.start && wy - len(w) == 2 * self.start {
+            return crop(&y, self.start);
+        }
         y.narrow(1, self.start, len(h))?
             .narrow(2, self.start, len(w))?
             .contiguous()
@@ -594,9 +618,10 @@ impl UNet1 {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x1 = self.conv1.forward(x)?;
         let x2 = self.down1.forward(&x1)?;
-        let x1 = crop(&x1, 4)?;
         let x2 = self.up2.forward(&self.conv2.forward(&x2)?)?;
-        let x3 = self.conv3.forward_act(&add(&x1, &x2)?, Act::Leaky(SLOPE))?;
+        let x3 = self
+            .conv3
+            .forward_act(&crop_plus(&x1, 4, &x2)?, Act::Leaky(SLOPE))?;
         self.bottom.forward(&crop(&x3, 1)?)
     }
 }
@@ -635,13 +660,15 @@ impl UNet2 {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x1 = self.conv1.forward(x)?;
         let x2 = self.down1.forward(&x1)?;
-        let x1 = crop(&x1, 16)?;
         let x2 = self.conv2.forward(&x2)?;
         let x3 = self.down2.forward(&x2)?;
-        let x2 = crop(&x2, 4)?;
         let x3 = self.up3.forward(&self.conv3.forward(&x3)?)?;
-        let x4 = self.up4.forward(&self.conv4.forward(&add(&x2, &x3)?)?)?;
-        let x5 = self.conv5.forward_act(&add(&x1, &x4)?, Act::Leaky(SLOPE))?;
+        let x4 = self
+            .up4
+            .forward(&self.conv4.forward(&crop_plus(&x2, 4, &x3)?)?)?;
+        let x5 = self
+            .conv5
+            .forward_act(&crop_plus(&x1, 16, &x4)?, Act::Leaky(SLOPE))?;
         // conv5 and conv_bottom unpadded: two pixels a side, dropped once.
         crop(&self.bottom.forward(&x5)?, 2)
     }
@@ -740,7 +767,7 @@ impl Module for RealCugan {
         }
         let u1 = self.unet1.forward(&u)?;
         let u2 = self.unet2.forward(&u1)?;
-        let y = add(&u2, &crop(&u1, 20)?)?;
+        let y = crop_plus(&u1, 20, &u2)?;
         let y = match &self.last {
             // conv_final unpadded and a pixel a side dropped after it: two input pixels,
             // four shuffled ones, a side.

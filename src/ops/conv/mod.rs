@@ -316,7 +316,10 @@ impl Act<'_> {
     pub(crate) fn apply(self, y: &Tensor) -> Result<Tensor> {
         match self {
             Act::Relu => y.relu(),
-            Act::Leaky(slope) => candle_nn::ops::leaky_relu(y, f64::from(slope)),
+            Act::Leaky(slope) => match kernels::leaky(y, slope)? {
+                Some(y) => Ok(y),
+                None => candle_nn::ops::leaky_relu(y, f64::from(slope)),
+            },
             // Exactly PyTorch's `x if x > 0 else slope·x`: one of the two terms is zero.
             Act::PRelu(slope) => y.relu()? + y.minimum(0.0)?.broadcast_mul(slope)?,
             Act::Silu => kernels::silu(y),

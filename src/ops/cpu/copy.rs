@@ -92,3 +92,121 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     drop((a_guard, b_guard));
     Ok(Some(Tensor::from_vec(out, a.dims(), a.device())?))
 }
+
+/// What [`centre`] does with the values it copies.
+#[derive(Clone, Copy)]
+pub enum Centre<'a> {
+    /// Copies them.
+    Plain,
+    /// Multiplies channel `c` of image `b` by element `b·C + c` of this `(B, .., C)` tensor:
+    /// a squeeze-and-excitation gate.
+    Scaled(&'a Tensor),
+    /// Adds this tensor, shaped as the centre: a U-Net's skip connection.
+    Plus(&'a Tensor),
+}
+
+/// The centre of channels-last `x` `(B, H, W, C)` less `t` pixels on every side, as `with`
+/// says: a crop and what follows it in one parallel pass, instead of candle's strided copy
+/// and a broadcast op after it. `None` where the kernel does not apply.
+pub fn centre(x: &Tensor, t: usize, with: Centre) -> Result<Option<Tensor>> {
+    let other = match with {
+        Centre::Plain => None,
+        Centre::Scaled(s) | Centre::Plus(s) => Some(s),
+    };
+    if !use_kernel(x) || other.is_some_and(|s| !use_kernel(s)) {
+        return Ok(None);
+    }
+    let (b, h, w, c) = x.dims4()?;
+    if 2 * t > h.min(w) {
+        candle_core::bail!("centre: {:?} less {t} a side", x.dims());
+    }
+    let (oh, ow) = (h - 2 * t, w - 2 * t);
+    let expected = match with {
+        Centre::Plain => 0,
+        Centre::Scaled(_) => b * c,
+        Centre::Plus(_) => b * oh * ow * c,
+    };
+    if other.is_some_and(|s| s.elem_count() != expected) {
+        candle_core::bail!(
+            "centre: {:?} less {t} with {:?}",
+            x.dims(),
+            other.map(|s| s.dims())
+        );
+    }
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let xs = cpu_slice(&x_guard, x_layout)?;
+    let o_storage = other.map(|s| s.storage_and_layout());
+    let os = o_storage
+        .as_ref()
+        .map(|(g, l)| cpu_slice(g, l))
+        .transpose()?;
+    let out = par_rows(b * oh, ow * c, |row, dst| {
+        let (bi, y) = (row / oh, row % oh);
+        let src = ((bi * h + y + t) * w + t) * c;
+        let src = &xs[src..src + ow * c];
+        match (with, os) {
+            (Centre::Scaled(_), Some(os)) => {
+                let gate = &os[bi * c..(bi + 1) * c];
+                for px in src.chunks_exact(c) {
+                    dst.write_product(px, gate);
+                }
+            }
+            (Centre::Plus(_), Some(os)) => dst.write_sum(src, &os[row * ow * c..][..ow * c]),
+            _ => dst.write_row(src),
+        }
+    });
+    drop((x_guard, o_storage));
+    Ok(Some(Tensor::from_vec(out, (b, oh, ow, c), x.device())?))
+}
+
+/// Space-to-depth by `r` of channels-last `x` `(B, H, W, C)` (H and W multiples of `r`):
+/// output pixel (y, x) holds input pixels (y r + i, x r + j) for i, j in 0..r, in (i, j, c)
+/// order, so that each `r C`-long run is copied whole. `None` where the kernel does not
+/// apply.
+pub fn space_to_depth(x: &Tensor, r: usize) -> Result<Option<Tensor>> {
+    if !use_kernel(x) {
+        return Ok(None);
+    }
+    let (b, h, w, c) = x.dims4()?;
+    if r == 0 || h % r != 0 || w % r != 0 {
+        candle_core::bail!("space_to_depth: {h}x{w} by {r}");
+    }
+    let (oh, ow) = (h / r, w / r);
+    let (x_guard, x_layout) = x.storage_and_layout();
+    let xs = cpu_slice(&x_guard, x_layout)?;
+    let out = par_rows(b * oh, ow * r * r * c, |row, dst| {
+        let (bi, y) = (row / oh, row % oh);
+        for px in 0..ow {
+            for i in 0..r {
+                let src = ((bi * h + y * r + i) * w + px * r) * c;
+                dst.write_row(&xs[src..src + r * c]);
+            }
+        }
+    });
+    drop(x_guard);
+    Ok(Some(Tensor::from_vec(
+        out,
+        (b, oh, ow, r * r * c),
+        x.device(),
+    )?))
+}
+
+/// `leaky_relu(x, slope)` in one parallel pass (candle's takes two element-wise ops).
+/// `None` where the kernel does not apply.
+pub fn leaky(x: &Tensor, slope: f32) -> Result<Option<Tensor>> {
+    if !use_kernel(x) {
+        return Ok(None);
+    }
+    let (guard, layout) = x.storage_and_layout();
+    let xs = cpu_slice(&guard, layout)?;
+    let mut out: Vec<f32> = Vec::with_capacity(xs.len());
+    out.spare_capacity_mut()
+        .par_chunks_mut(CHUNK)
+        .zip(xs.par_chunks(CHUNK))
+        .for_each(|(row, x)| RowWriter { row, at: 0 }.write_leaky(x, slope));
+    // SAFETY: both are cut into the same CHUNK-sized pieces, so every element of `out` was
+    // written.
+    unsafe { out.set_len(xs.len()) };
+    drop(guard);
+    Ok(Some(Tensor::from_vec(out, x.dims(), x.device())?))
+}

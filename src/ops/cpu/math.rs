@@ -228,14 +228,30 @@ pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
 /// by value through its strides; the kernel adds whole rows of `C` in parallel over row blocks,
 /// in f64, so that the order of the additions moves the result far below f32's precision.
 pub fn mean_hw(x: &Tensor) -> Result<Tensor> {
-    if use_kernel(x) && x.rank() == 4 && x.elem_count() > 0 {
-        x.apply_op1_no_bwd(&MeanHw)
+    centre_mean(x, 0)
+}
+
+/// [`mean_hw`] over the centre of `x` less `t` pixels on every side (Real-CUGAN's gates
+/// pool a map they crop), read in place.
+pub fn centre_mean(x: &Tensor, t: usize) -> Result<Tensor> {
+    let (_, h, w, _) = x.dims4()?;
+    if 2 * t >= h.min(w) {
+        candle_core::bail!("centre_mean: {:?} less {t} a side", x.dims());
+    }
+    if use_kernel(x) && x.elem_count() > 0 {
+        x.apply_op1_no_bwd(&MeanHw { t })
     } else {
-        x.mean_keepdim(1)?.mean_keepdim(2)
+        x.narrow(1, t, h - 2 * t)?
+            .narrow(2, t, w - 2 * t)?
+            .mean_keepdim(1)?
+            .mean_keepdim(2)
     }
 }
 
-struct MeanHw;
+struct MeanHw {
+    /// Pixels left out on every side.
+    t: usize,
+}
 
 impl CustomOp1 for MeanHw {
     fn name(&self) -> &'static str {
@@ -245,17 +261,23 @@ impl CustomOp1 for MeanHw {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let data = contiguous_f32(storage, layout)?;
         let (b, h, w, c) = layout.shape().dims4()?;
-        let rows = h * w;
+        let t = self.t;
+        let (oh, ow) = (h - 2 * t, w - 2 * t);
         let mut out = Vec::with_capacity(b * c);
-        for image in data.chunks_exact(rows * c.max(1)).take(b) {
-            // Blocks of rows big enough to amortise a task, summed apart, then together.
-            let block = (CHUNK / c.max(1)).max(1);
-            let sums = image
-                .par_chunks(block * c)
-                .map(|rows| {
+        for image in data.chunks_exact(h * w * c.max(1)).take(b) {
+            // Each image row's centre is `ow` whole pixels in a row; blocks of rows big
+            // enough to amortise a task, summed apart, then together.
+            let block = (CHUNK / (ow * c).max(1)).max(1);
+            let rows: Vec<usize> = (t..h - t).collect();
+            let sums = rows
+                .par_chunks(block)
+                .map(|ys| {
                     let mut acc = vec![0f64; c];
-                    for row in rows.chunks_exact(c) {
-                        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v as f64);
+                    for &y in ys {
+                        let row = &image[(y * w + t) * c..(y * w + t + ow) * c];
+                        for px in row.chunks_exact(c) {
+                            acc.iter_mut().zip(px).for_each(|(a, &v)| *a += v as f64);
+                        }
                     }
                     acc
                 })
@@ -266,7 +288,7 @@ impl CustomOp1 for MeanHw {
                         a
                     },
                 );
-            out.extend(sums.iter().map(|&s| (s / rows as f64) as f32));
+            out.extend(sums.iter().map(|&s| (s / (oh * ow) as f64) as f32));
         }
         Ok((CpuStorage::F32(out), Shape::from((b, 1, 1, c))))
     }

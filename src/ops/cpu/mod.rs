@@ -297,6 +297,15 @@ impl RowWriter<'_> {
         self.at += src.len();
     }
 
+    /// Appends `a · b`, element by element.
+    pub(super) fn write_product(&mut self, a: &[f32], b: &[f32]) {
+        let dst = &mut self.row[self.at..self.at + a.len()];
+        for ((d, x), y) in dst.iter_mut().zip(a).zip(&b[..a.len()]) {
+            d.write(x * y);
+        }
+        self.at += a.len();
+    }
+
     /// Appends `a + b`, element by element.
     pub(super) fn write_sum(&mut self, a: &[f32], b: &[f32]) {
         let dst = &mut self.row[self.at..self.at + a.len()];

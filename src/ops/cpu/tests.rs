@@ -691,6 +691,77 @@ fn mean_over_height_and_width_matches_candle() -> Result<()> {
     Ok(())
 }
 
+/// The centre of a map (and its mean) against candle's narrow views, plain, gated per image
+/// and channel, and plus a tensor; odd sizes, a batch of two, and the whole map (t = 0).
+#[test]
+fn centres_match_candles_narrow_views() -> Result<()> {
+    let dev = Device::Cpu;
+    for ((b, h, w, c), t) in [((2, 9, 12, 5), 2), ((1, 40, 38, 64), 16), ((2, 3, 4, 3), 0)] {
+        let x = normal(0.0, 1.0, (b, h, w, c), &dev)?;
+        let want = x.narrow(1, t, h - 2 * t)?.narrow(2, t, w - 2 * t)?;
+        let plain = centre(&x, t, Centre::Plain)?.unwrap();
+        assert_eq!(max_abs_diff(&plain, &want)?, 0.0, "{t}");
+        let gate = normal(0.0, 1.0, (b, c), &dev)?;
+        let scaled = centre(&x, t, Centre::Scaled(&gate))?.unwrap();
+        let d = max_abs_diff(&scaled, &want.broadcast_mul(&gate.reshape((b, 1, 1, c))?)?)?;
+        assert_eq!(d, 0.0, "gated, {t}");
+        let other = normal(0.0, 1.0, want.dims(), &dev)?;
+        let plus = centre(&x, t, Centre::Plus(&other))?.unwrap();
+        assert_eq!(max_abs_diff(&plus, &(&want + &other)?)?, 0.0, "plus, {t}");
+        let mean = centre_mean(&x, t)?;
+        let want_mean = want
+            .to_dtype(DType::F64)?
+            .mean_keepdim(1)?
+            .mean_keepdim(2)?;
+        assert!(max_abs_diff(&mean, &want_mean)? < 1e-6, "mean, {t}");
+    }
+    let x = normal(0.0, 1.0, (1, 4, 4, 2), &dev)?;
+    assert!(
+        centre(&x, 3, Centre::Plain).is_err(),
+        "a centre past the map"
+    );
+    Ok(())
+}
+
+/// Space-to-depth against candle's reshape and permute, in (i, j, c) order; LeakyReLU
+/// against candle's.
+#[test]
+fn space_to_depth_and_leaky_match_candle() -> Result<()> {
+    let dev = Device::Cpu;
+    let (b, h, w, c) = (2, 6, 10, 7);
+    let x = normal(0.0, 1.0, (b, h, w, c), &dev)?;
+    let ours = space_to_depth(&x, 2)?.unwrap();
+    let want = x
+        .reshape((b, h / 2, 2, w / 2, 2, c))?
+        .permute((0, 1, 3, 2, 4, 5))?
+        .contiguous()?
+        .reshape((b, h / 2, w / 2, 4 * c))?;
+    assert_eq!(max_abs_diff(&ours, &want)?, 0.0);
+    assert!(space_to_depth(&normal(0.0, 1.0, (1, 5, 4, 2), &dev)?, 2).is_err());
+    let ours = leaky(&x, 0.1)?.unwrap();
+    let want = candle_nn::ops::leaky_relu(&x, 0.1)?;
+    assert_eq!(max_abs_diff(&ours, &want)?, 0.0);
+    Ok(())
+}
+
+/// A product with LeakyReLU applied to its finished rows, against the product and candle's
+/// LeakyReLU after it.
+#[test]
+fn linear_with_leaky_epilogue_matches_the_two_steps() -> Result<()> {
+    let dev = Device::Cpu;
+    let (m, k, n) = (300, 48, 40);
+    let x = normal(0.0, 1.0, (m, k), &dev)?;
+    let w = normal(0.0, 1.0, (n, k), &dev)?;
+    let b = normal(0.0, 1.0, n, &dev)?;
+    let packed = pack(&w)?.expect("the panels run on this CPU");
+    let fused = linear_packed(&x, &packed, Some(&b), After::Leaky(0.1))?;
+    let plain = linear_packed(&x, &packed, Some(&b), After::Nothing)?;
+    let want = candle_nn::ops::leaky_relu(&plain, 0.1)?;
+    assert_eq!(max_abs_diff(&fused, &want)?, 0.0);
+    assert!(max_abs_diff(&fused, &plain)? > 0.1, "the epilogue ran");
+    Ok(())
+}
+
 /// The attention's softmax one row at a time, as it was written before it went a block of
 /// rows a step at a time: each row through bias, mask, maximum, exponentials and scaling
 /// before the next (the same steps for a row as the kernel's).

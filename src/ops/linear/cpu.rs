@@ -20,6 +20,8 @@ pub enum After<'a> {
     Residual(&'a Tensor),
     /// The exact GELU, applied to each block of output rows as the GEMM finishes it.
     Gelu,
+    /// LeakyReLU with this negative slope, applied the same way.
+    Leaky(f32),
 }
 
 impl<'a> After<'a> {
@@ -27,6 +29,21 @@ impl<'a> After<'a> {
         match self {
             Self::Residual(r) => Some(r),
             _ => None,
+        }
+    }
+
+    /// What runs on each block of finished output rows, if anything.
+    fn epilogue(self) -> Option<Box<Epilogue>> {
+        match self {
+            Self::Gelu => Some(Box::new(gelu_rows)),
+            Self::Leaky(slope) => Some(Box::new(move |rows: &mut [f32]| {
+                rows.iter_mut().for_each(|v| {
+                    if *v < 0.0 {
+                        *v *= slope
+                    }
+                })
+            })),
+            Self::Nothing | Self::Residual(_) => None,
         }
     }
 }
@@ -320,7 +337,7 @@ pub(super) fn linear_with(
     b: Option<&Tensor>,
     after: After,
 ) -> Result<Tensor> {
-    let (residual, gelu) = (after.residual(), matches!(after, After::Gelu));
+    let (residual, then) = (after.residual(), after.epilogue());
     let dims = x.dims();
     if dims.last() != Some(&k) || b.is_some_and(|b| b.dims() != [n]) {
         candle_core::bail!("linear: input {dims:?}, weight {k}x{n}");
@@ -367,7 +384,7 @@ pub(super) fn linear_with(
                 (out.as_mut_ptr(), n),
                 start,
                 true,
-                gelu.then_some(&gelu_rows as &Epilogue),
+                then.as_deref(),
             );
             out.set_len(m * n);
         }
@@ -407,7 +424,7 @@ pub(super) fn linear_with(
                 w,
                 f32_strides,
                 true,
-                gelu.then_some(&gelu_rows as &Epilogue),
+                then.as_deref(),
             );
         }
     }

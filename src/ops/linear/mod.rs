@@ -125,6 +125,12 @@ impl Dense {
         self.forward_then(x, After::Gelu)
     }
 
+    /// `leaky_relu(self(x), slope)`; on the CPU each block of output rows goes through it as
+    /// soon as the GEMM has finished it.
+    pub(crate) fn forward_leaky(&self, x: &Tensor, slope: f32) -> Result<Tensor> {
+        self.forward_then(x, After::Leaky(slope))
+    }
+
     /// `cat([prev, leaky_relu(self(x), slope)], -1)`: a dense connection. On CUDA the bias,
     /// activation and concatenation are one kernel pass.
     pub(crate) fn forward_cat_leaky(
@@ -253,6 +259,10 @@ fn forward_cuda(inner: &Linear, x: &Tensor, after: After, off: Off) -> Result<Te
         After::Nothing => (None, Act::None),
         After::Residual(r) => (Some(r.reshape(y.shape())?.contiguous()?), Act::None),
         After::Gelu => (None, Act::Gelu),
+        After::Leaky(slope) => {
+            let y = rowwise::bias_act(&y, bias, None, Act::None, off)?;
+            return unrows(&candle_nn::ops::leaky_relu(&y, f64::from(slope))?, x);
+        }
     };
     let y = rowwise::bias_act(&y, bias, residual.as_ref(), act, off)?;
     unrows(&y, x)
@@ -266,6 +276,7 @@ fn reference(inner: &Linear, x: &Tensor, after: After) -> Result<Tensor> {
         After::Residual(r) => r + y,
         // The official models use nn.GELU(): the exact erf form.
         After::Gelu => kernels::gelu_erf(&y),
+        After::Leaky(slope) => candle_nn::ops::leaky_relu(&y, f64::from(slope)),
     }
 }
 
