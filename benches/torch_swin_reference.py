@@ -62,6 +62,9 @@ PRESETS = {
     # its input itself (zeros, to a multiple of the window).
     "omnisr": dict(arch="omnisr", num_feat=64, res_num=5, window_size=1),
     "omnisr-tiny": dict(arch="omnisr", num_feat=16, res_num=1, window_size=1),
+    # Real-CUGAN x4 (UpCunet4x): its widths are fixed, so it has no tiny form. It pads its
+    # input itself (reflect, 19 a side and to a multiple of 2).
+    "realcugan": dict(arch="realcugan", window_size=1),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -93,6 +96,9 @@ def build_model(preset, seed):
         from spandrel.architectures.OmniSR import OmniSR
         return OmniSR(num_feat=p["num_feat"], res_num=p["res_num"], block_num=1, window_size=8,
                       pe=True, up_scale=4).eval()
+    if arch == "realcugan":
+        from spandrel.architectures.RealCUGAN import UpCunet4x
+        return UpCunet4x(in_channels=3, out_channels=3).eval()
     if arch == "dat":
         from spandrel.architectures.DAT import DAT
         return DAT(upscale=4, in_chans=3, img_size=64, img_range=1.0, depth=p["depth"],

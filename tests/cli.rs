@@ -2204,3 +2204,72 @@ fn output_too_large_for_its_format_is_refused() {
         &["wide.png", "16400x4", "WebP", "16383", ".png or .tif"],
     );
 }
+
+/// A Real-CUGAN x4 pro model, built from the fixture's list of tensors (the reference
+/// module's state dict) with small values of every sign, is described by `info` and runs
+/// at four times the size; without one of its gates' tensors it is refused by name.
+#[test]
+fn realcugan_model_runs_and_a_broken_one_is_named() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    let text = fs::read_to_string(golden("realcugan/manifest.json")).unwrap();
+    let cases: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let case = cases
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "realcugan_x4_pro")
+        .unwrap();
+    let mut tensors = HashMap::new();
+    for t in case["tensors"].as_array().unwrap() {
+        let shape: Vec<usize> = t[1]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap() as usize)
+            .collect();
+        let n: usize = shape.iter().product();
+        let values: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 1e-3).collect();
+        let name = t[0].as_str().unwrap().to_string();
+        tensors.insert(name, Tensor::from_vec(values, shape, &Device::Cpu).unwrap());
+    }
+    candle_core::safetensors::save(&tensors, dir.join("cugan.safetensors")).unwrap();
+    let run = bare(dir)
+        .args(["info", "--json", "cugan.safetensors"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    assert_eq!(v["architecture"], "Real-CUGAN pro x4");
+    assert_eq!(v["scale"], 4);
+    assert_eq!(v["pro"], true);
+    let r = assert_cmd::Command::new(bin())
+        .current_dir(dir)
+        .args([
+            "-m",
+            "cugan.safetensors",
+            "--device",
+            "cpu",
+            "in.png",
+            "-o",
+            "out.png",
+        ])
+        .output()
+        .unwrap();
+    assert_success(&r);
+    assert_eq!(open(&dir.join("out.png")).dimensions(), (80, 64));
+
+    tensors.remove("unet2.conv4.seblock.conv1.bias");
+    candle_core::safetensors::save(&tensors, dir.join("broken.safetensors")).unwrap();
+    assert_rejected(
+        dir,
+        &mut with_model(dir, "broken.safetensors"),
+        2,
+        &[
+            "broken.safetensors",
+            "Real-CUGAN checkpoint",
+            "missing tensor unet2.conv4.seblock.conv1.bias",
+        ],
+    );
+}

@@ -50,6 +50,16 @@ pub fn manifest(dir: &Path) -> Vec<(Case, serde_json::Value)> {
         .collect()
 }
 
+/// The cases of one family's fixtures (`""` for DRCT's), weights included: Real-CUGAN's
+/// hold none and are drawn again into `tmp` (see `src/tests/realcugan.rs`).
+pub fn family_cases(family: &str, tmp: &Path) -> Vec<(Case, serde_json::Value)> {
+    if family == "realcugan" {
+        super::realcugan::cases(tmp)
+    } else {
+        manifest(&golden_dir().join(family))
+    }
+}
+
 pub fn load_io(path: &Path) -> (Tensor, Tensor) {
     let t = candle_core::safetensors::load(path, &Device::Cpu).expect("io fixture");
     (t["input"].clone(), t["output"].clone())

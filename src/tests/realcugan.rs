@@ -89,6 +89,27 @@ fn weights(case: &Value, dir: &Path) -> PathBuf {
     path
 }
 
+/// Every fixture as a case with its weights drawn into `dir`: how the tests of all
+/// families (Winograd's, CUDA's) take Real-CUGAN's.
+pub(crate) fn cases(dir: &Path) -> Vec<(super::fixtures::Case, Value)> {
+    manifest()
+        .into_iter()
+        .map(|c| {
+            let case = super::fixtures::Case {
+                name: c["name"].as_str().unwrap().to_string(),
+                weights: weights(&c, dir),
+                io: self::dir().join(c["io"].as_str().unwrap()),
+                scale: match form(&c) {
+                    Form::X3 => 3,
+                    Form::X4 => 4,
+                    Form::X2 | Form::X2Fast => 2,
+                },
+            };
+            (case, c)
+        })
+        .collect()
+}
+
 fn form(case: &Value) -> Form {
     match case["form"].as_str().unwrap() {
         "x2" => Form::X2,

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device};
 
-use super::fixtures::{f32_bits, load_io, manifest, max_abs_diff, TOLERANCE};
+use super::fixtures::{f32_bits, family_cases, load_io, max_abs_diff, TOLERANCE};
 use crate::checkpoint::Checkpoint;
 use crate::model::Model;
 use crate::nets::compact::{Activation, CompactConfig};
@@ -17,12 +17,22 @@ fn every_family_matches_float64_reference_with_winograd_convolutions() {
         return;
     }
     let families = [
-        "", "swinir", "swin2sr", "hat", "esrgan", "compact", "span", "dat", "plksr", "omnisr",
+        "",
+        "swinir",
+        "swin2sr",
+        "hat",
+        "esrgan",
+        "compact",
+        "span",
+        "dat",
+        "plksr",
+        "omnisr",
+        "realcugan",
     ];
+    let tmp = tempfile::tempdir().unwrap();
     let (mut failures, mut changed) = (Vec::new(), 0);
     for family in families {
-        let dir = super::repo().join("tests/golden").join(family);
-        for (case, _) in manifest(&dir) {
+        for (case, _) in family_cases(family, tmp.path()) {
             let name = format!("{family}/{}", case.name);
             let (input, expected) = load_io(&case.io);
             let run = |on: bool| {

@@ -12,8 +12,17 @@ use crate::nets::compact::{Activation, CompactConfig};
 use crate::nets::config_of;
 use crate::tests::fixtures::*;
 
-const FAMILIES: [&str; 9] = [
-    "swinir", "swin2sr", "hat", "esrgan", "compact", "span", "dat", "plksr", "omnisr",
+const FAMILIES: [&str; 10] = [
+    "swinir",
+    "swin2sr",
+    "hat",
+    "esrgan",
+    "compact",
+    "span",
+    "dat",
+    "plksr",
+    "omnisr",
+    "realcugan",
 ];
 
 /// The fixture's checkpoint, read as `upscale` reads it, except that Compact's LeakyReLU
@@ -37,8 +46,9 @@ fn checkpoint(
 fn every_family_matches_the_reference_on_cuda_in_each_precision() {
     let gpu = super::gpu();
     let mut failures = Vec::new();
+    let tmp = tempfile::tempdir().unwrap();
     for family in FAMILIES {
-        let cases = manifest(&golden_dir().join(family));
+        let cases = family_cases(family, tmp.path());
         assert!(!cases.is_empty(), "no {family} fixtures");
         for (case, entry) in cases {
             let (input, expected) = load_io(&case.io);
