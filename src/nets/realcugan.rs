@@ -321,24 +321,29 @@ impl NetConfig for RealCuganConfig {
         })
     }
 
-    /// UNet2's widest maps (64 channels at s² times the input's pixels, or the 4 x 64 of
-    /// UNet1's upsampling convolution before its shuffle).
+    /// UNet2's widest maps: 64 channels at the input's pixels (fast x2), at four times them
+    /// (x2; x4, whose UNet2 works at twice the input's size and whose UNet1 ends in 4 x 64
+    /// channels before its shuffle) or at nine times (x3).
     fn largest_tensor_per_pixel(&self, _: bool, _: Pad) -> usize {
         match self.form {
             Form::X2Fast => 64,
-            f => 64 * (f.scale() * f.scale()).max(4),
+            Form::X2 | Form::X4 => 64 * 4,
+            Form::X3 => 64 * 9,
         }
     }
 
-    /// At UNet2's top level: UNet1's output (kept for the final sum), conv1's centre, the
-    /// upsampled map, their sum and conv5's output, 64 channels each at UNet2's resolution.
+    /// At UNet2's top level: UNet1's output (kept for the final sum), conv1's output, the
+    /// upsampled map, their sum, conv5's output and the convolutions' working buffers, 64
+    /// channels each at UNet2's resolution; x4 also holds UNet1's 64-channel output and
+    /// conv_final's. A whole process's peak at 512x512 measured 1310 (x2), 3370 (x3), 1970
+    /// (x4) and 440 (fast x2) f32 values per padded input pixel; these are 15-20% above.
     fn activations_per_pixel(&self, _: bool, _: Pad) -> f64 {
-        let at2 = match self.form {
-            Form::X2Fast => 1.0,
-            Form::X3 => 9.0,
-            _ => 4.0,
-        };
-        5.0 * 64.0 * at2
+        match self.form {
+            Form::X2 => 6.0 * 64.0 * 4.0,
+            Form::X3 => 7.0 * 64.0 * 9.0,
+            Form::X4 => 9.0 * 64.0 * 4.0,
+            Form::X2Fast => 8.0 * 64.0,
+        }
     }
 
     fn refusal(&self) -> Option<String> {
