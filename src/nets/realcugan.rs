@@ -403,8 +403,11 @@ impl SqueezeExcite {
     /// and the product one pass on the CPU.
     fn forward_centre(&self, x: &Tensor, t: usize) -> Result<Tensor> {
         let (b, _, _, c) = x.dims4()?;
-        // The mean in f64 (a map holds hundreds of thousands of values).
-        let mean = centre_mean(x, t)?.reshape((b, c))?;
+        // The mean in f64 on the CPU, in f32 elsewhere (a map holds hundreds of thousands of
+        // values, too many to sum in bf16 or f16).
+        let mean = centre_mean(&x.to_dtype(DType::F32)?, t)?
+            .reshape((b, c))?
+            .to_dtype(x.dtype())?;
         let gate = self.conv1.forward(&mean)?.relu()?;
         let gate = candle_nn::ops::sigmoid(&self.conv2.forward(&gate)?)?;
         if let Some(y) = kernels::centre(x, t, Centre::Scaled(&gate))? {

@@ -259,10 +259,7 @@ fn forward_cuda(inner: &Linear, x: &Tensor, after: After, off: Off) -> Result<Te
         After::Nothing => (None, Act::None),
         After::Residual(r) => (Some(r.reshape(y.shape())?.contiguous()?), Act::None),
         After::Gelu => (None, Act::Gelu),
-        After::Leaky(slope) => {
-            let y = rowwise::bias_act(&y, bias, None, Act::None, off)?;
-            return unrows(&candle_nn::ops::leaky_relu(&y, f64::from(slope))?, x);
-        }
+        After::Leaky(slope) => (None, Act::Leaky(slope)),
     };
     let y = rowwise::bias_act(&y, bias, residual.as_ref(), act, off)?;
     unrows(&y, x)
