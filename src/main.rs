@@ -5,6 +5,9 @@ use std::process::ExitCode;
 
 mod cli;
 
+#[global_allocator]
+static ALLOCATOR: cli::alloc::HugePages = cli::alloc::HugePages;
+
 /// Keep freed activation buffers in the process instead of returning them to the kernel:
 /// every layer allocates fresh tensors of the same few sizes, and glibc's default of mapping
 /// each large block anew costs page faults on every one of them.
@@ -27,7 +30,19 @@ fn default_sigpipe() {
     }
 }
 
+/// `UPSCALE_HUGE_PAGES=0` (or `off`, `false`) leaves out the huge-page advice ([`cli::alloc`]).
+fn huge_pages_switch() {
+    if let Ok(v) = std::env::var("UPSCALE_HUGE_PAGES") {
+        let off = matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "off" | "false"
+        );
+        cli::alloc::HugePages::set(!off);
+    }
+}
+
 fn main() -> ExitCode {
+    huge_pages_switch();
     keep_freed_memory();
     default_sigpipe();
     cli::main()

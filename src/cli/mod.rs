@@ -6,6 +6,7 @@
 //! Every multi-word flag is spelled with an underscore, as the official scripts do, and also
 //! accepted with dashes.
 
+pub(crate) mod alloc;
 mod convert;
 mod eval;
 mod info;
