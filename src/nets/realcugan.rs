@@ -877,16 +877,7 @@ mod tests {
                 )
                 .unwrap();
             assert_eq!(ours.dims(), reference.dims(), "{k}x{k} stride {s}");
-            let diff = (ours.to_dtype(DType::F64).unwrap() - reference)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f64>()
-                .unwrap();
+            let diff = crate::tests::fixtures::max_abs_diff(&ours, &reference);
             assert!(diff < 1e-4, "{k}x{k} stride {s}: {diff}");
         }
     }

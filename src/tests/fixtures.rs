@@ -50,6 +50,20 @@ pub fn manifest(dir: &Path) -> Vec<(Case, serde_json::Value)> {
         .collect()
 }
 
+/// The families with fixtures of their own under tests/golden/ (DRCT's are at its top).
+pub const FAMILIES: [&str; 10] = [
+    "swinir",
+    "swin2sr",
+    "hat",
+    "esrgan",
+    "compact",
+    "span",
+    "dat",
+    "plksr",
+    "omnisr",
+    "realcugan",
+];
+
 /// The cases of one family's fixtures (`""` for DRCT's), weights included: Real-CUGAN's
 /// hold none and are drawn again into `tmp` (see `src/tests/realcugan.rs`).
 pub fn family_cases(family: &str, tmp: &Path) -> Vec<(Case, serde_json::Value)> {

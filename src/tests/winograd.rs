@@ -16,19 +16,7 @@ fn every_family_matches_float64_reference_with_winograd_convolutions() {
         eprintln!("skipped: no AVX2 here, Winograd runs on the panel kernels");
         return;
     }
-    let families = [
-        "",
-        "swinir",
-        "swin2sr",
-        "hat",
-        "esrgan",
-        "compact",
-        "span",
-        "dat",
-        "plksr",
-        "omnisr",
-        "realcugan",
-    ];
+    let families = std::iter::once("").chain(super::fixtures::FAMILIES);
     let tmp = tempfile::tempdir().unwrap();
     let (mut failures, mut changed) = (Vec::new(), 0);
     for family in families {

@@ -12,19 +12,6 @@ use crate::nets::compact::{Activation, CompactConfig};
 use crate::nets::config_of;
 use crate::tests::fixtures::*;
 
-const FAMILIES: [&str; 10] = [
-    "swinir",
-    "swin2sr",
-    "hat",
-    "esrgan",
-    "compact",
-    "span",
-    "dat",
-    "plksr",
-    "omnisr",
-    "realcugan",
-];
-
 /// The fixture's checkpoint, read as `upscale` reads it, except that Compact's LeakyReLU
 /// fixture (which a file cannot tell from ReLU) is set to what it was made with.
 fn checkpoint(
