@@ -4,8 +4,9 @@
 6 groups of 6 blocks, 6 heads, split 8x32, 64x64 input) and RealPLKSR x4 (64 features, 28
 blocks, 17x17 on 16 channels, GroupNorm; PixelShuffle or DySample, 128x128 input), the
 original PLKSR x4 (the same widths, DCCM mixer, attention, 128x128 input) and OmniSR x4
-(64 features, 5 groups of 1 block, window 8, 128x128 input) and Real-CUGAN x2 and x4
-(128x128 input) on the CPU: the
+(64 features, 5 groups of 1 block, window 8, 128x128 input), Real-CUGAN x2 and x4
+(128x128 input) and RCAN x4 and x2 (the release's 64 features, 10 groups of 20 blocks,
+64x64 input) on the CPU: the
 `upscale` binary's whole process (`--device cpu --tile 0`, fp32) against PyTorch's warm
 forward of spandrel's module (fp32, the same threads), interleaved run by run so both see
 the same machine.
@@ -13,7 +14,7 @@ the same machine.
   python3 benches/esrgan_compact_cpu_vs_torch.py UPSCALE_BINARY [RUNS] [THREADS] [ONLY]
 
 ONLY, if given, keeps the cases whose name starts with it (`SPAN`, `ESRGAN`, `Compact`,
-`DAT`, `RealPLKSR`, `PLKSR`, `OmniSR`, `Real-CUGAN`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
+`DAT`, `RealPLKSR`, `PLKSR`, `OmniSR`, `Real-CUGAN`, `RCAN`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
 
 Needs torch, spandrel, safetensors, numpy, Pillow. The models are random weights written to a
 temporary folder; the inputs are crops of tests/photos/coffee.png.
@@ -37,6 +38,7 @@ from spandrel.architectures.DAT import DAT
 from spandrel.architectures.ESRGAN import ESRGAN
 from spandrel.architectures.OmniSR import OmniSR
 from spandrel.architectures.PLKSR import PLKSR, RealPLKSR
+from spandrel.architectures.RCAN import RCAN
 from spandrel.architectures.RealCUGAN import UpCunet2x, UpCunet4x
 from spandrel.architectures.SPAN import SPAN
 from torch_swin_reference import fold_once  # benches/, beside this script
@@ -68,6 +70,8 @@ cases = [
      OmniSR(num_feat=64, res_num=5, block_num=1, window_size=8, pe=True, up_scale=4), 128),
     ("Real-CUGAN x2", UpCunet2x(in_channels=3, out_channels=3), 128),
     ("Real-CUGAN x4", UpCunet4x(in_channels=3, out_channels=3), 128),
+    ("RCAN x4 (the release's shape: 64 features, 10 groups of 20 blocks)", RCAN(scale=4), 64),
+    ("RCAN x2 (the same shape)", RCAN(scale=2), 64),
 ]
 cases = [c for c in cases if c[0].startswith(only)]
 with tempfile.TemporaryDirectory() as tmp:
@@ -85,22 +89,25 @@ with tempfile.TemporaryDirectory() as tmp:
         # Held to AVX2 when asked (PyTorch then with ATEN_CPU_CAPABILITY=avx2).
         env.update({k: os.environ[k] for k in ("UPSCALE_CPU_ISA",) if k in os.environ})
         ours, theirs, frozen_times = [], [], []
+        # Every forward gets its own copy: RCAN's scales its input in place.
         with torch.inference_mode():
-            model(x)
+            model(x.clone())
             # SPAN's module folds its three-branch convolutions again on every forward (its
             # eval mode): also time a copy whose folds, made once, are kept.
             frozen = None
             if any(hasattr(m, "update_params") for m in model.modules()):
                 frozen = copy.deepcopy(model)
                 fold_once(frozen)
-                frozen(x)
+                frozen(x.clone())
             for _ in range(runs):
+                xc = x.clone()
                 t = time.perf_counter()
-                model(x)
+                model(xc)
                 theirs.append(time.perf_counter() - t)
                 if frozen is not None:
+                    xc = x.clone()
                     t = time.perf_counter()
-                    frozen(x)
+                    frozen(xc)
                     frozen_times.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 subprocess.run(cmd, check=True, env=env)

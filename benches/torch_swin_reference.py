@@ -65,6 +65,10 @@ PRESETS = {
     # Real-CUGAN x4 (UpCunet4x): its widths are fixed, so it has no tiny form. It pads its
     # input itself (reflect, 19 a side and to a multiple of 2).
     "realcugan": dict(arch="realcugan", window_size=1),
+    # RCAN as the authors' models (64 features, 10 groups of 20 blocks, the mean shift); it
+    # pads nothing at x4.
+    "rcan": dict(arch="rcan", n_feats=64, n_resgroups=10, n_resblocks=20, window_size=1),
+    "rcan-tiny": dict(arch="rcan", n_feats=16, n_resgroups=1, n_resblocks=2, window_size=1),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -99,6 +103,10 @@ def build_model(preset, seed):
     if arch == "realcugan":
         from spandrel.architectures.RealCUGAN import UpCunet4x
         return UpCunet4x(in_channels=3, out_channels=3).eval()
+    if arch == "rcan":
+        from spandrel.architectures.RCAN import RCAN
+        return RCAN(scale=4, n_feats=p["n_feats"], n_resgroups=p["n_resgroups"],
+                    n_resblocks=p["n_resblocks"], reduction=min(16, p["n_feats"] // 4)).eval()
     if arch == "dat":
         from spandrel.architectures.DAT import DAT
         return DAT(upscale=4, in_chans=3, img_size=64, img_range=1.0, depth=p["depth"],

@@ -2273,3 +2273,47 @@ fn realcugan_model_runs_and_a_broken_one_is_named() {
         ],
     );
 }
+
+/// An RCAN `{'params': ...}` `.pth` whose input is unshuffled: `info` names it, a run writes
+/// twice the input's size, and a file missing a channel attention's bias is refused by name.
+#[test]
+fn rcan_model_runs_and_a_broken_one_is_named() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    fs::copy(golden("rcan/rcan_x2_unshuffle.pth"), dir.join("rcan.pth")).unwrap();
+    let run = bare(dir)
+        .args(["info", "--json", "rcan.pth"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    assert_eq!(v["architecture"], "RCAN (pixel-unshuffled input)");
+    assert_eq!(v["scale"], 2);
+    assert_eq!(v["unshuffle"], 2);
+    let r = assert_cmd::Command::new(bin())
+        .current_dir(dir)
+        .args([
+            "-m", "rcan.pth", "--device", "cpu", "in.png", "-o", "out.png",
+        ])
+        .output()
+        .unwrap();
+    assert_success(&r);
+    assert_eq!(open(&dir.join("out.png")).dimensions(), (40, 32));
+
+    let mut tensors =
+        candle_core::safetensors::load(golden("rcan/rcan_x1_unshuffle.safetensors"), &Device::Cpu)
+            .unwrap();
+    tensors.remove("body.0.body.1.body.3.conv_du.2.bias");
+    candle_core::safetensors::save(&tensors, dir.join("broken.safetensors")).unwrap();
+    assert_rejected(
+        dir,
+        &mut with_model(dir, "broken.safetensors"),
+        2,
+        &[
+            "broken.safetensors",
+            "RCAN checkpoint",
+            "missing tensor body.0.body.1.body.3.conv_du.2.bias",
+        ],
+    );
+}

@@ -167,6 +167,9 @@ pub enum ConfigError {
     /// A Real-CUGAN checkpoint that does not fit any of its forms.
     #[error("Real-CUGAN checkpoint: {0}")]
     RealCugan(#[source] Box<ConfigError>),
+    /// An RCAN checkpoint that does not fit RCAN's configuration.
+    #[error("RCAN checkpoint: {0}")]
+    Rcan(#[source] Box<ConfigError>),
 }
 
 impl ConfigError {

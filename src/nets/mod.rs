@@ -12,6 +12,7 @@ pub mod hat;
 pub mod infer;
 pub mod omnisr;
 pub mod plksr;
+pub mod rcan;
 pub mod realcugan;
 pub mod registry;
 pub mod span;

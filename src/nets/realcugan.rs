@@ -54,8 +54,9 @@ use crate::nets::registry::Architecture;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::conv::{pixel_shuffle_nhwc_reordered, Act, Conv3x3};
 use crate::ops::cpu as kernels;
-use crate::ops::cpu::{centre_mean, Centre};
-use crate::ops::linear::{pointwise, Dense};
+use crate::ops::cpu::Centre;
+use crate::ops::gate::ChannelGate;
+use crate::ops::linear::Dense;
 use crate::ops::pad::Pad;
 use crate::ops::{add, LoadPlan};
 
@@ -384,44 +385,12 @@ fn crop_plus(x: &Tensor, t: usize, y: &Tensor) -> Result<Tensor> {
     add(&crop(x, t)?, y)
 }
 
-/// SEBlock: `x · sigmoid(conv2(relu(conv1(mean(x)))))`, the mean per image and channel.
-struct SqueezeExcite {
-    conv1: Dense,
-    conv2: Dense,
-}
-
-impl SqueezeExcite {
-    fn new(c: usize, vb: VarBuilder) -> Result<Self> {
-        let r = c / SE_REDUCTION;
-        Ok(Self {
-            conv1: pointwise(c, r, vb.pp("conv1"))?,
-            conv2: pointwise(r, c, vb.pp("conv2"))?,
-        })
-    }
-
-    /// The gate of `x`'s centre less `t` pixels a side, applied to that centre: the crop
-    /// and the product one pass on the CPU.
-    fn forward_centre(&self, x: &Tensor, t: usize) -> Result<Tensor> {
-        let (b, _, _, c) = x.dims4()?;
-        // The mean in f64 on the CPU, in f32 elsewhere (a map holds hundreds of thousands of
-        // values, too many to sum in bf16 or f16).
-        let mean = centre_mean(&x.to_dtype(DType::F32)?, t)?
-            .reshape((b, c))?
-            .to_dtype(x.dtype())?;
-        let gate = self.conv1.forward(&mean)?.relu()?;
-        let gate = candle_nn::ops::sigmoid(&self.conv2.forward(&gate)?)?;
-        if let Some(y) = kernels::centre(x, t, Centre::Scaled(&gate))? {
-            return Ok(y);
-        }
-        crop(x, t)?.broadcast_mul(&gate.reshape((b, 1, 1, c))?)
-    }
-}
-
 /// UNetConv: two unpadded 3x3 convolutions, each with LeakyReLU, and the gate.
 struct UNetConv {
     a: Conv3x3,
     b: Conv3x3,
-    se: Option<SqueezeExcite>,
+    /// SEBlock: `x · sigmoid(conv2(relu(conv1(mean(x)))))`.
+    se: Option<ChannelGate>,
 }
 
 impl UNetConv {
@@ -435,7 +404,10 @@ impl UNetConv {
             a: Conv3x3::unpadded(cin, mid, plan, vb.pp("conv.0"))?,
             b: Conv3x3::unpadded(mid, cout, plan, vb.pp("conv.2"))?,
             se: se
-                .then(|| SqueezeExcite::new(cout, vb.pp("seblock")))
+                .then(|| {
+                    let vb = vb.pp("seblock");
+                    ChannelGate::new((cout, cout / SE_REDUCTION), vb.pp("conv1"), vb.pp("conv2"))
+                })
                 .transpose()?,
         })
     }

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use super::{
-    compact, dat, drct, esrgan, hat, omnisr, plksr, realcugan, span, swin2sr, swinir, ArchConfig,
-    ConfigError,
+    compact, dat, drct, esrgan, hat, omnisr, plksr, rcan, realcugan, span, swin2sr, swinir,
+    ArchConfig, ConfigError,
 };
 
 /// A state dict's tensor names and shapes.
@@ -64,6 +64,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &plksr::OriginalArch,
     &omnisr::Arch,
     &realcugan::Arch,
+    &rcan::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises
@@ -169,9 +170,6 @@ const OTHERS: &[(&str, Signature)] = &[
     }),
     ("an FDAT checkpoint", |s| {
         any(s, |k| k.starts_with("groups.") && k.ends_with(".n1.weight"))
-    }),
-    ("an RCAN checkpoint", |s| {
-        has(s, "head.0.weight") && any(s, |k| k.contains(".conv_du.0.weight"))
     }),
     ("a SeemoRe checkpoint", |s| {
         any(s, |k| k.contains(".local_block."))

@@ -9,6 +9,7 @@
 //! | 3x3 convolution | [`conv::Conv3x3`] | `conv::cpu::conv3x3` | `conv::cpu::conv3x3_bf16` | `conv::cuda::patches3x3` + GEMM, `conv::cuda::conv3x3_narrow` | the same patch GEMM |
 //! | window attention | [`attention::Attend`] | `attention::cpu::window_attention` | the same, bf16 products | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
 //! | overlapping cross-attention (HAT) | [`attention::OverlapAttend`] | `attention::cpu::overlap_attention` | the same, bf16 products | `attention::cuda` (kernels/window_attention.cu) | candle's graph |
+//! | channel gate (squeeze-and-excitation) | `gate::ChannelGate` | the mean in `cpu::centre_mean`, the product in `cpu::centre` | (f32) | candle's ops | candle's ops |
 //! | layer norm | [`norm::Norm`] | `norm::cpu` | (f32) | `norm::cuda` | candle's `layer_norm` |
 //! | a whole Swin block, a window at a time | `block::swin_block_by_windows` | `attention::cpu::swin_block` | (its steps) | (its steps) | its steps in turn |
 //!
@@ -25,6 +26,7 @@ pub(crate) mod block;
 pub mod conv;
 pub mod cpu;
 pub mod dysample;
+pub(crate) mod gate;
 pub mod linear;
 pub mod norm;
 pub mod pad;

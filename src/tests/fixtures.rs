@@ -51,7 +51,7 @@ pub fn manifest(dir: &Path) -> Vec<(Case, serde_json::Value)> {
 }
 
 /// The families with fixtures of their own under tests/golden/ (DRCT's are at its top).
-pub const FAMILIES: [&str; 10] = [
+pub const FAMILIES: [&str; 11] = [
     "swinir",
     "swin2sr",
     "hat",
@@ -62,6 +62,7 @@ pub const FAMILIES: [&str; 10] = [
     "plksr",
     "omnisr",
     "realcugan",
+    "rcan",
 ];
 
 /// The cases of one family's fixtures (`""` for DRCT's), weights included: Real-CUGAN's

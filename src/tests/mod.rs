@@ -21,6 +21,7 @@ mod omnisr;
 mod other_architectures;
 mod plksr;
 mod pth;
+mod rcan;
 mod realcugan;
 mod span;
 mod swin2sr;

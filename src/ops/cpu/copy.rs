@@ -103,17 +103,22 @@ pub enum Centre<'a> {
     Scaled(&'a Tensor),
     /// Adds this tensor, shaped as the centre: a U-Net's skip connection.
     Plus(&'a Tensor),
+    /// Multiplies as [`Centre::Scaled`] by the first tensor and adds the second, shaped as
+    /// the centre: a gated residual branch (RCAN's blocks).
+    ScaledPlus(&'a Tensor, &'a Tensor),
 }
 
 /// The centre of channels-last `x` `(B, H, W, C)` less `t` pixels on every side, as `with`
 /// says: a crop and what follows it in one parallel pass, instead of candle's strided copy
 /// and a broadcast op after it. `None` where the kernel does not apply.
 pub fn centre(x: &Tensor, t: usize, with: Centre) -> Result<Option<Tensor>> {
-    let other = match with {
-        Centre::Plain => None,
-        Centre::Scaled(s) | Centre::Plus(s) => Some(s),
+    let (gate, plus) = match with {
+        Centre::Plain => (None, None),
+        Centre::Scaled(s) => (Some(s), None),
+        Centre::Plus(s) => (None, Some(s)),
+        Centre::ScaledPlus(s, p) => (Some(s), Some(p)),
     };
-    if !use_kernel(x) || other.is_some_and(|s| !use_kernel(s)) {
+    if !use_kernel(x) || [gate, plus].iter().flatten().any(|s| !use_kernel(s)) {
         return Ok(None);
     }
     let (b, h, w, c) = x.dims4()?;
@@ -121,22 +126,25 @@ pub fn centre(x: &Tensor, t: usize, with: Centre) -> Result<Option<Tensor>> {
         candle_core::bail!("centre: {:?} less {t} a side", x.dims());
     }
     let (oh, ow) = (h - 2 * t, w - 2 * t);
-    let expected = match with {
-        Centre::Plain => 0,
-        Centre::Scaled(_) => b * c,
-        Centre::Plus(_) => b * oh * ow * c,
-    };
-    if other.is_some_and(|s| s.elem_count() != expected) {
+    if gate.is_some_and(|s| s.elem_count() != b * c)
+        || plus.is_some_and(|s| s.elem_count() != b * oh * ow * c)
+    {
         candle_core::bail!(
-            "centre: {:?} less {t} with {:?}",
+            "centre: {:?} less {t} with {:?} and {:?}",
             x.dims(),
-            other.map(|s| s.dims())
+            gate.map(|s| s.dims()),
+            plus.map(|s| s.dims())
         );
     }
     let (x_guard, x_layout) = x.storage_and_layout();
     let xs = cpu_slice(&x_guard, x_layout)?;
-    let o_storage = other.map(|s| s.storage_and_layout());
-    let os = o_storage
+    let g_storage = gate.map(|s| s.storage_and_layout());
+    let gs = g_storage
+        .as_ref()
+        .map(|(g, l)| cpu_slice(g, l))
+        .transpose()?;
+    let p_storage = plus.map(|s| s.storage_and_layout());
+    let ps = p_storage
         .as_ref()
         .map(|(g, l)| cpu_slice(g, l))
         .transpose()?;
@@ -144,18 +152,23 @@ pub fn centre(x: &Tensor, t: usize, with: Centre) -> Result<Option<Tensor>> {
         let (bi, y) = (row / oh, row % oh);
         let src = ((bi * h + y + t) * w + t) * c;
         let src = &xs[src..src + ow * c];
-        match (with, os) {
-            (Centre::Scaled(_), Some(os)) => {
-                let gate = &os[bi * c..(bi + 1) * c];
+        let plus = ps.map(|ps| &ps[row * ow * c..][..ow * c]);
+        match (gs.map(|gs| &gs[bi * c..(bi + 1) * c]), plus) {
+            (Some(gate), Some(plus)) => {
+                for (px, add) in src.chunks_exact(c).zip(plus.chunks_exact(c)) {
+                    dst.write_product_sum(px, gate, add);
+                }
+            }
+            (Some(gate), None) => {
                 for px in src.chunks_exact(c) {
                     dst.write_product(px, gate);
                 }
             }
-            (Centre::Plus(_), Some(os)) => dst.write_sum(src, &os[row * ow * c..][..ow * c]),
-            _ => dst.write_row(src),
+            (None, Some(plus)) => dst.write_sum(src, plus),
+            (None, None) => dst.write_row(src),
         }
     });
-    drop((x_guard, o_storage));
+    drop((x_guard, g_storage, p_storage));
     Ok(Some(Tensor::from_vec(out, (b, oh, ow, c), x.device())?))
 }
 

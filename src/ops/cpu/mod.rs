@@ -306,6 +306,15 @@ impl RowWriter<'_> {
         self.at += a.len();
     }
 
+    /// Appends `a · b + c`, element by element.
+    pub(super) fn write_product_sum(&mut self, a: &[f32], b: &[f32], c: &[f32]) {
+        let dst = &mut self.row[self.at..self.at + a.len()];
+        for (((d, x), y), z) in dst.iter_mut().zip(a).zip(&b[..a.len()]).zip(&c[..a.len()]) {
+            d.write(x * y + z);
+        }
+        self.at += a.len();
+    }
+
     /// Appends `a + b`, element by element.
     pub(super) fn write_sum(&mut self, a: &[f32], b: &[f32]) {
         let dst = &mut self.row[self.at..self.at + a.len()];

@@ -692,7 +692,7 @@ fn mean_over_height_and_width_matches_candle() -> Result<()> {
 }
 
 /// The centre of a map (and its mean) against candle's narrow views, plain, gated per image
-/// and channel, and plus a tensor; odd sizes, a batch of two, and the whole map (t = 0).
+/// and channel, plus a tensor, and both; odd sizes, a batch of two, and the whole map (t = 0).
 #[test]
 fn centres_match_candles_narrow_views() -> Result<()> {
     let dev = Device::Cpu;
@@ -708,6 +708,9 @@ fn centres_match_candles_narrow_views() -> Result<()> {
         let other = normal(0.0, 1.0, want.dims(), &dev)?;
         let plus = centre(&x, t, Centre::Plus(&other))?.unwrap();
         assert_eq!(max_abs_diff(&plus, &(&want + &other)?)?, 0.0, "plus, {t}");
+        let both = centre(&x, t, Centre::ScaledPlus(&gate, &other))?.unwrap();
+        let want_both = (want.broadcast_mul(&gate.reshape((b, 1, 1, c))?)? + &other)?;
+        assert_eq!(max_abs_diff(&both, &want_both)?, 0.0, "gated plus, {t}");
         let mean = centre_mean(&x, t)?;
         let want_mean = want
             .to_dtype(DType::F64)?
@@ -719,6 +722,11 @@ fn centres_match_candles_narrow_views() -> Result<()> {
     assert!(
         centre(&x, 3, Centre::Plain).is_err(),
         "a centre past the map"
+    );
+    let gate = normal(0.0, 1.0, (1, 2), &dev)?;
+    assert!(
+        centre(&x, 1, Centre::ScaledPlus(&gate, &x)).is_err(),
+        "a sum shaped as the map, not its centre"
     );
     Ok(())
 }
