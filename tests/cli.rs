@@ -1147,9 +1147,22 @@ fn zero_byte_model() {
 }
 
 #[test]
-fn legacy_pickle_model() {
-    // Protocol-2 pickle of an empty dict: what torch.save wrote before the zip format.
-    model_case("old.pth", b"\x80\x02}q\x00.", &["old.pth", "legacy"]);
+fn bare_pickle_model() {
+    // A protocol-2 pickle of an empty dict: no zip archive, and not torch.save's legacy
+    // format either (that starts with its magic number).
+    model_case(
+        "old.pth",
+        b"\x80\x02}q\x00.",
+        &["old.pth", "no PyTorch checkpoint"],
+    );
+}
+
+#[test]
+fn truncated_legacy_model() {
+    // torch.save's legacy magic number and format version, then nothing.
+    let mut bytes = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19\x2e".to_vec();
+    bytes.extend_from_slice(b"\x80\x02M\xe9\x03.");
+    model_case("old.pth", &bytes, &["old.pth", "PyTorch"]);
 }
 
 #[test]

@@ -70,14 +70,14 @@ impl Checkpoint {
         if bytes.is_empty() {
             return Err(ModelError::file(&source, "the file is empty"));
         }
-        if bytes.starts_with(b"PK\x03\x04") {
+        if bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(pth::LEGACY_MAGIC) {
             Self::from_pth(path, bytes, source)
         } else if looks_like_safetensors(&bytes) {
             Self::from_safetensors(bytes, source)
         } else if bytes.first() == Some(&0x80) {
             Err(ModelError::file(
                 &source,
-                "legacy (pre-zip) PyTorch pickle: re-save it with torch.save in a current PyTorch",
+                "a pickle that is no PyTorch checkpoint (no torch.save archive or magic number)",
             ))
         } else {
             Err(ModelError::file(

@@ -246,6 +246,50 @@ fn mutated_pth_files_never_panic() {
     assert_eq!(tried, 500);
 }
 
+/// A legacy (pre-zip) `.pth` with corrupted bytes, mostly in its pickles (the file's first
+/// part), or cut short: each storage's place is found by walking the file, so counts and
+/// lengths a mutation changes must be refused, never followed past the end.
+#[test]
+fn mutated_legacy_pth_files_never_panic() {
+    let original = std::fs::read(crate::tests::golden("esrgan/esrgan_x4_old_legacy.pth")).unwrap();
+    assert!(original.starts_with(crate::checkpoint::pth::LEGACY_MAGIC));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mutant.pth");
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let (mut tried, mut accepted) = (0, 0);
+    for i in 0..500 {
+        let mut bytes = original.clone();
+        for _ in 0..1 + rng.below(3) {
+            let at = match rng.below(2) {
+                0 => rng.below(4096),
+                _ => rng.below(bytes.len()),
+            }
+            .min(bytes.len() - 1);
+            bytes[at] ^= 1 << rng.below(8);
+        }
+        if rng.below(4) == 0 {
+            bytes.truncate(LEGACY_HEAD + rng.below(bytes.len() - LEGACY_HEAD));
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let result = catch_unwind(|| {
+            Checkpoint::load(&path)
+                .and_then(|ck| Model::from_checkpoint(ck, DType::F32, &Device::Cpu))
+                .is_ok()
+        });
+        match result {
+            Ok(ok) => accepted += ok as usize,
+            Err(_) => panic!("legacy pth #{i}: the loader panicked"),
+        }
+        tried += 1;
+    }
+    eprintln!("{tried} mutated legacy .pth files: {accepted} accepted, none panicked");
+    assert_eq!(tried, 500);
+}
+
+/// Where a truncation may start: past the magic number, so that the file is still taken
+/// for a legacy one.
+const LEGACY_HEAD: usize = 16;
+
 #[test]
 fn of_several_bad_tensors_the_first_by_name_is_reported_every_time() {
     let original = std::fs::read(crate::tests::golden(crate::tests::FAST_MODEL)).unwrap();

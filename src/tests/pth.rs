@@ -124,3 +124,91 @@ fn a_storage_damaged_in_the_file_is_refused_by_its_checksum() {
         .to_string();
     assert!(e.contains(&name) && e.contains("checksum"), "{e}");
 }
+
+/// The legacy copies of two fixtures (tests/golden/make_legacy_pth.py) and their zip twins.
+fn legacy_pairs() -> [(std::path::PathBuf, std::path::PathBuf); 2] {
+    let g = super::repo().join("tests/golden");
+    [
+        (
+            g.join("esrgan/esrgan_x4_old_legacy.pth"),
+            g.join("esrgan/esrgan_x4_old.pth"),
+        ),
+        (
+            g.join("rcan/rcan_x4_shift_legacy.pth"),
+            g.join("rcan/rcan_x4_shift.pth"),
+        ),
+    ]
+}
+
+/// A legacy (pre-zip) file is read as its zip twin: the same architecture and
+/// configuration, the same tensors bit for bit, each read where it lies in the file.
+#[test]
+fn legacy_pth_files_load_as_their_zip_twins() {
+    for (legacy, zip) in legacy_pairs() {
+        let name = legacy.display().to_string();
+        let bytes = std::fs::read(&legacy).unwrap();
+        assert!(
+            bytes.starts_with(crate::checkpoint::pth::LEGACY_MAGIC),
+            "{name}: not a legacy file"
+        );
+        let old = Checkpoint::load(&legacy).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let new = Checkpoint::load(&zip).unwrap();
+        assert_eq!(old.config.variant(), new.config.variant(), "{name}");
+        assert_eq!(old.config.describe(), new.config.describe(), "{name}");
+        assert!(
+            old.tensors.is_mapped(),
+            "{name}: storages copied, not mapped"
+        );
+        let sorted = |w: &crate::checkpoint::Weights| {
+            let mut v: Vec<String> = w.names().map(str::to_string).collect();
+            v.sort();
+            v
+        };
+        let names = sorted(&old.tensors);
+        assert_eq!(names, sorted(&new.tensors), "{name}");
+        for n in &names {
+            let a = old.tensors.get(n).unwrap().unwrap();
+            let b = new.tensors.get(n).unwrap().unwrap();
+            assert_eq!(
+                super::fixtures::f32_bits(&a),
+                super::fixtures::f32_bits(&b),
+                "{name}: {n}"
+            );
+        }
+    }
+}
+
+/// The legacy RCAN file runs to the float64 reference's output.
+#[test]
+fn a_legacy_rcan_file_matches_the_float64_reference() {
+    use candle_core::{DType, Device};
+    let (legacy, _) = &legacy_pairs()[1];
+    let model = crate::model::Model::load(legacy, DType::F32, &Device::Cpu).unwrap();
+    let io = super::repo().join("tests/golden/rcan/rcan_x4_shift.io.safetensors");
+    let (input, expected) = super::fixtures::load_io(&io);
+    let out = model.net.forward(&input).unwrap();
+    let d = super::fixtures::max_abs_diff(&out, &expected);
+    assert!(d <= super::fixtures::TOLERANCE, "{d:e}");
+}
+
+/// Broken legacy files are refused with what is wrong, not read past their end: cut inside
+/// the storages, cut inside the pickles, and with another format version.
+#[test]
+fn broken_legacy_files_are_refused() {
+    let (legacy, _) = &legacy_pairs()[0];
+    let bytes = std::fs::read(legacy).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let check = |contents: &[u8], needle: &str| {
+        let path = tmp.path().join("broken.pth");
+        std::fs::write(&path, contents).unwrap();
+        let e = Checkpoint::load(&path).err().expect("refused").to_string();
+        assert!(e.contains("broken.pth") && e.contains(needle), "{e}");
+    };
+    check(&bytes[..bytes.len() - 100], "runs past the end of the file");
+    check(&bytes[..bytes.len() / 8], "PyTorch");
+    let mut version = bytes.clone();
+    let at = crate::checkpoint::pth::LEGACY_MAGIC.len();
+    assert_eq!(&version[at..at + 6], b"\x80\x02M\xe9\x03.");
+    version[at + 3] = 0xea;
+    check(&version, "format version");
+}
