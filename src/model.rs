@@ -81,6 +81,11 @@ impl Model {
             .config
             .build(&plan, vb)
             .map_err(|e| build_error(e.into()))?;
+        let net = if ck.config.greyscale() {
+            Box::new(crate::nets::luma::Luma(net))
+        } else {
+            net
+        };
         Ok(Self {
             net,
             config: ck.config,

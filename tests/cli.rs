@@ -2330,3 +2330,62 @@ fn rcan_model_runs_and_a_broken_one_is_named() {
         ],
     );
 }
+
+/// A greyscale ESRGAN (one channel in and out) runs on a colour image's luma and writes equal
+/// channels; on a grey PNG it writes a grey PNG.
+#[test]
+fn greyscale_model_runs_on_colour_and_grey_images() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    fs::copy(
+        golden("grey/esrgan_x4_grey.safetensors"),
+        dir.join("grey.safetensors"),
+    )
+    .unwrap();
+    let r = assert_cmd::Command::new(bin())
+        .current_dir(dir)
+        .args([
+            "-m",
+            "grey.safetensors",
+            "--device",
+            "cpu",
+            "in.png",
+            "-o",
+            "out.png",
+        ])
+        .output()
+        .unwrap();
+    assert_success(&r);
+    let out = open(&dir.join("out.png")).to_rgb8();
+    assert_eq!(out.dimensions(), (80, 64));
+    assert!(
+        out.pixels().all(|p| p[0] == p[1] && p[1] == p[2]),
+        "channels differ"
+    );
+
+    image::GrayImage::from_fn(12, 10, |x, y| image::Luma([(x * 20 + y * 3) as u8]))
+        .save(dir.join("g.png"))
+        .unwrap();
+    let r = assert_cmd::Command::new(bin())
+        .current_dir(dir)
+        .args([
+            "-m",
+            "grey.safetensors",
+            "--device",
+            "cpu",
+            "g.png",
+            "-o",
+            "g_out.png",
+        ])
+        .output()
+        .unwrap();
+    assert_success(&r);
+    let out = open(&dir.join("g_out.png"));
+    assert_eq!(
+        out.color(),
+        image::ColorType::L8,
+        "a grey source is written grey"
+    );
+    assert_eq!((out.width(), out.height()), (48, 40));
+}

@@ -326,12 +326,16 @@ impl NetConfig for CompactConfig {
     }
 
     fn refusal(&self) -> Option<String> {
-        (self.channels != 3).then(|| {
+        (self.channels != 3 && self.channels != 1).then(|| {
             format!(
-                "a Compact model with {} channels: only RGB models (3) run",
+                "a Compact model with {} channels: only RGB (3) and greyscale (1) models run",
                 self.channels
             )
         })
+    }
+
+    fn greyscale(&self) -> bool {
+        self.channels == 1
     }
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {

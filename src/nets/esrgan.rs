@@ -511,13 +511,18 @@ impl NetConfig for EsrganConfig {
     }
 
     fn refusal(&self) -> Option<String> {
-        ((self.in_channels, self.out_channels) != (3, 3)).then(|| {
+        let channels = (self.in_channels, self.out_channels);
+        (channels != (3, 3) && channels != (1, 1)).then(|| {
             format!(
-                "an ESRGAN model with {} input and {} output channels: only RGB models \
-                 (3 and 3) run",
+                "an ESRGAN model with {} input and {} output channels: only RGB (3 and 3) and \
+                 greyscale (1 and 1) models run",
                 self.in_channels, self.out_channels
             )
         })
+    }
+
+    fn greyscale(&self) -> bool {
+        (self.in_channels, self.out_channels) == (1, 1)
     }
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {

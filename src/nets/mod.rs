@@ -10,6 +10,7 @@ pub mod esrgan;
 mod frame;
 pub mod hat;
 pub mod infer;
+pub(crate) mod luma;
 pub mod omnisr;
 pub mod plksr;
 pub mod rcan;
@@ -129,6 +130,12 @@ pub(crate) trait NetConfig: Serialised + std::fmt::Debug + Send + Sync {
     /// other image channels still loads, for `info`, and is refused when built.
     fn refusal(&self) -> Option<String> {
         None
+    }
+
+    /// Whether the network reads and writes one image channel: it then runs on the image's
+    /// luma ([`luma::Luma`]).
+    fn greyscale(&self) -> bool {
+        false
     }
 
     /// Whether the network's output depends on its whole input (GroupNorm's statistics, or

@@ -269,12 +269,20 @@ impl NetConfig for RcanConfig {
     }
 
     fn refusal(&self) -> Option<String> {
-        (self.colors != 3).then(|| {
+        if self.colors == 1 && self.mean_shift {
+            // The reference's mean shift is a 3x3 1x1 convolution: it cannot run either.
+            return Some("a greyscale RCAN model with an RGB mean shift".into());
+        }
+        (self.colors != 3 && self.colors != 1).then(|| {
             format!(
-                "an RCAN model with {} image channels: only RGB models (3) run",
+                "an RCAN model with {} image channels: only RGB (3) and greyscale (1) models run",
                 self.colors
             )
         })
+    }
+
+    fn greyscale(&self) -> bool {
+        self.colors == 1
     }
 
     /// Every block's channel attention takes its map's mean.

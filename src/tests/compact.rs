@@ -138,22 +138,32 @@ fn released_compact_configurations_round_trip() {
 /// `body` are named.
 #[test]
 fn compact_other_channel_counts_and_broken_files() {
-    let c = CompactConfig {
-        channels: 1,
+    let rgba = CompactConfig {
+        channels: 4,
         features: 4,
         convs: 2,
         activation: Activation::PRelu,
         scale: 2,
     };
-    let shapes: crate::nets::infer::Shapes = c.expected_tensors().into_iter().collect();
+    let shapes: crate::nets::infer::Shapes = rgba.expected_tensors().into_iter().collect();
     let back = crate::nets::registry::infer(&shapes).unwrap();
-    assert_eq!(config_of::<CompactConfig>(&back), Some(&c));
+    assert_eq!(config_of::<CompactConfig>(&back), Some(&rgba));
     let err = super::esrgan::build_zeros(&shapes)
         .err()
         .expect("not RGB: refused");
     let text = err.to_string();
-    assert!(text.contains("only RGB models"), "{text}");
+    assert!(text.contains("only RGB (3) and greyscale (1)"), "{text}");
     assert_eq!(text.lines().count(), 1, "{text}");
+
+    let c = CompactConfig {
+        channels: 1,
+        ..rgba
+    };
+    let shapes: crate::nets::infer::Shapes = c.expected_tensors().into_iter().collect();
+    assert!(
+        super::esrgan::build_zeros(&shapes).is_ok(),
+        "greyscale: built"
+    );
 
     let mut gap = shapes.clone();
     gap.insert("body.4000000000.weight".into(), vec![4, 4, 3, 3]);

@@ -150,8 +150,9 @@ fn released_esrgan_configurations_round_trip() {
     }
 }
 
-/// 1- and 4-channel models load (`info` describes them) and are refused when built, with one
-/// line that says why; a file missing one tensor, or with one too many, names it.
+/// 1- and 4-channel models load (`info` describes them); greyscale ones (1 and 1) build, the
+/// others are refused when built, with one line that says why; a file missing one tensor, or
+/// with one too many, names it.
 #[test]
 fn esrgan_other_channel_counts_and_broken_files() {
     let mut c = EsrganConfig {
@@ -173,9 +174,14 @@ fn esrgan_other_channel_counts_and_broken_files() {
         let shapes: crate::nets::infer::Shapes = c.expected_tensors().into_iter().collect();
         let back = crate::nets::registry::infer(&shapes).unwrap();
         assert_eq!(config_of::<EsrganConfig>(&back), Some(&c.clone()));
+        if channels == 1 {
+            assert!(back.greyscale());
+            assert!(build_zeros(&shapes).is_ok(), "greyscale: built");
+            continue;
+        }
         let err = build_zeros(&shapes).err().expect("not RGB: refused");
         let text = err.to_string();
-        assert!(text.contains("only RGB models"), "{text}");
+        assert!(text.contains("only RGB (3 and 3) and greyscale"), "{text}");
         assert_eq!(text.lines().count(), 1, "{text}");
     }
     c.in_channels = 3;

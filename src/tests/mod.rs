@@ -14,6 +14,7 @@ pub(crate) mod fixtures;
 mod golden;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod grey;
 mod hat;
 mod lanes;
 mod layout;

@@ -247,16 +247,26 @@ fn rcan_is_described_and_broken_files_are_named() {
     wide.insert("head.1.weight".into(), vec![8, 12, 5, 5]);
     let e = infer(&wide).unwrap_err().to_string();
     assert!(e.contains("only RCANs with 3x3 convolutions run"), "{e}");
-    // Greyscale: loads for `info`, refused when built, in one line.
-    let mut grey = shapes.clone();
-    grey.retain(|k, _| !k.starts_with("sub_mean") && !k.starts_with("add_mean"));
-    grey.insert("head.1.weight".into(), vec![8, 4, 3, 3]);
-    grey.insert("tail.1.weight".into(), vec![1, 8, 3, 3]);
-    grey.insert("tail.1.bias".into(), vec![1]);
-    let back = infer(&grey).unwrap();
-    assert_eq!(config_of::<RcanConfig>(&back).unwrap().colors, 1);
-    let err = build_zeros(&grey).err().expect("not RGB: refused");
-    let text = err.to_string();
-    assert!(text.contains("only RGB models"), "{text}");
-    assert_eq!(text.lines().count(), 1, "{text}");
+    // Two image channels, or greyscale with the RGB mean shift: load for `info`, refused
+    // when built, in one line.
+    let mut two = shapes.clone();
+    two.retain(|k, _| !k.starts_with("sub_mean") && !k.starts_with("add_mean"));
+    two.insert("head.1.weight".into(), vec![8, 8, 3, 3]);
+    two.insert("tail.1.weight".into(), vec![2, 8, 3, 3]);
+    two.insert("tail.1.bias".into(), vec![2]);
+    let back = infer(&two).unwrap();
+    assert_eq!(config_of::<RcanConfig>(&back).unwrap().colors, 2);
+    let mut grey_shift = shapes.clone();
+    grey_shift.insert("head.1.weight".into(), vec![8, 4, 3, 3]);
+    grey_shift.insert("tail.1.weight".into(), vec![1, 8, 3, 3]);
+    grey_shift.insert("tail.1.bias".into(), vec![1]);
+    for (shapes, needle) in [
+        (&two, "only RGB (3) and greyscale (1) models run"),
+        (&grey_shift, "a greyscale RCAN model with an RGB mean shift"),
+    ] {
+        let err = build_zeros(shapes).err().expect("refused");
+        let text = err.to_string();
+        assert!(text.contains(needle), "{text}");
+        assert_eq!(text.lines().count(), 1, "{text}");
+    }
 }

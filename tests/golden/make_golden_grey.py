@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Write the float64 reference fixtures of greyscale models (one image channel in and out)
+used by the Rust tests (tests/golden/grey/).
+
+Run from anywhere:  python tests/golden/make_golden_grey.py [--out DIR]
+Needs: torch, spandrel==0.4.2, numpy, safetensors. Nothing is downloaded.
+
+The reference is spandrel's RRDBNet (ESRGAN), SRVGGNetCompact and RCAN built with one image
+channel, in float64 and eval mode, every parameter random (rounded to float32), the output
+not clamped; each state dict is loaded back through spandrel's own loader, which must read
+it as the same one-channel network. The inputs are one-channel: the tests feed them to
+`upscale` as RGB images whose three channels are equal, which is how a grey image reaches
+the network.
+"""
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_golden_esrgan import ESRGAN_GAIN, calibrate, randomise, sd32  # noqa: E402
+from make_golden_swinir import make_input  # noqa: E402
+
+import spandrel  # noqa: E402
+from spandrel.architectures.__arch_helpers import block as B  # noqa: E402
+from spandrel.architectures.Compact import Compact  # noqa: E402
+from spandrel.architectures.ESRGAN import ESRGAN  # noqa: E402
+from spandrel.architectures.RCAN import RCAN  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+GROWTH = 4
+
+
+def esrgan():
+    rrdb = B.RRDB
+    B.RRDB = lambda **kw: rrdb(**{**kw, "gc": GROWTH})
+    try:
+        return ESRGAN(in_nc=1, out_nc=1, num_filters=8, num_blocks=1, scale=4)
+    finally:
+        B.RRDB = rrdb
+
+
+CASES = [
+    dict(name="esrgan_x4_grey", family="ESRGAN", scale=4, build=esrgan, gain=ESRGAN_GAIN,
+         last=lambda m: m.model[-1], input=(1, 1, 13, 11), seed=71,
+         covers="ESRGAN's old-arch keys, one channel in and out, x4"),
+    dict(name="compact_x2_grey", family="Compact", scale=2,
+         build=lambda: Compact(num_in_ch=1, num_out_ch=1, num_feat=6, num_conv=2, upscale=2),
+         gain=1.4, last=lambda m: m.body[-1], input=(2, 1, 9, 10), seed=72,
+         covers="Compact (PReLU), one channel, x2, batch 2"),
+    dict(name="rcan_x2_grey", family="RCAN", scale=2,
+         build=lambda: RCAN(scale=2, n_resgroups=1, n_resblocks=2, n_feats=8, n_colors=1,
+                            norm=False, reduction=4),
+         gain=1.0, last=lambda m: m.tail[-1], input=(1, 1, 12, 9), seed=73,
+         covers="RCAN without the mean shift, one channel, x2"),
+]
+
+
+def load_back(sd):
+    rrdb = B.RRDB
+    B.RRDB = lambda **kw: rrdb(**{**kw, "gc": GROWTH})
+    try:
+        return spandrel.ModelLoader().load_from_state_dict(sd)
+    finally:
+        B.RRDB = rrdb
+
+
+@torch.no_grad()
+def case(cfg, out):
+    x32 = make_input(dict(kind="pattern", shape=cfg["input"]), cfg["seed"])
+    x = x32.double()
+    model = randomise(cfg["build"]().double().eval(), cfg["seed"], cfg["gain"])
+    calibrate(model, cfg["last"](model), x.clone(), 0.5)
+    ref = model(x.clone())
+    assert torch.isfinite(ref).all()
+    sd = sd32(model)
+    desc = load_back(sd)
+    assert desc.input_channels == 1 and desc.output_channels == 1, cfg["name"]
+    again = desc.model.double().eval()(x.clone())
+    assert float((again - ref).abs().max()) < 1e-6, "spandrel reads the file differently"
+    weights = f"{cfg['name']}.safetensors"
+    save_file(sd, str(out / weights))
+    io = f"{cfg['name']}.io.safetensors"
+    save_file({"input": x32.contiguous(), "output": ref.contiguous()}, str(out / io))
+    f32 = copy.deepcopy(model).float()(x32.clone()).double()
+    b, _, h, w = x32.shape
+    return dict(name=cfg["name"], weights=weights, io=io, family=cfg["family"],
+                scale=cfg["scale"], batch=b, input_h=h, input_w=w, seed=cfg["seed"],
+                covers=cfg["covers"],
+                self_check=dict(max_abs={"float32": float((f32 - ref).abs().max())},
+                                out_std=float(ref.std())))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "grey"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = []
+    for cfg in CASES:
+        entry = case(cfg, out)
+        manifest.append(entry)
+        print(f"{entry['name']}: out std {entry['self_check']['out_std']:.3f}, float32 "
+              f"{entry['self_check']['max_abs']['float32']:.2e}", flush=True)
+    with open(out / "manifest.json", "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
