@@ -432,12 +432,23 @@ impl NetConfig for SpanConfig {
     }
 
     fn refusal(&self) -> Option<String> {
-        (self.in_channels != 3 || self.out_channels != 3).then(|| {
+        let channels = (self.in_channels, self.out_channels);
+        if channels == (1, 1) && self.norm {
+            // The reference subtracts its RGB mean from the one channel: three come out, and
+            // its first convolution refuses them.
+            return Some("a greyscale SPAN model that normalises by the RGB mean".into());
+        }
+        (channels != (3, 3) && channels != (1, 1)).then(|| {
             format!(
-                "a SPAN model with {} input and {} output channels: only RGB models (3) run",
+                "a SPAN model with {} input and {} output channels: only RGB (3) and greyscale \
+                 (1) models run",
                 self.in_channels, self.out_channels
             )
         })
+    }
+
+    fn greyscale(&self) -> bool {
+        (self.in_channels, self.out_channels) == (1, 1)
     }
 
     fn build(&self, plan: &LoadPlan, vb: VarBuilder) -> Result<Box<dyn Net>> {

@@ -161,8 +161,9 @@ fn released_span_configurations_round_trip() {
     );
 }
 
-/// A 1-channel model loads and is refused when built, in one line; a missing block and a
-/// stray tensor are named.
+/// A greyscale model builds without input normalisation and is refused with it (the
+/// reference's RGB mean makes three channels of its one), in one line; so is a 4-channel
+/// one; a missing block and a stray tensor are named.
 #[test]
 fn span_other_channel_counts_and_broken_files() {
     let c = SpanConfig {
@@ -176,12 +177,30 @@ fn span_other_channel_counts_and_broken_files() {
     let back = crate::nets::registry::infer(&shapes).unwrap();
     assert_eq!(config_of::<SpanConfig>(&back), Some(&c));
     assert!(back.describe()["input_norm"] == false);
-    let err = super::esrgan::build_zeros(&shapes)
-        .err()
-        .expect("not RGB: refused");
-    let text = err.to_string();
-    assert!(text.contains("only RGB models"), "{text}");
-    assert_eq!(text.lines().count(), 1, "{text}");
+    assert!(back.greyscale());
+    assert!(
+        super::esrgan::build_zeros(&shapes).is_ok(),
+        "greyscale: built"
+    );
+    let normalised = SpanConfig { norm: true, ..c };
+    let rgba = SpanConfig {
+        in_channels: 4,
+        out_channels: 4,
+        ..c
+    };
+    for (cfg, needle) in [
+        (
+            normalised,
+            "a greyscale SPAN model that normalises by the RGB mean",
+        ),
+        (rgba, "only RGB (3) and greyscale (1) models run"),
+    ] {
+        let shapes: crate::nets::infer::Shapes = cfg.expected_tensors().into_iter().collect();
+        let err = super::esrgan::build_zeros(&shapes).err().expect("refused");
+        let text = err.to_string();
+        assert!(text.contains(needle), "{text}");
+        assert_eq!(text.lines().count(), 1, "{text}");
+    }
 
     let mut missing = shapes.clone();
     missing.retain(|k, _| !k.starts_with("block_6."));

@@ -5,8 +5,8 @@ used by the Rust tests (tests/golden/grey/).
 Run from anywhere:  python tests/golden/make_golden_grey.py [--out DIR]
 Needs: torch, spandrel==0.4.2, numpy, safetensors. Nothing is downloaded.
 
-The reference is spandrel's RRDBNet (ESRGAN), SRVGGNetCompact and RCAN built with one image
-channel, in float64 and eval mode, every parameter random (rounded to float32), the output
+The reference is spandrel's RRDBNet (ESRGAN), SRVGGNetCompact, RCAN and SPAN built with one
+image channel, in float64 and eval mode, every parameter random (rounded to float32), the output
 not clamped; each state dict is loaded back through spandrel's own loader, which must read
 it as the same one-channel network. The inputs are one-channel: the tests feed them to
 `upscale` as RGB images whose three channels are equal, which is how a grey image reaches
@@ -31,6 +31,7 @@ from spandrel.architectures.__arch_helpers import block as B  # noqa: E402
 from spandrel.architectures.Compact import Compact  # noqa: E402
 from spandrel.architectures.ESRGAN import ESRGAN  # noqa: E402
 from spandrel.architectures.RCAN import RCAN  # noqa: E402
+from spandrel.architectures.SPAN import SPAN  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -59,6 +60,11 @@ CASES = [
                             norm=False, reduction=4),
          gain=1.0, last=lambda m: m.tail[-1], input=(1, 1, 12, 9), seed=73,
          covers="RCAN without the mean shift, one channel, x2"),
+    dict(name="span_x2_grey", family="SPAN", scale=2,
+         build=lambda: SPAN(num_in_ch=1, num_out_ch=1, feature_channels=8, upscale=2,
+                            norm=False),
+         gain=1.4, last=lambda m: m.upsampler[0], input=(1, 1, 11, 8), seed=74,
+         covers="SPAN without input normalisation (its `no_norm` buffer), one channel, x2"),
 ]
 
 
@@ -85,6 +91,7 @@ def case(cfg, out):
     again = desc.model.double().eval()(x.clone())
     assert float((again - ref).abs().max()) < 1e-6, "spandrel reads the file differently"
     weights = f"{cfg['name']}.safetensors"
+    # SPAN's `no_norm` buffer is in its state dict: the file keeps it, as released.
     save_file(sd, str(out / weights))
     io = f"{cfg['name']}.io.safetensors"
     save_file({"input": x32.contiguous(), "output": ref.contiguous()}, str(out / io))
