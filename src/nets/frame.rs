@@ -209,10 +209,15 @@ impl Tail {
         }
     }
 
-    /// `conv_last` from the body's `e` channels to RGB: the restoration models' correction.
-    pub(crate) fn residual(e: usize, plan: &LoadPlan, vb: &VarBuilder) -> Result<Self> {
+    /// `conv_last` from the body's `e` channels to the image's `c` (RGB, or SwinIR's
+    /// greyscale models' one): the restoration models' correction.
+    pub(crate) fn residual(
+        (e, c): (usize, usize),
+        plan: &LoadPlan,
+        vb: &VarBuilder,
+    ) -> Result<Self> {
         Ok(Self::Residual {
-            last: Conv3x3::unpadded(e, 3, plan, vb.pp("conv_last"))?,
+            last: Conv3x3::unpadded(e, c, plan, vb.pp("conv_last"))?,
         })
     }
 }
@@ -327,10 +332,33 @@ impl Frame {
         plan: &LoadPlan,
         vb: &VarBuilder,
     ) -> Result<Self> {
+        Self::with_channels(
+            (e, patch_norm),
+            (after_body, tail),
+            (window, scale, 3),
+            plan,
+            vb,
+        )
+    }
+
+    /// [`Frame::new`] for an image of `channels`: 3 (RGB, less its mean), or 1 (SwinIR's
+    /// greyscale models, which subtract none).
+    pub(crate) fn with_channels(
+        (e, patch_norm): (&Channels, bool),
+        (after_body, tail): (AfterBody, Tail),
+        (window, scale, channels): (usize, usize, usize),
+        plan: &LoadPlan,
+        vb: &VarBuilder,
+    ) -> Result<Self> {
+        let mean = if channels == 3 {
+            mean(vb)?
+        } else {
+            Tensor::zeros((1, 1, 1, channels), vb.dtype(), vb.device())?
+        };
         Ok(Self {
-            mean: mean(vb)?,
-            // The RGB input is never padded.
-            conv_first: Conv3x3::new(&Pad::OFF.one(3), e, plan, vb.pp("conv_first"))?,
+            mean,
+            // The image's channels are never padded.
+            conv_first: Conv3x3::new(&Pad::OFF.one(channels), e, plan, vb.pp("conv_first"))?,
             patch_proj: None,
             patch_norm: if patch_norm {
                 Some(load_norm(e, vb.pp("patch_embed.norm"))?)

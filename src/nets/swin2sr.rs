@@ -533,7 +533,7 @@ fn build(cfg: &Swin2SrConfig, plan: &LoadPlan, vb: VarBuilder) -> Result<Swin2Sr
         Upsampler::PixelShuffleAux => Tail::aux((e, f), cfg.upsample_stages(), plan, &vb)?,
         Upsampler::PixelShuffleDirect => Tail::direct(e, cfg.scale, plan, &vb)?,
         Upsampler::NearestConv => Tail::nearest_conv((e, f), cfg.scale, plan, &vb)?,
-        Upsampler::None => Tail::residual(e, plan, &vb)?,
+        Upsampler::None => Tail::residual((e, 3), plan, &vb)?,
     };
     let frame = Frame::new(
         (&Pad::OFF.one(e), cfg.patch_norm),

@@ -159,6 +159,9 @@ pub struct SwinIrConfig {
     pub scale: usize,
     /// The input's scale inside the network: 255 for window 7 (the JPEG models), else 1.
     pub img_range: f64,
+    /// Image channels in and out: 3, or 1 for the greyscale denoising and JPEG models (which
+    /// subtract no mean).
+    pub channels: usize,
 }
 
 impl SwinIrConfig {
@@ -172,7 +175,14 @@ impl SwinIrConfig {
             (180, 6, Upsampler::NearestConv) if uniform(6, 6) => "SwinIR-M (real-world)",
             (240, 9, Upsampler::NearestConv) if uniform(6, 8) => "SwinIR-L (real-world)",
             (180, 6, Upsampler::None) if uniform(6, 6) && self.window == 7 => {
-                "SwinIR-M (JPEG artefact removal)"
+                if self.channels == 1 {
+                    "SwinIR-M (greyscale JPEG artefact removal)"
+                } else {
+                    "SwinIR-M (JPEG artefact removal)"
+                }
+            }
+            (180, 6, Upsampler::None) if uniform(6, 6) && self.channels == 1 => {
+                "SwinIR-M (greyscale denoising)"
             }
             (180, 6, Upsampler::None) if uniform(6, 6) => "SwinIR-M (denoising)",
             (180, 6, _) if uniform(6, 6) => "SwinIR-M (classical)",
@@ -239,12 +249,7 @@ impl SwinIrConfig {
                 "; a SwinIR model has [E, 3, 3, 3]",
             ));
         }
-        if cf[1] != 3 {
-            return Err(ConfigError::NotRgb {
-                arch: "SwinIR",
-                channels: cf[1],
-            });
-        }
+        let channels = cf[1];
         let embed_dim = cf[0];
         let SwinLayout {
             depths,
@@ -289,6 +294,14 @@ impl SwinIrConfig {
         } else {
             return Err(ConfigError::NoUpsampler);
         };
+        // Greyscale SwinIR models were released for denoising and JPEG only: their residual
+        // tail is the one that takes any channel count.
+        if channels != 3 && !(channels == 1 && upsampler == Upsampler::None) {
+            return Err(ConfigError::NotRgb {
+                arch: "SwinIR",
+                channels,
+            });
+        }
         let cfg = SwinIrConfig {
             embed_dim,
             depths,
@@ -302,6 +315,7 @@ impl SwinIrConfig {
             scale,
             // The reference loader's rule: only the JPEG models have window 7.
             img_range: if window == 7 { 255.0 } else { 1.0 },
+            channels,
         };
         check_shapes(&cfg.expected_tensors(), shapes, UNEXPECTED_SWINIR)?;
         Ok(cfg)
@@ -372,13 +386,13 @@ impl SwinIr {
             }
             Upsampler::PixelShuffleDirect => Tail::direct(e, cfg.scale, plan, &vb)?,
             Upsampler::NearestConv => Tail::nearest_conv((e, f), cfg.scale, plan, &vb)?,
-            Upsampler::None => Tail::residual(e, plan, &vb)?,
+            Upsampler::None => Tail::residual((e, cfg.channels), plan, &vb)?,
         };
         let after_body = resi(cfg, plan, vb.pp("conv_after_body"))?;
-        let frame = Frame::new(
+        let frame = Frame::with_channels(
             (&Pad::OFF.one(e), cfg.patch_norm),
             (after_body, tail),
-            (cfg.window, cfg.scale),
+            (cfg.window, cfg.scale, cfg.channels),
             plan,
             &vb,
         )?
@@ -396,7 +410,7 @@ impl Architecture for Arch {
     }
 
     fn loads(&self) -> &'static str {
-        "classical, lightweight and real-world x2/x3/x4 (real-world x8); denoising and JPEG (x1)"
+        "classical, lightweight and real-world x2/x3/x4 (real-world x8); colour and greyscale denoising and JPEG (x1)"
     }
 
     /// Residual groups of Swin blocks, without HAT's convolution and cross-attention blocks
@@ -426,7 +440,7 @@ impl NetConfig for SwinIrConfig {
             t.push((format!("{name}.weight"), vec![cout, cin, 3, 3]));
             t.push((format!("{name}.bias"), vec![cout]));
         };
-        conv(&mut t, "conv_first", e, 3);
+        conv(&mut t, "conv_first", e, self.channels);
         if self.patch_norm {
             t.push(("patch_embed.norm.weight".into(), vec![e]));
             t.push(("patch_embed.norm.bias".into(), vec![e]));
@@ -481,7 +495,7 @@ impl NetConfig for SwinIrConfig {
                 conv(&mut t, "conv_hr", f, f);
                 conv(&mut t, "conv_last", 3, f);
             }
-            Upsampler::None => conv(&mut t, "conv_last", 3, e),
+            Upsampler::None => conv(&mut t, "conv_last", self.channels, e),
         }
         t
     }
@@ -533,7 +547,12 @@ impl NetConfig for SwinIrConfig {
             "num_feat": (c.num_feat > 0).then_some(c.num_feat),
             "patch_norm": c.patch_norm,
             "img_range": c.img_range,
+            "channels": c.channels,
         })
+    }
+
+    fn greyscale(&self) -> bool {
+        self.channels == 1
     }
 
     fn activations_per_pixel(&self, scores_in_memory: bool, pad: Pad) -> f64 {

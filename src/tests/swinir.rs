@@ -298,12 +298,22 @@ fn released_configurations_round_trip() {
         num_feat: feat,
         scale,
         img_range: 1.0,
+        channels: 3,
     };
     use Upsampler::None as Restore;
     let jpeg = SwinIrConfig {
         window: 7,
         img_range: 255.0,
         ..cfg(180, 6, 6, Restore, OneConv, 0, 1)
+    };
+    // 004_grayDN and 006_CAR: one channel in and out.
+    let grey_dn = SwinIrConfig {
+        channels: 1,
+        ..cfg(180, 6, 6, Restore, OneConv, 0, 1)
+    };
+    let grey_jpeg = SwinIrConfig {
+        channels: 1,
+        ..jpeg.clone()
     };
     let cases = [
         (
@@ -335,6 +345,8 @@ fn released_configurations_round_trip() {
             "SwinIR-M (denoising)",
         ),
         (jpeg, "SwinIR-M (JPEG artefact removal)"),
+        (grey_dn, "SwinIR-M (greyscale denoising)"),
+        (grey_jpeg, "SwinIR-M (greyscale JPEG artefact removal)"),
     ];
     for (c, name) in cases {
         let shapes = c.expected_tensors().into_iter().collect();
