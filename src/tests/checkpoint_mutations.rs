@@ -145,8 +145,9 @@ fn structured(
 }
 
 /// The same structured mutations of an ESRGAN model that unshuffles its input, of Compact
-/// models, of RealPLKSR models (one with DySample) and of an OmniSR model: their
-/// configuration is read from layer indices and channel ratios.
+/// models, of RealPLKSR models (one with DySample), of an OmniSR model, of RCAN models (one
+/// unshuffling its input) and of greyscale ones: their configuration is read from layer
+/// indices and channel ratios.
 #[test]
 fn mutated_esrgan_and_compact_checkpoints_never_panic() {
     let mut rng = Rng(0x5851_f42d_4c95_7f2d);
@@ -158,6 +159,10 @@ fn mutated_esrgan_and_compact_checkpoints_never_panic() {
         "plksr/plksr_x2_layer.safetensors",
         "plksr/plksr_x2_dysample.safetensors",
         "omnisr/omnisr_x2_no_bias.safetensors",
+        "rcan/rcan_x8_shift.safetensors",
+        "rcan/rcan_x1_unshuffle.safetensors",
+        "grey/swinir_jpeg_grey.safetensors",
+        "grey/span_x2_grey.safetensors",
     ] {
         let original = std::fs::read(crate::tests::golden(file)).unwrap();
         assert!(load_and_run(&original, file), "{file} must load");
