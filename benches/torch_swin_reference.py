@@ -69,6 +69,9 @@ PRESETS = {
     # pads nothing at x4.
     "rcan": dict(arch="rcan", n_feats=64, n_resgroups=10, n_resblocks=20, window_size=1),
     "rcan-tiny": dict(arch="rcan", n_feats=16, n_resgroups=1, n_resblocks=2, window_size=1),
+    # MoSR as its defaults (64 features, 24 GatedCNN blocks, 7x7 depthwise, PixelShuffle).
+    "mosr": dict(arch="mosr", dim=64, n_block=24, window_size=1),
+    "mosr-tiny": dict(arch="mosr", dim=16, n_block=2, window_size=1),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -103,6 +106,9 @@ def build_model(preset, seed):
     if arch == "realcugan":
         from spandrel.architectures.RealCUGAN import UpCunet4x
         return UpCunet4x(in_channels=3, out_channels=3).eval()
+    if arch == "mosr":
+        from spandrel.architectures.MoSR import MoSR
+        return MoSR(upscale=4, dim=p["dim"], n_block=p["n_block"]).eval()
     if arch == "rcan":
         from spandrel.architectures.RCAN import RCAN
         return RCAN(scale=4, n_feats=p["n_feats"], n_resgroups=p["n_resgroups"],

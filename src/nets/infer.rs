@@ -170,6 +170,9 @@ pub enum ConfigError {
     /// An RCAN checkpoint that does not fit RCAN's configuration.
     #[error("RCAN checkpoint: {0}")]
     Rcan(#[source] Box<ConfigError>),
+    /// A MoSR checkpoint that does not fit MoSR's configuration.
+    #[error("MoSR checkpoint: {0}")]
+    Mosr(#[source] Box<ConfigError>),
 }
 
 impl ConfigError {

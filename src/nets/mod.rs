@@ -11,6 +11,7 @@ mod frame;
 pub mod hat;
 pub mod infer;
 pub(crate) mod luma;
+pub mod mosr;
 pub mod omnisr;
 pub mod plksr;
 pub mod rcan;

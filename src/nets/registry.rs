@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::{
-    compact, dat, drct, esrgan, hat, omnisr, plksr, rcan, realcugan, span, swin2sr, swinir,
+    compact, dat, drct, esrgan, hat, mosr, omnisr, plksr, rcan, realcugan, span, swin2sr, swinir,
     ArchConfig, ConfigError,
 };
 
@@ -65,6 +65,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &omnisr::Arch,
     &realcugan::Arch,
     &rcan::Arch,
+    &mosr::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises
@@ -173,9 +174,6 @@ const OTHERS: &[(&str, Signature)] = &[
     }),
     ("a SeemoRe checkpoint", |s| {
         any(s, |k| k.contains(".local_block."))
-    }),
-    ("a MoSR checkpoint", |s| {
-        any(s, |k| k.starts_with("gblocks."))
     }),
     ("a MoESR checkpoint", |s| has(s, "in_to_dim.weight")),
     ("a DCTLSA checkpoint", |s| {

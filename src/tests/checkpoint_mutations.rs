@@ -146,7 +146,7 @@ fn structured(
 
 /// The same structured mutations of an ESRGAN model that unshuffles its input, of Compact
 /// models, of RealPLKSR models (one with DySample), of an OmniSR model, of RCAN models (one
-/// unshuffling its input) and of greyscale ones: their configuration is read from layer
+/// unshuffling its input), of MoSR models and of greyscale ones: their configuration is read from layer
 /// indices and channel ratios.
 #[test]
 fn mutated_esrgan_and_compact_checkpoints_never_panic() {
@@ -163,6 +163,8 @@ fn mutated_esrgan_and_compact_checkpoints_never_panic() {
         "rcan/rcan_x1_unshuffle.safetensors",
         "grey/swinir_jpeg_grey.safetensors",
         "grey/span_x2_grey.safetensors",
+        "mosr/mosr_x2_gps.safetensors",
+        "mosr/mosr_x3_dys.safetensors",
     ] {
         let original = std::fs::read(crate::tests::golden(file)).unwrap();
         assert!(load_and_run(&original, file), "{file} must load");

@@ -51,7 +51,7 @@ pub fn manifest(dir: &Path) -> Vec<(Case, serde_json::Value)> {
 }
 
 /// The families with fixtures of their own under tests/golden/ (DRCT's are at its top).
-pub const FAMILIES: [&str; 11] = [
+pub const FAMILIES: [&str; 12] = [
     "swinir",
     "swin2sr",
     "hat",
@@ -63,6 +63,7 @@ pub const FAMILIES: [&str; 11] = [
     "omnisr",
     "realcugan",
     "rcan",
+    "mosr",
 ];
 
 /// The cases of one family's fixtures (`""` for DRCT's), weights included: Real-CUGAN's

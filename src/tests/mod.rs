@@ -18,6 +18,7 @@ mod grey;
 mod hat;
 mod lanes;
 mod layout;
+mod mosr;
 mod omnisr;
 mod other_architectures;
 mod plksr;

@@ -622,3 +622,53 @@ mod timing {
         Ok(())
     }
 }
+
+/// A depthwise `k x k` convolution (odd `k`, zero padding `k / 2`) of channels-last `x`
+/// `(B, H, W, C)` with `taps` `(k², C)` (tap `dy · k + dx`) and `bias` `(C)`: output rows in
+/// parallel, each pixel's channels one vector through the taps in order. MoSR's 7x7 ran as
+/// candle's grouped convolution, one channel at a time. `None` where the kernel does not
+/// apply (not f32 on the CPU, or not contiguous).
+pub(crate) fn depthwise_kxk(
+    x: &candle_core::Tensor,
+    k: usize,
+    (taps, bias): (&[f32], &[f32]),
+) -> candle_core::Result<Option<candle_core::Tensor>> {
+    if !super::use_kernel(x) {
+        return Ok(None);
+    }
+    let (b, h, w, c) = x.dims4()?;
+    if taps.len() != k * k * c || bias.len() != c || k.is_multiple_of(2) {
+        candle_core::bail!("depthwise: {k}x{k} taps for {c} channels");
+    }
+    let r = k / 2;
+    let (guard, layout) = x.storage_and_layout();
+    let xs = super::cpu_slice(&guard, layout)?;
+    let mut out = vec![0f32; b * h * w * c];
+    out.par_chunks_mut(w * c)
+        .enumerate()
+        .for_each(|(row, dst)| {
+            let (bi, y) = (row / h, row % h);
+            let rows = y.saturating_sub(r)..(y + r + 1).min(h);
+            for (px, o) in dst.chunks_exact_mut(c).enumerate() {
+                o.copy_from_slice(bias);
+                let cols = px.saturating_sub(r)..(px + r + 1).min(w);
+                for yy in rows.clone() {
+                    let dy = yy + r - y;
+                    for xx in cols.clone() {
+                        let dx = xx + r - px;
+                        let src = &xs[((bi * h + yy) * w + xx) * c..][..c];
+                        let tap = &taps[(dy * k + dx) * c..][..c];
+                        for ((o, &s), &t) in o.iter_mut().zip(src).zip(tap) {
+                            *o += s * t;
+                        }
+                    }
+                }
+            }
+        });
+    drop(guard);
+    Ok(Some(candle_core::Tensor::from_vec(
+        out,
+        (b, h, w, c),
+        x.device(),
+    )?))
+}
