@@ -1,5 +1,5 @@
 //! Greyscale models (one image channel in and out: SwinIR's denoising and JPEG models, ESRGAN,
-//! Compact, RCAN, SPAN) in the RGB pipeline: the network runs on the image's luma, and its
+//! Compact, RCAN, SPAN, MoSR) in the RGB pipeline: the network runs on the image's luma, and its
 //! output fills all three channels, which the writer then stores as a grey image where the
 //! source was one. A grey source's three channels are equal, so its luma is the grey value
 //! itself; a colour source is read as BT.601 luma (0.299 R + 0.587 G + 0.114 B), what OpenCV's

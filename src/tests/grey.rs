@@ -1,5 +1,5 @@
-//! Greyscale models (one image channel in and out: ESRGAN, Compact, RCAN, SPAN, SwinIR) against
-//! the float64 reference on the committed fixtures in tests/golden/grey/ (written by
+//! Greyscale models (one image channel in and out: ESRGAN, Compact, RCAN, SPAN, SwinIR, MoSR)
+//! against the float64 reference on the committed fixtures in tests/golden/grey/ (written by
 //! tests/golden/make_golden_grey.py), fed as the pipeline feeds them: RGB images whose three
 //! channels are equal, or a colour image read as its luma.
 
@@ -39,7 +39,7 @@ fn greyscale_models_match_the_float64_reference_on_grey_images() {
             assert!(d <= TOLERANCE, "{name}, channel {c}: {d:.3e}");
         }
     }
-    assert_eq!(families.len(), 5, "{families:?}");
+    assert_eq!(families.len(), 6, "{families:?}");
 }
 
 /// A colour image reaches a greyscale model as its BT.601 luma (computed here in f64), and

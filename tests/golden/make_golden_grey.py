@@ -5,7 +5,7 @@ used by the Rust tests (tests/golden/grey/).
 Run from anywhere:  python tests/golden/make_golden_grey.py [--out DIR]
 Needs: torch, spandrel==0.4.2, numpy, safetensors. Nothing is downloaded.
 
-The reference is spandrel's RRDBNet (ESRGAN), SRVGGNetCompact, RCAN, SPAN and SwinIR's
+The reference is spandrel's RRDBNet (ESRGAN), SRVGGNetCompact, RCAN, SPAN, MoSR and SwinIR's
 restoration network built with one image channel, in float64 and eval mode, every parameter random (rounded to float32), the output
 not clamped; each state dict is loaded back through spandrel's own loader, which must read
 it as the same one-channel network. The inputs are one-channel: the tests feed them to
@@ -29,6 +29,7 @@ from make_golden_swinir import make_input  # noqa: E402
 import spandrel  # noqa: E402
 from spandrel.architectures.__arch_helpers import block as B  # noqa: E402
 from spandrel.architectures.Compact import Compact  # noqa: E402
+from spandrel.architectures.MoSR import MoSR  # noqa: E402
 from spandrel.architectures.ESRGAN import ESRGAN  # noqa: E402
 from spandrel.architectures.RCAN import RCAN  # noqa: E402
 from spandrel.architectures.SPAN import SPAN  # noqa: E402
@@ -94,6 +95,10 @@ CASES = [
          gain=1.0, last=lambda m: m.conv_last, input=(1, 1, 15, 13), seed=76,
          covers="the same with window 7 and range 255, as 006_CAR; 15x13 padded to 21x14",
          forward=swinir_forward),
+    dict(name="mosr_x2_grey", family="MoSR", scale=2,
+         build=lambda: MoSR(in_ch=1, out_ch=1, upscale=2, n_block=1, dim=8),
+         gain=1.0, last=lambda m: m.upsampler[0], input=(1, 1, 9, 8), seed=77,
+         covers="MoSR (PixelShuffle), one channel, x2"),
 ]
 
 
