@@ -462,13 +462,7 @@ fn info_describes_models() {
         "{text}"
     );
 
-    let run = bare(dir)
-        .args(["info", "--json"])
-        .arg(golden("x2_w8_official.pth"))
-        .output()
-        .unwrap();
-    assert_success(&run);
-    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    let v = info_json(dir, golden("x2_w8_official.pth"));
     assert_eq!(v["scale"], 2);
     assert_eq!(v["window"], 8);
     assert!(v["parameters"].as_u64().unwrap() > 0);
@@ -494,13 +488,7 @@ fn convert_pth_gives_the_same_pixels() {
     );
 
     let info = |model: &Path| {
-        let run = bare(dir)
-            .args(["info", "--json"])
-            .arg(model)
-            .output()
-            .unwrap();
-        assert_success(&run);
-        let mut v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+        let mut v = info_json(dir, model);
         for k in ["model", "name", "state_dict_key"] {
             v.as_object_mut().unwrap().remove(k);
         }
@@ -509,14 +497,7 @@ fn convert_pth_gives_the_same_pixels() {
     assert_eq!(info(&pth), info(&dir.join("converted.safetensors")));
 
     let run = |model: &Path, out: &str| {
-        let r = assert_cmd::Command::new(bin())
-            .current_dir(dir)
-            .arg("-m")
-            .arg(model)
-            .args(["--device", "cpu", "in.png", "-o", out])
-            .output()
-            .unwrap();
-        assert_success(&r);
+        run_on_cpu(dir, model, ("in.png", out));
         fs::read(dir.join(out)).unwrap()
     };
     let from_pth = run(&pth, "pth.png");
@@ -1996,13 +1977,7 @@ fn swinir_model_runs_describes_itself_and_converts() {
     with_input(dir);
     let pth = golden("swinir/classical_x4_ema.pth");
 
-    let run = bare(dir)
-        .args(["info", "--json"])
-        .arg(&pth)
-        .output()
-        .unwrap();
-    assert_success(&run);
-    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    let v = info_json(dir, &pth);
     assert!(
         v["architecture"].as_str().unwrap().starts_with("SwinIR"),
         "{v}"
@@ -2021,14 +1996,7 @@ fn swinir_model_runs_describes_itself_and_converts() {
         .unwrap();
     assert_success(&run);
     let up = |model: &Path, out: &str| {
-        let r = assert_cmd::Command::new(bin())
-            .current_dir(dir)
-            .arg("-m")
-            .arg(model)
-            .args(["--device", "cpu", "in.png", "-o", out])
-            .output()
-            .unwrap();
-        assert_success(&r);
+        run_on_cpu(dir, model, ("in.png", out));
         open(&dir.join(out))
     };
     let a = up(&pth, "pth.png");
@@ -2046,25 +2014,12 @@ fn swin2sr_model_runs_and_a_crafted_one_is_refused() {
     let dir = d.path();
     with_input(dir);
     let pth = golden("swin2sr/classical_x2.pth");
-    let run = bare(dir)
-        .args(["info", "--json"])
-        .arg(&pth)
-        .output()
-        .unwrap();
-    assert_success(&run);
-    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    let v = info_json(dir, &pth);
     assert_eq!(v["architecture"], "Swin2SR");
     assert_eq!(v["scale"], 2);
     assert_eq!(v["window"], 8);
     assert_eq!(v["shifted"], true);
-    let r = assert_cmd::Command::new(bin())
-        .current_dir(dir)
-        .arg("-m")
-        .arg(&pth)
-        .args(["--device", "cpu", "in.png", "-o", "out.png"])
-        .output()
-        .unwrap();
-    assert_success(&r);
+    run_on_cpu(dir, &pth, ("in.png", "out.png"));
     assert_eq!(open(&dir.join("out.png")).dimensions(), (40, 32));
 
     let mut tensors =
@@ -2115,25 +2070,12 @@ fn hat_model_runs_and_describes_itself() {
     let dir = d.path();
     with_input(dir);
     let pth = golden("hat/hat_x4_ema.pth");
-    let run = bare(dir)
-        .args(["info", "--json"])
-        .arg(&pth)
-        .output()
-        .unwrap();
-    assert_success(&run);
-    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    let v = info_json(dir, &pth);
     assert_eq!(v["architecture"], "HAT");
     assert_eq!(v["scale"], 4);
     assert_eq!(v["overlap_ratio"], 0.5);
     assert_eq!(v["compress_ratio"], 2.0);
-    let r = assert_cmd::Command::new(bin())
-        .current_dir(dir)
-        .arg("-m")
-        .arg(&pth)
-        .args(["--device", "cpu", "in.png", "-o", "out.png"])
-        .output()
-        .unwrap();
-    assert_success(&r);
+    run_on_cpu(dir, &pth, ("in.png", "out.png"));
     assert_eq!(open(&dir.join("out.png")).dimensions(), (80, 64));
 }
 
@@ -2248,29 +2190,11 @@ fn realcugan_model_runs_and_a_broken_one_is_named() {
         tensors.insert(name, Tensor::from_vec(values, shape, &Device::Cpu).unwrap());
     }
     candle_core::safetensors::save(&tensors, dir.join("cugan.safetensors")).unwrap();
-    let run = bare(dir)
-        .args(["info", "--json", "cugan.safetensors"])
-        .output()
-        .unwrap();
-    assert_success(&run);
-    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    let v = info_json(dir, "cugan.safetensors");
     assert_eq!(v["architecture"], "Real-CUGAN pro x4");
     assert_eq!(v["scale"], 4);
     assert_eq!(v["pro"], true);
-    let r = assert_cmd::Command::new(bin())
-        .current_dir(dir)
-        .args([
-            "-m",
-            "cugan.safetensors",
-            "--device",
-            "cpu",
-            "in.png",
-            "-o",
-            "out.png",
-        ])
-        .output()
-        .unwrap();
-    assert_success(&r);
+    run_on_cpu(dir, "cugan.safetensors", ("in.png", "out.png"));
     assert_eq!(open(&dir.join("out.png")).dimensions(), (80, 64));
 
     tensors.remove("unet2.conv4.seblock.conv1.bias");
@@ -2295,23 +2219,11 @@ fn rcan_model_runs_and_a_broken_one_is_named() {
     let dir = d.path();
     with_input(dir);
     fs::copy(golden("rcan/rcan_x2_unshuffle.pth"), dir.join("rcan.pth")).unwrap();
-    let run = bare(dir)
-        .args(["info", "--json", "rcan.pth"])
-        .output()
-        .unwrap();
-    assert_success(&run);
-    let v: serde_json::Value = serde_json::from_str(stdout(&run).trim()).unwrap();
+    let v = info_json(dir, "rcan.pth");
     assert_eq!(v["architecture"], "RCAN (pixel-unshuffled input)");
     assert_eq!(v["scale"], 2);
     assert_eq!(v["unshuffle"], 2);
-    let r = assert_cmd::Command::new(bin())
-        .current_dir(dir)
-        .args([
-            "-m", "rcan.pth", "--device", "cpu", "in.png", "-o", "out.png",
-        ])
-        .output()
-        .unwrap();
-    assert_success(&r);
+    run_on_cpu(dir, "rcan.pth", ("in.png", "out.png"));
     assert_eq!(open(&dir.join("out.png")).dimensions(), (40, 32));
 
     let mut tensors =
@@ -2343,20 +2255,7 @@ fn greyscale_model_runs_on_colour_and_grey_images() {
         dir.join("grey.safetensors"),
     )
     .unwrap();
-    let r = assert_cmd::Command::new(bin())
-        .current_dir(dir)
-        .args([
-            "-m",
-            "grey.safetensors",
-            "--device",
-            "cpu",
-            "in.png",
-            "-o",
-            "out.png",
-        ])
-        .output()
-        .unwrap();
-    assert_success(&r);
+    run_on_cpu(dir, "grey.safetensors", ("in.png", "out.png"));
     let out = open(&dir.join("out.png")).to_rgb8();
     assert_eq!(out.dimensions(), (80, 64));
     assert!(
@@ -2367,20 +2266,7 @@ fn greyscale_model_runs_on_colour_and_grey_images() {
     image::GrayImage::from_fn(12, 10, |x, y| image::Luma([(x * 20 + y * 3) as u8]))
         .save(dir.join("g.png"))
         .unwrap();
-    let r = assert_cmd::Command::new(bin())
-        .current_dir(dir)
-        .args([
-            "-m",
-            "grey.safetensors",
-            "--device",
-            "cpu",
-            "g.png",
-            "-o",
-            "g_out.png",
-        ])
-        .output()
-        .unwrap();
-    assert_success(&r);
+    run_on_cpu(dir, "grey.safetensors", ("g.png", "g_out.png"));
     let out = open(&dir.join("g_out.png"));
     assert_eq!(
         out.color(),

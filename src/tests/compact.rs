@@ -8,7 +8,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 
 use super::fixtures::{
-    assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
+    assert_bf16_close, assert_every_fixture_matches, assert_tiles_blend_to_whole, manifest,
+    max_abs_diff, on_each_cpu_path, TOLERANCE,
 };
 use crate::checkpoint::Checkpoint;
 use crate::model::Model;
@@ -22,55 +23,39 @@ fn dir() -> PathBuf {
 /// The LeakyReLU fixture: its file cannot say so, and is read as ReLU.
 const LEAKY: &str = "compact_x1_leakyrelu";
 
-#[test]
-fn compact_f32_matches_float64_reference_on_every_fixture() {
-    let mut failures = Vec::new();
-    let mut seen = std::collections::BTreeSet::new();
-    for (case, entry) in manifest(&dir()) {
-        let name = &case.name;
-        let mut ck = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let Some(cfg) = config_of::<CompactConfig>(&ck.config) else {
-            panic!("{name}: not read as Compact: {:?}", ck.config);
-        };
-        let n = |k: &str| entry[k].as_u64().unwrap() as usize;
+fn f32_matches_float64_reference() {
+    let want = ["x1", "x2", "x3", "x4", "PRelu", "Relu", "LeakyRelu"];
+    assert_every_fixture_matches(&dir(), &want, |f| {
+        let (name, cfg) = (f.name, f.config::<CompactConfig>().clone());
         assert_eq!(
             (cfg.scale, cfg.features, cfg.convs, cfg.channels),
-            (n("scale"), n("features"), n("convs"), 3),
+            (f.n("scale"), f.n("features"), f.n("convs"), 3),
             "{name}"
         );
-        let activation = match entry["activation"].as_str().unwrap() {
+        let activation = match f.entry["activation"].as_str().unwrap() {
             "prelu" => Activation::PRelu,
             "relu" => Activation::Relu,
             _ => Activation::LeakyRelu,
         };
-        seen.insert(format!("x{}", cfg.scale));
-        seen.insert(format!("{activation:?}"));
-        let (input, expected) = load_io(&case.io);
         if activation == Activation::LeakyRelu {
             // Read as ReLU, which is measurably not the reference: then set as it was made.
             assert_eq!(cfg.activation, Activation::Relu, "{name}");
-            let relu = Model::load(&case.weights, DType::F32, &Device::Cpu).unwrap();
-            let d = max_abs_diff(&relu.net.forward(&input).unwrap(), &expected);
+            let relu = Model::load(f.weights, DType::F32, &Device::Cpu).unwrap();
+            let d = max_abs_diff(&relu.net.forward(&f.input).unwrap(), &f.expected);
             assert!(d > 100.0 * TOLERANCE, "{name}: ReLU gave {d:.3e}");
             let mut c = cfg.clone();
             c.activation = Activation::LeakyRelu;
-            ck.config = Arc::new(c);
+            f.checkpoint.config = Arc::new(c);
         } else {
             assert_eq!(cfg.activation, activation, "{name}");
         }
-        let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
-        let out = model.net.forward(&input).unwrap();
-        let d = max_abs_diff(&out, &expected);
-        eprintln!("{name:<28} max |f32 - f64 reference| = {d:.3e}");
-        if d.is_nan() || d > TOLERANCE {
-            failures.push(format!("{name}: {d:.3e}"));
-        }
-    }
-    assert!(failures.is_empty(), "over {TOLERANCE:e}: {failures:?}");
-    for want in ["x1", "x2", "x3", "x4", "PRelu", "Relu", "LeakyRelu"] {
-        assert!(seen.contains(want), "no fixture covers {want}");
-    }
+        vec![format!("x{}", cfg.scale), format!("{activation:?}")]
+    });
 }
+
+on_each_cpu_path!(f32_matches_float64_reference =>
+    compact_f32_matches_float64_reference_on_every_fixture,
+    compact_f32_matches_float64_reference_on_every_fixture_capped_to_avx2);
 
 /// The release layout of realesr-general-x4v3.pth: `{'params': ...}`, named in `info`.
 #[test]

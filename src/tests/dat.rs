@@ -4,13 +4,13 @@
 
 use std::path::PathBuf;
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 
 use super::fixtures::{
-    assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
+    assert_bf16_close, assert_every_fixture_matches, assert_tiles_blend_to_whole, manifest,
+    on_each_cpu_path,
 };
 use crate::checkpoint::Checkpoint;
-use crate::model::Model;
 use crate::nets::dat::{offset_grid, DatConfig, Upsampler};
 use crate::nets::infer::Shapes;
 use crate::nets::{config_of, NetConfig};
@@ -47,52 +47,8 @@ fn expected(entry: &serde_json::Value) -> DatConfig {
     }
 }
 
-#[test]
-fn dat_f32_matches_float64_reference_on_every_fixture() {
-    dat_f32_matches_float64_reference_on_every_fixture_here();
-}
-
-/// The same with our kernels held to AVX2 (`UPSCALE_CPU_ISA=avx2`), the path of CPUs without
-/// AVX-512.
-#[test]
-fn dat_f32_matches_float64_reference_on_every_fixture_capped_to_avx2() {
-    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
-    with_cpu_isa(
-        CpuIsa::Avx2,
-        dat_f32_matches_float64_reference_on_every_fixture_here,
-    );
-}
-
-fn dat_f32_matches_float64_reference_on_every_fixture_here() {
-    let mut failures = Vec::new();
-    let mut seen = std::collections::BTreeSet::new();
-    for (case, entry) in manifest(&dir()) {
-        let name = &case.name;
-        let ck = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let Some(cfg) = config_of::<DatConfig>(&ck.config) else {
-            panic!("{name}: not read as DAT: {:?}", ck.config);
-        };
-        assert_eq!(cfg, &expected(&entry), "{name}");
-        seen.insert(format!("x{}", cfg.scale));
-        seen.insert(format!("{:?}", cfg.upsampler).chars().take(6).collect());
-        seen.insert(format!("3conv {}", cfg.three_conv));
-        seen.insert(format!("rectangular {}", cfg.split[0] != cfg.split[1]));
-        let pad = cfg.pad_multiple();
-        let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
-        let (input, expected) = load_io(&case.io);
-        let (_, _, h, w) = input.dims4().unwrap();
-        if !h.is_multiple_of(pad) || !w.is_multiple_of(pad) {
-            seen.insert("padded inside".into());
-        }
-        let out = model.net.forward(&input).unwrap();
-        let d = max_abs_diff(&out, &expected);
-        eprintln!("{name:<28} max |f32 - f64 reference| = {d:.3e}");
-        if d.is_nan() || d > TOLERANCE {
-            failures.push(format!("{name}: {d:.3e}"));
-        }
-    }
-    assert!(failures.is_empty(), "over {TOLERANCE:e}: {failures:?}");
-    for want in [
+fn f32_matches_float64_reference() {
+    let want = [
         "x2",
         "x3",
         "x4",
@@ -103,10 +59,28 @@ fn dat_f32_matches_float64_reference_on_every_fixture_here() {
         "rectangular true",
         "rectangular false",
         "padded inside",
-    ] {
-        assert!(seen.contains(want), "no fixture covers {want}: {seen:?}");
-    }
+    ];
+    assert_every_fixture_matches(&dir(), &want, |f| {
+        let cfg = f.config::<DatConfig>();
+        assert_eq!(cfg, &expected(f.entry), "{}", f.name);
+        let (_, _, h, w) = f.input.dims4().unwrap();
+        let pad = cfg.pad_multiple();
+        let mut labels = vec![
+            format!("x{}", cfg.scale),
+            format!("{:?}", cfg.upsampler).chars().take(6).collect(),
+            format!("3conv {}", cfg.three_conv),
+            format!("rectangular {}", cfg.split[0] != cfg.split[1]),
+        ];
+        if !h.is_multiple_of(pad) || !w.is_multiple_of(pad) {
+            labels.push("padded inside".into());
+        }
+        labels
+    });
 }
+
+on_each_cpu_path!(f32_matches_float64_reference =>
+    dat_f32_matches_float64_reference_on_every_fixture,
+    dat_f32_matches_float64_reference_on_every_fixture_capped_to_avx2);
 
 #[test]
 fn dat_params_ema_is_read_and_described() {

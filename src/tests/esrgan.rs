@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use candle_core::{DType, Device};
 
 use super::fixtures::{
-    assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
+    assert_bf16_close, assert_every_fixture_matches, assert_tiles_blend_to_whole, manifest,
+    on_each_cpu_path,
 };
 use crate::checkpoint::Checkpoint;
 use crate::model::Model;
@@ -37,17 +38,11 @@ fn expected(entry: &serde_json::Value) -> (Layout, [usize; 5]) {
     (layout, fields)
 }
 
-#[test]
-fn esrgan_f32_matches_float64_reference_on_every_fixture() {
-    let mut failures = Vec::new();
-    let mut seen = std::collections::BTreeSet::new();
-    for (case, entry) in manifest(&dir()) {
-        let name = &case.name;
-        let ck = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let Some(cfg) = config_of::<EsrganConfig>(&ck.config) else {
-            panic!("{name}: not read as ESRGAN: {:?}", ck.config);
-        };
-        let (layout, [scale, filters, growth, blocks, unshuffle]) = expected(&entry);
+fn f32_matches_float64_reference() {
+    let want = ["x1", "x2", "x4", "x8", "Old", "RealEsrgan", "Trunk"];
+    assert_every_fixture_matches(&dir(), &want, |f| {
+        let (name, cfg) = (f.name, f.config::<EsrganConfig>());
+        let (layout, [scale, filters, growth, blocks, unshuffle]) = expected(f.entry);
         assert_eq!(cfg.layout, layout, "{name}");
         assert_eq!(
             (
@@ -61,22 +56,13 @@ fn esrgan_f32_matches_float64_reference_on_every_fixture() {
             "{name}"
         );
         assert_eq!((cfg.in_channels, cfg.out_channels), (3, 3), "{name}");
-        seen.insert(format!("x{scale}"));
-        seen.insert(format!("{layout:?}"));
-        let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
-        let (input, expected) = load_io(&case.io);
-        let out = model.net.forward(&input).unwrap();
-        let d = max_abs_diff(&out, &expected);
-        eprintln!("{name:<28} max |f32 - f64 reference| = {d:.3e}");
-        if d.is_nan() || d > TOLERANCE {
-            failures.push(format!("{name}: {d:.3e}"));
-        }
-    }
-    assert!(failures.is_empty(), "over {TOLERANCE:e}: {failures:?}");
-    for want in ["x1", "x2", "x4", "x8", "Old", "RealEsrgan", "Trunk"] {
-        assert!(seen.contains(want), "no fixture covers {want}");
-    }
+        vec![format!("x{scale}"), format!("{layout:?}")]
+    });
 }
+
+on_each_cpu_path!(f32_matches_float64_reference =>
+    esrgan_f32_matches_float64_reference_on_every_fixture,
+    esrgan_f32_matches_float64_reference_on_every_fixture_capped_to_avx2);
 
 /// The Real-ESRGAN release layout: `{'params_ema': ...}` in a `.pth`, named in `info`.
 #[test]

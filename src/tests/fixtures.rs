@@ -5,6 +5,10 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::checkpoint::Checkpoint;
+use crate::model::Model;
+use crate::nets::config_of;
+
 /// A float32 port lands within ~3e-6 of the float64 reference; every bug class we know of
 /// (tanh GELU, LayerNorm eps, bias index, mask, slopes, padding) lands above 5e-5.
 pub const TOLERANCE: f64 = 2e-5;
@@ -75,6 +79,117 @@ pub fn family_cases(family: &str, tmp: &Path) -> Vec<(Case, serde_json::Value)> 
         manifest(&golden_dir().join(family))
     }
 }
+
+/// One fixture as a family's check sees it ([`assert_every_fixture_matches`]): its manifest
+/// entry, the checkpoint as read (a check may change its configuration where the file cannot
+/// say it, as Compact's LeakyReLU), and its input and float64 reference output.
+pub struct Fixture<'a> {
+    pub name: &'a str,
+    pub weights: &'a Path,
+    pub entry: &'a serde_json::Value,
+    pub checkpoint: Checkpoint,
+    pub input: Tensor,
+    pub expected: Tensor,
+}
+
+impl Fixture<'_> {
+    /// The configuration the checkpoint was read as, which must be a `C`.
+    pub fn config<C: 'static>(&self) -> &C {
+        config_of::<C>(&self.checkpoint.config).unwrap_or_else(|| {
+            panic!(
+                "{}: not read as {}: {:?}",
+                self.name,
+                std::any::type_name::<C>(),
+                self.checkpoint.config
+            )
+        })
+    }
+
+    /// The entry's number `key`.
+    pub fn n(&self, key: &str) -> usize {
+        let v = self.entry[key].as_u64();
+        v.unwrap_or_else(|| panic!("{}: no number {key} in the manifest", self.name)) as usize
+    }
+
+    /// The entry's flag `key`.
+    pub fn b(&self, key: &str) -> bool {
+        let v = self.entry[key].as_bool();
+        v.unwrap_or_else(|| panic!("{}: no flag {key} in the manifest", self.name))
+    }
+}
+
+/// Every fixture in `dir`'s manifest against its float64 reference: `check` asserts what
+/// the loader read (the configuration each was made with) and returns the labels of what the
+/// fixture covers; each f32 output is within [`TOLERANCE`], and every label in `want` is
+/// covered by some fixture (an entry's `weights_format`, where it names one, is a label too).
+pub fn assert_every_fixture_matches(
+    dir: &Path,
+    want: &[&str],
+    check: impl Fn(&mut Fixture) -> Vec<String>,
+) {
+    let mut failures = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for (case, entry) in manifest(dir) {
+        let name = &case.name;
+        let checkpoint = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (input, expected) = load_io(&case.io);
+        let mut fixture = Fixture {
+            name,
+            weights: &case.weights,
+            entry: &entry,
+            checkpoint,
+            input,
+            expected,
+        };
+        seen.extend(check(&mut fixture));
+        if let Some(format) = entry["weights_format"].as_str() {
+            seen.insert(format.to_string());
+        }
+        let Fixture {
+            checkpoint,
+            input,
+            expected,
+            ..
+        } = fixture;
+        let model = Model::from_checkpoint(checkpoint, DType::F32, &Device::Cpu).unwrap();
+        let d = max_abs_diff(&model.net.forward(&input).unwrap(), &expected);
+        eprintln!("{name:<28} max |f32 - f64 reference| = {d:.3e}");
+        if d.is_nan() || d > TOLERANCE {
+            failures.push(format!("{name}: {d:.3e}"));
+        }
+    }
+    assert!(failures.is_empty(), "over {TOLERANCE:e}: {failures:?}");
+    for label in want {
+        assert!(seen.contains(*label), "no fixture covers {label}: {seen:?}");
+    }
+}
+
+/// Tests that run `check` natively, with our kernels held to AVX2 (the path of CPUs without
+/// AVX-512, so that it is checked on every run of the tests) and, where a third name is
+/// given, with no vector kernels at all (candle's operations, which must agree too).
+macro_rules! on_each_cpu_path {
+    ($check:path => $native:ident, $avx2:ident $(, $scalar:ident)?) => {
+        #[test]
+        fn $native() {
+            $check()
+        }
+
+        #[test]
+        fn $avx2() {
+            use $crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
+            with_cpu_isa(CpuIsa::Avx2, $check)
+        }
+
+        $(
+            #[test]
+            fn $scalar() {
+                use $crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
+                with_cpu_isa(CpuIsa::Scalar, $check)
+            }
+        )?
+    };
+}
+pub(crate) use on_each_cpu_path;
 
 pub fn load_io(path: &Path) -> (Tensor, Tensor) {
     let t = candle_core::safetensors::load(path, &Device::Cpu).expect("io fixture");

@@ -4,11 +4,10 @@
 
 use std::path::PathBuf;
 
-use candle_core::{DType, Device};
-
-use super::fixtures::{assert_bf16_close, load_io, manifest, max_abs_diff, TOLERANCE};
+use super::fixtures::{
+    assert_bf16_close, assert_every_fixture_matches, manifest, on_each_cpu_path,
+};
 use crate::checkpoint::Checkpoint;
-use crate::model::Model;
 use crate::nets::mosr::{MosrConfig, Upsampler};
 use crate::nets::{config_of, NetConfig};
 
@@ -17,58 +16,27 @@ fn dir() -> PathBuf {
 }
 
 fn f32_matches_float64_reference() {
-    let mut failures = Vec::new();
-    let mut seen = std::collections::BTreeSet::new();
-    for (case, entry) in manifest(&dir()) {
-        let name = &case.name;
-        let ck = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let Some(cfg) = config_of::<MosrConfig>(&ck.config) else {
-            panic!("{name}: not read as MoSR: {:?}", ck.config);
-        };
-        let n = |k: &str| entry[k].as_u64().unwrap() as usize;
+    assert_every_fixture_matches(&dir(), &["PixelShuffle", "Gps", "DySample"], |f| {
+        let (name, cfg) = (f.name, f.config::<MosrConfig>());
         assert_eq!(
             (cfg.scale, cfg.blocks, cfg.kernel),
-            (n("scale"), n("blocks"), n("kernel")),
+            (f.n("scale"), f.n("blocks"), f.n("kernel")),
             "{name}"
         );
-        let upsampler = match entry["upsampler"].as_str().unwrap() {
+        let upsampler = match f.entry["upsampler"].as_str().unwrap() {
             "ps" => Upsampler::PixelShuffle,
             "gps" => Upsampler::Gps,
             _ => Upsampler::DySample,
         };
         assert_eq!(cfg.upsampler, upsampler, "{name}");
-        seen.insert(format!("{upsampler:?}"));
-        let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
-        let (input, expected) = load_io(&case.io);
-        let out = model.net.forward(&input).unwrap();
-        let d = max_abs_diff(&out, &expected);
-        eprintln!("{name:<20} max |f32 - f64 reference| = {d:.3e}");
-        if d.is_nan() || d > TOLERANCE {
-            failures.push(format!("{name}: {d:.3e}"));
-        }
-    }
-    assert!(failures.is_empty(), "over {TOLERANCE:e}: {failures:?}");
-    assert_eq!(seen.len(), 3, "the three upsamplers: {seen:?}");
+        vec![format!("{upsampler:?}")]
+    });
 }
 
-#[test]
-fn mosr_f32_matches_float64_reference_on_every_fixture() {
-    f32_matches_float64_reference();
-}
-
-/// The same with our kernels held to AVX2 (`UPSCALE_CPU_ISA=avx2`).
-#[test]
-fn mosr_f32_matches_float64_reference_on_every_fixture_capped_to_avx2() {
-    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
-    with_cpu_isa(CpuIsa::Avx2, f32_matches_float64_reference);
-}
-
-/// The same with no vector kernels at all: candle's operations.
-#[test]
-fn mosr_f32_matches_float64_reference_on_candles_operations() {
-    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
-    with_cpu_isa(CpuIsa::Scalar, f32_matches_float64_reference);
-}
+on_each_cpu_path!(f32_matches_float64_reference =>
+    mosr_f32_matches_float64_reference_on_every_fixture,
+    mosr_f32_matches_float64_reference_on_every_fixture_capped_to_avx2,
+    mosr_f32_matches_float64_reference_on_candles_operations);
 
 /// bf16 on the CPU against the float64 reference, with the DRCT bounds; on a CPU without
 /// bf16 arithmetic, bf16 must be refused instead.

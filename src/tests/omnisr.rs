@@ -4,13 +4,11 @@
 
 use std::path::PathBuf;
 
-use candle_core::{DType, Device};
-
 use super::fixtures::{
-    assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
+    assert_bf16_close, assert_every_fixture_matches, assert_tiles_blend_to_whole, manifest,
+    on_each_cpu_path,
 };
 use crate::checkpoint::Checkpoint;
-use crate::model::Model;
 use crate::nets::omnisr::OmniSrConfig;
 use crate::nets::{config_of, NetConfig};
 
@@ -18,58 +16,10 @@ fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/omnisr")
 }
 
-/// Every fixture read as the configuration it was made with, and within [`TOLERANCE`] of
+/// Every fixture read as the configuration it was made with, and within the f32 bound of
 /// the reference.
 fn f32_matches_float64_reference() {
-    let mut failures = Vec::new();
-    let mut seen = std::collections::BTreeSet::new();
-    for (case, entry) in manifest(&dir()) {
-        let name = &case.name;
-        let ck = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let Some(cfg) = config_of::<OmniSrConfig>(&ck.config) else {
-            panic!("{name}: not read as OmniSR: {:?}", ck.config);
-        };
-        let n = |k: &str| entry[k].as_u64().unwrap() as usize;
-        let b = |k: &str| entry[k].as_bool().unwrap();
-        assert_eq!(
-            (
-                cfg.scale,
-                cfg.features,
-                cfg.groups,
-                cfg.blocks,
-                cfg.window,
-                cfg.position_bias,
-                cfg.bias
-            ),
-            (
-                n("scale"),
-                n("features"),
-                n("groups"),
-                n("blocks"),
-                n("window"),
-                b("position_bias"),
-                b("bias")
-            ),
-            "{name}"
-        );
-        seen.insert(format!("x{}", cfg.scale));
-        seen.insert(format!("window {}", cfg.window));
-        seen.insert(format!("position bias {}", cfg.position_bias));
-        seen.insert(format!("bias {}", cfg.bias));
-        let padded = n("input_h") % cfg.window != 0 || n("input_w") % cfg.window != 0;
-        seen.insert(format!("padded {padded}"));
-        seen.insert(entry["weights_format"].as_str().unwrap().to_string());
-        let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
-        let (input, expected) = load_io(&case.io);
-        let out = model.net.forward(&input).unwrap();
-        let d = max_abs_diff(&out, &expected);
-        eprintln!("{name:<28} max |f32 - f64 reference| = {d:.3e}");
-        if d.is_nan() || d > TOLERANCE {
-            failures.push(format!("{name}: {d:.3e}"));
-        }
-    }
-    assert!(failures.is_empty(), "over {TOLERANCE:e}: {failures:?}");
-    for want in [
+    let want = [
         "x1",
         "x2",
         "x3",
@@ -86,31 +36,45 @@ fn f32_matches_float64_reference() {
         "pth-plain",
         "pth-params",
         "pth-ema",
-    ] {
-        assert!(seen.contains(want), "no fixture covers {want}");
-    }
+    ];
+    assert_every_fixture_matches(&dir(), &want, |f| {
+        let (name, cfg) = (f.name, f.config::<OmniSrConfig>());
+        assert_eq!(
+            (
+                cfg.scale,
+                cfg.features,
+                cfg.groups,
+                cfg.blocks,
+                cfg.window,
+                cfg.position_bias,
+                cfg.bias
+            ),
+            (
+                f.n("scale"),
+                f.n("features"),
+                f.n("groups"),
+                f.n("blocks"),
+                f.n("window"),
+                f.b("position_bias"),
+                f.b("bias")
+            ),
+            "{name}"
+        );
+        let padded = f.n("input_h") % cfg.window != 0 || f.n("input_w") % cfg.window != 0;
+        vec![
+            format!("x{}", cfg.scale),
+            format!("window {}", cfg.window),
+            format!("position bias {}", cfg.position_bias),
+            format!("bias {}", cfg.bias),
+            format!("padded {padded}"),
+        ]
+    });
 }
 
-#[test]
-fn omnisr_f32_matches_float64_reference_on_every_fixture() {
-    f32_matches_float64_reference();
-}
-
-/// The same with our kernels held to AVX2 (`UPSCALE_CPU_ISA=avx2`), the path of CPUs without
-/// AVX-512.
-#[test]
-fn omnisr_f32_matches_float64_reference_on_every_fixture_capped_to_avx2() {
-    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
-    with_cpu_isa(CpuIsa::Avx2, f32_matches_float64_reference);
-}
-
-/// The same with no vector kernels at all (`UPSCALE_CPU_ISA=scalar`): the depthwise
-/// convolutions, the attentions and the norms then run on candle's operations.
-#[test]
-fn omnisr_f32_matches_float64_reference_on_candles_operations() {
-    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
-    with_cpu_isa(CpuIsa::Scalar, f32_matches_float64_reference);
-}
+on_each_cpu_path!(f32_matches_float64_reference =>
+    omnisr_f32_matches_float64_reference_on_every_fixture,
+    omnisr_f32_matches_float64_reference_on_every_fixture_capped_to_avx2,
+    omnisr_f32_matches_float64_reference_on_candles_operations);
 
 /// bf16 on the CPU against the float64 reference, with the DRCT bounds; on a CPU without
 /// bf16 arithmetic, bf16 must be refused instead.

@@ -4,13 +4,11 @@
 
 use std::path::PathBuf;
 
-use candle_core::{DType, Device};
-
 use super::fixtures::{
-    assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
+    assert_bf16_close, assert_every_fixture_matches, assert_tiles_blend_to_whole, manifest,
+    on_each_cpu_path,
 };
 use crate::checkpoint::Checkpoint;
-use crate::model::Model;
 use crate::nets::plksr::{Mixer, PlksrConfig};
 use crate::nets::{config_of, NetConfig};
 
@@ -18,64 +16,11 @@ fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/plksr")
 }
 
-/// Every fixture read as the configuration it was made with, and within [`TOLERANCE`] of
-/// the reference.
+/// Every fixture read as the configuration it was made with, and within the f32 bound of
+/// the reference; with no vector kernels, the large kernel and the norms run on candle's
+/// operations.
 fn f32_matches_float64_reference() {
-    let mut failures = Vec::new();
-    let mut seen = std::collections::BTreeSet::new();
-    for (case, entry) in manifest(&dir()) {
-        let name = &case.name;
-        let ck = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let Some(cfg) = config_of::<PlksrConfig>(&ck.config) else {
-            panic!("{name}: not read as PLKSR: {:?}", ck.config);
-        };
-        let mixer = serde_json::to_value(cfg.mixer).unwrap();
-        assert_eq!(mixer, entry["mixer"], "{name}: channel mixer");
-        seen.insert(format!("mixer {}", mixer.as_str().unwrap()));
-        let n = |k: &str| entry[k].as_u64().unwrap() as usize;
-        let b = |k: &str| entry[k].as_bool().unwrap();
-        assert_eq!(
-            (
-                cfg.scale,
-                cfg.features,
-                cfg.blocks,
-                cfg.kernel,
-                cfg.partial,
-                cfg.attention,
-                cfg.layer_norm,
-                cfg.dysample
-            ),
-            (
-                n("scale"),
-                n("features"),
-                n("blocks"),
-                n("kernel"),
-                n("partial"),
-                b("attention"),
-                b("layer_norm"),
-                b("dysample")
-            ),
-            "{name}"
-        );
-        seen.insert(format!("x{}", cfg.scale));
-        seen.insert(format!("layer norm {}", cfg.layer_norm));
-        seen.insert(format!("attention {}", cfg.attention));
-        seen.insert(format!("split {}", cfg.partial < cfg.features));
-        if cfg.dysample {
-            seen.insert(format!("dysample x{}", cfg.scale));
-        }
-        seen.insert(entry["weights_format"].as_str().unwrap().to_string());
-        let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
-        let (input, expected) = load_io(&case.io);
-        let out = model.net.forward(&input).unwrap();
-        let d = max_abs_diff(&out, &expected);
-        eprintln!("{name:<28} max |f32 - f64 reference| = {d:.3e}");
-        if d.is_nan() || d > TOLERANCE {
-            failures.push(format!("{name}: {d:.3e}"));
-        }
-    }
-    assert!(failures.is_empty(), "over {TOLERANCE:e}: {failures:?}");
-    for want in [
+    let want = [
         "x1",
         "x2",
         "x3",
@@ -96,31 +41,52 @@ fn f32_matches_float64_reference() {
         "pth-plain",
         "pth-params",
         "pth-ema",
-    ] {
-        assert!(seen.contains(want), "no fixture covers {want}");
-    }
+    ];
+    assert_every_fixture_matches(&dir(), &want, |f| {
+        let (name, cfg) = (f.name, f.config::<PlksrConfig>());
+        let mixer = serde_json::to_value(cfg.mixer).unwrap();
+        assert_eq!(mixer, f.entry["mixer"], "{name}: channel mixer");
+        assert_eq!(
+            (
+                cfg.scale,
+                cfg.features,
+                cfg.blocks,
+                cfg.kernel,
+                cfg.partial,
+                cfg.attention,
+                cfg.layer_norm,
+                cfg.dysample
+            ),
+            (
+                f.n("scale"),
+                f.n("features"),
+                f.n("blocks"),
+                f.n("kernel"),
+                f.n("partial"),
+                f.b("attention"),
+                f.b("layer_norm"),
+                f.b("dysample")
+            ),
+            "{name}"
+        );
+        let mut labels = vec![
+            format!("mixer {}", mixer.as_str().unwrap()),
+            format!("x{}", cfg.scale),
+            format!("layer norm {}", cfg.layer_norm),
+            format!("attention {}", cfg.attention),
+            format!("split {}", cfg.partial < cfg.features),
+        ];
+        if cfg.dysample {
+            labels.push(format!("dysample x{}", cfg.scale));
+        }
+        labels
+    });
 }
 
-#[test]
-fn plksr_f32_matches_float64_reference_on_every_fixture() {
-    f32_matches_float64_reference();
-}
-
-/// The same with our kernels held to AVX2 (`UPSCALE_CPU_ISA=avx2`), the path of CPUs without
-/// AVX-512.
-#[test]
-fn plksr_f32_matches_float64_reference_on_every_fixture_capped_to_avx2() {
-    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
-    with_cpu_isa(CpuIsa::Avx2, f32_matches_float64_reference);
-}
-
-/// The same with no vector kernels at all (`UPSCALE_CPU_ISA=scalar`): the large kernel and
-/// the norms then run on candle's operations, which must agree too.
-#[test]
-fn plksr_f32_matches_float64_reference_on_candles_operations() {
-    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
-    with_cpu_isa(CpuIsa::Scalar, f32_matches_float64_reference);
-}
+on_each_cpu_path!(f32_matches_float64_reference =>
+    plksr_f32_matches_float64_reference_on_every_fixture,
+    plksr_f32_matches_float64_reference_on_every_fixture_capped_to_avx2,
+    plksr_f32_matches_float64_reference_on_candles_operations);
 
 /// bf16 on the CPU against the float64 reference, with the DRCT bounds; on a CPU without
 /// bf16 arithmetic, bf16 must be refused instead.

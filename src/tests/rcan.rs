@@ -9,7 +9,8 @@ use serde_json::Value;
 
 use super::esrgan::build_zeros;
 use super::fixtures::{
-    assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
+    assert_bf16_close, assert_every_fixture_matches, assert_tiles_blend_to_whole, load_io,
+    manifest, max_abs_diff, on_each_cpu_path,
 };
 use crate::checkpoint::Checkpoint;
 use crate::model::Model;
@@ -23,53 +24,7 @@ fn dir() -> PathBuf {
 }
 
 fn f32_matches_float64_reference() {
-    let mut failures = Vec::new();
-    let mut seen = std::collections::BTreeSet::new();
-    for (case, entry) in manifest(&dir()) {
-        let name = &case.name;
-        let ck = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let Some(cfg) = config_of::<RcanConfig>(&ck.config) else {
-            panic!("{name}: not read as RCAN: {:?}", ck.config);
-        };
-        let n = |k: &str| entry[k].as_u64().unwrap() as usize;
-        assert_eq!(
-            (
-                cfg.scale,
-                cfg.features,
-                cfg.groups,
-                cfg.blocks,
-                cfg.unshuffle
-            ),
-            (
-                n("scale"),
-                n("features"),
-                n("groups"),
-                n("blocks"),
-                n("unshuffle")
-            ),
-            "{name}"
-        );
-        assert_eq!(cfg.features / cfg.squeeze, n("reduction"), "{name}");
-        assert_eq!(
-            cfg.mean_shift,
-            entry["mean_shift"].as_bool().unwrap(),
-            "{name}"
-        );
-        assert!(ck.config.whole_input_matters(), "{name}");
-        seen.insert(format!("x{}", cfg.scale));
-        seen.insert(format!("shift {}", cfg.mean_shift));
-        seen.insert(format!("unshuffle {}", cfg.unshuffle));
-        let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
-        let (input, expected) = load_io(&case.io);
-        let out = model.net.forward(&input).unwrap();
-        let d = max_abs_diff(&out, &expected);
-        eprintln!("{name:<28} max |f32 - f64 reference| = {d:.3e}");
-        if d.is_nan() || d > TOLERANCE {
-            failures.push(format!("{name}: {d:.3e}"));
-        }
-    }
-    assert!(failures.is_empty(), "over {TOLERANCE:e}: {failures:?}");
-    for want in [
+    let want = [
         "x1",
         "x2",
         "x3",
@@ -79,30 +34,41 @@ fn f32_matches_float64_reference() {
         "shift false",
         "unshuffle 2",
         "unshuffle 4",
-    ] {
-        assert!(seen.contains(want), "no fixture covers {want}");
-    }
+    ];
+    assert_every_fixture_matches(&dir(), &want, |f| {
+        let (name, cfg) = (f.name, f.config::<RcanConfig>());
+        assert_eq!(
+            (
+                cfg.scale,
+                cfg.features,
+                cfg.groups,
+                cfg.blocks,
+                cfg.unshuffle
+            ),
+            (
+                f.n("scale"),
+                f.n("features"),
+                f.n("groups"),
+                f.n("blocks"),
+                f.n("unshuffle")
+            ),
+            "{name}"
+        );
+        assert_eq!(cfg.features / cfg.squeeze, f.n("reduction"), "{name}");
+        assert_eq!(cfg.mean_shift, f.b("mean_shift"), "{name}");
+        assert!(f.checkpoint.config.whole_input_matters(), "{name}");
+        vec![
+            format!("x{}", cfg.scale),
+            format!("shift {}", cfg.mean_shift),
+            format!("unshuffle {}", cfg.unshuffle),
+        ]
+    });
 }
 
-#[test]
-fn rcan_f32_matches_float64_reference_on_every_fixture() {
-    f32_matches_float64_reference();
-}
-
-/// The same with our kernels held to AVX2 (`UPSCALE_CPU_ISA=avx2`), the path of CPUs without
-/// AVX-512.
-#[test]
-fn rcan_f32_matches_float64_reference_on_every_fixture_capped_to_avx2() {
-    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
-    with_cpu_isa(CpuIsa::Avx2, f32_matches_float64_reference);
-}
-
-/// The same with no vector kernels at all: candle's operations, which must agree too.
-#[test]
-fn rcan_f32_matches_float64_reference_on_candles_operations() {
-    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
-    with_cpu_isa(CpuIsa::Scalar, f32_matches_float64_reference);
-}
+on_each_cpu_path!(f32_matches_float64_reference =>
+    rcan_f32_matches_float64_reference_on_every_fixture,
+    rcan_f32_matches_float64_reference_on_every_fixture_capped_to_avx2,
+    rcan_f32_matches_float64_reference_on_candles_operations);
 
 /// bf16 on the CPU against the float64 reference, with the DRCT bounds; on a CPU without
 /// bf16 arithmetic, bf16 must be refused instead.

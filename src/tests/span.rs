@@ -4,13 +4,11 @@
 
 use std::path::PathBuf;
 
-use candle_core::{DType, Device};
-
 use super::fixtures::{
-    assert_bf16_close, assert_tiles_blend_to_whole, load_io, manifest, max_abs_diff, TOLERANCE,
+    assert_bf16_close, assert_every_fixture_matches, assert_tiles_blend_to_whole, manifest,
+    on_each_cpu_path,
 };
 use crate::checkpoint::Checkpoint;
-use crate::model::Model;
 use crate::nets::span::SpanConfig;
 use crate::nets::{config_of, NetConfig};
 
@@ -18,45 +16,11 @@ fn dir() -> PathBuf {
     crate::tests::repo().join("tests/golden/span")
 }
 
-/// Every fixture read as the configuration it was made with, and within [`TOLERANCE`] of
+/// Every fixture read as the configuration it was made with, and within the f32 bound of
 /// the reference. The files' `eval_conv` tensors are random (the reference folds its three
 /// branches again on every forward): reading them instead of folding is off by 1e11.
 fn f32_matches_float64_reference() {
-    let mut failures = Vec::new();
-    let mut seen = std::collections::BTreeSet::new();
-    for (case, entry) in manifest(&dir()) {
-        let name = &case.name;
-        let ck = Checkpoint::load(&case.weights).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let Some(cfg) = config_of::<SpanConfig>(&ck.config) else {
-            panic!("{name}: not read as SPAN: {:?}", ck.config);
-        };
-        let n = |k: &str| entry[k].as_u64().unwrap() as usize;
-        let norm = entry["norm"].as_bool().unwrap();
-        assert_eq!(
-            (
-                cfg.scale,
-                cfg.features,
-                cfg.norm,
-                cfg.in_channels,
-                cfg.out_channels
-            ),
-            (n("scale"), n("features"), norm, 3, 3),
-            "{name}"
-        );
-        seen.insert(format!("x{}", cfg.scale));
-        seen.insert(format!("norm {norm}"));
-        seen.insert(entry["weights_format"].as_str().unwrap().to_string());
-        let model = Model::from_checkpoint(ck, DType::F32, &Device::Cpu).unwrap();
-        let (input, expected) = load_io(&case.io);
-        let out = model.net.forward(&input).unwrap();
-        let d = max_abs_diff(&out, &expected);
-        eprintln!("{name:<28} max |f32 - f64 reference| = {d:.3e}");
-        if d.is_nan() || d > TOLERANCE {
-            failures.push(format!("{name}: {d:.3e}"));
-        }
-    }
-    assert!(failures.is_empty(), "over {TOLERANCE:e}: {failures:?}");
-    for want in [
+    let want = [
         "x1",
         "x2",
         "x3",
@@ -67,23 +31,28 @@ fn f32_matches_float64_reference() {
         "pth-plain",
         "pth-params",
         "pth-ema",
-    ] {
-        assert!(seen.contains(want), "no fixture covers {want}");
-    }
+    ];
+    assert_every_fixture_matches(&dir(), &want, |f| {
+        let (name, cfg) = (f.name, f.config::<SpanConfig>());
+        let norm = f.b("norm");
+        assert_eq!(
+            (
+                cfg.scale,
+                cfg.features,
+                cfg.norm,
+                cfg.in_channels,
+                cfg.out_channels
+            ),
+            (f.n("scale"), f.n("features"), norm, 3, 3),
+            "{name}"
+        );
+        vec![format!("x{}", cfg.scale), format!("norm {norm}")]
+    });
 }
 
-#[test]
-fn span_f32_matches_float64_reference_on_every_fixture() {
-    f32_matches_float64_reference();
-}
-
-/// The same with our kernels held to AVX2 (`UPSCALE_CPU_ISA=avx2`), the path of CPUs without
-/// AVX-512, so that it is checked on every run of the tests.
-#[test]
-fn span_f32_matches_float64_reference_on_every_fixture_capped_to_avx2() {
-    use crate::ops::cpu::isa::{with_cpu_isa, CpuIsa};
-    with_cpu_isa(CpuIsa::Avx2, f32_matches_float64_reference);
-}
+on_each_cpu_path!(f32_matches_float64_reference =>
+    span_f32_matches_float64_reference_on_every_fixture,
+    span_f32_matches_float64_reference_on_every_fixture_capped_to_avx2);
 
 /// `{'params_ema': ...}` in a `.pth` (traiNNer's release layout), named in `info`.
 #[test]

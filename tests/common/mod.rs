@@ -196,3 +196,25 @@ pub fn temporaries_under(dir: &Path) -> Vec<String> {
         .filter(|f| f.contains("upscale-tmp"))
         .collect()
 }
+
+/// `upscale info --json MODEL` run in `dir`, which must succeed: the JSON it prints.
+pub fn info_json(dir: &Path, model: impl AsRef<std::ffi::OsStr>) -> serde_json::Value {
+    let run = bare(dir)
+        .args(["info", "--json"])
+        .arg(model)
+        .output()
+        .unwrap();
+    assert_success(&run);
+    serde_json::from_str(stdout(&run).trim()).unwrap()
+}
+
+/// `upscale -m MODEL --device cpu INPUT -o OUTPUT` run in `dir`, which must succeed.
+pub fn run_on_cpu(dir: &Path, model: impl AsRef<std::ffi::OsStr>, (input, output): (&str, &str)) {
+    let run = bare(dir)
+        .arg("-m")
+        .arg(model)
+        .args(["--device", "cpu", input, "-o", output])
+        .output()
+        .unwrap();
+    assert_success(&run);
+}
