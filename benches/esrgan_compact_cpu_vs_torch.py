@@ -6,7 +6,9 @@ blocks, 17x17 on 16 channels, GroupNorm; PixelShuffle or DySample, 128x128 input
 original PLKSR x4 (the same widths, DCCM mixer, attention, 128x128 input) and OmniSR x4
 (64 features, 5 groups of 1 block, window 8, 128x128 input), Real-CUGAN x2 and x4
 (128x128 input), RCAN x4 and x2 (the release's 64 features, 10 groups of 20 blocks,
-64x64 input) and MoSR x4 (64 features, 24 blocks, 7x7 depthwise, 64x64 input) on the CPU: the
+64x64 input), MoSR x4 (64 features, 24 blocks, 7x7 depthwise, 64x64 input) and FDAT x4 (the
+"medium" shape: embed 120, 4 groups of 3 pairs of blocks, 4 heads, window 8; its default
+transpose+conv upsampler, and pixelshuffle; 64x64 input) on the CPU: the
 `upscale` binary's whole process (`--device cpu --tile 0`, fp32) against PyTorch's warm
 forward of spandrel's module (fp32, the same threads), interleaved run by run so both see
 the same machine.
@@ -14,7 +16,7 @@ the same machine.
   python3 benches/esrgan_compact_cpu_vs_torch.py UPSCALE_BINARY [RUNS] [THREADS] [ONLY]
 
 ONLY, if given, keeps the cases whose name starts with it (`SPAN`, `ESRGAN`, `Compact`,
-`DAT`, `RealPLKSR`, `PLKSR`, `OmniSR`, `Real-CUGAN`, `RCAN`, `MoSR`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
+`DAT`, `RealPLKSR`, `PLKSR`, `OmniSR`, `Real-CUGAN`, `RCAN`, `MoSR`, `FDAT`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
 
 Needs torch, spandrel, safetensors, numpy, Pillow. The models are random weights written to a
 temporary folder; the inputs are crops of tests/photos/coffee.png.
@@ -36,6 +38,7 @@ from safetensors.torch import save_file
 from spandrel.architectures.Compact import Compact
 from spandrel.architectures.DAT import DAT
 from spandrel.architectures.ESRGAN import ESRGAN
+from spandrel.architectures.FDAT import FDAT
 from spandrel.architectures.MoSR import MoSR
 from spandrel.architectures.OmniSR import OmniSR
 from spandrel.architectures.PLKSR import PLKSR, RealPLKSR
@@ -74,6 +77,12 @@ cases = [
     ("RCAN x4 (the release's shape: 64 features, 10 groups of 20 blocks)", RCAN(scale=4), 64),
     ("RCAN x2 (the same shape)", RCAN(scale=2), 64),
     ("MoSR x4 (64 features, 24 blocks, 7x7 depthwise)", MoSR(upscale=4), 64),
+    ("FDAT x4 medium (embed 120, 4 groups of 3 pairs, window 8), transpose+conv",
+     FDAT(embed_dim=120, num_groups=4, depth_per_group=3, num_heads=4, window_size=8,
+          scale=4), 64),
+    ("FDAT x4 medium, pixelshuffle",
+     FDAT(embed_dim=120, num_groups=4, depth_per_group=3, num_heads=4, window_size=8,
+          scale=4, upsampler_type="pixelshuffle"), 64),
 ]
 cases = [c for c in cases if c[0].startswith(only)]
 with tempfile.TemporaryDirectory() as tmp:

@@ -72,6 +72,12 @@ PRESETS = {
     # MoSR as its defaults (64 features, 24 GatedCNN blocks, 7x7 depthwise, PixelShuffle).
     "mosr": dict(arch="mosr", dim=64, n_block=24, window_size=1),
     "mosr-tiny": dict(arch="mosr", dim=16, n_block=2, window_size=1),
+    # FDAT "medium" (embed 120, 4 groups of 3 pairs of blocks, 4 heads, window 8) with its
+    # default transpose+conv upsampler; it pads its windows itself (zero tokens).
+    "fdat": dict(arch="fdat", embed_dim=120, num_groups=4, depth_per_group=3, num_heads=4,
+                 window_size=1),
+    "fdat-tiny": dict(arch="fdat", embed_dim=16, num_groups=1, depth_per_group=1, num_heads=2,
+                      window_size=1),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -109,6 +115,11 @@ def build_model(preset, seed):
     if arch == "mosr":
         from spandrel.architectures.MoSR import MoSR
         return MoSR(upscale=4, dim=p["dim"], n_block=p["n_block"]).eval()
+    if arch == "fdat":
+        from spandrel.architectures.FDAT import FDAT
+        return FDAT(scale=4, embed_dim=p["embed_dim"], num_groups=p["num_groups"],
+                    depth_per_group=p["depth_per_group"], num_heads=p["num_heads"],
+                    window_size=8).eval()
     if arch == "rcan":
         from spandrel.architectures.RCAN import RCAN
         return RCAN(scale=4, n_feats=p["n_feats"], n_resgroups=p["n_resgroups"],

@@ -2243,6 +2243,36 @@ fn rcan_model_runs_and_a_broken_one_is_named() {
     );
 }
 
+/// An FDAT `{'params_ema': ...}` `.pth` with transposed convolutions: `info` names it, a run
+/// writes twice the input's size; a file whose description names the LDA upsampler is refused
+/// by name.
+#[test]
+fn fdat_model_runs_and_an_lda_one_is_named() {
+    let d = tempdir();
+    let dir = d.path();
+    with_input(dir);
+    fs::copy(golden("fdat/fdat_x2_tc.pth"), dir.join("fdat.pth")).unwrap();
+    let v = info_json(dir, "fdat.pth");
+    assert_eq!(v["architecture"], "FDAT");
+    assert_eq!(v["scale"], 2);
+    assert_eq!(v["upsampler"], "transpose+conv");
+    run_on_cpu(dir, "fdat.pth", ("in.png", "out.png"));
+    assert_eq!(open(&dir.join("out.png")).dimensions(), (40, 32));
+
+    let mut tensors =
+        candle_core::safetensors::load(golden("fdat/fdat_x4_ps.safetensors"), &Device::Cpu)
+            .unwrap();
+    let lda = Tensor::from_vec(vec![3u8, 6, 4, 16, 3, 12, 4], 7, &Device::Cpu).unwrap();
+    tensors.insert("upsampler.MetaUpsample".into(), lda);
+    candle_core::safetensors::save(&tensors, dir.join("lda.safetensors")).unwrap();
+    assert_rejected(
+        dir,
+        &mut with_model(dir, "lda.safetensors"),
+        2,
+        &["lda.safetensors", "FDAT checkpoint", "LDA upsampler"],
+    );
+}
+
 /// A greyscale ESRGAN (one channel in and out) runs on a colour image's luma and writes equal
 /// channels; on a grey PNG it writes a grey PNG.
 #[test]

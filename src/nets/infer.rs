@@ -173,6 +173,9 @@ pub enum ConfigError {
     /// A MoSR checkpoint that does not fit MoSR's configuration.
     #[error("MoSR checkpoint: {0}")]
     Mosr(#[source] Box<ConfigError>),
+    /// An FDAT checkpoint that does not fit FDAT's configuration.
+    #[error("FDAT checkpoint: {0}")]
+    Fdat(#[source] Box<ConfigError>),
 }
 
 impl ConfigError {

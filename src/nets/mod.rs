@@ -7,6 +7,7 @@ pub mod compact;
 pub mod dat;
 pub mod drct;
 pub mod esrgan;
+pub mod fdat;
 mod frame;
 pub mod hat;
 pub mod infer;

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use super::{
-    compact, dat, drct, esrgan, hat, mosr, omnisr, plksr, rcan, realcugan, span, swin2sr, swinir,
-    ArchConfig, ConfigError,
+    compact, dat, drct, esrgan, fdat, hat, mosr, omnisr, plksr, rcan, realcugan, span, swin2sr,
+    swinir, ArchConfig, ConfigError,
 };
 
 /// A state dict's tensor names and shapes.
@@ -66,6 +66,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &realcugan::Arch,
     &rcan::Arch,
     &mosr::Arch,
+    &fdat::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises
@@ -169,8 +170,16 @@ const OTHERS: &[(&str, Signature)] = &[
     ("an RGT checkpoint", |s| {
         has(s, "before_RG.1.weight") && any(s, |k| k.contains(".attn.get_v."))
     }),
-    ("an FDAT checkpoint", |s| {
-        any(s, |k| k.starts_with("groups.") && k.ends_with(".n1.weight"))
+    ("a GRL checkpoint", |s| {
+        any(s, |k| {
+            k.ends_with("attn.window_attn.attn_transform.logit_scale")
+        })
+    }),
+    ("a DITN checkpoint", |s| {
+        has(s, "sft.weight") && any(s, |k| k.starts_with("UFONE."))
+    }),
+    ("a SAFMN checkpoint", |s| {
+        has(s, "to_feat.weight") && any(s, |k| k.contains(".safm.mfr."))
     }),
     ("a SeemoRe checkpoint", |s| {
         any(s, |k| k.contains(".local_block."))

@@ -146,8 +146,8 @@ fn structured(
 
 /// The same structured mutations of an ESRGAN model that unshuffles its input, of Compact
 /// models, of RealPLKSR models (one with DySample), of an OmniSR model, of RCAN models (one
-/// unshuffling its input), of MoSR models and of greyscale ones: their configuration is read from layer
-/// indices and channel ratios.
+/// unshuffling its input), of MoSR models, of greyscale ones and of FDAT models: their configuration is read from layer
+/// indices and channel ratios; of FDAT models, whose upsampler only its description names.
 #[test]
 fn mutated_esrgan_and_compact_checkpoints_never_panic() {
     let mut rng = Rng(0x5851_f42d_4c95_7f2d);
@@ -165,11 +165,63 @@ fn mutated_esrgan_and_compact_checkpoints_never_panic() {
         "grey/span_x2_grey.safetensors",
         "mosr/mosr_x2_gps.safetensors",
         "mosr/mosr_x3_dys.safetensors",
+        "fdat/fdat_x4_ps.safetensors",
+        "fdat/fdat_x2_unshuffle.safetensors",
+        "fdat/fdat_x4_dys.safetensors",
+        "fdat/fdat_x2_pa.safetensors",
     ] {
         let original = std::fs::read(crate::tests::golden(file)).unwrap();
         assert!(load_and_run(&original, file), "{file} must load");
         let accepted = structured(&tensors(&original), &mut rng, 300, file);
         eprintln!("{file}: 300 mutated files, {accepted} accepted, none panicked");
+    }
+}
+
+/// FDAT's upsampler description (`upsampler.MetaUpsample`) with random values, some far out
+/// of range or not numbers, over each kind of upsampler's tensors: loaded and run, never a
+/// panic; the file's own values load.
+#[test]
+fn fdat_upsampler_descriptions_never_panic() {
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let values = [
+        0.0,
+        1.0,
+        2.0,
+        3.0,
+        4.0,
+        7.0,
+        16.0,
+        255.0,
+        1e9,
+        -1.0,
+        f32::NAN,
+        f32::INFINITY,
+    ];
+    for file in [
+        "fdat/fdat_x4_ps.safetensors",
+        "fdat/fdat_x2_pa.safetensors",
+        "fdat/fdat_x3_psd.safetensors",
+        "fdat/fdat_x4_nc.safetensors",
+    ] {
+        let original = tensors(&std::fs::read(crate::tests::golden(file)).unwrap());
+        let meta = original
+            .iter()
+            .position(|(name, _, _)| name == "upsampler.MetaUpsample")
+            .expect("the description");
+        assert!(
+            load_and_run(&serialize(&original), file),
+            "{file} must load"
+        );
+        let mut accepted = 0;
+        for i in 0..200 {
+            let mut t = original.clone();
+            for _ in 0..1 + rng.below(3) {
+                let at = rng.below(7);
+                t[meta].2[at] = values[rng.below(values.len())];
+            }
+            accepted += load_and_run(&serialize(&t), &format!("{file} description #{i}")) as usize;
+        }
+        eprintln!("{file}: 200 descriptions, {accepted} accepted, none panicked");
     }
 }
 

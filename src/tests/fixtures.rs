@@ -55,7 +55,7 @@ pub fn manifest(dir: &Path) -> Vec<(Case, serde_json::Value)> {
 }
 
 /// The families with fixtures of their own under tests/golden/ (DRCT's are at its top).
-pub const FAMILIES: [&str; 12] = [
+pub const FAMILIES: [&str; 13] = [
     "swinir",
     "swin2sr",
     "hat",
@@ -68,6 +68,7 @@ pub const FAMILIES: [&str; 12] = [
     "realcugan",
     "rcan",
     "mosr",
+    "fdat",
 ];
 
 /// The cases of one family's fixtures (`""` for DRCT's), weights included: Real-CUGAN's

@@ -10,6 +10,7 @@ mod checkpoint_mutations;
 mod compact;
 mod dat;
 mod esrgan;
+mod fdat;
 pub(crate) mod fixtures;
 mod golden;
 #[cfg(feature = "cuda")]
