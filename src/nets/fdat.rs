@@ -41,7 +41,9 @@ use crate::nets::registry::{Architecture, Beyond, Values};
 use crate::nets::swin::reflect_pad_bottom_right;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::attention::channel::channel_attention;
+use crate::ops::attention::cpu::window_attention;
 use crate::ops::conv::depthwise::Depthwise3x3;
+use crate::ops::conv::transposed::Deconv;
 use crate::ops::conv::{Act, Conv3x3};
 use crate::ops::cpu::cpu_slice;
 use crate::ops::cpu::depthwise::{Rows, Then};
@@ -49,7 +51,8 @@ use crate::ops::dysample::DySample;
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
-use crate::ops::{add, build_layers, gelu_erf, mean_hw, LoadPlan};
+use crate::ops::windows::RelativeBias;
+use crate::ops::{add, build_layers, gelu_erf, mean_hw, scale_leading, LoadPlan};
 
 /// nn.LayerNorm's default epsilon, the blocks' norms.
 const EPS: f64 = 1e-5;
@@ -605,8 +608,13 @@ fn depthwise_of(conv: &Depthwise3x3, x: &Tensor, gelu: bool) -> Result<Tensor> {
 
 /// A block's attention.
 enum Attention {
-    /// Windows of `window`² tokens with a free `(heads, N, N)` bias.
-    Spatial { bias: Tensor, window: usize },
+    /// Windows of `window`² tokens with a free `(heads, N, N)` bias; its values for the
+    /// CPU kernel where the layer is on the CPU in f32.
+    Spatial {
+        bias: Tensor,
+        table: Option<RelativeBias>,
+        window: usize,
+    },
     /// Over channels, with a temperature per head (`(heads, 1, 1)`; its values for the
     /// CPU kernel).
     Channel { temp: Tensor, host: Vec<f32> },
@@ -633,8 +641,13 @@ impl Block {
         let (d, f, r, h) = (cfg.embed_dim, cfg.ffn_hidden, cfg.gate_hidden, cfg.heads);
         let n = cfg.window_size * cfg.window_size;
         let attention = if spatial {
+            let bias = vb.get((h, n, n), "attn.bias")?;
+            let on_cpu = bias.device().is_cpu() && bias.dtype() == DType::F32;
             Attention::Spatial {
-                bias: vb.get((h, n, n), "attn.bias")?,
+                table: on_cpu
+                    .then(|| RelativeBias::full(&bias, cfg.window_size))
+                    .transpose()?,
+                bias,
                 window: cfg.window_size,
             }
         } else {
@@ -653,7 +666,17 @@ impl Block {
             n2: Norm::load(&Pad::OFF.one(d), EPS, vb.pp("n2"))?,
             attention,
             heads: h,
-            qkv: linear(d, 3 * d, plan, vb.pp("attn.qkv"))?,
+            qkv: {
+                // The spatial attention's 1/√(head dim) folded into q's weights, as the
+                // window kernel takes q.
+                let w = vb.get((3 * d, d), "attn.qkv.weight")?;
+                let w = match spatial {
+                    true => scale_leading(&w, d, ((d / h) as f64).powf(-0.5))?,
+                    false => w,
+                };
+                let zeros = Tensor::zeros(3 * d, w.dtype(), w.device())?;
+                Dense::new(w, zeros, plan)?
+            },
             proj: Dense::load_unpadded(d, d, plan, vb.pp("attn.proj"))?,
             conv: depthwise(d, vb.pp("conv.0"))?,
             spatial_gate: one_by_one("inter.sg.0.weight", (d, 1))?,
@@ -670,7 +693,12 @@ impl Block {
     /// Window attention of `x` `(B, H, W, C)`: zero tokens pad the map to whole windows
     /// (they take part in every softmax of their windows, as in the reference), then each
     /// window's heads, the projection, and the padding cropped.
-    fn spatial(&self, x: &Tensor, bias: &Tensor, ws: usize) -> Result<Tensor> {
+    fn spatial(
+        &self,
+        x: &Tensor,
+        (bias, table): (&Tensor, Option<&RelativeBias>),
+        ws: usize,
+    ) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let (hp, wp) = (h.div_ceil(ws) * ws, w.div_ceil(ws) * ws);
         let (ny, nx, n) = (hp / ws, wp / ws, ws * ws);
@@ -683,21 +711,27 @@ impl Block {
             .permute((0, 1, 3, 2, 4, 5))?
             .contiguous()?
             .reshape((bw, n, c))?;
-        let qkv = self
-            .qkv
-            .forward(&windows)?
-            .reshape((bw, n, 3, heads, d))?
-            .permute((2, 0, 3, 1, 4))?;
-        let part = |i: usize| qkv.get(i)?.contiguous();
-        let q = (part(0)? * (d as f64).powf(-0.5))?;
-        let (k, v) = (part(1)?, part(2)?);
-        let scores = q.matmul(&k.t()?.contiguous()?)?.broadcast_add(bias)?;
-        let p = candle_nn::ops::softmax_last_dim(&scores)?;
-        let y = p
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((bw, n, c))?;
+        let qkv = self.qkv.forward(&windows)?;
+        let fused = match table {
+            Some(table) => window_attention(&qkv, table, None, None)?,
+            None => None,
+        };
+        let y = match fused {
+            Some(y) => y,
+            None => {
+                let qkv = qkv
+                    .reshape((bw, n, 3, heads, d))?
+                    .permute((2, 0, 3, 1, 4))?;
+                let part = |i: usize| qkv.get(i)?.contiguous();
+                let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+                let scores = q.matmul(&k.t()?.contiguous()?)?.broadcast_add(bias)?;
+                let p = candle_nn::ops::softmax_last_dim(&scores)?;
+                p.matmul(&v)?
+                    .transpose(1, 2)?
+                    .contiguous()?
+                    .reshape((bw, n, c))?
+            }
+        };
         self.proj
             .forward(&y)?
             .reshape((b, ny, nx, ws, ws, c))?
@@ -747,8 +781,12 @@ impl Module for Block {
         let n = layer_norm(&self.n1, x)?;
         let conv = depthwise_of(&self.conv, &n, true)?;
         let fused = match &self.attention {
-            Attention::Spatial { bias, window } => {
-                let a = self.spatial(&n, bias, *window)?;
+            Attention::Spatial {
+                bias,
+                table,
+                window,
+            } => {
+                let a = self.spatial(&n, (bias, table.as_ref()), *window)?;
                 // The convolution's mean gives the attention a gate per channel.
                 let (w1, w3) = &self.channel_gate;
                 let pooled = mean_hw(&conv)?.reshape((b, c))?;
@@ -786,39 +824,6 @@ impl Module for Group {
     }
 }
 
-/// A transposed convolution `(in, out, k, k)` with its bias, at `stride` with `padding`.
-struct Transposed {
-    weight: Tensor,
-    bias: Tensor,
-    stride: usize,
-    padding: usize,
-}
-
-impl Transposed {
-    fn load(
-        (cin, cout, k): (usize, usize, usize),
-        (stride, padding): (usize, usize),
-        vb: VarBuilder,
-    ) -> Result<Self> {
-        Ok(Self {
-            weight: vb.get((cin, cout, k, k), "weight")?,
-            bias: vb.get(cout, "bias")?.reshape((1, cout, 1, 1))?,
-            stride,
-            padding,
-        })
-    }
-
-    /// `x` `(B, H, W, C)` to `(B, H', W', out)`, on candle's channels-first operation.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x
-            .permute((0, 3, 1, 2))?
-            .contiguous()?
-            .conv_transpose2d(&self.weight, self.padding, 0, self.stride, 1)?
-            .broadcast_add(&self.bias)?;
-        y.permute((0, 2, 3, 1))?.contiguous()
-    }
-}
-
 /// The upsampler, built.
 enum Up {
     Conv(Conv3x3),
@@ -836,7 +841,7 @@ enum Up {
         last: Conv3x3,
     },
     DySample(Option<Conv3x3>, DySample),
-    Transposed(Vec<Transposed>, Conv3x3),
+    Transposed(Vec<Deconv>, Conv3x3),
     /// Per stage: the 3x3 after the nearest upsampling, the pixel attention's 1x1 and the
     /// second 3x3.
     Pa {
@@ -889,13 +894,11 @@ impl Up {
                 )
             }
             Upsampler::TransposeConv => {
+                let t = |cio, ksp, i: &str| Deconv::new(cio, ksp, plan, vb.pp(i));
                 let ts = match s {
-                    2 => vec![Transposed::load((d, o, 4), (2, 1), vb.pp("0"))?],
-                    3 => vec![Transposed::load((d, o, 3), (3, 0), vb.pp("0"))?],
-                    _ => vec![
-                        Transposed::load((d, d, 4), (2, 1), vb.pp("0"))?,
-                        Transposed::load((d, o, 4), (2, 1), vb.pp("2"))?,
-                    ],
+                    2 => vec![t((d, o), (4, 2, 1), "0")?],
+                    3 => vec![t((d, o), (3, 3, 0), "0")?],
+                    _ => vec![t((d, d), (4, 2, 1), "0")?, t((d, o), (4, 2, 1), "2")?],
                 };
                 let last = conv(o, o, ts.len() * 2 - 1)?;
                 Self::Transposed(ts, last)

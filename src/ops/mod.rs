@@ -54,6 +54,17 @@ pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `x` `(B, H, W, C)` less `t` pixels on every side: one pass on the CPU.
+pub(crate) fn crop(x: &Tensor, t: usize) -> Result<Tensor> {
+    if let Some(y) = cpu::centre(x, t, cpu::Centre::Plain)? {
+        return Ok(y);
+    }
+    let (_, h, w, _) = x.dims4()?;
+    x.narrow(1, t, h - 2 * t)?
+        .narrow(2, t, w - 2 * t)?
+        .contiguous()
+}
+
 /// `t` with its first `n` entries along axis 0 multiplied by `by`, the same values as
 /// `cat([t.narrow(0, 0, n) * by, t.narrow(0, n, ..)])`: a qkv projection with head_dim^-0.5
 /// folded into its query rows. One copy on the CPU in f32, where the narrow, the scaling and

@@ -32,8 +32,12 @@ pub struct RelativeBias {
     height: usize,
     window: usize,
     heads: usize,
-    /// `rows[(h * rows + r) * side + m] = table[r * side + side - 1 - m][h]`, `rows = 2hs - 1`.
+    /// `rows[(h * rows + r) * side + m] = table[r * side + side - 1 - m][h]`, `rows = 2hs - 1`;
+    /// where `full`, the `(heads, N, N)` bias itself.
     rows: Vec<f32>,
+    /// A bias free for every pair of tokens (FDAT's), not a function of their offset
+    /// ([`Self::full`]).
+    full: bool,
 }
 
 impl RelativeBias {
@@ -66,6 +70,28 @@ impl RelativeBias {
             window: ws,
             heads,
             rows: reversed,
+            full: false,
+        })
+    }
+
+    /// A bias free for every pair of tokens of `ws`-square windows: `bias` `(heads, N, N)`.
+    pub fn full(bias: &Tensor, ws: usize) -> Result<Self> {
+        let n = ws * ws;
+        let (heads, rows, cols) = bias.dims3()?;
+        if ws == 0 || rows != n || cols != n {
+            candle_core::bail!("a bias of {rows}x{cols} for windows of {ws}x{ws} tokens");
+        }
+        let rows = bias
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        Ok(Self {
+            height: ws,
+            window: ws,
+            heads,
+            rows,
+            full: true,
         })
     }
 
@@ -86,6 +112,12 @@ impl RelativeBias {
     /// Adds head `h`'s biases for query `i` to its `N` scores.
     #[inline(always)]
     pub fn add_to_row(&self, h: usize, i: usize, row: &mut [f32]) {
+        if self.full {
+            let n = self.tokens();
+            let bias = &self.rows[(h * n + i) * n..][..n];
+            row.iter_mut().zip(bias).for_each(|(s, b)| *s += b);
+            return;
+        }
         // The official windows, with their runs a compile-time length: whole vector adds.
         match self.window {
             16 => self.add_runs::<16>(h, i, row),

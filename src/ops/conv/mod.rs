@@ -10,6 +10,7 @@ pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub mod depthwise;
 pub mod partial;
+pub mod transposed;
 pub(crate) mod winograd;
 
 use candle_core::{DType, Module, Result, Tensor};
