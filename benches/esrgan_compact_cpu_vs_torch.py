@@ -8,7 +8,8 @@ original PLKSR x4 (the same widths, DCCM mixer, attention, 128x128 input) and Om
 (128x128 input), RCAN x4 and x2 (the release's 64 features, 10 groups of 20 blocks,
 64x64 input), MoSR x4 (64 features, 24 blocks, 7x7 depthwise, 64x64 input) and FDAT x4 (the
 "medium" shape: embed 120, 4 groups of 3 pairs of blocks, 4 heads, window 8; its default
-transpose+conv upsampler, and pixelshuffle; 64x64 input) on the CPU: the
+transpose+conv upsampler, and pixelshuffle; 64x64 input) and SAFMN x4 (the release's dim 36,
+8 blocks; 128x128 input) on the CPU: the
 `upscale` binary's whole process (`--device cpu --tile 0`, fp32) against PyTorch's warm
 forward of spandrel's module (fp32, the same threads), interleaved run by run so both see
 the same machine.
@@ -16,7 +17,7 @@ the same machine.
   python3 benches/esrgan_compact_cpu_vs_torch.py UPSCALE_BINARY [RUNS] [THREADS] [ONLY]
 
 ONLY, if given, keeps the cases whose name starts with it (`SPAN`, `ESRGAN`, `Compact`,
-`DAT`, `RealPLKSR`, `PLKSR`, `OmniSR`, `Real-CUGAN`, `RCAN`, `MoSR`, `FDAT`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
+`DAT`, `RealPLKSR`, `PLKSR`, `OmniSR`, `Real-CUGAN`, `RCAN`, `MoSR`, `FDAT`, `SAFMN`). To compare on AVX2 alone: UPSCALE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2.
 
 Needs torch, spandrel, safetensors, numpy, Pillow. The models are random weights written to a
 temporary folder; the inputs are crops of tests/photos/coffee.png.
@@ -44,6 +45,7 @@ from spandrel.architectures.OmniSR import OmniSR
 from spandrel.architectures.PLKSR import PLKSR, RealPLKSR
 from spandrel.architectures.RCAN import RCAN
 from spandrel.architectures.RealCUGAN import UpCunet2x, UpCunet4x
+from spandrel.architectures.SAFMN import SAFMN
 from spandrel.architectures.SPAN import SPAN
 from torch_swin_reference import fold_once  # benches/, beside this script
 
@@ -83,6 +85,7 @@ cases = [
     ("FDAT x4 medium, pixelshuffle",
      FDAT(embed_dim=120, num_groups=4, depth_per_group=3, num_heads=4, window_size=8,
           scale=4, upsampler_type="pixelshuffle"), 64),
+    ("SAFMN x4 (the release's dim 36, 8 blocks)", SAFMN(dim=36, n_blocks=8), 128),
 ]
 cases = [c for c in cases if c[0].startswith(only)]
 with tempfile.TemporaryDirectory() as tmp:

@@ -78,6 +78,10 @@ PRESETS = {
                  window_size=1),
     "fdat-tiny": dict(arch="fdat", embed_dim=16, num_groups=1, depth_per_group=1, num_heads=2,
                       window_size=1),
+    # SAFMN as the authors' models (dim 36, 8 blocks); its multi-scale pooling wants a
+    # multiple of 8, which the tiles are.
+    "safmn": dict(arch="safmn", dim=36, n_blocks=8, window_size=8),
+    "safmn-tiny": dict(arch="safmn", dim=8, n_blocks=1, window_size=8),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -115,6 +119,9 @@ def build_model(preset, seed):
     if arch == "mosr":
         from spandrel.architectures.MoSR import MoSR
         return MoSR(upscale=4, dim=p["dim"], n_block=p["n_block"]).eval()
+    if arch == "safmn":
+        from spandrel.architectures.SAFMN import SAFMN
+        return SAFMN(dim=p["dim"], n_blocks=p["n_blocks"], upscaling_factor=4).eval()
     if arch == "fdat":
         from spandrel.architectures.FDAT import FDAT
         return FDAT(scale=4, embed_dim=p["embed_dim"], num_groups=p["num_groups"],

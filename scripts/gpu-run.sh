@@ -464,19 +464,19 @@ swin_family() {
 # Real-ESRGAN Compact x4 (64 features, 32 convolutions: realesr-general-x4v3's), SPAN x4 (48
 # features), DAT x4 (DAT_x4's shape), RealPLKSR x4 (64 features, 28 blocks), the original PLKSR
 # x4 (the same widths, DCCM), OmniSR x4 (64 features, 5 groups), Real-CUGAN x4, RCAN x4
-# (64 features, 10 groups of 20 blocks), MoSR x4 (64 features, 24 blocks) and FDAT x4 (medium,
-# transpose+conv) on DRCT's
+# (64 features, 10 groups of 20 blocks), MoSR x4 (64 features, 24 blocks), FDAT x4 (medium,
+# transpose+conv) and SAFMN x4 (dim 36, 8 blocks) on DRCT's
 # 640x480 input, tile 256, batch 4, bf16: bf16
 # and fp16 against our fp32 on tests/photos (the same random weights), ours, then PyTorch eager
 # and torch.compile (benches/torch_swin_reference.py) while the budget lasts.
 conv_family() {
-  echo "== ESRGAN, Compact, SPAN, DAT, RealPLKSR, PLKSR, OmniSR, Real-CUGAN, RCAN, MoSR and FDAT x4 640x480 bf16: parity, ours, PyTorch eager and torch.compile"
+  echo "== ESRGAN, Compact, SPAN, DAT, RealPLKSR, PLKSR, OmniSR, Real-CUGAN, RCAN, MoSR, FDAT and SAFMN x4 640x480 bf16: parity, ours, PyTorch eager and torch.compile"
   if [ "$smoke" = 1 ] || [ "$have_torch" = 0 ]; then
-    record conv "skipped: the ESRGAN, Compact, SPAN, DAT, RealPLKSR, PLKSR, OmniSR, Real-CUGAN, RCAN, MoSR and FDAT weights are made with PyTorch"
+    record conv "skipped: the ESRGAN, Compact, SPAN, DAT, RealPLKSR, PLKSR, OmniSR, Real-CUGAN, RCAN, MoSR, FDAT and SAFMN weights are made with PyTorch"
     return
   fi
   local r=$1 preset weights p line ref
-  for preset in esrgan compact span dat realplksr plksr omnisr realcugan rcan mosr fdat; do
+  for preset in esrgan compact span dat realplksr plksr omnisr realcugan rcan mosr fdat safmn; do
     fits conv 30 "\"label\":\"$preset\"" || return
     weights="$work/$preset.safetensors"
     [ -f "$weights" ] || "$PY" benches/torch_swin_reference.py make-weights "$weights" --preset "$preset" \

@@ -1,4 +1,4 @@
-//! upscale: DRCT, SwinIR, Swin2SR, HAT, DAT, ESRGAN, Real-ESRGAN Compact, SPAN, PLKSR, RealPLKSR, OmniSR, Real-CUGAN, RCAN, MoSR and FDAT super-resolution, and SwinIR denoising and JPEG restoration.
+//! upscale: DRCT, SwinIR, Swin2SR, HAT, DAT, ESRGAN, Real-ESRGAN Compact, SPAN, PLKSR, RealPLKSR, OmniSR, Real-CUGAN, RCAN, MoSR, FDAT and SAFMN super-resolution, and SwinIR denoising and JPEG restoration.
 //!
 //! Programs that embed it need [`Upscaler`] and its [`Options`]: open a model once (official
 //! `.pth`/`.safetensors` weights or the embedded default), then upscale `image` crate images

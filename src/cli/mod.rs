@@ -61,7 +61,7 @@ const LONG_VERSION: &str =
     name = "upscale",
     version,
     long_version = LONG_VERSION,
-    about = "DRCT, SwinIR, Swin2SR, HAT, DAT, ESRGAN, Real-ESRGAN Compact, SPAN, PLKSR, RealPLKSR, OmniSR, Real-CUGAN, RCAN, MoSR and FDAT super-resolution and SwinIR restoration: official weights, seamless tiles, CPU and CUDA",
+    about = "DRCT, SwinIR, Swin2SR, HAT, DAT, ESRGAN, Real-ESRGAN Compact, SPAN, PLKSR, RealPLKSR, OmniSR, Real-CUGAN, RCAN, MoSR, FDAT and SAFMN super-resolution and SwinIR restoration: official weights, seamless tiles, CPU and CUDA",
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
 )]

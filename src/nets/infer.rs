@@ -176,6 +176,9 @@ pub enum ConfigError {
     /// An FDAT checkpoint that does not fit FDAT's configuration.
     #[error("FDAT checkpoint: {0}")]
     Fdat(#[source] Box<ConfigError>),
+    /// A SAFMN checkpoint that does not fit SAFMN's configuration.
+    #[error("SAFMN checkpoint: {0}")]
+    Safmn(#[source] Box<ConfigError>),
 }
 
 impl ConfigError {

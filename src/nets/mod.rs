@@ -18,6 +18,7 @@ pub mod plksr;
 pub mod rcan;
 pub mod realcugan;
 pub mod registry;
+pub mod safmn;
 pub mod span;
 pub mod swin;
 pub mod swin2sr;

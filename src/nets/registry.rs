@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use super::{
-    compact, dat, drct, esrgan, fdat, hat, mosr, omnisr, plksr, rcan, realcugan, span, swin2sr,
-    swinir, ArchConfig, ConfigError,
+    compact, dat, drct, esrgan, fdat, hat, mosr, omnisr, plksr, rcan, realcugan, safmn, span,
+    swin2sr, swinir, ArchConfig, ConfigError,
 };
 
 /// A state dict's tensor names and shapes.
@@ -67,6 +67,7 @@ pub(crate) const REGISTRY: &[&dyn Architecture] = &[
     &rcan::Arch,
     &mosr::Arch,
     &fdat::Arch,
+    &safmn::Arch,
 ];
 
 /// The architecture whose configuration inference explains a state dict none recognises
@@ -177,9 +178,6 @@ const OTHERS: &[(&str, Signature)] = &[
     }),
     ("a DITN checkpoint", |s| {
         has(s, "sft.weight") && any(s, |k| k.starts_with("UFONE."))
-    }),
-    ("a SAFMN checkpoint", |s| {
-        has(s, "to_feat.weight") && any(s, |k| k.contains(".safm.mfr."))
     }),
     ("a SeemoRe checkpoint", |s| {
         any(s, |k| k.contains(".local_block."))

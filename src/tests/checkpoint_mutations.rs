@@ -146,7 +146,7 @@ fn structured(
 
 /// The same structured mutations of an ESRGAN model that unshuffles its input, of Compact
 /// models, of RealPLKSR models (one with DySample), of an OmniSR model, of RCAN models (one
-/// unshuffling its input), of MoSR models, of greyscale ones and of FDAT models: their configuration is read from layer
+/// unshuffling its input), of MoSR models, of greyscale ones, of FDAT and of SAFMN models: their configuration is read from layer
 /// indices and channel ratios; of FDAT models, whose upsampler only its description names.
 #[test]
 fn mutated_esrgan_and_compact_checkpoints_never_panic() {
@@ -169,6 +169,7 @@ fn mutated_esrgan_and_compact_checkpoints_never_panic() {
         "fdat/fdat_x2_unshuffle.safetensors",
         "fdat/fdat_x4_dys.safetensors",
         "fdat/fdat_x2_pa.safetensors",
+        "safmn/safmn_x4.safetensors",
     ] {
         let original = std::fs::read(crate::tests::golden(file)).unwrap();
         assert!(load_and_run(&original, file), "{file} must load");

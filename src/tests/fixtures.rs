@@ -55,7 +55,7 @@ pub fn manifest(dir: &Path) -> Vec<(Case, serde_json::Value)> {
 }
 
 /// The families with fixtures of their own under tests/golden/ (DRCT's are at its top).
-pub const FAMILIES: [&str; 13] = [
+pub const FAMILIES: [&str; 14] = [
     "swinir",
     "swin2sr",
     "hat",
@@ -69,6 +69,7 @@ pub const FAMILIES: [&str; 13] = [
     "rcan",
     "mosr",
     "fdat",
+    "safmn",
 ];
 
 /// The cases of one family's fixtures (`""` for DRCT's), weights included: Real-CUGAN's

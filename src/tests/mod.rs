@@ -26,6 +26,7 @@ mod plksr;
 mod pth;
 mod rcan;
 mod realcugan;
+mod safmn;
 mod span;
 mod swin2sr;
 mod swinir;
