@@ -30,10 +30,9 @@ use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::nets::frame::{nearest, pixel_unshuffle};
+use crate::nets::frame::{crop_nchw, nearest, padded_nhwc, pixel_unshuffle};
 use crate::nets::infer::{check_shapes, out_width, tensor, ConfigError, Shapes};
 use crate::nets::registry::Architecture;
-use crate::nets::swin::reflect_pad_bottom_right;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::add;
 use crate::ops::conv::{dense_block, Act, Conv3x3};
@@ -386,11 +385,9 @@ impl Module for Esrgan {
     /// `x`: `(B, C, H, W)` in [0, 1], any H and W; returns `(B, C', sH, sW)` unclamped.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let lrelu = Act::Leaky(SLOPE as f32);
-        let (_, _, h, w) = x.dims4()?;
         // The unshuffle needs sizes divisible by its factor: the reference pads as SwinIR
         // does (reflect, bottom and right) and crops the output.
-        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, self.unshuffle)?;
-        let mut x = x.permute((0, 2, 3, 1))?;
+        let (mut x, (h, w)) = padded_nhwc(x, self.dtype, self.unshuffle)?;
         if self.unshuffle > 1 {
             x = pixel_unshuffle(&x, self.unshuffle)?;
         }
@@ -404,10 +401,7 @@ impl Module for Esrgan {
             y = up.forward_act(&nearest(&y, 2)?, lrelu)?;
         }
         let y = self.last.forward(&self.hr.forward_act(&y, lrelu)?)?;
-        let y = y
-            .narrow(1, 0, h * self.scale)?
-            .narrow(2, 0, w * self.scale)?;
-        y.permute((0, 3, 1, 2))?.contiguous()
+        crop_nchw(&y, (h * self.scale, w * self.scale))
     }
 }
 

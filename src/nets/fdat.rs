@@ -35,10 +35,9 @@ use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::nets::frame::{nearest, pixel_unshuffle};
+use crate::nets::frame::{crop_nchw, nearest, padded_nhwc, pixel_unshuffle};
 use crate::nets::infer::{check_shapes, tensor, ConfigError, Shapes};
 use crate::nets::registry::{Architecture, Beyond, Values};
-use crate::nets::swin::reflect_pad_bottom_right;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::attention::channel::channel_attention;
 use crate::ops::attention::cpu::window_attention;
@@ -1030,9 +1029,8 @@ impl Net for Fdat {
 impl Module for Fdat {
     /// `x`: `(B, C, H, W)` in [0, 1], any H and W; returns `(B, C, sH, sW)` unclamped.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, _, h, w) = x.dims4()?;
-        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, self.unshuffle)?;
-        let mut x = x.permute((0, 2, 3, 1))?.contiguous()?;
+        let (x, (h, w)) = padded_nhwc(x, self.dtype, self.unshuffle)?;
+        let mut x = x.contiguous()?;
         if self.unshuffle > 1 {
             x = pixel_unshuffle(&x, self.unshuffle)?;
         }
@@ -1043,10 +1041,7 @@ impl Module for Fdat {
         }
         let deep = self.conv_after.forward_residual(&t, 1.0, &shallow)?;
         let y = self.up.forward(&deep)?;
-        let y = y
-            .narrow(1, 0, h * self.scale)?
-            .narrow(2, 0, w * self.scale)?;
-        y.permute((0, 3, 1, 2))?.contiguous()
+        crop_nchw(&y, (h * self.scale, w * self.scale))
     }
 }
 

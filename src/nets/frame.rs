@@ -297,6 +297,23 @@ pub(crate) fn pixel_unshuffle(x: &Tensor, r: usize) -> Result<Tensor> {
         .reshape((b, h / r, w / r, c * r * r))
 }
 
+/// `x` `(B, C, H, W)` in `dtype`, reflect-padded (bottom, right) to a multiple of `m` as the
+/// reference pipelines pad, channels-last `(B, H', W', C)`; and `(H, W)`, for [`crop_nchw`].
+pub(crate) fn padded_nhwc(x: &Tensor, dtype: DType, m: usize) -> Result<(Tensor, (usize, usize))> {
+    let (_, _, h, w) = x.dims4()?;
+    let x = reflect_pad_bottom_right(&x.to_dtype(dtype)?, m)?;
+    Ok((x.permute((0, 2, 3, 1))?, (h, w)))
+}
+
+/// `y` `(B, H', W', C)` cropped to `(h, w)` and channels-first, contiguous: a network's
+/// output less its padding.
+pub(crate) fn crop_nchw(y: &Tensor, (h, w): (usize, usize)) -> Result<Tensor> {
+    y.narrow(1, 0, h)?
+        .narrow(2, 0, w)?
+        .permute((0, 3, 1, 2))?
+        .contiguous()
+}
+
 /// [`RGB_MEAN`] as the `(1, 1, 1, 3)` tensor the networks subtract and add back, in `vb`'s
 /// dtype and on its device.
 fn mean(vb: &VarBuilder) -> Result<Tensor> {
@@ -412,10 +429,9 @@ impl Frame {
         x: &Tensor,
         body: impl FnOnce(Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let (_, _, h, w) = x.dims4()?;
-        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, self.window)?;
         // Channels-last from here on: every layer is a matmul over the channel axis.
-        let x = x.permute((0, 2, 3, 1))?.broadcast_sub(&self.mean)?;
+        let (x, (h, w)) = padded_nhwc(x, self.dtype, self.window)?;
+        let x = x.broadcast_sub(&self.mean)?;
         let x = if self.range == 1.0 {
             x
         } else {
@@ -444,10 +460,7 @@ impl Frame {
                 .undo_range(tail.forward_from(&b, &x)?.broadcast_sub(&self.mean)?)?
                 .broadcast_add(&self.mean)?,
         };
-        let y = y
-            .narrow(1, 0, h * self.scale)?
-            .narrow(2, 0, w * self.scale)?;
-        y.permute((0, 3, 1, 2))?.contiguous()
+        crop_nchw(&y, (h * self.scale, w * self.scale))
     }
 }
 

@@ -29,10 +29,9 @@ use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::nets::frame::pixel_unshuffle;
+use crate::nets::frame::{crop_nchw, padded_nhwc, pixel_unshuffle};
 use crate::nets::infer::{check_shapes, out_width, tensor, ConfigError, Shapes};
 use crate::nets::registry::Architecture;
-use crate::nets::swin::reflect_pad_bottom_right;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::conv::{Act, Conv3x3};
 use crate::ops::gate::ChannelGate;
@@ -422,9 +421,8 @@ impl Net for Rcan {
 impl Module for Rcan {
     /// `x`: `(B, C, H, W)` in [0, 1], any H and W; returns `(B, C, sH, sW)` unclamped.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, _, h, w) = x.dims4()?;
-        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, self.unshuffle)?;
-        let mut x = x.permute((0, 2, 3, 1))?.contiguous()?;
+        let (x, (h, w)) = padded_nhwc(x, self.dtype, self.unshuffle)?;
+        let mut x = x.contiguous()?;
         if let Some((sub, _)) = &self.shift {
             x = sub.forward(&x)?;
         }
@@ -444,10 +442,7 @@ impl Module for Rcan {
         if let Some((_, add)) = &self.shift {
             y = add.forward(&y)?;
         }
-        let y = y
-            .narrow(1, 0, h * self.scale)?
-            .narrow(2, 0, w * self.scale)?;
-        y.permute((0, 3, 1, 2))?.contiguous()
+        crop_nchw(&y, (h * self.scale, w * self.scale))
     }
 }
 

@@ -22,10 +22,9 @@ use candle_nn::VarBuilder;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::nets::frame::nearest;
+use crate::nets::frame::{crop_nchw, nearest, padded_nhwc};
 use crate::nets::infer::{check_shapes, out_width, tensor, ConfigError, Shapes};
 use crate::nets::registry::Architecture;
-use crate::nets::swin::reflect_pad_bottom_right;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::conv::depthwise::Depthwise3x3;
 use crate::ops::conv::{Act, Conv3x3};
@@ -293,19 +292,15 @@ impl Net for Safmn {
 impl Module for Safmn {
     /// `x`: `(B, 3, H, W)` in [0, 1], any H and W; returns `(B, 3, sH, sW)` unclamped.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, _, h, w) = x.dims4()?;
-        let x = reflect_pad_bottom_right(&x.to_dtype(self.dtype)?, MULTIPLE)?;
-        let x = x.permute((0, 2, 3, 1))?.contiguous()?;
+        let (x, (h, w)) = padded_nhwc(x, self.dtype, MULTIPLE)?;
+        let x = x.contiguous()?;
         let f = self.to_feat.forward(&x)?;
         let mut t = f.clone();
         for block in &self.blocks {
             t = block.forward(&t)?;
         }
         let y = self.to_img.forward_shuffled(&add(&t, &f)?, self.scale)?;
-        let y = y
-            .narrow(1, 0, h * self.scale)?
-            .narrow(2, 0, w * self.scale)?;
-        y.permute((0, 3, 1, 2))?.contiguous()
+        crop_nchw(&y, (h * self.scale, w * self.scale))
     }
 }
 

@@ -297,6 +297,15 @@ pub fn assert_bf16_close(cases: &[(String, PathBuf, PathBuf)], max_abs: f64, min
     assert!(failures.is_empty(), "bf16 out of tolerance: {failures:?}");
 }
 
+/// [`assert_bf16_close`] on every fixture of `dir`'s manifest.
+pub fn assert_bf16_close_in(dir: &Path, max_abs: f64, min_psnr: f64) {
+    let cases: Vec<_> = manifest(dir)
+        .into_iter()
+        .map(|(c, _)| (c.name, c.weights, c.io))
+        .collect();
+    assert_bf16_close(&cases, max_abs, min_psnr);
+}
+
 /// Hann-blended tiles against the whole image through the command line's path (the engine's
 /// lanes, f32 on the CPU), on the `h` x `w` crop at (`top`, `left`) of tests/photos/coffee.png,
 /// for each (weights, tile, overlap): at least `min_db` dB.
