@@ -79,9 +79,15 @@ impl ModelFile {
         let mut tensors = HashMap::new();
         for name in ck.tensors.names() {
             let t = ck.tensors.get(name).expect("a listed name");
+            // Integer tensors (FDAT's upsampler description) keep their type: other loaders
+            // index with their values.
+            let to = match ck.tensors.stored_dtype(name) {
+                Some(stored) if !stored.is_float() => stored,
+                _ => dtype,
+            };
             let t = t
                 .map_err(|e| failed(ck.source.to_string(), &format!("converting {name}"), e))?
-                .to_dtype(dtype)
+                .to_dtype(to)
                 .map_err(|e| failed(ck.source.to_string(), &format!("converting {name}"), e))?;
             tensors.insert(name.to_string(), t);
         }

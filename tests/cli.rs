@@ -2258,6 +2258,25 @@ fn fdat_model_runs_and_an_lda_one_is_named() {
     assert_eq!(v["upsampler"], "transpose+conv");
     run_on_cpu(dir, "fdat.pth", ("in.png", "out.png"));
     assert_eq!(open(&dir.join("out.png")).dimensions(), (40, 32));
+    // Converted, the upsampler's description stays uint8 (other loaders index with it) and
+    // the file reads as the same model.
+    let run = bare(dir)
+        .args(["convert", "fdat.pth", "fdat.safetensors"])
+        .output()
+        .unwrap();
+    assert_success(&run);
+    let converted =
+        candle_core::safetensors::load(dir.join("fdat.safetensors"), &Device::Cpu).unwrap();
+    let meta = &converted["upsampler.MetaUpsample"];
+    assert_eq!(meta.dtype(), candle_core::DType::U8);
+    assert_eq!(meta.to_vec1::<u8>().unwrap(), [3, 5, 2, 16, 3, 16, 4]);
+    assert_eq!(
+        converted["conv_after.weight"].dtype(),
+        candle_core::DType::F32
+    );
+    let again = info_json(dir, "fdat.safetensors");
+    assert_eq!(again["upsampler"], "transpose+conv");
+    assert_eq!(again["parameters"], v["parameters"]);
 
     let mut tensors =
         candle_core::safetensors::load(golden("fdat/fdat_x4_ps.safetensors"), &Device::Cpu)

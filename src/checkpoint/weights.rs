@@ -100,6 +100,14 @@ impl Weights {
         })
     }
 
+    /// The dtype tensor `name` is stored in; `None` for one read into memory at load.
+    pub fn stored_dtype(&self, name: &str) -> Option<DType> {
+        match self.0.entries.get(name)? {
+            Entry::Stored(s) => Some(s.dtype),
+            Entry::Loaded(_) => None,
+        }
+    }
+
     /// Tensor `name` in f32 on the CPU, contiguous.
     pub fn get(&self, name: &str) -> Option<Result<Tensor, TensorError>> {
         self.0.entries.get(name).map(|e| match e {
