@@ -524,8 +524,8 @@ impl NetConfig for FdatConfig {
         self.embed_dim / self.heads.max(1)
     }
 
-    /// The spatial attention's scores (in memory: they run on candle's products), qkv, the
-    /// feed-forward network's hidden layer, or the upsampler's widest map.
+    /// The spatial attention's scores (in memory off the CPU, where they run on candle's
+    /// products), qkv, the feed-forward network's hidden layer, or the upsampler's widest map.
     fn largest_tensor_per_pixel(&self, _: bool, _: Pad) -> usize {
         let n = self.window_size * self.window_size;
         let s = self.up_scale();
