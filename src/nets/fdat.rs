@@ -44,8 +44,6 @@ use crate::ops::attention::cpu::window_attention;
 use crate::ops::conv::depthwise::Depthwise3x3;
 use crate::ops::conv::transposed::Deconv;
 use crate::ops::conv::{Act, Conv3x3};
-use crate::ops::cpu::cpu_slice;
-use crate::ops::cpu::depthwise::{Rows, Then};
 use crate::ops::dysample::DySample;
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::norm::{layer_norm, Norm};
@@ -576,35 +574,6 @@ fn linear(cin: usize, cout: usize, plan: &LoadPlan, vb: VarBuilder) -> Result<De
     Dense::new(w, b, plan)
 }
 
-/// A depthwise 3x3 stored without a bias, `(c, 1, 3, 3)`.
-fn depthwise(c: usize, vb: VarBuilder) -> Result<Depthwise3x3> {
-    let w = vb.get((c, 1, 3, 3), "weight")?.reshape((c, 9))?;
-    let b = Tensor::zeros(c, w.dtype(), w.device())?;
-    Depthwise3x3::new(&w, b)
-}
-
-/// `conv(x)` (`x` `(B, H, W, C)`), then the GELU where `gelu`: the CPU kernel where it
-/// runs, else candle's operations.
-fn depthwise_of(conv: &Depthwise3x3, x: &Tensor, gelu: bool) -> Result<Tensor> {
-    if conv.takes(x) {
-        let x = x.contiguous()?;
-        let dims = x.dims4()?;
-        let (guard, layout) = x.storage_and_layout();
-        let then = if gelu { Then::Gelu } else { Then::Identity };
-        let out = conv.on_cpu(Rows::new(cpu_slice(&guard, layout)?, dims.3, 0), dims, then);
-        drop(guard);
-        if let Some(out) = out {
-            return Tensor::from_vec(out, dims, x.device());
-        }
-    }
-    let y = conv.forward(x)?;
-    if gelu {
-        gelu_erf(&y)
-    } else {
-        Ok(y)
-    }
-}
-
 /// A block's attention.
 enum Attention {
     /// Windows of `window`² tokens with a free `(heads, N, N)` bias; its values for the
@@ -677,14 +646,14 @@ impl Block {
                 Dense::new(w, zeros, plan)?
             },
             proj: Dense::load_unpadded(d, d, plan, vb.pp("attn.proj"))?,
-            conv: depthwise(d, vb.pp("conv.0"))?,
+            conv: Depthwise3x3::load(d, false, vb.pp("conv.0"))?,
             spatial_gate: one_by_one("inter.sg.0.weight", (d, 1))?,
             channel_gate: (
                 one_by_one("inter.cg.1.weight", (d, r))?,
                 one_by_one("inter.cg.3.weight", (r, d))?,
             ),
             fc1: linear(d, f, plan, vb.pp("ffn.fc1"))?,
-            smix: depthwise(f, vb.pp("ffn.smix"))?,
+            smix: Depthwise3x3::load(f, false, vb.pp("ffn.smix"))?,
             fc2: linear(f, d, plan, vb.pp("ffn.fc2"))?,
         })
     }
@@ -778,7 +747,7 @@ impl Module for Block {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, h, w, c) = x.dims4()?;
         let n = layer_norm(&self.n1, x)?;
-        let conv = depthwise_of(&self.conv, &n, true)?;
+        let conv = self.conv.forward_gelu_if(&n, true)?;
         let fused = match &self.attention {
             Attention::Spatial {
                 bias,
@@ -803,7 +772,7 @@ impl Module for Block {
         };
         let x = add(x, &fused)?;
         let hidden = self.fc1.forward_gelu(&layer_norm(&self.n2, &x)?)?;
-        let mixed = depthwise_of(&self.smix, &hidden, false)?;
+        let mixed = self.smix.forward_gelu_if(&hidden, false)?;
         self.fc2.forward_residual(&mixed, &x)
     }
 }

@@ -46,14 +46,12 @@ use crate::ops::attention::channel::channel_attention;
 use crate::ops::attention::Attend;
 use crate::ops::conv::depthwise::Depthwise3x3;
 use crate::ops::conv::Conv3x3;
-use crate::ops::cpu::cpu_slice;
-use crate::ops::cpu::depthwise::{Rows, Then};
 use crate::ops::cpu::{gelu_gate, modulate};
 use crate::ops::linear::Dense;
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
 use crate::ops::windows::WindowCache;
-use crate::ops::{build_layers, gelu_erf, mean_hw, scale_leading, LoadPlan};
+use crate::ops::{build_layers, mean_hw, scale_leading, LoadPlan};
 
 /// Image channels in and out: only RGB models run.
 const CHANNELS: usize = 3;
@@ -217,39 +215,6 @@ fn plain(cin: usize, cout: usize, plan: &LoadPlan, vb: VarBuilder) -> Result<Den
     pointwise((cin, cout), false, (0, 1.0), plan, vb)
 }
 
-/// A depthwise 3x3 convolution over `c` channels, with its bias or a zero one.
-fn depthwise(c: usize, bias: bool, vb: VarBuilder) -> Result<Depthwise3x3> {
-    let w = vb.get((c, 1, 3, 3), "weight")?.reshape((c, 9))?;
-    let b = match bias {
-        true => vb.get(c, "bias")?,
-        false => Tensor::zeros(c, vb.dtype(), vb.device())?,
-    };
-    Depthwise3x3::new(&w, b)
-}
-
-/// The depthwise convolution of `x` `(B, H, W, C)`, then GELU when `gelu`: on the CPU in one
-/// pass, elsewhere candle's operations.
-fn depthwise_forward(dw: &Depthwise3x3, x: &Tensor, gelu: bool) -> Result<Tensor> {
-    if dw.takes(x) {
-        let x = x.contiguous()?;
-        let dims = x.dims4()?;
-        let (guard, layout) = x.storage_and_layout();
-        let rows = Rows::new(cpu_slice(&guard, layout)?, dims.3, 0);
-        let then = if gelu { Then::Gelu } else { Then::Identity };
-        let out = dw.on_cpu(rows, dims, then);
-        drop(guard);
-        if let Some(out) = out {
-            return Tensor::from_vec(out, dims, x.device());
-        }
-    }
-    let y = dw.forward(x)?;
-    if gelu {
-        gelu_erf(&y)
-    } else {
-        Ok(y)
-    }
-}
-
 /// How a map's tokens are grouped for an attention.
 #[derive(Clone, Copy)]
 enum Grouping {
@@ -311,7 +276,7 @@ impl MbConv {
         let cpu_f32 = LoadPlan::default();
         Ok(Self {
             expand: pointwise((f, f), true, (0, 1.0), plan, vb.pp("0"))?,
-            dw: depthwise(f, true, vb.pp("2"))?,
+            dw: Depthwise3x3::load(f, true, vb.pp("2"))?,
             // One token per image: kept in f32 whatever the plan, as HAT's channel attention.
             squeeze: (
                 plain(f, f / 4, &cpu_f32, vb.pp("4.gate.1"))?,
@@ -322,7 +287,9 @@ impl MbConv {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = depthwise_forward(&self.dw, &self.expand.forward_gelu(x)?, true)?;
+        let h = self
+            .dw
+            .forward_gelu_if(&self.expand.forward_gelu(x)?, true)?;
         let s = mean_hw(&h)?;
         let g = candle_nn::ops::silu(&self.squeeze.0.forward(&s)?)?;
         let g = candle_nn::ops::sigmoid(&self.squeeze.1.forward(&g)?)?;
@@ -401,7 +368,7 @@ impl ChannelAttention {
         Ok(Self {
             norm: Norm::load(&Pad::OFF.one(f), LN2D_EPS, vb.pp("norm"))?,
             qkv: plain(f, 3 * f, plan, fnv.pp("qkv"))?,
-            dw: depthwise(3 * f, false, fnv.pp("qkv_dwconv"))?,
+            dw: Depthwise3x3::load(3 * f, false, fnv.pp("qkv_dwconv"))?,
             temperature: fnv.get((HEADS, 1, 1), "temperature")?,
             project: plain(f, f, plan, fnv.pp("project_out"))?,
             window: cfg.window,
@@ -416,11 +383,9 @@ impl ChannelAttention {
             true => Grouping::Grid(s, s),
             false => Grouping::Blocks(s),
         };
-        let qkv = depthwise_forward(
-            &self.dw,
-            &self.qkv.forward(&layer_norm(&self.norm, x)?)?,
-            false,
-        )?;
+        let qkv = self
+            .dw
+            .forward_gelu_if(&self.qkv.forward(&layer_norm(&self.norm, x)?)?, false)?;
         let groups = grouping.gather(&qkv)?;
         let attended = if self.dw.takes(&groups) {
             let temperature: Vec<f32> = self.temperature.flatten_all()?.to_vec1()?;
@@ -474,14 +439,14 @@ impl Gcff {
         Ok(Self {
             norm: Norm::load(&Pad::OFF.one(f), LN2D_EPS, vb.pp("norm"))?,
             project_in: plain(f, 2 * f, plan, fnv.pp("project_in"))?,
-            dw: depthwise(2 * f, false, fnv.pp("dwconv"))?,
+            dw: Depthwise3x3::load(2 * f, false, fnv.pp("dwconv"))?,
             project_out: plain(f, f, plan, fnv.pp("project_out"))?,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.project_in.forward(&layer_norm(&self.norm, x)?)?;
-        let h = depthwise_forward(&self.dw, &h, false)?;
+        let h = self.dw.forward_gelu_if(&h, false)?;
         self.project_out.forward_residual(&gelu_gate(&h)?, x)
     }
 }

@@ -28,8 +28,6 @@ use crate::nets::registry::Architecture;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::conv::depthwise::Depthwise3x3;
 use crate::ops::conv::{Act, Conv3x3};
-use crate::ops::cpu::cpu_slice;
-use crate::ops::cpu::depthwise::{Rows, Then};
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::norm::{layer_norm, Norm};
 use crate::ops::pad::Pad;
@@ -181,28 +179,6 @@ impl NetConfig for SafmnConfig {
     }
 }
 
-/// A depthwise 3x3 with its bias.
-fn depthwise(c: usize, vb: VarBuilder) -> Result<Depthwise3x3> {
-    let w = vb.get((c, 1, 3, 3), "weight")?.reshape((c, 9))?;
-    Depthwise3x3::new(&w, vb.get(c, "bias")?)
-}
-
-/// `conv(x)`, `x` `(B, H, W, C)`: the CPU kernel where it runs, else candle's operations.
-fn depthwise_of(conv: &Depthwise3x3, x: &Tensor) -> Result<Tensor> {
-    if conv.takes(x) {
-        let x = x.contiguous()?;
-        let dims = x.dims4()?;
-        let (guard, layout) = x.storage_and_layout();
-        let rows = Rows::new(cpu_slice(&guard, layout)?, dims.3, 0);
-        let out = conv.on_cpu(rows, dims, Then::Identity);
-        drop(guard);
-        if let Some(out) = out {
-            return Tensor::from_vec(out, dims, x.device());
-        }
-    }
-    conv.forward(x)
-}
-
 /// `x` `(B, H, W, C)` max-pooled over `r x r` blocks (`H`, `W` multiples of `r`).
 fn max_pool(x: &Tensor, r: usize) -> Result<Tensor> {
     let (b, h, w, c) = x.dims4()?;
@@ -227,10 +203,10 @@ impl Module for Block {
         for (i, conv) in self.levels.iter().enumerate() {
             let part = n.narrow(3, i * quarter, quarter)?.contiguous()?;
             parts.push(match i {
-                0 => depthwise_of(conv, &part)?,
+                0 => conv.forward_gelu_if(&part, false)?,
                 _ => {
                     let r = 1 << i;
-                    nearest(&depthwise_of(conv, &max_pool(&part, r)?)?, r)?
+                    nearest(&conv.forward_gelu_if(&max_pool(&part, r)?, false)?, r)?
                 }
             });
         }
@@ -260,7 +236,7 @@ impl Safmn {
             Ok(Block {
                 norm1: Norm::load(&Pad::OFF.one(d), EPS, vb.pp("norm1"))?,
                 levels: (0..LEVELS)
-                    .map(|i| depthwise(d / LEVELS, vb.pp(format!("safm.mfr.{i}"))))
+                    .map(|i| Depthwise3x3::load(d / LEVELS, true, vb.pp(format!("safm.mfr.{i}"))))
                     .collect::<Result<_>>()?,
                 aggr: pointwise_with(d, d, plan, vb.pp("safm.aggr"))?,
                 norm2: Norm::load(&Pad::OFF.one(d), EPS, vb.pp("norm2"))?,

@@ -1,11 +1,14 @@
-//! [`Depthwise3x3`]: a channels-last depthwise 3x3 convolution (zero padding 1), DAT's
-//! local branch and spatial gate. On the CPU in f32 our kernel runs it together with what
+//! [`Depthwise3x3`]: a channels-last depthwise 3x3 convolution (zero padding 1): DAT's
+//! local branch and spatial gate, OmniSR's, FDAT's and SAFMN's. On the CPU in f32 our kernel runs it together with what
 //! follows it ([`crate::ops::cpu::depthwise`]); elsewhere candle's ops, tap by tap, which are
 //! also its reference.
 
 use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::VarBuilder;
 
+use crate::ops::cpu::cpu_slice;
 use crate::ops::cpu::depthwise::{depthwise3x3, depthwise3x3_of_norm, Rows, Then};
+use crate::ops::gelu_erf;
 use crate::ops::norm::cpu::with_row_norm;
 use crate::ops::norm::Norm;
 use crate::ops::Backend;
@@ -29,6 +32,40 @@ impl Depthwise3x3 {
             false => None,
         };
         Ok(Self { taps, bias, host })
+    }
+
+    /// The `nn.Conv2d(c, c, 3, padding=1, groups=c)` stored under `vb`, with its bias or,
+    /// where `bias` is false, a zero one.
+    pub fn load(c: usize, bias: bool, vb: VarBuilder) -> Result<Self> {
+        let w = vb.get((c, 1, 3, 3), "weight")?.reshape((c, 9))?;
+        let b = match bias {
+            true => vb.get(c, "bias")?,
+            false => Tensor::zeros(c, vb.dtype(), vb.device())?,
+        };
+        Self::new(&w, b)
+    }
+
+    /// The convolution of `x` `(B, H, W, C)`, then the GELU when `gelu`: on the CPU in one
+    /// pass, elsewhere candle's operations.
+    pub fn forward_gelu_if(&self, x: &Tensor, gelu: bool) -> Result<Tensor> {
+        if self.takes(x) {
+            let x = x.contiguous()?;
+            let dims = x.dims4()?;
+            let (guard, layout) = x.storage_and_layout();
+            let rows = Rows::new(cpu_slice(&guard, layout)?, dims.3, 0);
+            let then = if gelu { Then::Gelu } else { Then::Identity };
+            let out = self.on_cpu(rows, dims, then);
+            drop(guard);
+            if let Some(out) = out {
+                return Tensor::from_vec(out, dims, x.device());
+            }
+        }
+        let y = self.forward(x)?;
+        if gelu {
+            gelu_erf(&y)
+        } else {
+            Ok(y)
+        }
     }
 
     /// Whether the CPU kernel takes `x` ([`Depthwise3x3::on_cpu`]): the layer and `x` on
