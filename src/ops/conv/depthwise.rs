@@ -1,7 +1,7 @@
 //! [`Depthwise3x3`]: a channels-last depthwise 3x3 convolution (zero padding 1): DAT's
-//! local branch and spatial gate, OmniSR's, FDAT's and SAFMN's. On the CPU in f32 our kernel runs it together with what
-//! follows it ([`crate::ops::cpu::depthwise`]); elsewhere candle's ops, tap by tap, which are
-//! also its reference.
+//! local branch and spatial gate, OmniSR's, FDAT's and SAFMN's. On the CPU in f32 our kernel
+//! runs it together with what follows it ([`crate::ops::cpu::depthwise`]); elsewhere candle's
+//! ops, tap by tap, which are also its reference.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
