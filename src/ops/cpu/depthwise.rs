@@ -9,7 +9,6 @@ use std::mem::MaybeUninit;
 use rayon::prelude::*;
 
 use super::math::gelu_body;
-use super::LANES;
 use crate::ops::norm::cpu::RowNorm;
 
 /// An f32 map read in place: element `(t, c)` of token `t` is `data[t * ld + offset + c]`
@@ -151,8 +150,8 @@ pub(crate) fn depthwise3x3_of_norm(
 /// Rows a task of [`depthwise3x3_of_norm`] convolves.
 const BAND_ROWS: usize = 8;
 
-/// One output row's geometry: its width, channels, the first token of each input row, and
-/// `c` zeros for the taps outside the map.
+/// One output row's geometry: its width, channels, the first token of each input row (none
+/// outside the map), and `c` zeros for the taps outside the map.
 struct Row<'a> {
     w: usize,
     c: usize,
@@ -160,8 +159,12 @@ struct Row<'a> {
     zeros: &'a [f32],
 }
 
+/// [`depthwise_row`] on vectors of type `V`.
+///
+/// # Safety
+/// The CPU has `V`'s instructions.
 #[inline(always)]
-fn depthwise_row_body<const FMA: bool>(
+unsafe fn depthwise_row_body<V: Vector>(
     out: &mut [MaybeUninit<f32>],
     g: &Row,
     input: Rows,
@@ -170,60 +173,317 @@ fn depthwise_row_body<const FMA: bool>(
     first: usize,
 ) {
     let c = g.c;
-    for (x, acc) in out.chunks_exact_mut(c).enumerate() {
-        // The nine input tokens under the taps, in tap order, zeros outside the map (as the
-        // graph's zero padding adds them).
-        let mut sources: [&[f32]; 9] = [&g.zeros[..c]; 9];
-        for (dy, start) in g.rows.iter().enumerate() {
-            let Some(start) = *start else { continue };
-            for dx in 0..3 {
-                if let Some(xx) = (x + dx).checked_sub(1).filter(|&xx| xx < g.w) {
-                    sources[dy * 3 + dx] = input.token(start + xx, c);
-                }
+    assert!(out.len() == g.w * c && taps.len() == 9 * c && bias.len() == c && g.zeros.len() >= c);
+    let other = match then {
+        Then::Times(other) => Some(other),
+        Then::Gelu | Then::Identity => None,
+    };
+    // TOKENS tokens at a time, each vector of channels through all of them before the next.
+    // A token's sum is a chain of ten dependent adds in tap order; the tokens' chains are
+    // independent, so the core overlaps them, and the row's TOKENS + 2 input vectors under
+    // the taps, and each tap vector, are loaded once for all of them. One token at a time
+    // ran at about a seventh of the core's rate, waiting on each chain and reloading every
+    // input vector three times. The first and last tokens, whose taps reach outside the map,
+    // go one by one.
+    let (w, mut x) = (g.w, 0);
+    while x < w {
+        let n = if x >= 1 && x + TOKENS < w { TOKENS } else { 1 };
+        // The values the next tokens read that no earlier token brought into cache (the row
+        // below's, and the product's) come from far away: asked for now, their misses
+        // overlap these sums instead of stalling the next ones.
+        for x in x + n..(x + 2 * n).min(w) {
+            if let Some(start) = g.rows[2].filter(|_| x + 1 < w) {
+                prefetch(input.token(start + x + 1, c));
+            }
+            if let Some(other) = other {
+                prefetch(other.token(first + x, c));
             }
         }
-        let other = match then {
-            Then::Times(other) => Some(other.token(first + x, c)),
-            Then::Gelu | Then::Identity => None,
-        };
-        // The values no earlier token brought into cache (the row below's next token, and
-        // the product's token) come from far away: asked for a few tokens ahead, their misses
-        // overlap the sums instead of stalling them.
-        if let Some(start) = g.rows[2].filter(|_| x + 1 + AHEAD < g.w) {
-            prefetch(input.token(start + x + 1 + AHEAD, c));
-        }
-        if let Then::Times(other) = then {
-            if x + AHEAD < g.w {
-                prefetch(other.token(first + x + AHEAD, c));
+        // SAFETY: forwarded to the caller (the instructions); the slices are as asserted
+        // above, and an interior group's taps stay inside the row.
+        unsafe {
+            if n == TOKENS {
+                interior::<V>(out, g, input, (taps, bias), other, first, x);
+            } else {
+                token::<V>(out, g, input, (taps, bias), other, first, x);
             }
         }
-        // A vector of channels at a time, its sum in a register through all nine taps and
-        // the product, then half a vector, then one channel at a time. (Four vectors at once
-        // spilled their sums to the stack; 360 channels left a tail of 8 for the scalar loop.)
-        let mut c0 = 0;
-        while c0 + LANES <= c {
-            chunk::<LANES>(&sources, (taps, bias), other, c0, acc);
-            c0 += LANES;
-        }
-        if c0 + LANES / 2 <= c {
-            chunk::<{ LANES / 2 }>(&sources, (taps, bias), other, c0, acc);
-            c0 += LANES / 2;
-        }
-        while c0 < c {
-            chunk::<1>(&sources, (taps, bias), other, c0, acc);
-            c0 += 1;
-        }
+        x += n;
     }
     if let Then::Gelu = then {
-        // SAFETY: MaybeUninit<f32> has f32's layout, and the loop above wrote every value of
-        // the row (each channel of each token, by exactly one `chunk`).
+        // SAFETY: MaybeUninit<f32> has f32's layout, and the loops above wrote every value of
+        // the row (each channel of each token, by exactly one `token` or `interior`).
         let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), out.len()) };
-        gelu_body::<FMA>(out);
+        if V::FMA {
+            gelu_body::<true>(out);
+        } else {
+            gelu_body::<false>(out);
+        }
     }
 }
 
-/// How many tokens ahead [`depthwise_row`] asks for the values it will read.
-const AHEAD: usize = 2;
+/// Runs `$body` with `$c0` and `$n` bound to each run of channels `c0..c0 + n` of `$c`:
+/// `V::W` at a time (a constant `n`, so the part masks fold away), then the rest as one
+/// part-vector. A macro rather than a closure: a closure is compiled without the instruction
+/// set of the function it sits in, and would call every intrinsic instead of inlining it.
+macro_rules! lanes {
+    ($v:ty, $c:expr, |$c0:ident, $n:ident| $body:block) => {{
+        let c = $c;
+        let mut $c0 = 0;
+        while $c0 + <$v>::W <= c {
+            let $n = <$v>::W;
+            $body
+            $c0 += <$v>::W;
+        }
+        if $c0 < c {
+            let $n = c - $c0;
+            $body
+        }
+    }};
+}
+
+/// Tokens [`depthwise_row`] sums side by side.
+const TOKENS: usize = 4;
+
+/// Every channel of token `x` of one output row: the bias plus the nine taps' products (each
+/// rounded, then added in tap order, as the graph's separate multiply and add do; zeros
+/// outside the map, as its padding adds them), times the same channels of `other`'s token
+/// where given.
+///
+/// # Safety
+/// The CPU has `V`'s instructions; `out` holds `g.w * g.c` values, `taps` `9 * g.c`, `bias`
+/// and `g.zeros` at least `g.c`.
+#[inline(always)]
+unsafe fn token<V: Vector>(
+    out: &mut [MaybeUninit<f32>],
+    g: &Row,
+    input: Rows,
+    (taps, bias): (&[f32], &[f32]),
+    other: Option<Rows>,
+    first: usize,
+    x: usize,
+) {
+    let c = g.c;
+    // The input token under each tap, zeros outside the map.
+    let sources: [*const f32; 9] = std::array::from_fn(|tap| {
+        let xx = (x + tap % 3).checked_sub(1).filter(|&xx| xx < g.w);
+        match (g.rows[tap / 3], xx) {
+            (Some(start), Some(xx)) => input.token(start + xx, c).as_ptr(),
+            _ => g.zeros.as_ptr(),
+        }
+    });
+    let other = other.map(|o| o.token(first + x, c).as_ptr());
+    let out: *mut f32 = out[x * c..][..c].as_mut_ptr().cast();
+    let (taps, bias) = (taps.as_ptr(), bias.as_ptr());
+    // SAFETY: every pointer above starts `c` readable values (`out` `c` writable ones),
+    // `taps` holds nine rows of `c`, and the vectors end at `c`; the instructions are the
+    // caller's.
+    unsafe {
+        lanes!(V, c, |c0, n| {
+            let mut sum = V::load(bias.add(c0), n);
+            for (tap, source) in sources.iter().enumerate() {
+                let t = V::load(taps.add(tap * c + c0), n);
+                sum = sum.add(V::load(source.add(c0), n).mul(t));
+            }
+            if let Some(o) = other {
+                sum = sum.mul(V::load(o.add(c0), n));
+            }
+            sum.store(out.add(c0), n);
+        });
+    }
+}
+
+/// Tokens `x..x + TOKENS` of one output row, as [`token`] makes each, for `x >= 1` and
+/// `x + TOKENS < g.w`: every tap inside the row, so each input row's `TOKENS + 2` tokens
+/// under the taps are a stride apart (an absent row is the zeros, repeated).
+///
+/// # Safety
+/// As [`token`].
+#[inline(always)]
+unsafe fn interior<V: Vector>(
+    out: &mut [MaybeUninit<f32>],
+    g: &Row,
+    input: Rows,
+    (taps, bias): (&[f32], &[f32]),
+    other: Option<Rows>,
+    first: usize,
+    x: usize,
+) {
+    let c = g.c;
+    assert!(x >= 1 && x + TOKENS < g.w);
+    // Each input row's token under the first token's left tap, and the stride to the next:
+    // the last one read, `TOKENS + 1` strides on, is a token of the same row.
+    let rows: [(*const f32, usize); 3] = std::array::from_fn(|dy| match g.rows[dy] {
+        Some(start) => {
+            let _last = input.token(start + x + TOKENS, c);
+            (input.token(start + x - 1, c).as_ptr(), input.ld)
+        }
+        None => (g.zeros.as_ptr(), 0),
+    });
+    let other = other.map(|o| {
+        let _last = o.token(first + x + TOKENS - 1, c);
+        (o.token(first + x, c).as_ptr(), o.ld)
+    });
+    let out: *mut f32 = out[x * c..][..TOKENS * c].as_mut_ptr().cast();
+    let (taps, bias) = (taps.as_ptr(), bias.as_ptr());
+    // SAFETY: every pointer above starts `c` readable values at each of its strides used
+    // (`out` `TOKENS * c` writable ones), `taps` holds nine rows of `c`, and the vectors end
+    // at `c`; the instructions are the caller's.
+    unsafe {
+        lanes!(V, c, |c0, n| {
+            let mut sums = [V::load(bias.add(c0), n); TOKENS];
+            for (dy, &(row, ld)) in rows.iter().enumerate() {
+                let v: [V; TOKENS + 2] = std::array::from_fn(|j| V::load(row.add(j * ld + c0), n));
+                for dx in 0..3 {
+                    let t = V::load(taps.add((dy * 3 + dx) * c + c0), n);
+                    for (k, sum) in sums.iter_mut().enumerate() {
+                        *sum = sum.add(v[k + dx].mul(t));
+                    }
+                }
+            }
+            for (k, sum) in sums.into_iter().enumerate() {
+                let sum = match other {
+                    Some((o, ld)) => sum.mul(V::load(o.add(k * ld + c0), n)),
+                    None => sum,
+                };
+                sum.store(out.add(k * c + c0), n);
+            }
+        });
+    }
+}
+
+/// The vector operations of [`depthwise_row`]: the first `n` of `W` f32 lanes (`n == W` but
+/// for a row's last channels), loaded and stored unaligned; a load's other lanes are zeros.
+/// Each is `unsafe` for its pointer and its instructions, and inlined into a function
+/// compiled for them.
+trait Vector: Copy {
+    const W: usize;
+    /// Whether the CPU that runs these has FMA (for the GELU that may follow).
+    const FMA: bool;
+    unsafe fn load(p: *const f32, n: usize) -> Self;
+    unsafe fn store(self, p: *mut f32, n: usize);
+    unsafe fn add(self, o: Self) -> Self;
+    unsafe fn mul(self, o: Self) -> Self;
+}
+
+impl Vector for f32 {
+    const W: usize = 1;
+    const FMA: bool = cfg!(target_arch = "aarch64");
+    #[inline(always)]
+    unsafe fn load(p: *const f32, _: usize) -> Self {
+        // SAFETY: the caller's.
+        unsafe { *p }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, _: usize) {
+        // SAFETY: the caller's.
+        unsafe { *p = self }
+    }
+    #[inline(always)]
+    unsafe fn add(self, o: Self) -> Self {
+        self + o
+    }
+    #[inline(always)]
+    unsafe fn mul(self, o: Self) -> Self {
+        self * o
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vectors {
+    use std::arch::x86_64::*;
+
+    use super::Vector;
+
+    /// 16 lanes of AVX-512.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx512(__m512);
+
+    /// 8 lanes of AVX2.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx2(__m256);
+
+    // SAFETY (every method): the caller's: the pointer's first `n` lanes are in bounds, and
+    // the CPU has the instructions. The masked forms touch no lane outside the mask.
+    impl Vector for Avx512 {
+        const W: usize = 16;
+        const FMA: bool = true;
+        #[inline(always)]
+        unsafe fn load(p: *const f32, n: usize) -> Self {
+            unsafe {
+                if n == Self::W {
+                    Self(_mm512_loadu_ps(p))
+                } else {
+                    Self(_mm512_maskz_loadu_ps(((1u32 << n) - 1) as __mmask16, p))
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32, n: usize) {
+            unsafe {
+                if n == Self::W {
+                    _mm512_storeu_ps(p, self.0)
+                } else {
+                    _mm512_mask_storeu_ps(p, ((1u32 << n) - 1) as __mmask16, self.0)
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn add(self, o: Self) -> Self {
+            unsafe { Self(_mm512_add_ps(self.0, o.0)) }
+        }
+        #[inline(always)]
+        unsafe fn mul(self, o: Self) -> Self {
+            unsafe { Self(_mm512_mul_ps(self.0, o.0)) }
+        }
+    }
+
+    impl Avx2 {
+        /// Lanes `0..n` set.
+        #[inline(always)]
+        unsafe fn mask(n: usize) -> __m256i {
+            unsafe {
+                _mm256_cmpgt_epi32(
+                    _mm256_set1_epi32(n as i32),
+                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                )
+            }
+        }
+    }
+
+    impl Vector for Avx2 {
+        const W: usize = 8;
+        const FMA: bool = true;
+        #[inline(always)]
+        unsafe fn load(p: *const f32, n: usize) -> Self {
+            unsafe {
+                if n == Self::W {
+                    Self(_mm256_loadu_ps(p))
+                } else {
+                    Self(_mm256_maskload_ps(p, Self::mask(n)))
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32, n: usize) {
+            unsafe {
+                if n == Self::W {
+                    _mm256_storeu_ps(p, self.0)
+                } else {
+                    _mm256_maskstore_ps(p, Self::mask(n), self.0)
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn add(self, o: Self) -> Self {
+            unsafe { Self(_mm256_add_ps(self.0, o.0)) }
+        }
+        #[inline(always)]
+        unsafe fn mul(self, o: Self) -> Self {
+            unsafe { Self(_mm256_mul_ps(self.0, o.0)) }
+        }
+    }
+}
 
 /// Asks for the cache lines of `values` (a hint: no effect on what is computed).
 #[inline(always)]
@@ -238,48 +498,53 @@ fn prefetch(values: &[f32]) {
     let _ = values;
 }
 
-/// Channels `c0..c0 + W` of one output token: the bias plus the nine taps' products (each
-/// rounded, then added in tap order, as the graph's separate multiply and add do), times
-/// `other`'s same channels where given.
-#[inline(always)]
-fn chunk<const W: usize>(
-    sources: &[&[f32]; 9],
-    (taps, bias): (&[f32], &[f32]),
-    other: Option<&[f32]>,
-    c0: usize,
-    acc: &mut [MaybeUninit<f32>],
+/// One output row of the depthwise 3x3 convolution: tokens `first..first + g.w` of the
+/// output, from `input`'s rows `g.rows`, then `then`.
+fn depthwise_row(
+    out: &mut [MaybeUninit<f32>],
+    g: &Row,
+    input: Rows,
+    weights: (&[f32], &[f32]),
+    then: Then,
+    first: usize,
 ) {
-    let c = acc.len();
-    let mut sums: [f32; W] = bias[c0..c0 + W].try_into().expect("W values");
-    for (tap, src) in sources.iter().enumerate() {
-        let s: &[f32; W] = src[c0..c0 + W].try_into().expect("W values");
-        let t: &[f32; W] = taps[tap * c + c0..tap * c + c0 + W]
-            .try_into()
-            .expect("W values");
-        for ((a, &s), &t) in sums.iter_mut().zip(s).zip(t) {
-            *a += s * t;
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512(
+            out: &mut [MaybeUninit<f32>],
+            g: &Row,
+            input: Rows,
+            weights: (&[f32], &[f32]),
+            then: Then,
+            first: usize,
+        ) {
+            // SAFETY: compiled for AVX-512, which the caller checked.
+            unsafe { depthwise_row_body::<vectors::Avx512>(out, g, input, weights, then, first) }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(
+            out: &mut [MaybeUninit<f32>],
+            g: &Row,
+            input: Rows,
+            weights: (&[f32], &[f32]),
+            then: Then,
+            first: usize,
+        ) {
+            // SAFETY: compiled for AVX2 and FMA, which the caller checked.
+            unsafe { depthwise_row_body::<vectors::Avx2>(out, g, input, weights, then, first) }
+        }
+        use super::isa::{cpu_isa, CpuIsa};
+        match cpu_isa() {
+            // SAFETY: `cpu_isa` never names more than the CPU has.
+            CpuIsa::Avx512 => return unsafe { avx512(out, g, input, weights, then, first) },
+            // SAFETY: as above.
+            CpuIsa::Avx2 => return unsafe { avx2(out, g, input, weights, then, first) },
+            CpuIsa::Scalar => {}
         }
     }
-    if let Some(other) = other {
-        let o: &[f32; W] = other[c0..c0 + W].try_into().expect("W values");
-        for (a, &o) in sums.iter_mut().zip(o) {
-            *a *= o;
-        }
-    }
-    for (d, &v) in acc[c0..c0 + W].iter_mut().zip(&sums) {
-        d.write(v);
-    }
-}
-
-widest_simd! {
-    fn depthwise_row(
-        out: &mut [MaybeUninit<f32>],
-        g: &Row,
-        input: Rows,
-        weights: (&[f32], &[f32]),
-        then: Then,
-        first: usize,
-    ) = fused depthwise_row_body
+    // SAFETY: plain f32 needs no instruction beyond the target's.
+    unsafe { depthwise_row_body::<f32>(out, g, input, weights, then, first) }
 }
 
 /// A gate of [`gated_sum`]: one value per image and channel, or one per token.
@@ -414,7 +679,8 @@ pub(super) mod tests {
     }
 
     fn depthwise_case(c: usize, ld: usize, off: usize) {
-        let (b, h, w) = (2, 5, 7);
+        // 11 tokens a row: the first alone, two groups of four, the last two alone.
+        let (b, h, w) = (2, 5, 11);
         let data = noise(b * h * w * ld, 1);
         let taps = noise(9 * c, 2);
         let bias = noise(c, 3);
@@ -533,6 +799,52 @@ mod timing {
     use crate::ops::norm::Norm;
     use crate::ops::pad::Pad;
     use candle_core::{DType, Device, Tensor};
+
+    /// Rows of one map, one thread, into one output buffer (no page faults): the kernel's
+    /// own rate. `cargo test --release --lib depthwise_row_rate -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn depthwise_row_rate() {
+        for (h, c, ld, times) in [
+            (32, 128, 128, false),
+            (64, 360, 720, true),
+            (64, 180, 540, false),
+        ] {
+            let data: Vec<f32> = (0..h * h * ld).map(|i| (i % 89) as f32 * 0.01).collect();
+            let (taps, bias) = (vec![0.1f32; 9 * c], vec![0.2f32; c]);
+            let input = Rows::new(&data, ld, 0);
+            let other = Rows::new(&data, ld, ld - c);
+            let then = if times {
+                Then::Times(other)
+            } else {
+                Then::Identity
+            };
+            let mut out = vec![MaybeUninit::<f32>::uninit(); h * c];
+            let mut t = Vec::new();
+            let zeros = vec![0f32; c];
+            for _ in 0..21 {
+                let start = std::time::Instant::now();
+                for y in 1..h - 1 {
+                    let g = Row {
+                        w: h,
+                        c,
+                        rows: [Some((y - 1) * h), Some(y * h), Some((y + 1) * h)],
+                        zeros: &zeros,
+                    };
+                    depthwise_row(&mut out, &g, input, (&taps, &bias), then, y * h);
+                }
+                std::hint::black_box(&out);
+                t.push(start.elapsed().as_secs_f64());
+            }
+            t.sort_by(f64::total_cmp);
+            let vectors = ((h - 2) * h * c) as f64 / 16.0;
+            println!(
+                "{h}x{h} x {c} (rows of {ld}, times {times}): {:.3} ms, {:.2} ns per 16 outputs",
+                t[10] * 1e3,
+                t[10] * 1e9 / vectors
+            );
+        }
+    }
 
     /// GFLOP/s of the depthwise convolution alone at OmniSR's and DAT's shapes, medians of
     /// 31 calls on all threads: 128x128 x 128 channels with nothing after (OmniSR's gated
