@@ -320,8 +320,8 @@ impl Depthwise {
 impl Module for Depthwise {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let Some((taps, bias)) = &self.host {
-            let x = x.contiguous()?;
-            if let Some(y) = depthwise_kxk(&x, self.kernel, (taps, bias))? {
+            // Read in place, also where `x` is a range of a wider map's channels.
+            if let Some(y) = depthwise_kxk(x, self.kernel, (taps, bias))? {
                 return Ok(y);
             }
         }

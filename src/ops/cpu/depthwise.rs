@@ -49,32 +49,45 @@ pub(crate) enum Then<'a> {
 /// `(b, h, w, c)` result, contiguous.
 pub(crate) fn depthwise3x3(
     input: Rows,
+    dims: (usize, usize, usize, usize),
+    weights: (&[f32], &[f32]),
+    then: Then,
+) -> Vec<f32> {
+    depthwise_rows::<3, { TOKENS + 2 }>(input, dims, weights, then)
+}
+
+/// [`depthwise3x3`] for a `K x K` kernel (zero padding `K / 2`; `SPAN` = `TOKENS + K - 1`),
+/// taps `(K * K, c)` (tap `dy * K + dx`): output rows in parallel.
+fn depthwise_rows<const K: usize, const SPAN: usize>(
+    input: Rows,
     (b, h, w, c): (usize, usize, usize, usize),
     (taps, bias): (&[f32], &[f32]),
     then: Then,
 ) -> Vec<f32> {
-    assert!(taps.len() == 9 * c && bias.len() == c);
+    assert!(taps.len() == K * K * c && bias.len() == c);
+    if b * h * w * c == 0 {
+        return Vec::new();
+    }
     let zeros = vec![0f32; c];
     let fill = |out: &mut [MaybeUninit<f32>]| {
         out.par_chunks_mut(w * c)
             .enumerate()
             .for_each(|(row, out)| {
                 let (image, y) = (row / h, row % h);
-                // The input rows above, at and below, absent outside the map.
-                let source = |dy: usize| {
+                // The input rows under the taps, absent outside the map.
+                let rows = std::array::from_fn(|dy| {
                     (y + dy)
-                        .checked_sub(1)
+                        .checked_sub(K / 2)
                         .filter(|&yy| yy < h)
                         .map(|yy| (image * h + yy) * w)
-                };
-                let rows = [source(0), source(1), source(2)];
+                });
                 let geometry = Row {
                     w,
                     c,
                     rows,
                     zeros: &zeros,
                 };
-                depthwise_row(out, &geometry, input, (taps, bias), then, row * w);
+                depthwise_row::<K, SPAN>(out, &geometry, input, (taps, bias), then, row * w);
             });
     };
     // SAFETY: every row was handed to `depthwise_row`, which writes all of it.
@@ -138,7 +151,14 @@ pub(crate) fn depthwise3x3_of_norm(
                             };
                             let normed = Rows::new(&ring, c, 0);
                             let first = (image * h + y) * w;
-                            depthwise_row(out, &geometry, normed, (taps, bias), then, first);
+                            depthwise_row::<3, { TOKENS + 2 }>(
+                                out,
+                                &geometry,
+                                normed,
+                                (taps, bias),
+                                then,
+                                first,
+                            );
                         }
                     });
             });
@@ -150,50 +170,55 @@ pub(crate) fn depthwise3x3_of_norm(
 /// Rows a task of [`depthwise3x3_of_norm`] convolves.
 const BAND_ROWS: usize = 8;
 
-/// One output row's geometry: its width, channels, the first token of each input row (none
-/// outside the map), and `c` zeros for the taps outside the map.
-struct Row<'a> {
+/// One output row's geometry: its width, channels, the first token of each of the `K` input
+/// rows under the taps (none outside the map), and `c` zeros for the taps outside the map.
+struct Row<'a, const K: usize> {
     w: usize,
     c: usize,
-    rows: [Option<usize>; 3],
+    rows: [Option<usize>; K],
     zeros: &'a [f32],
 }
 
-/// [`depthwise_row`] on vectors of type `V`.
+/// [`depthwise_row`] on vectors of type `V`, for a `K x K` kernel; `SPAN` is `TOKENS + K - 1`,
+/// the input tokens of a row under a group's taps.
 ///
 /// # Safety
 /// The CPU has `V`'s instructions.
 #[inline(always)]
-unsafe fn depthwise_row_body<V: Vector>(
+unsafe fn depthwise_row_body<V: Vector, const K: usize, const SPAN: usize>(
     out: &mut [MaybeUninit<f32>],
-    g: &Row,
+    g: &Row<K>,
     input: Rows,
     (taps, bias): (&[f32], &[f32]),
     then: Then,
     first: usize,
 ) {
-    let c = g.c;
-    assert!(out.len() == g.w * c && taps.len() == 9 * c && bias.len() == c && g.zeros.len() >= c);
+    let (w, c, r) = (g.w, g.c, K / 2);
+    assert!(SPAN == TOKENS + K - 1 && K % 2 == 1);
+    assert!(out.len() == w * c && taps.len() == K * K * c && bias.len() == c && g.zeros.len() >= c);
     let other = match then {
         Then::Times(other) => Some(other),
         Then::Gelu | Then::Identity => None,
     };
     // TOKENS tokens at a time, each vector of channels through all of them before the next.
-    // A token's sum is a chain of ten dependent adds in tap order; the tokens' chains are
-    // independent, so the core overlaps them, and the row's TOKENS + 2 input vectors under
-    // the taps, and each tap vector, are loaded once for all of them. One token at a time
-    // ran at about a seventh of the core's rate, waiting on each chain and reloading every
-    // input vector three times. The first and last tokens, whose taps reach outside the map,
-    // go one by one.
-    let (w, mut x) = (g.w, 0);
+    // A token's sum is a chain of dependent adds in tap order; the tokens' chains are
+    // independent, so the core overlaps them, and each input row's SPAN vectors under the
+    // taps, and each tap vector, are loaded once for all of them. One token at a time ran at
+    // about a seventh of the core's rate, waiting on each chain and reloading every input
+    // vector K times. The tokens whose taps reach outside the row go one by one.
+    let mut x = 0;
     while x < w {
-        let n = if x >= 1 && x + TOKENS < w { TOKENS } else { 1 };
+        let n = if x >= r && x + TOKENS + r <= w {
+            TOKENS
+        } else {
+            1
+        };
         // The values the next tokens read that no earlier token brought into cache (the row
         // below's, and the product's) come from far away: asked for now, their misses
         // overlap these sums instead of stalling the next ones.
         for x in x + n..(x + 2 * n).min(w) {
-            if let Some(start) = g.rows[2].filter(|_| x + 1 < w) {
-                prefetch(input.token(start + x + 1, c));
+            if let Some(start) = g.rows[K - 1].filter(|_| x + r < w) {
+                prefetch(input.token(start + x + r, c));
             }
             if let Some(other) = other {
                 prefetch(other.token(first + x, c));
@@ -203,9 +228,9 @@ unsafe fn depthwise_row_body<V: Vector>(
         // above, and an interior group's taps stay inside the row.
         unsafe {
             if n == TOKENS {
-                interior::<V>(out, g, input, (taps, bias), other, first, x);
+                interior::<V, K, SPAN>(out, g, input, (taps, bias), other, first, x);
             } else {
-                token::<V>(out, g, input, (taps, bias), other, first, x);
+                token::<V, K>(out, g, input, (taps, bias), other, first, x);
             }
         }
         x += n;
@@ -245,18 +270,18 @@ macro_rules! lanes {
 /// Tokens [`depthwise_row`] sums side by side.
 const TOKENS: usize = 4;
 
-/// Every channel of token `x` of one output row: the bias plus the nine taps' products (each
-/// rounded, then added in tap order, as the graph's separate multiply and add do; zeros
-/// outside the map, as its padding adds them), times the same channels of `other`'s token
-/// where given.
+/// Every channel of token `x` of one output row: the bias plus the `K x K` taps' products
+/// (each rounded, then added in tap order, as the graph's separate multiply and add do;
+/// zeros outside the map, as its padding adds them), times the same channels of `other`'s
+/// token where given.
 ///
 /// # Safety
-/// The CPU has `V`'s instructions; `out` holds `g.w * g.c` values, `taps` `9 * g.c`, `bias`
-/// and `g.zeros` at least `g.c`.
+/// The CPU has `V`'s instructions; `out` holds `g.w * g.c` values, `taps` `K * K * g.c`,
+/// `bias` and `g.zeros` at least `g.c`.
 #[inline(always)]
-unsafe fn token<V: Vector>(
+unsafe fn token<V: Vector, const K: usize>(
     out: &mut [MaybeUninit<f32>],
-    g: &Row,
+    g: &Row<K>,
     input: Rows,
     (taps, bias): (&[f32], &[f32]),
     other: Option<Rows>,
@@ -264,26 +289,30 @@ unsafe fn token<V: Vector>(
     x: usize,
 ) {
     let c = g.c;
-    // The input token under each tap, zeros outside the map.
-    let sources: [*const f32; 9] = std::array::from_fn(|tap| {
-        let xx = (x + tap % 3).checked_sub(1).filter(|&xx| xx < g.w);
-        match (g.rows[tap / 3], xx) {
+    // The input token under tap `dx` of row `dy`, zeros outside the map.
+    let source = |dy: usize, dx: usize| {
+        let xx = (x + dx).checked_sub(K / 2).filter(|&xx| xx < g.w);
+        match (g.rows[dy], xx) {
             (Some(start), Some(xx)) => input.token(start + xx, c).as_ptr(),
             _ => g.zeros.as_ptr(),
         }
-    });
+    };
+    let sources: [[*const f32; K]; K] =
+        std::array::from_fn(|dy| std::array::from_fn(|dx| source(dy, dx)));
     let other = other.map(|o| o.token(first + x, c).as_ptr());
     let out: *mut f32 = out[x * c..][..c].as_mut_ptr().cast();
     let (taps, bias) = (taps.as_ptr(), bias.as_ptr());
     // SAFETY: every pointer above starts `c` readable values (`out` `c` writable ones),
-    // `taps` holds nine rows of `c`, and the vectors end at `c`; the instructions are the
+    // `taps` holds `K * K` rows of `c`, and the vectors end at `c`; the instructions are the
     // caller's.
     unsafe {
         lanes!(V, c, |c0, n| {
             let mut sum = V::load(bias.add(c0), n);
-            for (tap, source) in sources.iter().enumerate() {
-                let t = V::load(taps.add(tap * c + c0), n);
-                sum = sum.add(V::load(source.add(c0), n).mul(t));
+            for (dy, row) in sources.iter().enumerate() {
+                for (dx, source) in row.iter().enumerate() {
+                    let t = V::load(taps.add((dy * K + dx) * c + c0), n);
+                    sum = sum.add(V::load(source.add(c0), n).mul(t));
+                }
             }
             if let Some(o) = other {
                 sum = sum.mul(V::load(o.add(c0), n));
@@ -293,30 +322,30 @@ unsafe fn token<V: Vector>(
     }
 }
 
-/// Tokens `x..x + TOKENS` of one output row, as [`token`] makes each, for `x >= 1` and
-/// `x + TOKENS < g.w`: every tap inside the row, so each input row's `TOKENS + 2` tokens
-/// under the taps are a stride apart (an absent row is the zeros, repeated).
+/// Tokens `x..x + TOKENS` of one output row, as [`token`] makes each, where every tap is
+/// inside the row (`x >= K / 2`, `x + TOKENS + K / 2 <= g.w`): each input row's `SPAN`
+/// tokens under the taps are a stride apart (an absent row is the zeros, repeated).
 ///
 /// # Safety
 /// As [`token`].
 #[inline(always)]
-unsafe fn interior<V: Vector>(
+unsafe fn interior<V: Vector, const K: usize, const SPAN: usize>(
     out: &mut [MaybeUninit<f32>],
-    g: &Row,
+    g: &Row<K>,
     input: Rows,
     (taps, bias): (&[f32], &[f32]),
     other: Option<Rows>,
     first: usize,
     x: usize,
 ) {
-    let c = g.c;
-    assert!(x >= 1 && x + TOKENS < g.w);
+    let (c, r) = (g.c, K / 2);
+    assert!(x >= r && x + TOKENS + r <= g.w);
     // Each input row's token under the first token's left tap, and the stride to the next:
-    // the last one read, `TOKENS + 1` strides on, is a token of the same row.
-    let rows: [(*const f32, usize); 3] = std::array::from_fn(|dy| match g.rows[dy] {
+    // the last one read, `SPAN - 1` strides on, is a token of the same row.
+    let rows: [(*const f32, usize); K] = std::array::from_fn(|dy| match g.rows[dy] {
         Some(start) => {
-            let _last = input.token(start + x + TOKENS, c);
-            (input.token(start + x - 1, c).as_ptr(), input.ld)
+            let _last = input.token(start + x - r + SPAN - 1, c);
+            (input.token(start + x - r, c).as_ptr(), input.ld)
         }
         None => (g.zeros.as_ptr(), 0),
     });
@@ -327,15 +356,15 @@ unsafe fn interior<V: Vector>(
     let out: *mut f32 = out[x * c..][..TOKENS * c].as_mut_ptr().cast();
     let (taps, bias) = (taps.as_ptr(), bias.as_ptr());
     // SAFETY: every pointer above starts `c` readable values at each of its strides used
-    // (`out` `TOKENS * c` writable ones), `taps` holds nine rows of `c`, and the vectors end
-    // at `c`; the instructions are the caller's.
+    // (`out` `TOKENS * c` writable ones), `taps` holds `K * K` rows of `c`, and the vectors
+    // end at `c`; the instructions are the caller's.
     unsafe {
         lanes!(V, c, |c0, n| {
             let mut sums = [V::load(bias.add(c0), n); TOKENS];
             for (dy, &(row, ld)) in rows.iter().enumerate() {
-                let v: [V; TOKENS + 2] = std::array::from_fn(|j| V::load(row.add(j * ld + c0), n));
-                for dx in 0..3 {
-                    let t = V::load(taps.add((dy * 3 + dx) * c + c0), n);
+                let v: [V; SPAN] = std::array::from_fn(|j| V::load(row.add(j * ld + c0), n));
+                for dx in 0..K {
+                    let t = V::load(taps.add((dy * K + dx) * c + c0), n);
                     for (k, sum) in sums.iter_mut().enumerate() {
                         *sum = sum.add(v[k + dx].mul(t));
                     }
@@ -498,11 +527,11 @@ fn prefetch(values: &[f32]) {
     let _ = values;
 }
 
-/// One output row of the depthwise 3x3 convolution: tokens `first..first + g.w` of the
-/// output, from `input`'s rows `g.rows`, then `then`.
-fn depthwise_row(
+/// One output row of the depthwise `K x K` convolution (`SPAN` = `TOKENS + K - 1`): tokens
+/// `first..first + g.w` of the output, from `input`'s rows `g.rows`, then `then`.
+fn depthwise_row<const K: usize, const SPAN: usize>(
     out: &mut [MaybeUninit<f32>],
-    g: &Row,
+    g: &Row<K>,
     input: Rows,
     weights: (&[f32], &[f32]),
     then: Then,
@@ -510,41 +539,57 @@ fn depthwise_row(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        #[target_feature(enable = "avx512f")]
-        unsafe fn avx512(
-            out: &mut [MaybeUninit<f32>],
-            g: &Row,
-            input: Rows,
-            weights: (&[f32], &[f32]),
-            then: Then,
-            first: usize,
-        ) {
-            // SAFETY: compiled for AVX-512, which the caller checked.
-            unsafe { depthwise_row_body::<vectors::Avx512>(out, g, input, weights, then, first) }
-        }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2(
-            out: &mut [MaybeUninit<f32>],
-            g: &Row,
-            input: Rows,
-            weights: (&[f32], &[f32]),
-            then: Then,
-            first: usize,
-        ) {
-            // SAFETY: compiled for AVX2 and FMA, which the caller checked.
-            unsafe { depthwise_row_body::<vectors::Avx2>(out, g, input, weights, then, first) }
-        }
         use super::isa::{cpu_isa, CpuIsa};
         match cpu_isa() {
             // SAFETY: `cpu_isa` never names more than the CPU has.
-            CpuIsa::Avx512 => return unsafe { avx512(out, g, input, weights, then, first) },
+            CpuIsa::Avx512 => {
+                return unsafe { row_avx512::<K, SPAN>(out, g, input, weights, then, first) }
+            }
             // SAFETY: as above.
-            CpuIsa::Avx2 => return unsafe { avx2(out, g, input, weights, then, first) },
+            CpuIsa::Avx2 => {
+                return unsafe { row_avx2::<K, SPAN>(out, g, input, weights, then, first) }
+            }
             CpuIsa::Scalar => {}
         }
     }
     // SAFETY: plain f32 needs no instruction beyond the target's.
-    unsafe { depthwise_row_body::<f32>(out, g, input, weights, then, first) }
+    unsafe { depthwise_row_body::<f32, K, SPAN>(out, g, input, weights, then, first) }
+}
+
+/// [`depthwise_row`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn row_avx512<const K: usize, const SPAN: usize>(
+    out: &mut [MaybeUninit<f32>],
+    g: &Row<K>,
+    input: Rows,
+    weights: (&[f32], &[f32]),
+    then: Then,
+    first: usize,
+) {
+    // SAFETY: compiled for AVX-512, which the caller checked.
+    unsafe { depthwise_row_body::<vectors::Avx512, K, SPAN>(out, g, input, weights, then, first) }
+}
+
+/// [`depthwise_row`] compiled for AVX2 and FMA.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row_avx2<const K: usize, const SPAN: usize>(
+    out: &mut [MaybeUninit<f32>],
+    g: &Row<K>,
+    input: Rows,
+    weights: (&[f32], &[f32]),
+    then: Then,
+    first: usize,
+) {
+    // SAFETY: compiled for AVX2 and FMA, which the caller checked.
+    unsafe { depthwise_row_body::<vectors::Avx2, K, SPAN>(out, g, input, weights, then, first) }
 }
 
 /// A gate of [`gated_sum`]: one value per image and channel, or one per token.
@@ -831,7 +876,14 @@ mod timing {
                         rows: [Some((y - 1) * h), Some(y * h), Some((y + 1) * h)],
                         zeros: &zeros,
                     };
-                    depthwise_row(&mut out, &g, input, (&taps, &bias), then, y * h);
+                    depthwise_row::<3, { TOKENS + 2 }>(
+                        &mut out,
+                        &g,
+                        input,
+                        (&taps, &bias),
+                        then,
+                        y * h,
+                    );
                 }
                 std::hint::black_box(&out);
                 t.push(start.elapsed().as_secs_f64());
@@ -937,25 +989,66 @@ mod timing {
 
 /// A depthwise `k x k` convolution (odd `k`, zero padding `k / 2`) of channels-last `x`
 /// `(B, H, W, C)` with `taps` `(k², C)` (tap `dy · k + dx`) and `bias` `(C)`: output rows in
-/// parallel, each pixel's channels one vector through the taps in order. MoSR's 7x7 ran as
-/// candle's grouped convolution, one channel at a time. `None` where the kernel does not
-/// apply (not f32 on the CPU, or not contiguous).
+/// parallel. `x` may be a range of the channels of a wider map (read in place: MoSR's
+/// convolved channels are the last of its projection's). 3x3, 5x5 and 7x7 on the row kernel
+/// of [`depthwise3x3`]; other sizes one token at a time through the taps in order. MoSR's
+/// 7x7 ran as candle's grouped convolution, one channel at a time. `None` where the kernel
+/// does not apply (not f32 on the CPU, or strided otherwise).
 pub(crate) fn depthwise_kxk(
     x: &candle_core::Tensor,
     k: usize,
     (taps, bias): (&[f32], &[f32]),
 ) -> candle_core::Result<Option<candle_core::Tensor>> {
-    if !super::use_kernel(x) {
+    if !x.device().is_cpu() || x.dtype() != candle_core::DType::F32 {
         return Ok(None);
     }
     let (b, h, w, c) = x.dims4()?;
     if taps.len() != k * k * c || bias.len() != c || k.is_multiple_of(2) {
         candle_core::bail!("depthwise: {k}x{k} taps for {c} channels");
     }
-    let r = k / 2;
     let (guard, layout) = x.storage_and_layout();
-    let xs = super::cpu_slice(&guard, layout)?;
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)) = &*guard else {
+        return Ok(None);
+    };
+    // Tokens `ld` values apart, their channels in order.
+    let ld = match layout.stride() {
+        [_, _, ld, 1] if layout.stride() == [h * w * ld, w * ld, *ld, 1] && *ld >= c => *ld,
+        _ if layout.is_contiguous() => c,
+        _ => return Ok(None),
+    };
+    let offset = layout.start_offset();
+    if b * h * w > 0 && data.len() < offset + (b * h * w - 1) * ld + c {
+        candle_core::bail!("depthwise: a map of {:?} outside its storage", x.dims());
+    }
+    let input = Rows::new(data, ld, offset);
+    let weights = (taps, bias);
+    let dims = (b, h, w, c);
+    let out = match k {
+        3 => depthwise_rows::<3, { TOKENS + 2 }>(input, dims, weights, Then::Identity),
+        5 => depthwise_rows::<5, { TOKENS + 4 }>(input, dims, weights, Then::Identity),
+        7 => depthwise_rows::<7, { TOKENS + 6 }>(input, dims, weights, Then::Identity),
+        _ => depthwise_any(input, dims, k, weights),
+    };
+    drop(guard);
+    Ok(Some(candle_core::Tensor::from_vec(
+        out,
+        (b, h, w, c),
+        x.device(),
+    )?))
+}
+
+/// [`depthwise_kxk`] for any odd `k`, one token at a time through the taps inside the map.
+fn depthwise_any(
+    input: Rows,
+    (b, h, w, c): (usize, usize, usize, usize),
+    k: usize,
+    (taps, bias): (&[f32], &[f32]),
+) -> Vec<f32> {
+    let r = k / 2;
     let mut out = vec![0f32; b * h * w * c];
+    if out.is_empty() {
+        return out;
+    }
     out.par_chunks_mut(w * c)
         .enumerate()
         .for_each(|(row, dst)| {
@@ -968,7 +1061,7 @@ pub(crate) fn depthwise_kxk(
                     let dy = yy + r - y;
                     for xx in cols.clone() {
                         let dx = xx + r - px;
-                        let src = &xs[((bi * h + yy) * w + xx) * c..][..c];
+                        let src = input.token((bi * h + yy) * w + xx, c);
                         let tap = &taps[(dy * k + dx) * c..][..c];
                         for ((o, &s), &t) in o.iter_mut().zip(src).zip(tap) {
                             *o += s * t;
@@ -977,10 +1070,5 @@ pub(crate) fn depthwise_kxk(
                 }
             }
         });
-    drop(guard);
-    Ok(Some(candle_core::Tensor::from_vec(
-        out,
-        (b, h, w, c),
-        x.device(),
-    )?))
+    out
 }

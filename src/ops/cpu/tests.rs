@@ -923,28 +923,43 @@ fn gelu_gate_matches_its_definition() -> Result<()> {
 }
 
 /// The depthwise k x k kernel against candle's grouped convolution (channels-first, one
-/// group per channel) plus the bias: 7x7 and 5x5, odd sizes, maps smaller than the kernel,
-/// a batch of two.
+/// group per channel) plus the bias: 7x7, 5x5 and 3x3 on the row kernel (rows of 11 and 14
+/// tokens: one-by-one edges and groups of four; 21 and 20 channels: whole vectors and a part)
+/// and 9x9 one token at a time, maps smaller than the kernel, a batch of two, and a map that
+/// is the last channels of a wider one, read in place; on every instruction set.
 #[test]
 fn depthwise_kxk_matches_candles_grouped_convolution() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(|| {
+        let dev = Device::Cpu;
+        let cases = [
+            (7, (2, 9, 11, 21)),
+            (7, (1, 3, 4, 5)),
+            (5, (1, 6, 14, 20)),
+            (3, (1, 6, 11, 16)),
+            (9, (1, 5, 12, 3)),
+        ];
+        for (k, (b, h, w, c)) in cases {
+            let wide = normal(0.0, 1.0, (b, h, w, c + 7), &dev)?;
+            let weight = normal(0.0, 1.0, (c, 1, k, k), &dev)?;
+            let bias = normal(0.0, 1.0, c, &dev)?;
+            let taps = weight.reshape((c, k * k))?.t()?.contiguous()?;
+            let (taps, b_host): (Vec<f32>, Vec<f32>) =
+                (taps.flatten_all()?.to_vec1()?, bias.to_vec1()?);
+            for x in [wide.narrow(3, 7, c)?, wide.narrow(3, 7, c)?.contiguous()?] {
+                let ours = depthwise::depthwise_kxk(&x, k, (&taps, &b_host))?.unwrap();
+                let want = x
+                    .permute((0, 3, 1, 2))?
+                    .contiguous()?
+                    .conv2d(&weight, k / 2, 1, 1, c)?
+                    .broadcast_add(&bias.reshape((1, c, 1, 1))?)?
+                    .permute((0, 2, 3, 1))?;
+                let d = max_abs_diff(&ours, &want)?;
+                assert!(d < 1e-4, "{k}x{k} of {:?}: {d}", x.dims());
+            }
+        }
+        Ok::<(), candle_core::Error>(())
+    })?;
     let dev = Device::Cpu;
-    for (k, (b, h, w, c)) in [(7, (2, 9, 11, 8)), (5, (1, 3, 4, 5)), (3, (1, 6, 5, 16))] {
-        let x = normal(0.0, 1.0, (b, h, w, c), &dev)?;
-        let weight = normal(0.0, 1.0, (c, 1, k, k), &dev)?;
-        let bias = normal(0.0, 1.0, c, &dev)?;
-        let taps = weight.reshape((c, k * k))?.t()?.contiguous()?;
-        let (taps, b_host): (Vec<f32>, Vec<f32>) =
-            (taps.flatten_all()?.to_vec1()?, bias.to_vec1()?);
-        let ours = depthwise::depthwise_kxk(&x, k, (&taps, &b_host))?.unwrap();
-        let want = x
-            .permute((0, 3, 1, 2))?
-            .contiguous()?
-            .conv2d(&weight, k / 2, 1, 1, c)?
-            .broadcast_add(&bias.reshape((1, c, 1, 1))?)?
-            .permute((0, 2, 3, 1))?;
-        let d = max_abs_diff(&ours, &want)?;
-        assert!(d < 1e-4, "{k}x{k}: {d}");
-    }
     let x = normal(0.0, 1.0, (1, 4, 4, 2), &dev)?;
     assert!(depthwise::depthwise_kxk(&x, 4, (&[0.0; 32], &[0.0; 2])).is_err());
     Ok(())
