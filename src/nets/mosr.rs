@@ -28,6 +28,7 @@ use crate::nets::registry::Architecture;
 use crate::nets::{ArchConfig, Net, NetConfig};
 use crate::ops::conv::{Act, Conv3x3};
 use crate::ops::cpu::depthwise::depthwise_kxk;
+use crate::ops::cpu::mish_gate;
 use crate::ops::dysample::DySample;
 use crate::ops::linear::{pointwise_with, Dense};
 use crate::ops::norm::{layer_norm, Norm};
@@ -350,10 +351,16 @@ impl Module for GatedBlock {
         let h = self.hidden;
         let y = self.fc1.forward(&layer_norm(&self.norm, x)?)?;
         let k = self.conv.weight.dim(0)?;
-        let g = Act::Mish.apply(&y.narrow(3, 0, h)?.contiguous()?)?;
         let c = self.conv.forward(&y.narrow(3, 2 * h - k, k)?)?;
-        let mixed = Tensor::cat(&[&y.narrow(3, h, h - k)?, &c], 3)?;
-        let z = self.fc2.forward_act(&(g * mixed)?, Act::Mish)?;
+        // On the CPU the gate, the concatenation and the product are one pass.
+        let gated = match mish_gate(&y, h, &c)? {
+            Some(gated) => gated,
+            None => {
+                let g = Act::Mish.apply(&y.narrow(3, 0, h)?.contiguous()?)?;
+                (g * Tensor::cat(&[&y.narrow(3, h, h - k)?, &c], 3)?)?
+            }
+        };
+        let z = self.fc2.forward_act(&gated, Act::Mish)?;
         add(&z, x)?.affine(1.0, -SHIFT)
     }
 }

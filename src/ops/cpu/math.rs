@@ -441,6 +441,63 @@ pub fn mish(x: &Tensor) -> Result<Tensor> {
 }
 
 #[inline(always)]
+fn mish_gate_body<const FMA: bool>(out: &mut [f32], y: &[f32], tail: &[f32]) {
+    let (h, k) = (out.len(), tail.len());
+    let (first, last) = out.split_at_mut(h - k);
+    for ((o, &g), &i) in first.iter_mut().zip(&y[..h - k]).zip(&y[h..2 * h - k]) {
+        *o = mish_of::<FMA>(g) * i;
+    }
+    for ((o, &g), &c) in last.iter_mut().zip(&y[h - k..h]).zip(tail) {
+        *o = mish_of::<FMA>(g) * c;
+    }
+}
+
+widest_simd! {
+    /// One token of [`mish_gate`]: `out` its `h` channels, `y` its `2h`, `tail` its `k`.
+    fn mish_gate_into(out: &mut [f32], y: &[f32], tail: &[f32]) = fused mish_gate_body
+}
+
+/// MambaOut's gate, `mish(g) · cat(i, c)` (MoSR), in one parallel pass on the CPU in f32:
+/// `y` `(.., 2h)` holds g (its first `h` channels) and i (the next `h - k`), `tail` `(.., k)`
+/// is c (made from `y`'s last `k`). The values of Mish, the concatenation and the product
+/// one after the other. `None` where the kernel does not apply.
+pub fn mish_gate(y: &Tensor, h: usize, tail: &Tensor) -> Result<Option<Tensor>> {
+    if !use_kernel(y) || !use_kernel(tail) {
+        return Ok(None);
+    }
+    let minus1 = candle_core::D::Minus1;
+    let (n, k) = (y.dim(minus1)?, tail.dim(minus1)?);
+    let tokens = y.elem_count() / n.max(1);
+    if n != 2 * h || k > h || tail.elem_count() != tokens * k {
+        candle_core::bail!(
+            "mish gate: {:?} and {:?} for {h} channels",
+            y.dims(),
+            tail.dims()
+        );
+    }
+    let mut shape = y.dims().to_vec();
+    *shape.last_mut().expect("a channel axis") = h;
+    if tokens * h == 0 {
+        return Ok(Some(Tensor::zeros(shape, DType::F32, y.device())?));
+    }
+    let (yg, yl) = y.storage_and_layout();
+    let (tg, tl) = tail.storage_and_layout();
+    let (ys, ts) = (cpu_slice(&yg, yl)?, cpu_slice(&tg, tl)?);
+    let mut out = vec![0f32; tokens * h];
+    let per = (CHUNK / h).max(1);
+    out.par_chunks_mut(per * h)
+        .enumerate()
+        .for_each(|(task, out)| {
+            for (i, row) in out.chunks_exact_mut(h).enumerate() {
+                let t = task * per + i;
+                mish_gate_into(row, &ys[t * n..][..n], &ts[t * k..][..k]);
+            }
+        });
+    drop((yg, tg));
+    Ok(Some(Tensor::from_vec(out, shape, y.device())?))
+}
+
+#[inline(always)]
 fn modulate_body<const FMA: bool>(out: &mut [f32], o: &[f32], x: &[f32]) {
     for ((out, &o), &x) in out.iter_mut().zip(o).zip(x) {
         *out = x * sigmoid::<FMA>(o);

@@ -964,3 +964,33 @@ fn depthwise_kxk_matches_candles_grouped_convolution() -> Result<()> {
     assert!(depthwise::depthwise_kxk(&x, 4, (&[0.0; 32], &[0.0; 2])).is_err());
     Ok(())
 }
+
+/// MoSR's gate in one pass is Mish, the concatenation and the product one after the other,
+/// bit for bit, with and without a convolved tail, on every instruction set; shapes that do
+/// not chain are refused.
+#[test]
+fn mish_gate_is_mish_then_the_product_with_the_concatenation() -> Result<()> {
+    crate::ops::cpu::isa::on_each_isa(|| {
+        let dev = Device::Cpu;
+        let h = 37;
+        let y = normal(0.0, 3.0, (2, 5, 3, 2 * h), &dev)?;
+        for k in [0, 16, h] {
+            let tail = normal(0.0, 1.0, (2, 5, 3, k), &dev)?;
+            let got = mish_gate(&y, h, &tail)?.expect("f32 on the CPU");
+            let g = mish(&y.narrow(3, 0, h)?.contiguous()?)?;
+            let want = (g * Tensor::cat(&[&y.narrow(3, h, h - k)?, &tail], 3)?)?;
+            assert_eq!(got.dims(), want.dims());
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                Ok(t.flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect())
+            };
+            assert_eq!(bits(&got)?, bits(&want)?, "k = {k}");
+        }
+        let wide = normal(0.0, 1.0, (2, 5, 3, h + 1), &dev)?;
+        assert!(mish_gate(&y, h, &wide).is_err());
+        Ok::<(), candle_core::Error>(())
+    })
+}
