@@ -389,24 +389,58 @@ trait Vector: Copy {
     const W: usize;
     /// Whether the CPU that runs these has FMA (for the GELU that may follow).
     const FMA: bool;
-    unsafe fn load(p: *const f32, n: usize) -> Self;
-    unsafe fn store(self, p: *mut f32, n: usize);
+    /// All `W` lanes.
+    unsafe fn full(p: *const f32) -> Self;
+    /// The first `n < W` lanes.
+    unsafe fn part(p: *const f32, n: usize) -> Self;
+    unsafe fn store_full(self, p: *mut f32);
+    unsafe fn store_part(self, p: *mut f32, n: usize);
     unsafe fn add(self, o: Self) -> Self;
     unsafe fn mul(self, o: Self) -> Self;
+
+    #[inline(always)]
+    unsafe fn load(p: *const f32, n: usize) -> Self {
+        // SAFETY: the caller's.
+        unsafe {
+            if n == Self::W {
+                Self::full(p)
+            } else {
+                Self::part(p, n)
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, n: usize) {
+        // SAFETY: the caller's.
+        unsafe {
+            if n == Self::W {
+                self.store_full(p)
+            } else {
+                self.store_part(p, n)
+            }
+        }
+    }
 }
 
 impl Vector for f32 {
     const W: usize = 1;
     const FMA: bool = cfg!(target_arch = "aarch64");
     #[inline(always)]
-    unsafe fn load(p: *const f32, _: usize) -> Self {
+    unsafe fn full(p: *const f32) -> Self {
         // SAFETY: the caller's.
         unsafe { *p }
     }
+    unsafe fn part(_: *const f32, _: usize) -> Self {
+        unreachable!("a part of one lane")
+    }
     #[inline(always)]
-    unsafe fn store(self, p: *mut f32, _: usize) {
+    unsafe fn store_full(self, p: *mut f32) {
         // SAFETY: the caller's.
         unsafe { *p = self }
+    }
+    unsafe fn store_part(self, _: *mut f32, _: usize) {
+        unreachable!("a part of one lane")
     }
     #[inline(always)]
     unsafe fn add(self, o: Self) -> Self {
@@ -432,30 +466,40 @@ mod vectors {
     #[derive(Clone, Copy)]
     pub(super) struct Avx2(__m256);
 
-    // SAFETY (every method): the caller's: the pointer's first `n` lanes are in bounds, and
-    // the CPU has the instructions. The masked forms touch no lane outside the mask.
+    /// Lanes `0..n` of 16 set.
+    #[inline(always)]
+    fn mask16(n: usize) -> __mmask16 {
+        ((1u32 << n) - 1) as __mmask16
+    }
+
+    /// Lanes `0..n` of 8 set.
+    #[inline(always)]
+    unsafe fn mask8(n: usize) -> __m256i {
+        let lanes = unsafe { _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7) };
+        unsafe { _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lanes) }
+    }
+
+    // SAFETY (every method): the caller's: the pointer's lanes (all, or the first `n`) are in
+    // bounds, and the CPU has the instructions. The masked forms touch no lane outside the
+    // mask.
     impl Vector for Avx512 {
         const W: usize = 16;
         const FMA: bool = true;
         #[inline(always)]
-        unsafe fn load(p: *const f32, n: usize) -> Self {
-            unsafe {
-                if n == Self::W {
-                    Self(_mm512_loadu_ps(p))
-                } else {
-                    Self(_mm512_maskz_loadu_ps(((1u32 << n) - 1) as __mmask16, p))
-                }
-            }
+        unsafe fn full(p: *const f32) -> Self {
+            unsafe { Self(_mm512_loadu_ps(p)) }
         }
         #[inline(always)]
-        unsafe fn store(self, p: *mut f32, n: usize) {
-            unsafe {
-                if n == Self::W {
-                    _mm512_storeu_ps(p, self.0)
-                } else {
-                    _mm512_mask_storeu_ps(p, ((1u32 << n) - 1) as __mmask16, self.0)
-                }
-            }
+        unsafe fn part(p: *const f32, n: usize) -> Self {
+            unsafe { Self(_mm512_maskz_loadu_ps(mask16(n), p)) }
+        }
+        #[inline(always)]
+        unsafe fn store_full(self, p: *mut f32) {
+            unsafe { _mm512_storeu_ps(p, self.0) }
+        }
+        #[inline(always)]
+        unsafe fn store_part(self, p: *mut f32, n: usize) {
+            unsafe { _mm512_mask_storeu_ps(p, mask16(n), self.0) }
         }
         #[inline(always)]
         unsafe fn add(self, o: Self) -> Self {
@@ -467,41 +511,24 @@ mod vectors {
         }
     }
 
-    impl Avx2 {
-        /// Lanes `0..n` set.
-        #[inline(always)]
-        unsafe fn mask(n: usize) -> __m256i {
-            unsafe {
-                _mm256_cmpgt_epi32(
-                    _mm256_set1_epi32(n as i32),
-                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                )
-            }
-        }
-    }
-
     impl Vector for Avx2 {
         const W: usize = 8;
         const FMA: bool = true;
         #[inline(always)]
-        unsafe fn load(p: *const f32, n: usize) -> Self {
-            unsafe {
-                if n == Self::W {
-                    Self(_mm256_loadu_ps(p))
-                } else {
-                    Self(_mm256_maskload_ps(p, Self::mask(n)))
-                }
-            }
+        unsafe fn full(p: *const f32) -> Self {
+            unsafe { Self(_mm256_loadu_ps(p)) }
         }
         #[inline(always)]
-        unsafe fn store(self, p: *mut f32, n: usize) {
-            unsafe {
-                if n == Self::W {
-                    _mm256_storeu_ps(p, self.0)
-                } else {
-                    _mm256_maskstore_ps(p, Self::mask(n), self.0)
-                }
-            }
+        unsafe fn part(p: *const f32, n: usize) -> Self {
+            unsafe { Self(_mm256_maskload_ps(p, mask8(n))) }
+        }
+        #[inline(always)]
+        unsafe fn store_full(self, p: *mut f32) {
+            unsafe { _mm256_storeu_ps(p, self.0) }
+        }
+        #[inline(always)]
+        unsafe fn store_part(self, p: *mut f32, n: usize) {
+            unsafe { _mm256_maskstore_ps(p, mask8(n), self.0) }
         }
         #[inline(always)]
         unsafe fn add(self, o: Self) -> Self {
@@ -556,41 +583,31 @@ fn depthwise_row<const K: usize, const SPAN: usize>(
     unsafe { depthwise_row_body::<f32, K, SPAN>(out, g, input, weights, then, first) }
 }
 
-/// [`depthwise_row`] compiled for AVX-512.
-///
-/// # Safety
-/// The CPU has AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn row_avx512<const K: usize, const SPAN: usize>(
-    out: &mut [MaybeUninit<f32>],
-    g: &Row<K>,
-    input: Rows,
-    weights: (&[f32], &[f32]),
-    then: Then,
-    first: usize,
-) {
-    // SAFETY: compiled for AVX-512, which the caller checked.
-    unsafe { depthwise_row_body::<vectors::Avx512, K, SPAN>(out, g, input, weights, then, first) }
+/// Defines `$name`, [`depthwise_row`] compiled for `$features` on vectors `$v`.
+macro_rules! row_for {
+    ($name:ident, $features:literal, $v:ty) => {
+        /// [`depthwise_row`] compiled for the instructions its name gives.
+        ///
+        /// # Safety
+        /// The CPU has those instructions.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const K: usize, const SPAN: usize>(
+            out: &mut [MaybeUninit<f32>],
+            g: &Row<K>,
+            input: Rows,
+            weights: (&[f32], &[f32]),
+            then: Then,
+            first: usize,
+        ) {
+            // SAFETY: compiled for the instructions the caller checked.
+            unsafe { depthwise_row_body::<$v, K, SPAN>(out, g, input, weights, then, first) }
+        }
+    };
 }
 
-/// [`depthwise_row`] compiled for AVX2 and FMA.
-///
-/// # Safety
-/// The CPU has AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn row_avx2<const K: usize, const SPAN: usize>(
-    out: &mut [MaybeUninit<f32>],
-    g: &Row<K>,
-    input: Rows,
-    weights: (&[f32], &[f32]),
-    then: Then,
-    first: usize,
-) {
-    // SAFETY: compiled for AVX2 and FMA, which the caller checked.
-    unsafe { depthwise_row_body::<vectors::Avx2, K, SPAN>(out, g, input, weights, then, first) }
-}
+row_for!(row_avx512, "avx512f", vectors::Avx512);
+row_for!(row_avx2, "avx2,fma", vectors::Avx2);
 
 /// A gate of [`gated_sum`]: one value per image and channel, or one per token.
 #[derive(Clone, Copy)]
@@ -845,30 +862,47 @@ mod timing {
     use crate::ops::pad::Pad;
     use candle_core::{DType, Device, Tensor};
 
-    /// Rows of one map, one thread, into one output buffer (no page faults): the kernel's
-    /// own rate. `cargo test --release --lib depthwise_row_rate -- --ignored --nocapture`
+    /// The depthwise convolution alone at OmniSR's and DAT's shapes: 128x128 x 128 channels
+    /// with nothing after (OmniSR's gated feed-forward), 64x64 x 180 read from a 540-wide map
+    /// with GELU after (DAT's local branch), a 32x32 x 128 map that stays in cache, and
+    /// 64x64 x 360 times the other half of a 720-wide map (DAT's gate). GFLOP/s of whole calls
+    /// (medians of 31, all threads, a new output each), then the row kernel's own rate: one
+    /// thread, the inner rows into one buffer (no page faults), medians of 21.
+    /// `cargo test --release --lib depthwise_throughput -- --ignored --nocapture`
     #[test]
     #[ignore]
-    fn depthwise_row_rate() {
-        for (h, c, ld, times) in [
-            (32, 128, 128, false),
-            (64, 360, 720, true),
-            (64, 180, 540, false),
+    fn depthwise_throughput() {
+        for (h, c, ld, then) in [
+            (128, 128, 128, 0),
+            (64, 180, 540, 1),
+            (32, 128, 128, 0),
+            (64, 360, 720, 2),
         ] {
             let data: Vec<f32> = (0..h * h * ld).map(|i| (i % 89) as f32 * 0.01).collect();
             let (taps, bias) = (vec![0.1f32; 9 * c], vec![0.2f32; c]);
             let input = Rows::new(&data, ld, 0);
-            let other = Rows::new(&data, ld, ld - c);
-            let then = if times {
-                Then::Times(other)
-            } else {
-                Then::Identity
+            let then = match then {
+                0 => Then::Identity,
+                1 => Then::Gelu,
+                _ => Then::Times(Rows::new(&data, ld, ld - c)),
             };
+            let median = |runs: usize, f: &mut dyn FnMut()| {
+                let mut t: Vec<f64> = (0..runs)
+                    .map(|_| {
+                        let start = std::time::Instant::now();
+                        f();
+                        start.elapsed().as_secs_f64()
+                    })
+                    .collect();
+                t.sort_by(f64::total_cmp);
+                t[runs / 2]
+            };
+            let whole = median(31, &mut || {
+                std::hint::black_box(depthwise3x3(input, (1, h, h, c), (&taps, &bias), then));
+            });
             let mut out = vec![MaybeUninit::<f32>::uninit(); h * c];
-            let mut t = Vec::new();
             let zeros = vec![0f32; c];
-            for _ in 0..21 {
-                let start = std::time::Instant::now();
+            let rows = median(21, &mut || {
                 for y in 1..h - 1 {
                     let g = Row {
                         w: h,
@@ -876,57 +910,16 @@ mod timing {
                         rows: [Some((y - 1) * h), Some(y * h), Some((y + 1) * h)],
                         zeros: &zeros,
                     };
-                    depthwise_row::<3, { TOKENS + 2 }>(
-                        &mut out,
-                        &g,
-                        input,
-                        (&taps, &bias),
-                        then,
-                        y * h,
-                    );
+                    let weights = (taps.as_slice(), bias.as_slice());
+                    depthwise_row::<3, { TOKENS + 2 }>(&mut out, &g, input, weights, then, y * h);
                 }
                 std::hint::black_box(&out);
-                t.push(start.elapsed().as_secs_f64());
-            }
-            t.sort_by(f64::total_cmp);
-            let vectors = ((h - 2) * h * c) as f64 / 16.0;
+            });
             println!(
-                "{h}x{h} x {c} (rows of {ld}, times {times}): {:.3} ms, {:.2} ns per 16 outputs",
-                t[10] * 1e3,
-                t[10] * 1e9 / vectors
-            );
-        }
-    }
-
-    /// GFLOP/s of the depthwise convolution alone at OmniSR's and DAT's shapes, medians of
-    /// 31 calls on all threads: 128x128 x 128 channels with nothing after (OmniSR's gated
-    /// feed-forward), 64x64 x 180 read from a 540-wide map with GELU after (DAT's local
-    /// branch), and a 32x32 x 128 map that stays in cache.
-    /// `cargo test --release --lib depthwise_throughput -- --ignored --nocapture`
-    #[test]
-    #[ignore]
-    fn depthwise_throughput() {
-        for (h, c, ld, gelu) in [
-            (128, 128, 128, false),
-            (64, 180, 540, true),
-            (32, 128, 128, false),
-        ] {
-            let data: Vec<f32> = (0..h * h * ld).map(|i| (i % 89) as f32 * 0.01).collect();
-            let (taps, bias) = (vec![0.1f32; 9 * c], vec![0.2f32; c]);
-            let input = Rows::new(&data, ld, 0);
-            let then = if gelu { Then::Gelu } else { Then::Identity };
-            let mut t = Vec::new();
-            for _ in 0..31 {
-                let start = std::time::Instant::now();
-                std::hint::black_box(depthwise3x3(input, (1, h, h, c), (&taps, &bias), then));
-                t.push(start.elapsed().as_secs_f64());
-            }
-            t.sort_by(f64::total_cmp);
-            let flops = (h * h * c * 18) as f64;
-            println!(
-                "{h}x{h} x {c} (rows of {ld}): median {:.3} ms, {:.1} GFLOP/s",
-                t[15] * 1e3,
-                flops / t[15] / 1e9
+                "{h}x{h} x {c} (rows of {ld}): median {:.3} ms, {:.1} GFLOP/s; one thread's rows {:.2} ns per 16 outputs",
+                whole * 1e3,
+                (h * h * c * 18) as f64 / whole / 1e9,
+                rows * 1e9 / ((h - 2) * h * c) as f64 * 16.0
             );
         }
     }
